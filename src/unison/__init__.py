@@ -1,0 +1,3 @@
+"""unison: distributed self-supervised learning of visual representations, exact under DDP."""
+
+__version__ = "0.1.0"

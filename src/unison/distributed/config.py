@@ -1,0 +1,146 @@
+"""`DistributedConfig`: one object that describes how a run is distributed.
+
+It is a plain dataclass: defaults live here and nowhere else, the CLI flags are
+generated from its fields (see `unison.configutil`), and `validate()` runs before
+any process is started so that a bad value is a one-line error, never a hang.
+
+Example::
+
+    cfg = DistributedConfig(backend="gloo", world_size=2, grad_compression="fp16")
+    cfg.validate()
+    DistributedConfig.from_dict(cfg.to_dict()) == cfg   # True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message is one line that says what to fix."""
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = field(
+        default="auto",
+        metadata={"help": "auto | local (in-memory, 1 process) | gloo | nccl | mpi (launched by mpirun, talks gloo/nccl)",
+                  "choices": BACKENDS},
+    )
+    world_size: int = field(default=2, metadata={"help": "number of worker processes (1 = single process)"})
+    rank: int = field(default=0, metadata={"help": "rank of this process; set by the launcher, torchrun, SLURM or mpirun"})
+    sync_batchnorm: bool = field(
+        default=True, metadata={"help": "batch norm statistics over the global batch (exact multi-worker equivalence)"})
+    gather_distributed: bool = field(
+        default=True,
+        metadata={"help": "losses see the global batch (negatives, cross-correlation, Sinkhorn) via autograd-correct gathers",
+                  "flag": "gather"},
+    )
+    grad_sync_every: int = field(
+        default=1, metadata={"help": "all-reduce gradients every K micro-batches (gradient accumulation via DDP no_sync)"})
+    grad_compression: str = field(
+        default="none", metadata={"help": "DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd",
+                                  "choices": GRAD_COMPRESSIONS})
+    powersgd_rank: int = field(default=4, metadata={"help": "PowerSGD matrix approximation rank"})
+    powersgd_start_iter: int = field(
+        default=10, metadata={"help": "PowerSGD: plain all-reduce for this many steps before compressing (>1)"})
+    find_unused_parameters: bool = field(
+        default=False, metadata={"help": "DDP find_unused_parameters (needed only when some parameters get no gradient)"})
+    shared_queue: bool = field(
+        default=True, metadata={"help": "MoCo-style queues are shared: every rank enqueues the gathered global batch"})
+    shard_optimizer: bool = field(
+        default=False, metadata={"help": "shard optimizer state across ranks (ZeRO-1); consolidated in checkpoints"})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "rendezvous address (loopback unless given)"})
+    master_port: int = field(default=0, metadata={"help": "rendezvous port (0 = pick a free one)"})
+    timeout_s: float = field(
+        default=300.0, metadata={"help": "seconds a collective may wait before the run is ended with an error"})
+
+    # ------------------------------------------------------------------ helpers
+    def resolved_backend(self, cuda_available: bool | None = None) -> str:
+        """The concrete backend: `auto` becomes local (1 worker), nccl (CUDA) or gloo."""
+        if self.backend != "auto":
+            return self.backend
+        if self.world_size == 1:
+            return "local"
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        return "nccl" if cuda_available else "gloo"
+
+    def communication_backend(self, cuda_available: bool | None = None) -> str:
+        """The torch.distributed backend used for communication (mpi/local talk over gloo or nccl)."""
+        backend = self.resolved_backend(cuda_available)
+        if backend in ("gloo", "nccl"):
+            return backend
+        if backend == "local":
+            return "gloo"
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        return "nccl" if cuda_available else "gloo"  # mpi-launched
+
+    def validate(self, cuda_available: bool | None = None) -> "DistributedConfig":
+        """Raise `ConfigError` with a one-line fix for any invalid combination; return self."""
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"distributed.backend={self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ConfigError(f"distributed.world_size={self.world_size!r} must be an integer >= 1")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"distributed.rank={self.rank!r} is outside [0, world_size={self.world_size}); "
+                "give a rank from 0 to world_size-1")
+        if self.backend == "local" and self.world_size != 1:
+            raise ConfigError(
+                f"distributed.backend='local' is a single in-memory process but world_size={self.world_size}; "
+                "use --world-size 1 or --backend gloo")
+        backend = self.resolved_backend(cuda_available)
+        if backend == "nccl" and not cuda_available:
+            raise ConfigError("distributed.backend='nccl' needs CUDA GPUs and none is available; use --backend gloo")
+        if not isinstance(self.grad_sync_every, int) or self.grad_sync_every < 1:
+            raise ConfigError(f"distributed.grad_sync_every={self.grad_sync_every!r} must be an integer >= 1")
+        if self.grad_compression not in GRAD_COMPRESSIONS:
+            raise ConfigError(
+                f"distributed.grad_compression={self.grad_compression!r} is unknown; use one of {', '.join(GRAD_COMPRESSIONS)}")
+        comm = self.communication_backend(cuda_available)
+        if self.grad_compression == "bf16" and comm != "nccl":
+            raise ConfigError(
+                f"distributed.grad_compression='bf16' needs CUDA + NCCL but the backend is {comm}; "
+                "use --grad-compression fp16 or powersgd")
+        if self.grad_compression == "powersgd":
+            if self.powersgd_rank < 1:
+                raise ConfigError(f"distributed.powersgd_rank={self.powersgd_rank} must be >= 1")
+            if self.powersgd_start_iter < 2:
+                raise ConfigError(
+                    f"distributed.powersgd_start_iter={self.powersgd_start_iter} must be >= 2 "
+                    "(PowerSGD with error feedback needs a few uncompressed steps first)")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"distributed.master_port={self.master_port!r} must be in [0, 65535] (0 = pick a free port)")
+        if not self.master_addr:
+            raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be > 0 seconds")
+        return self
+
+    # ---------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DistributedConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown distributed option(s) {', '.join(unknown)}; known options are {', '.join(sorted(known))}")
+        return cls(**data)

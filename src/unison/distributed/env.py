@@ -1,0 +1,112 @@
+"""Process-group set-up: read who we are from the launcher's variables and join the group.
+
+Recognised launchers (first match wins):
+
+* unison's own launcher and ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``MASTER_ADDR``, ``MASTER_PORT``.
+* Open MPI (``mpirun``): ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
+  ``OMPI_COMM_WORLD_LOCAL_RANK``; PMI (MPICH, Intel MPI): ``PMI_RANK``, ``PMI_SIZE``.
+* SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``.
+
+PyPI wheels of torch have no MPI backend, so an mpirun/SLURM launch communicates over
+gloo (CPU) or NCCL (GPU); ``MASTER_ADDR``/``MASTER_PORT`` must then be exported (for
+SLURM, typically the first host of ``SLURM_JOB_NODELIST``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, DistributedConfig
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    source: str  # "torchrun" (also unison's launcher), "mpi", "slurm"
+
+
+def _int(environ: dict[str, str], key: str) -> int:
+    try:
+        return int(environ[key])
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={environ[key]!r} is not an integer") from None
+
+
+def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv | None:
+    """The launcher's view of this process, or None when no launcher variables are set."""
+    env = dict(os.environ if environ is None else environ)
+    addr = env.get("MASTER_ADDR")
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(_int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                         addr, port, "torchrun")
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return LaunchEnv(_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
+                         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0,
+                         addr, port, "mpi")
+    if "PMI_RANK" in env:
+        return LaunchEnv(_int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
+                         _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0, addr, port, "mpi")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
+                         _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm")
+    return None
+
+
+def apply_launch_env(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedConfig:
+    """A copy of `cfg` whose rank, world size and rendezvous come from the launcher."""
+    from dataclasses import replace
+
+    return replace(
+        cfg,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        master_addr=launch.master_addr or cfg.master_addr,
+        master_port=launch.master_port if launch.master_port is not None else cfg.master_port,
+        backend="mpi" if launch.source in ("mpi", "slurm") and cfg.backend == "auto" else cfg.backend,
+    )
+
+
+def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
+    """Join the process group described by `cfg` and return this worker's device.
+
+    ``local`` (one in-memory process) uses a gloo group over a HashStore, so DDP and
+    every collective run unchanged with world size 1.
+    """
+    cfg.validate()
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialised in this process")
+    comm = cfg.communication_backend()
+    device = torch.device("cpu")
+    if comm == "nccl":
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if cfg.resolved_backend() == "local":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return device
+    if not cfg.master_port:
+        raise ConfigError("no rendezvous port: set MASTER_PORT (torchrun/unison set it) or --master-port")
+    dist.init_process_group(
+        comm,
+        init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        timeout=timeout,
+    )
+    return device
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,166 @@
+"""Start N local worker processes that rendezvous on loopback, and end them all together.
+
+``launch(target, payload, cfg)`` spawns ``cfg.world_size`` processes (``spawn`` start
+method, so no CUDA or thread state leaks in), each with the variables torchrun would
+set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so the
+worker code path is identical under unison, torchrun, SLURM and mpirun.
+
+Failure policy: the parent polls its children. When one exits non-zero or is killed,
+the others are terminated (SIGTERM, then SIGKILL after a grace period) and
+`WorkerFailure` is raised naming the first failing rank and its cause (the worker's
+exception, written to a per-rank error file, or the signal that killed it). Children
+ask the kernel to kill them if the parent dies (PR_SET_PDEATHSIG), so no orphan
+survives a killed launcher. Hand-written rather than `torch.multiprocessing.spawn`
+because we need the error text of the *first* failure, the bounded shutdown and the
+death signal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from .config import DistributedConfig
+
+
+class WorkerFailure(RuntimeError):
+    """A worker process failed; `rank` and `cause` say which and why."""
+
+    def __init__(self, rank: int, cause: str):
+        super().__init__(f"worker rank {rank} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+def find_free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: deliver SIGKILL to this process when its parent exits."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+
+def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], error_file: str,
+                 threads: int) -> None:
+    _die_with_parent()
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        target(payload)
+    except BaseException as exc:  # report every failure, SystemExit included
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return
+        with open(error_file, "w") as f:
+            json.dump({"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
+                       "traceback": traceback.format_exc()}, f)
+        sys.exit(1)
+
+
+def _describe_exit(code: int | None, error_file: str) -> str:
+    if os.path.exists(error_file):
+        try:
+            with open(error_file) as f:
+                err = json.load(f)
+            return f"{err['type']}: {err['message']}"
+        except (OSError, ValueError, KeyError):
+            pass
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFailure | None:
+    """The most likely root cause among the workers that have failed so far.
+
+    A peer that lost its partner fails too, with a communication error; prefer a worker
+    killed by a signal, then one whose error is not a communication error, then the lowest rank.
+    """
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if not failed:
+        return None
+    causes = {r: _describe_exit(code, error_files[r]) for r, code in failed}
+
+    def priority(item: tuple[int, int | None]) -> tuple[int, int]:
+        r, code = item
+        if code is not None and code < 0:
+            return (0, r)
+        comm_error = any(k in causes[r] for k in ("DistBackendError", "Connection", "Gloo", "gloo", "NCCL"))
+        return (2 if comm_error else 1, r)
+
+    r, _ = min(failed, key=priority)
+    return WorkerFailure(r, causes[r])
+
+
+def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
+           poll_s: float = 0.05, grace_s: float = 5.0, threads_per_worker: int | None = None,
+           extra_env: dict[str, str] | None = None) -> None:
+    """Run `target(payload)` in `cfg.world_size` processes; raise `WorkerFailure` if any fails."""
+    cfg.validate()
+    port = cfg.master_port or find_free_port(cfg.master_addr)
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    ctx = mp.get_context("spawn")
+    errdir = tempfile.mkdtemp(prefix="unison-errors-")
+    procs: list[mp.Process] = []
+    error_files = [os.path.join(errdir, f"rank{r}.json") for r in range(cfg.world_size)]
+    try:
+        for r in range(cfg.world_size):
+            env = {"RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
+                   "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+            p = ctx.Process(target=_worker_main, args=(target, payload, env, error_files[r], threads),
+                            name=f"unison-rank{r}", daemon=False)
+            p.start()
+            procs.append(p)
+        failure: WorkerFailure | None = None
+        while failure is None and any(p.is_alive() for p in procs):
+            failure = _first_failure(procs, error_files)
+            if failure is None:
+                time.sleep(poll_s)
+        if failure is None:
+            for p in procs:
+                p.join()
+            failure = _first_failure(procs, error_files)
+        if failure is not None:
+            raise failure
+    finally:
+        _terminate_all(procs, grace_s)
+        for f in error_files:
+            if os.path.exists(f):
+                os.remove(f)
+        os.rmdir(errdir)
+
+
+def _terminate_all(procs: list[mp.Process], grace_s: float) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
