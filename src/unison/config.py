@@ -1,0 +1,134 @@
+"""`TrainConfig`: everything a training run needs, with the one set of defaults.
+
+The defaults are the main job: SimCLR on the embedded digits data, 2 gloo workers, a
+small CNN, kNN evaluation on the held-out split. ``to_dict``/``from_dict`` round-trip
+through plain JSON/YAML; unknown keys are an error that names the known ones. Values
+left at ``None`` (optimizer, lr, weight decay, augmentation) take the method's recipe.
+
+Example::
+
+    cfg = TrainConfig(method="byol", epochs=10, distributed=DistributedConfig(world_size=4))
+    cfg.validate()
+    TrainConfig.from_dict(cfg.to_dict()) == cfg
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from unison.distributed.config import ConfigError, DistributedConfig
+
+AMP_MODES = ("none", "bf16", "fp16")
+ON_CORRUPT = ("skip", "error")
+
+
+@dataclass
+class TrainConfig:
+    method: str = field(default="simclr", metadata={"help": "self-supervised method"})
+    data: str = field(default="digits", metadata={
+        "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download) or an ImageFolder directory"})
+    val: str | None = field(default=None, metadata={
+        "help": "held-out data for kNN: an ImageFolder directory; default: the held-out split of --data"})
+    subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N training images"})
+    val_subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N held-out images"})
+    on_corrupt: str = field(default="skip", metadata={"help": "corrupt image files: skip (with a count) or error",
+                                                       "choices": ON_CORRUPT})
+    backbone: str = field(default="small_cnn", metadata={"help": "small_cnn | resnet18 | resnet50 | timm:<name>"})
+    image_size: int | None = field(default=None, metadata={"help": "training crop size; default: the data's size"})
+    epochs: int = field(default=30, metadata={"help": "training epochs"})
+    batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size (split evenly over workers)"})
+    optimizer: str | None = field(default=None, metadata={"help": "sgd | lars | adam | adamw; default: method recipe"})
+    lr: float | None = field(default=None, metadata={
+        "help": "base learning rate per 256 images, scaled linearly with the global batch; default: method recipe"})
+    weight_decay: float | None = field(default=None, metadata={"help": "weight decay; default: method recipe"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD/LARS momentum"})
+    warmup_epochs: float = field(default=2.0, metadata={"help": "linear learning-rate warm-up, then cosine decay"})
+    grad_clip: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this value"})
+    augmentation: str | None = field(default=None, metadata={"help": "augmentation preset; default: method recipe"})
+    seed: int = field(default=0, metadata={"help": "seed for initialisation, data order and augmentation"})
+    out: str = field(default="runs/default", metadata={"help": "run directory (config, checkpoints, metrics, plot)"})
+    resume: str | None = field(default=None, metadata={"help": "resume from this run directory or checkpoint file"})
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "save a checkpoint every N optimiser steps (0 = at the end of every epoch)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints"})
+    eval_every: int = field(default=0, metadata={"help": "kNN evaluation every N epochs (0 = only at the end)"})
+    knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
+    knn_t: float = field(default=0.1, metadata={"help": "kNN temperature for similarity weighting"})
+    amp: str = field(default="none", metadata={"help": "mixed precision on GPU: none | bf16 | fp16", "choices": AMP_MODES})
+    channels_last: bool = field(default=False, metadata={"help": "channels_last memory format (GPU)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the method"})
+    deterministic: bool = field(default=False, metadata={"help": "deterministic algorithms (bitwise repeatable runs)"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads per worker; default: cores / workers"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimiser steps (testing)"})
+    log_every: int = field(default=10, metadata={"help": "log metrics every N optimiser steps"})
+    progress: bool = field(default=True, metadata={"help": "progress bar on rank 0"})
+    method_params: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "method hyper-parameters (--param NAME=VALUE)"})
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self, cuda_available: bool | None = None) -> "TrainConfig":
+        from unison.methods import METHODS
+
+        self.distributed.validate(cuda_available)
+        if self.method not in METHODS:
+            raise ConfigError(f"method={self.method!r} is unknown; use one of {', '.join(sorted(METHODS))}")
+        for name in ("epochs", "batch_size", "keep_checkpoints", "knn_k", "log_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        for name in ("subset", "val_subset", "image_size", "max_steps", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1 (or left unset)")
+        if self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ConfigError("checkpoint_every and eval_every must be >= 0 (0 = once per epoch / at the end)")
+        w = self.distributed.world_size
+        if self.batch_size % w:
+            raise ConfigError(
+                f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
+                f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+                raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
+        if self.lr == 0:
+            raise ConfigError("lr=0 would not train; give a positive learning rate")
+        if not 0 <= self.warmup_epochs or not math.isfinite(self.warmup_epochs):
+            raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} must be >= 0")
+        if self.knn_t <= 0:
+            raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")
+        if self.amp not in AMP_MODES:
+            raise ConfigError(f"amp={self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.on_corrupt not in ON_CORRUPT:
+            raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
+        if self.optimizer is not None and self.optimizer not in ("sgd", "lars", "adam", "adamw"):
+            raise ConfigError(f"optimizer={self.optimizer!r} is unknown; use sgd, lars, adam or adamw")
+        cls = METHODS[self.method]
+        try:
+            cls.Params(**self.method_params)
+        except TypeError:
+            known = ", ".join(f.name for f in dataclasses.fields(cls.Params))
+            raise ConfigError(
+                f"unknown parameter in method_params {sorted(self.method_params)} for {self.method}; "
+                f"known: {known}") from None
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"a configuration must be a mapping of option names to values, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known options are {', '.join(sorted(known))}")
+        data = dict(data)
+        dist = data.pop("distributed", None) or {}
+        if not isinstance(dist, dict):
+            raise ConfigError("'distributed' must be a mapping of distributed options")
+        return cls(**data, distributed=DistributedConfig.from_dict(dist))

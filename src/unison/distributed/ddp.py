@@ -1,0 +1,116 @@
+"""DDP wiring from a `DistributedConfig`.
+
+* ``find_unused_parameters`` passed through.
+* ``grad_sync_every=K``: `grad_sync_context(model, micro_step, K)` returns DDP's
+  ``no_sync()`` for the first K-1 micro-batches of each optimiser step; the forward must run
+  inside it (as the training loop does). Note: accumulation is NOT a bigger batch for
+  batch-coupled losses (negatives, BN, Sinkhorn, cross-correlation); the loop warns.
+* Gradient compression through DDP comm hooks: ``fp16`` (any backend), ``bf16`` (CUDA+NCCL
+  only; refused by config validation elsewhere), ``powersgd`` (rank ``powersgd_rank``,
+  error feedback, warm start, ``start_powerSGD_iter = powersgd_start_iter``; 1-D tensors go
+  uncompressed).
+* State that must never be re-broadcast — queues, DINO centres, momentum encoders — is
+  declared with `mark_rank_local_state(module, ...)` and excluded from DDP by fully
+  qualified name. With SyncBN the running statistics are already identical on every rank,
+  so DDP's per-step buffer broadcast is switched off altogether.
+
+Example::
+
+    model = wrap_ddp(method, cfg, device)
+    with grad_sync_context(model, micro_step, cfg.grad_sync_every):
+        loss = model(views) / cfg.grad_sync_every
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import DistributedConfig
+
+_STATE_ATTR = "_unison_rank_local_state"
+
+
+def mark_rank_local_state(module: nn.Module, names: Iterable[str] | None = None) -> None:
+    """Exclude `module`'s buffers/parameters `names` (all of them if None) from DDP's broadcasts.
+
+    Use it for queues, centres and momentum encoders: DDP would otherwise overwrite them
+    with rank 0's copy before every forward (field notes, section 4).
+    """
+    if names is None:
+        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    existing = set(getattr(module, _STATE_ATTR, ()))
+    existing.update(names)
+    setattr(module, _STATE_ATTR, existing)
+
+
+def rank_local_state_names(model: nn.Module) -> list[str]:
+    """Fully qualified names of everything marked with `mark_rank_local_state`."""
+    out: list[str] = []
+    for prefix, mod in model.named_modules():
+        for name in sorted(getattr(mod, _STATE_ATTR, ())):
+            out.append(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def comm_hook_for(cfg: DistributedConfig, metered: bool = False):
+    """(hook, state) for DDP's `register_comm_hook`, or None for DDP's built-in all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if cfg.grad_compression == "fp16":
+        return default_hooks.fp16_compress_hook, None
+    if cfg.grad_compression == "bf16":
+        return default_hooks.bf16_compress_hook, None
+    if cfg.grad_compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_iter,
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=0,
+        )
+        return powerSGD_hook.powerSGD_hook, state
+    if metered:
+        return default_hooks.allreduce_hook, None  # same maths as the C++ default, visible to CommMeter
+    return None
+
+
+def wrap_ddp(model: nn.Module, cfg: DistributedConfig, device: torch.device, *, metered: bool = False,
+             bucket_cap_mb: float = 25.0) -> DDP:
+    """Wrap `model` (already on `device`, SyncBN already converted if wanted) in DDP per `cfg`."""
+    if not dist.is_initialized():
+        raise RuntimeError("wrap_ddp needs an initialised process group (unison.distributed.env.init_distributed)")
+    ignored = rank_local_state_names(model)
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = DDP(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        broadcast_buffers=not cfg.sync_batchnorm,
+        find_unused_parameters=cfg.find_unused_parameters,
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    hook = comm_hook_for(cfg, metered)
+    if hook is not None:
+        fn, state = hook
+        ddp.register_comm_hook(state, fn)
+    return ddp
+
+
+def grad_sync_context(model: nn.Module, micro_step: int, grad_sync_every: int):
+    """`no_sync()` unless this micro-batch is the last of its accumulation window."""
+    if isinstance(model, DDP) and grad_sync_every > 1 and (micro_step + 1) % grad_sync_every != 0:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model

@@ -1,0 +1,1 @@
+"""Evaluation of learned representations: kNN (during and after training) and linear probe."""

@@ -1,0 +1,67 @@
+"""The interface every method implements, and the registry the CLI reads.
+
+A method is an `nn.Module` whose ``forward(views) -> loss`` returns *this rank's* loss:
+the mean over its local samples of the per-sample loss, written so that the mean over
+ranks equals the loss of one process on the global batch (collectives from
+`unison.distributed.collectives` provide the global batch where the loss needs it).
+The whole method is wrapped in DDP, so online parameters get averaged gradients; state
+that is not trained by gradient (momentum encoders, queues, centres) is declared with
+`mark_rank_local_state` so DDP never re-broadcasts it.
+
+``on_after_step(step, total_steps)`` runs after every optimiser step (EMA updates,
+schedules). ``embed(x)`` returns backbone features for evaluation.
+
+Each method declares a dataclass of hyper-parameters (published defaults) and the
+recipe it was tuned with (optimizer, base learning rate per 256 images, weight decay,
+augmentation preset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Recipe:
+    optimizer: str = "sgd"
+    base_lr: float = 0.06          # per 256 images (scaled linearly with the global batch)
+    weight_decay: float = 5e-4
+    augmentation: str = "simclr"   # preset in unison.data.augment
+
+
+class SSLMethod(nn.Module):
+    name: ClassVar[str]
+    Params: ClassVar[type]
+    recipe: ClassVar[Recipe] = Recipe()
+    # Why a run at W workers may differ from one process on the global batch (None = exact).
+    inexact_reason: ClassVar[str | None] = None
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, params: Any, *, gather_distributed: bool = True,
+                 shared_queue: bool = True, steps_total: int = 1):
+        super().__init__()
+        self.backbone = backbone
+        self.feature_dim = feature_dim
+        self.params = params
+        self.gather_distributed = gather_distributed
+        self.shared_queue = shared_queue
+        self.steps_total = steps_total
+
+    def forward(self, views: list[torch.Tensor]) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def on_after_step(self, step: int) -> None:
+        """Called after optimiser step `step` (0-based) of `self.steps_total`."""
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def exactness_note(self) -> str | None:
+        """Why this configuration is not equivalent to one process on the global batch, or None."""
+        if not self.gather_distributed:
+            return "gather is off: each rank's loss sees only its local batch"
+        return self.inexact_reason
