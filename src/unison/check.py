@@ -33,18 +33,19 @@ TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
 
 @dataclass
 class CheckSpec:
-    method: str = "simclr"
-    world_size: int = 2
-    steps: int = 4
-    local_batch: int = 8
-    image_size: int = 16
-    backbone: str = "small_cnn"
-    dtype: str = "float64"
-    sync_batchnorm: bool = True
-    gather_distributed: bool = True
-    shared_queue: bool = True
-    seed: int = 0
-    lr: float = 0.05
+    method: str = field(default="simclr", metadata={"help": "method to check, or 'all'"})
+    world_size: int = field(default=2, metadata={"help": "worker processes of the distributed run"})
+    steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
+    local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})
+    image_size: int = field(default=16, metadata={"help": "image size of the synthetic data"})
+    backbone: str = field(default="small_cnn", metadata={"help": "backbone"})
+    dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
+                                                     "choices": tuple(TOLERANCE)})
+    sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})
+    gather_distributed: bool = field(default=True, metadata={"help": "global-batch losses", "flag": "gather"})
+    shared_queue: bool = field(default=True, metadata={"help": "MoCo-style queues shared by all workers"})
+    seed: int = field(default=0, metadata={"help": "seed"})
+    lr: float = field(default=0.05, metadata={"help": "SGD learning rate"})
     method_params: dict[str, Any] = field(default_factory=dict)
 
 
