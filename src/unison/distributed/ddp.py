@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -91,10 +92,13 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig, device: torch.device, *, 
     ignored = rank_local_state_names(model)
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    # torch >= 2.12 renamed the per-forward buffer broadcast; rank-local state is ignored either way.
+    buffer_flag = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                   else "broadcast_buffers")
     ddp = DDP(
         model,
         device_ids=[device] if device.type == "cuda" else None,
-        broadcast_buffers=not cfg.sync_batchnorm,
+        **{buffer_flag: not cfg.sync_batchnorm},
         find_unused_parameters=cfg.find_unused_parameters,
         bucket_cap_mb=bucket_cap_mb,
     )
