@@ -1,0 +1,1 @@
+"""Training: checkpoints and the pieces of the training loop."""
