@@ -57,6 +57,9 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata={"help": "kNN evaluation every N epochs (0 = only at the end)"})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
     knn_t: float = field(default=0.1, metadata={"help": "kNN temperature for similarity weighting"})
+    precision: str = field(default="float32", metadata={
+        "help": "parameter/compute dtype: float32, or float64 for exactness and resume checks",
+        "choices": ("float32", "float64")})
     amp: str = field(default="none", metadata={"help": "mixed precision on GPU: none | bf16 | fp16", "choices": AMP_MODES})
     channels_last: bool = field(default=False, metadata={"help": "channels_last memory format (GPU)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the method"})
@@ -102,6 +105,8 @@ class TrainConfig:
             raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")
         if self.amp not in AMP_MODES:
             raise ConfigError(f"amp={self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.precision not in ("float32", "float64"):
+            raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
         if self.optimizer is not None and self.optimizer not in ("sgd", "lars", "adam", "adamw"):

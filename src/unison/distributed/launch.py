@@ -92,6 +92,10 @@ def _describe_exit(code: int | None, error_file: str) -> str:
     return f"exited with code {code}"
 
 
+def _is_comm_error(cause: str) -> bool:
+    return any(k in cause for k in ("DistBackendError", "Connection", "connection", "Gloo", "gloo", "NCCL"))
+
+
 def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFailure | None:
     """The most likely root cause among the workers that have failed so far.
 
@@ -107,15 +111,14 @@ def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFai
         r, code = item
         if code is not None and code < 0:
             return (0, r)
-        comm_error = any(k in causes[r] for k in ("DistBackendError", "Connection", "Gloo", "gloo", "NCCL"))
-        return (2 if comm_error else 1, r)
+        return (2 if _is_comm_error(causes[r]) else 1, r)
 
     r, _ = min(failed, key=priority)
     return WorkerFailure(r, causes[r])
 
 
 def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
-           poll_s: float = 0.05, grace_s: float = 5.0, threads_per_worker: int | None = None,
+           poll_s: float = 0.05, grace_s: float = 5.0, settle_s: float = 3.0, threads_per_worker: int | None = None,
            extra_env: dict[str, str] | None = None) -> None:
     """Run `target(payload)` in `cfg.world_size` processes; raise `WorkerFailure` if any fails."""
     cfg.validate()
@@ -139,6 +142,15 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
             failure = _first_failure(procs, error_files)
             if failure is None:
                 time.sleep(poll_s)
+        if failure is not None and _is_comm_error(failure.cause):
+            # A peer that lost its partner often fails before the partner's own exit is visible
+            # (the partner is still tearing down); give the root cause a moment to show up.
+            deadline = time.monotonic() + settle_s
+            while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+                time.sleep(poll_s)
+                failure = _first_failure(procs, error_files) or failure
+                if not _is_comm_error(failure.cause):
+                    break
         if failure is None:
             for p in procs:
                 p.join()

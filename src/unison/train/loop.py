@@ -115,8 +115,10 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     recipe = method_cls.recipe
     augment = ViewAugmenter(cfg.augmentation or recipe.augmentation, image_size, train_set.mean, train_set.std)
 
+    dtype = getattr(torch, cfg.precision)
+
     def to_eval(x: torch.Tensor) -> torch.Tensor:
-        x = eval_transform(x, image_size, train_set.mean, train_set.std)
+        x = eval_transform(x, image_size, train_set.mean, train_set.std).to(dtype)
         return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
     global_batch = cfg.batch_size
@@ -137,7 +139,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     backbone, feature_dim = build_backbone(cfg.backbone)
     params = method_cls.Params(**cfg.method_params)
     model = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
-                       shared_queue=cfg.distributed.shared_queue, steps_total=total_steps).to(device)
+                       shared_queue=cfg.distributed.shared_queue, steps_total=total_steps).to(device, dtype)
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
     if cfg.channels_last:
@@ -210,14 +212,14 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     while step < total_steps:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total_steps, warmup_steps, peak_lr)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
         for micro in range(accumulate):
             batch_number = step * accumulate + micro
             epoch, index_in_epoch = divmod(batch_number, batches_per_epoch)
             if epoch not in epoch_batches:
                 epoch_batches = {epoch: global_batches(len(train_set), global_batch, epoch, cfg.seed)}
             indices = epoch_batches[epoch][index_in_epoch].to(device)[rows]
-            views = augment(train_set.images[indices], indices, epoch=epoch, seed=cfg.seed)
+            views = [v.to(dtype) for v in augment(train_set.images[indices], indices, epoch=epoch, seed=cfg.seed)]
             if cfg.channels_last:
                 views = [v.contiguous(memory_format=torch.channels_last) for v in views]
             with grad_sync_context(ddp, micro, accumulate):

@@ -1,0 +1,81 @@
+"""The local launcher: a failing worker ends the whole run with its rank and cause; no orphan, no hang."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from unison.distributed import collectives as C
+from unison.distributed.config import DistributedConfig
+from unison.distributed.env import detect_launch_env, init_distributed, shutdown_distributed
+from unison.distributed.launch import WorkerFailure, launch
+
+
+def _worker(payload):
+    env = detect_launch_env()
+    cfg = DistributedConfig(backend="gloo", world_size=env.world_size, rank=env.rank, master_port=env.master_port,
+                            timeout_s=payload.get("timeout_s", 60))
+    init_distributed(cfg)
+    with open(os.path.join(payload["dir"], f"pid{env.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        C.barrier()
+        if env.rank == payload["bad_rank"]:
+            if payload["mode"] == "raise":
+                raise ValueError("bad batch at step 3")
+            if payload["mode"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if payload["mode"] == "exit":
+                raise SystemExit(7)
+        # the healthy rank waits in a collective its peer will never join
+        C.barrier()
+        time.sleep(60)
+    finally:
+        shutdown_distributed()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("mode, cause", [
+    ("raise", "ValueError: bad batch at step 3"),
+    ("kill", "killed by SIGKILL"),
+    ("exit", "SystemExit"),
+])
+def test_failing_worker_ends_all_workers_promptly(tmp_path, mode, cause):
+    cfg = DistributedConfig(backend="gloo", world_size=2)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure) as info:
+        launch(_worker, {"dir": str(tmp_path), "bad_rank": 1, "mode": mode}, cfg, grace_s=2.0)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1
+    assert cause in str(info.value)
+    assert elapsed < 30, f"the launcher took {elapsed:.0f} s to end the run"
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(_alive(p) for p in pids), "a worker process was left behind"
+
+
+def test_env_detection_for_launchers():
+    assert detect_launch_env({}) is None
+    t = detect_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                           "MASTER_PORT": "29500"})
+    assert (t.rank, t.world_size, t.local_rank, t.master_port, t.source) == (3, 8, 1, 29500, "torchrun")
+    m = detect_launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
+    assert (m.rank, m.world_size, m.source) == (2, 4, "mpi")
+    p = detect_launch_env({"PMI_RANK": "1", "PMI_SIZE": "2"})
+    assert (p.rank, p.world_size, p.source) == (1, 2, "mpi")
+    s = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1"})
+    assert (s.rank, s.world_size, s.local_rank, s.source) == (5, 6, 1, "slurm")
+    from unison.distributed.config import ConfigError
+
+    with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
+        detect_launch_env({"RANK": "x", "WORLD_SIZE": "2"})
