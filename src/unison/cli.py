@@ -20,6 +20,9 @@ from unison.configutil import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.config import ConfigError, DistributedConfig
 
 
+SUBCOMMAND_MODULES = ("unison.eval.commands", "unison.export", "unison.bench.commands")
+
+
 def _parse_params(items: list[str] | None) -> dict[str, Any]:
     import yaml
 
@@ -146,6 +149,17 @@ def make_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(p_check, CheckSpec, skip=("method_params",))
     p_check.set_defaults(func=cmd_check)
 
+    # Further subcommands live beside their concern; each module defines add_subcommand(subparsers).
+    import importlib
+
+    for module in SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.add_subcommand(sub)
     return parser
 
 
