@@ -156,7 +156,7 @@ def make_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
+            if not exc.name or not module.startswith(exc.name):  # a missing module, not a broken one
                 raise
             continue
         mod.add_subcommand(sub)
