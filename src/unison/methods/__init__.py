@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from .barlowtwins import BarlowTwins, BarlowTwinsParams
 from .base import Recipe, SSLMethod
+from .byol import BYOL, BYOLParams
+from .dino import DINO, DINOParams
+from .moco import MoCo, MoCoParams
 from .simclr import SimCLR, SimCLRParams
+from .simsiam import SimSiam, SimSiamParams
+from .swav import SwAV, SwAVParams
+from .vicreg import VICReg, VICRegParams
 
 METHODS: dict[str, type[SSLMethod]] = {
     "simclr": SimCLR,
+    "moco": MoCo,
+    "byol": BYOL,
+    "simsiam": SimSiam,
+    "barlowtwins": BarlowTwins,
+    "swav": SwAV,
+    "vicreg": VICReg,
+    "dino": DINO,
 }
 
 
@@ -17,4 +31,6 @@ def get_method(name: str) -> type[SSLMethod]:
         raise ValueError(f"unknown method {name!r}; use one of {', '.join(sorted(METHODS))}") from None
 
 
-__all__ = ["METHODS", "Recipe", "SSLMethod", "SimCLR", "SimCLRParams", "get_method"]
+__all__ = ["BYOL", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams", "METHODS", "MoCo",
+           "MoCoParams", "Recipe", "SSLMethod", "SimCLR", "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV",
+           "SwAVParams", "VICReg", "VICRegParams", "get_method"]

@@ -1,0 +1,115 @@
+"""Helpers shared by the methods: momentum (EMA) networks, schedules, multi-crop forwards.
+
+* `momentum_copy(module)`: a frozen deep copy (``requires_grad=False``), the usual teacher /
+  key encoder. Mark it with `mark_rank_local_state` so DDP never re-broadcasts it.
+* `ema_update_(target, online, m)`: ``target <- m * target + (1 - m) * online`` for the
+  parameters (buffers such as BN running statistics evolve through the target's own
+  forward passes, as in the official MoCo / BYOL / DINO code).
+* `cosine_momentum(base, step, total)`: ``1 - (1 - base) * (cos(pi * step / total) + 1) / 2``,
+  the BYOL / DINO schedule from ``base`` (step 0) to 1 (step ``total``).
+* `broadcast_once(owner, tensors)`: copy rank 0's values of rank-local state to every rank
+  the first time it is called (a no-op afterwards and in a single process). DDP broadcasts
+  the online parameters at construction but, by design, not rank-local state; without this
+  a momentum encoder built from a different random initialisation on another rank would
+  stay different forever. The trainer seeds every rank identically, so normally this
+  changes nothing; it makes methods safe when they are built otherwise.
+* `multicrop_features(backbone, views)`: the backbone applied to each run of consecutive
+  views of the same size (one forward per resolution, as the official SwAV / DINO
+  multi-crop wrapper), features concatenated in view order.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from unison.distributed.collectives import broadcast_, world_size
+
+_SYNCED_ATTR = "_unison_rank_local_synced"
+
+
+def momentum_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters take no gradient."""
+    target = copy.deepcopy(module)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
+
+
+@torch.no_grad()
+def ema_update_(target: nn.Module, online: nn.Module, momentum: float) -> None:
+    """target <- momentum * target + (1 - momentum) * online, parameter by parameter."""
+    t = list(target.parameters())
+    o = [p.detach() for p in online.parameters()]
+    if len(t) != len(o):
+        raise RuntimeError(f"momentum network has {len(t)} parameters, online network {len(o)}")
+    if not t:
+        return
+    torch._foreach_mul_(t, momentum)
+    torch._foreach_add_(t, o, alpha=1.0 - momentum)
+
+
+def cosine_momentum(base: float, step: int, total: int, final: float = 1.0) -> float:
+    """final - (final - base) * (cos(pi * step / total) + 1) / 2, with step clamped to [0, total]."""
+    if total <= 0:
+        return base
+    progress = min(max(step / total, 0.0), 1.0)
+    return final - (final - base) * (math.cos(math.pi * progress) + 1) / 2
+
+
+def broadcast_once(owner: nn.Module, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
+    """On the first call for `owner`, overwrite every tensor of `tensors()` with rank 0's copy."""
+    if owner.__dict__.get(_SYNCED_ATTR, False):
+        return
+    owner.__dict__[_SYNCED_ATTR] = True
+    if world_size() > 1:
+        for t in tensors():
+            broadcast_(t.data)
+
+
+def module_state(*modules: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of `modules`."""
+    out: list[torch.Tensor] = []
+    for m in modules:
+        out.extend(m.parameters())
+        out.extend(m.buffers())
+    return out
+
+
+def multicrop_features(backbone: nn.Module, views: list[torch.Tensor]) -> torch.Tensor:
+    """backbone(cat(group)) for each run of consecutive same-size views, concatenated in view order."""
+    feats: list[torch.Tensor] = []
+    start = 0
+    while start < len(views):
+        end = start + 1
+        while end < len(views) and views[end].shape[1:] == views[start].shape[1:]:
+            end += 1
+        feats.append(backbone(torch.cat(views[start:end])))
+        start = end
+    return torch.cat(feats)
+
+
+def two_views(views: list[torch.Tensor], method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(views) != 2:
+        raise ValueError(f"{method} takes exactly 2 views, got {len(views)}; use a two-view augmentation preset "
+                         "(simclr, byol or digits), not multicrop")
+    if views[0].shape != views[1].shape:
+        raise ValueError(f"{method}: the two views differ in shape: {tuple(views[0].shape)} vs {tuple(views[1].shape)}")
+    return views[0], views[1]
+
+
+def check_multicrop(views: list[torch.Tensor], method: str) -> int:
+    """Validate 2 global views (+ local crops, each batch the same size); return the local batch size."""
+    if len(views) < 2:
+        raise ValueError(f"{method} needs at least 2 global views, got {len(views)}")
+    n = views[0].shape[0]
+    if any(v.shape[0] != n for v in views):
+        raise ValueError(f"{method}: every view must hold the same samples; batch sizes {[v.shape[0] for v in views]}")
+    if views[0].shape != views[1].shape:
+        raise ValueError(f"{method}: the two global views differ in shape: "
+                         f"{tuple(views[0].shape)} vs {tuple(views[1].shape)}")
+    return n
