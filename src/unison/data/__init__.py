@@ -1,0 +1,28 @@
+"""In-memory datasets, counter-based randomness and batched per-sample view augmentation.
+
+Typical training-loop use::
+
+    from unison.data import ViewAugmenter, global_batches, load_dataset
+    ds = load_dataset("digits").to(device)
+    aug = ViewAugmenter("digits", image_size=ds.image_size, mean=ds.mean, std=ds.std)
+    for batch in global_batches(len(ds), global_batch=256, epoch=epoch, seed=seed):
+        idx = batch[local_slice(len(batch))].to(device)   # this rank's share
+        views = aug(ds.images[idx], idx, epoch=epoch, seed=seed)
+"""
+
+from .augment import PRESETS, ViewAugmenter, eval_transform
+from .datasets import DataError, ImageTensorDataset, load_dataset
+from .random import epoch_permutation, global_batches, sample_normal, sample_uniform
+
+__all__ = [
+    "PRESETS",
+    "DataError",
+    "ImageTensorDataset",
+    "ViewAugmenter",
+    "epoch_permutation",
+    "eval_transform",
+    "global_batches",
+    "load_dataset",
+    "sample_normal",
+    "sample_uniform",
+]
