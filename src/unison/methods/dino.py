@@ -6,7 +6,8 @@
     f', h' <- m f', h' + (1 - m) f, h,  m = 1 - (1 - 0.996) (cos(pi step / steps_total) + 1) / 2
     tau_t: linear warm-up 0.04 -> 0.07 over the first ``teacher_temp_warmup_fraction`` of the steps
 
-DINO head (official): MLP (Linear [+ BN] + GELU layers) to a bottleneck, L2 normalisation,
+DINO head (official): MLP (Linear [+ BN] + GELU layers; no Linear bias before a BN, which
+would cancel it) to a bottleneck, L2 normalisation,
 then a weight-normalised linear layer without bias whose norm is fixed to 1
 (``norm_last_layer=True``): its rows are normalised in the forward pass.
 
@@ -58,7 +59,7 @@ class DINOHead(nn.Module):
         layers: list[nn.Module] = []
         dim = in_dim
         for _ in range(num_layers - 1):
-            layers.append(nn.Linear(dim, hidden_dim))
+            layers.append(nn.Linear(dim, hidden_dim, bias=not batch_norm))   # a bias before BN is a no-op
             if batch_norm:
                 layers.append(nn.BatchNorm1d(hidden_dim))
             layers.append(nn.GELU())
@@ -68,7 +69,8 @@ class DINOHead(nn.Module):
         for m in self.mlp.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
         self.last_layer = nn.Linear(bottleneck_dim, out_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
