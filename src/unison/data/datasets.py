@@ -51,6 +51,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -268,22 +269,25 @@ def _scan(root: Path, with_stat: bool) -> tuple[list[str], list[str], list[int],
     return classes, files, labels, stats
 
 
-try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL remains the fallback once it is gone
-    from torchvision.io import ImageReadMode as _ReadMode
-    from torchvision.io import decode_image as _decode_image
+@functools.cache
+def _tv_decoder():
+    """torchvision's decoder, imported on first use: importing torchvision costs seconds per process."""
+    try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL remains the fallback once it is gone
+        from torchvision.io import ImageReadMode, decode_image
 
-    _TV_DECODE = (_decode_image, _ReadMode)
-except ImportError:  # pragma: no cover
-    _TV_DECODE = None
+        return decode_image, ImageReadMode
+    except ImportError:  # pragma: no cover
+        return None
 
 
 def _decode(path: str) -> torch.Tensor:
     """uint8 [3, H, W] RGB; raises on unreadable files."""
     with open(path, "rb") as f:
         data = f.read()
-    if _TV_DECODE is not None:
+    decoder = _tv_decoder()
+    if decoder is not None:
         try:  # fast path (libjpeg-turbo / libpng, releases the GIL; about 2x PIL on small JPEGs)
-            img = _TV_DECODE[0](torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=_TV_DECODE[1].RGB)
+            img = decoder[0](torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=decoder[1].RGB)
             if img.dtype != torch.uint8 and img.element_size() == 2:  # 16-bit PNG (torchvision >= 0.21)
                 img = (img.to(torch.int32) >> 8).to(torch.uint8)
             if img.dtype == torch.uint8 and img.ndim == 3 and img.shape[0] == 3:
