@@ -48,6 +48,23 @@ class NonFiniteLossError(FloatingPointError):
     pass
 
 
+def peak_memory_mib(device: torch.device) -> float:
+    """This worker's peak memory so far: the CUDA allocator's peak on GPU, the peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:  # VmHWM belongs to this process image; ru_maxrss can inherit the parent's peak across fork + exec
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+
+
 def lr_at(step: int, total_steps: int, warmup_steps: int, peak_lr: float) -> float:
     """Linear warm-up to `peak_lr`, then cosine decay to 0 at `total_steps`."""
     if warmup_steps and step < warmup_steps:
@@ -268,11 +285,14 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     logger.log(step=step, epoch=step / steps_per_epoch, knn_top1=knn_top1)
     history["knn_top1"] = knn_top1
     checkpoint(step)
+    peak_memory = C.all_gather_object(round(peak_memory_mib(device), 1))  # per rank, for benchmarks
     summary = {
         "method": cfg.method, "backbone": cfg.backbone, "data": cfg.data, "world_size": world, "steps": step,
         "epochs": step / steps_per_epoch, "global_batch": global_batch, "train_images": len(train_set),
         "val_images": len(val_set), "final_loss": final_loss, "knn_top1": knn_top1,
         "random_init_knn_top1": history["random_init_knn_top1"], "train_time_s": train_time,
+        "peak_memory_mib": peak_memory,
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
     }
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,170 @@
+"""`unison bench [table|comm|lightly|scaling|all]`: the CLI of the benchmarks.
+
+Options are generated from `BenchConfig` (``--preset cpu|gpu`` picks the preset, every
+other flag overrides one field of it). Each part prints its table and writes markdown and
+CSV (the table also a PNG) into ``--out`` (default ``runs/bench/<preset>``); ``all`` runs
+the four parts and also writes ``report.md``, the sections one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from unison.configutil import add_dataclass_arguments, overrides_from_namespace
+from unison.distributed.config import ConfigError
+from unison.distributed.launch import WorkerFailure
+
+from .config import (PARTS, BenchConfig, bench_command, config_from_overrides, data_or_skip, describe_machine,
+                     format_load, loadavg, machine_info)
+from .table import BenchError
+
+_WHAT = {
+    "table": ("Distributed table",
+              "Lightly's distributed-table layout, each configuration one real `unison train` run: 1 worker; W workers "
+              "with SyncBN + gather (exact); W workers with gather only."),
+    "comm": ("Communication per step",
+             "Bytes each worker hands to collectives per step, counted by `CommMeter` (DDP wrapped with "
+             "`metered=True`), against the ideal (the gradient in bytes); W real gloo/NCCL workers, random images."),
+    "lightly": ("Side by side with Lightly SSL",
+                "SimCLR, same backbone type, data, global batch, steps, optimizer and schedule; one training process "
+                "per side (Lightly's with its DataLoader workers); kNN of both encoders by the same code."),
+    "scaling": ("Scaling on this machine",
+                "The same global batch and number of steps on 1 worker and on W workers, one thread each; "
+                "throughput ratio in images/s of the training loop."),
+}
+
+
+def add_subcommand(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks: distributed table, communication, Lightly, scaling",
+                              description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("part", nargs="?", default="table", choices=PARTS,
+                   help="table (default), comm, lightly, scaling, or all of them")
+    add_dataclass_arguments(p, BenchConfig)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    cfg = config_from_overrides(overrides_from_namespace(ns, BenchConfig))
+    parts = [p for p in PARTS if p != "all"] if ns.part == "all" else [ns.part]
+    if cfg.dry_run:
+        _print_plan(cfg, parts)
+        return 0
+    _check_devices(cfg)
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    machine = describe_machine(machine_info())
+    sections = []
+    for part in parts:
+        started = time.perf_counter()
+        try:
+            text = _run_part(part, cfg, out, machine)
+        except (BenchError, WorkerFailure) as exc:
+            print(f"unison: error: bench {part}: {exc}", file=sys.stderr)
+            return 1
+        print(text, flush=True)
+        print(f"unison bench: {part} took {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
+        sections.append(text)
+    if ns.part == "all":
+        (out / "report.md").write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
+    return 0
+
+
+def _check_devices(cfg: BenchConfig) -> None:
+    import torch
+
+    if cfg.backend != "nccl":
+        return
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < cfg.workers:
+        raise ConfigError(f"bench: the {cfg.preset} preset runs {cfg.workers} NCCL workers, one per GPU, but "
+                          f"{n} GPU(s) are visible; use --workers {max(n, 2)} on a multi-GPU machine, --dry-run to "
+                          "see the commands, or --preset cpu")
+
+
+def _header(part: str, cfg: BenchConfig, machine: str, load_note: str) -> str:
+    from .report import section_header
+
+    title, what = _WHAT[part]
+    return section_header(title, what, bench_command(part, cfg), machine, load_note)
+
+
+def _run_part(part: str, cfg: BenchConfig, out: Path, machine: str) -> str:
+    start_load = format_load(loadavg())
+    if part == "comm":
+        return _run_comm(cfg, out, machine, start_load)
+    data = data_or_skip(cfg)
+    if isinstance(data, str):
+        msg = f"unison bench: {part} skipped: {data}"
+        print(msg, flush=True)
+        return f"## {_WHAT[part][0]}\n\nSkipped: {data}\n"
+    train, val = data
+    per_row = f"at start {start_load}; just before each run: the Load column"
+    if part == "table":
+        from .table import add_speedups, baseline_memory_mib, measure, table_specs, write_table
+
+        rows = add_speedups(measure(cfg, table_specs(cfg), train, val, out))
+        header = _header(part, cfg, machine, per_row)
+        paths = write_table(rows, out, header, title=f"unison bench --preset {cfg.preset} ({cfg.backbone}, "
+                                                     f"global batch {cfg.batch_size})",
+                            baseline_mib=baseline_memory_mib())
+        return paths["md"].read_text()
+    if part == "scaling":
+        from .table import measure, scaling_specs, write_scaling
+
+        rows = measure(cfg, scaling_specs(cfg), train, val, out)
+        return write_scaling(rows, out, _header(part, cfg, machine, per_row))["md"].read_text()
+    if part == "lightly":
+        from .lightly_compare import compare, write_lightly
+
+        rows = compare(cfg, train, val, out)
+        return write_lightly(rows, out, _header(part, cfg, machine, per_row))["md"].read_text()
+    raise ValueError(part)
+
+
+def _run_comm(cfg: BenchConfig, out: Path, machine: str, start_load: str) -> str:
+    import torch
+
+    from .comm import default_specs, run_comm_report, write_comm
+    from .config import wait_for_load
+
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    load = format_load(wait_for_load(cfg.max_load, cfg.load_wait_s))
+    print(f"unison bench: communication report, {cfg.workers} {backend} workers (load {load}) ...", flush=True)
+    rows = run_comm_report(default_specs(cfg.method_list), backbone=cfg.backbone, global_batch=cfg.batch_size,
+                           workers=cfg.workers, steps=cfg.comm_steps, backend=backend)
+    return write_comm(rows, out, _header("comm", cfg, machine, load))["md"].read_text()
+
+
+def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
+    import shlex
+
+    from .comm import default_specs
+    from .lightly_compare import side_threads
+    from .table import RunSpec, scaling_specs, table_specs, train_argv
+
+    data = data_or_skip(cfg)
+    train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
+    out = cfg.out_dir
+    if isinstance(data, str):
+        print(f"# note: {data}")
+    for part in parts:
+        print(f"# {part}")
+        if part in ("table", "scaling"):
+            specs = table_specs(cfg) if part == "table" else scaling_specs(cfg)
+            for spec in specs:
+                print("unison " + shlex.join(train_argv(cfg, spec, train, val, out / "runs" / spec.name)))
+        elif part == "lightly":
+            spec = RunSpec("simclr", "unison", 1, threads=side_threads(cfg), max_steps=cfg.lightly_steps)
+            argv = train_argv(cfg, spec, train, val, out / "runs" / "lightly-cmp-unison") + ["--warmup-epochs", "0"]
+            print("unison " + shlex.join(argv))
+            print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
+                  f"{cfg.lightly_steps} steps of {cfg.batch_size}")
+        elif part == "comm":
+            for s in default_specs(cfg.method_list):
+                print(f"# comm: {s.method}, {s.label}, compression {s.compression}: {cfg.workers} workers, "
+                      f"{cfg.comm_steps} steps, {cfg.backbone}, global batch {cfg.batch_size}")

@@ -1,0 +1,107 @@
+"""unison bench: counted communication bytes against the gradient size, writers, presets and CLI wiring."""
+
+import csv
+import dataclasses
+
+import pytest
+
+from unison.bench.comm import CommSpec, run_comm_report, write_comm
+from unison.bench.config import PRESETS, BenchConfig, config_from_overrides, data_or_skip
+from unison.bench.lightly_compare import write_lightly
+from unison.bench.table import add_speedups, write_table
+from unison.distributed.config import ConfigError
+
+
+@pytest.mark.slow
+def test_comm_report_counts_gradient_bytes_exactly(tmp_path):
+    specs = [CommSpec("simclr", "none"), CommSpec("simclr", "fp16"), CommSpec("moco", "none")]
+    rows = run_comm_report(specs, backbone="small_cnn", global_batch=8, image_size=8, workers=2, steps=3)
+    plain, fp16, moco = rows
+    grad_bytes = plain["trainable_params"] * 4   # float32 parameters
+    assert plain["ideal_grad_bytes"] == grad_bytes
+    assert plain["grad_all_reduce_bytes"] == grad_bytes, "no compression: every gradient byte, once"
+    assert fp16["grad_all_reduce_bytes"] == grad_bytes / 2, "fp16 compression: half"
+    assert plain["all_gather_bytes"] > 0 and plain["broadcast_bytes"] == 0   # gathered negatives; SyncBN: no buffers
+    # MoCo's shared queue is never broadcast after the one-off sync at step 1; its keys are gathered every step.
+    assert moco["grad_all_reduce_bytes"] == moco["ideal_grad_bytes"]
+    assert moco["broadcast_bytes"] == 0 and moco["all_gather_bytes"] > 0
+    assert moco["first_step_broadcast_bytes"] > moco["queue_bytes"] > 0
+    paths = write_comm(rows, tmp_path)
+    assert _md_table_ok(paths["md"].read_text(), len(rows))
+    assert len(list(csv.DictReader(open(paths["csv"])))) == len(rows)
+
+
+def _fake_rows():
+    rows = []
+    for method, base in (("simclr", 100.0), ("moco", 120.0)):
+        for config, w, sbn, t in (("1 worker", 1, None, base), ("2 workers, SyncBN + gather", 2, True, base / 1.6),
+                                  ("2 workers, gather only", 2, False, base / 1.8)):
+            rows.append({"method": method, "config": config, "backbone": "small_cnn", "global_batch": 256,
+                         "epochs": 2.0, "steps": 38, "workers": w, "sync_batchnorm": sbn,
+                         "gather": None if w == 1 else True, "threads_per_worker": 1, "knn_top1": 0.3,
+                         "random_init_knn_top1": 0.2, "final_loss": 5.0, "train_time_s": t, "wall_s": t + 20,
+                         "images_per_s": 38 * 256 / t, "speedup": None, "peak_memory_mib": 900.0 + w,
+                         "peak_memory_per_rank": [900.0] * w, "peak_memory_kind": "peak_rss", "load_1m": 0.5,
+                         "load_5m": 0.6, "load_15m": 0.7, "command": "unison train ..."})
+    return add_speedups(rows)
+
+
+def _md_table_ok(text: str, n_rows: int) -> bool:
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    widths = {ln.count("|") - ln.count("\\|") for ln in lines}
+    return len(lines) == n_rows + 2 and len(widths) == 1 and set(lines[1].replace("|", "")) == {"-"}
+
+
+def test_table_writer_markdown_csv_png(tmp_path):
+    rows = _fake_rows()
+    assert rows[1]["speedup"] == pytest.approx(1.6) and rows[0]["speedup"] == 1.0
+    paths = write_table(rows, tmp_path, header="## Distributed table\n\n", baseline_mib=700.0)
+    md = paths["md"].read_text()
+    assert _md_table_ok(md, len(rows)) and "1.60x" in md and "700 MiB" in md
+    got = list(csv.DictReader(open(paths["csv"])))
+    assert len(got) == len(rows) and float(got[2]["speedup"]) == pytest.approx(1.8)
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(paths["png"]).shape[0] > 100
+
+
+def test_lightly_writer_reports_ratio_or_why_not(tmp_path):
+    common = {"backbone": "small_cnn", "global_batch": 256, "steps": 40, "threads": 2, "train_time_s": 50.0,
+              "wall_s": 70.0, "steady_from_step": 10, "knn_top1": 0.3, "peak_memory_mib": 900.0, "load_1m": 0.4,
+              "version": "1", "error": None}
+    rows = [{"side": "unison", "pipeline": "a", "loader_workers": 0, "images_per_s": 300.0,
+             "steady_images_per_s": 320.0, **common},
+            {"side": "lightly", "pipeline": "b", "loader_workers": 2, "images_per_s": 100.0,
+             "steady_images_per_s": 160.0, **common}]
+    md = write_lightly(rows, tmp_path)["md"].read_text()
+    assert "3.00x" in md and "2.00x after step 10" in md and _md_table_ok(md, 2)
+    rows[1] = {"side": "lightly", "pipeline": "not measured", "backbone": "small_cnn", "global_batch": 256,
+               "steps": 40, "error": "ImportError: no module named lightly (pip install lightly)"}
+    md = write_lightly(rows, tmp_path)["md"].read_text()
+    assert "not measured: ImportError" in md and "ratio" not in md and _md_table_ok(md, 2)
+
+
+def test_presets_and_overrides():
+    gpu = config_from_overrides({"preset": "gpu", "epochs": 200})
+    assert (gpu.backbone, gpu.batch_size, gpu.knn_k, gpu.epochs) == ("resnet18", 512, 200, 200)
+    assert config_from_overrides({}) == PRESETS["cpu"] == BenchConfig()
+    with pytest.raises(ConfigError, match="divisible"):
+        config_from_overrides({"batch_size": 255})
+    with pytest.raises(ConfigError, match="unknown"):
+        config_from_overrides({"methods": "simclr,nope"})
+    missing = dataclasses.replace(BenchConfig(), data="/nonexistent/cifar/train")
+    assert "not found" in data_or_skip(missing)
+
+
+def test_cli_dry_run_wires_the_gpu_preset(capsys):
+    from unison.cli import main
+
+    assert main(["bench", "all", "--preset", "gpu", "--dry-run", "--data", "cifar10", "--val", "cifar10"]) == 0
+    out = capsys.readouterr().out
+    train_lines = [ln for ln in out.splitlines() if ln.startswith("unison train")]
+    assert len(train_lines) == 6 * 3 + 1 + 2          # table, Lightly comparison, scaling
+    assert all("--backbone resnet18" in ln and "--batch-size 512" in ln and "--knn-k 200" in ln for ln in train_lines)
+    assert sum("--world-size 4" in ln for ln in train_lines) == 6 * 2 + 1
+    assert all("--backend nccl" in ln for ln in train_lines)
