@@ -114,23 +114,27 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
-    from unison.check import CheckSpec, run_equivalence
+    from unison.check import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence
     from unison.methods import METHODS
 
     spec = overrides_from_namespace(ns, CheckSpec)
+    curve = overrides_from_namespace(ns, CurveSpec)
     methods = sorted(METHODS) if spec.get("method") == "all" else [spec.pop("method", CheckSpec.method)]
     spec.pop("method", None)
     params = _parse_params(ns.param)
     ok = True
     for m in methods:
-        report = run_equivalence(m, method_params=params, **spec)
+        if curve.get("run"):  # whole `unison train` runs at 1 and W workers, loss curves compared
+            report = run_curves_for_check(m, spec, curve, params)
+        else:
+            report = run_equivalence(m, method_params=params, **spec)
         print(report.summary(), flush=True)
         ok &= report.passed
     return 0 if ok else 1
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from unison.check import CheckSpec
+    from unison.check import CheckSpec, CurveSpec
     from unison.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0],
@@ -147,6 +151,7 @@ def make_parser() -> argparse.ArgumentParser:
     p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)")
     p_check.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")
     add_dataclass_arguments(p_check, CheckSpec, skip=("method_params",))
+    add_dataclass_arguments(p_check, CurveSpec, group_title="whole training runs (--run)")
     p_check.set_defaults(func=cmd_check)
 
     # Further subcommands live beside their concern; each module defines add_subcommand(subparsers).

@@ -1,0 +1,164 @@
+"""`unison export`: the trained backbone as a plain state dict, loadable without unison.
+
+The method is rebuilt from the checkpoint's stored configuration and the checkpoint is
+loaded into it (so a mismatched or damaged file fails here, with a one-line message, not
+in the user's code later). The file holds the backbone's own ``state_dict()`` — tensors
+only, keys exactly as the backbone module names them (``conv1.weight``,
+``layer1.0.bn1.running_mean``, ...; no ``backbone.`` prefix, no heads, no momentum
+encoder: for BYOL/MoCo/DINO the *online* backbone is exported) — as ``torch.save`` (.pt)
+or safetensors (``pip install safetensors``; not a dependency of unison).
+
+The CIFAR ResNets are torchvision's with a 3x3 stride-1 ``conv1``, no max-pool and no
+``fc``, so the export loads into torchvision after the same stem surgery, with only
+``fc.*`` missing::
+
+    unison export --checkpoint runs/cifar --out r18.pt
+
+    m = torchvision.models.resnet18()
+    m.conv1 = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    m.maxpool = torch.nn.Identity()
+    missing, unexpected = m.load_state_dict(torch.load("r18.pt"), strict=False)  # missing: fc.weight, fc.bias
+    m.fc = torch.nn.Identity()                                                    # features, as in unison
+
+`load_method` (checkpoint -> method with its weights) is shared with ``unison eval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unison.distributed.config import ConfigError
+
+FORMATS = ("pt", "safetensors")
+
+
+@dataclass
+class ExportOptions:
+    checkpoint: str | None = field(default=None, metadata={
+        "help": "run directory (its latest checkpoint) or checkpoint file; required", "metavar": "RUN_DIR_OR_FILE"})
+    out: str | None = field(default=None, metadata={"help": "file to write, e.g. backbone.pt; required",
+                                                     "metavar": "FILE"})
+    format: str | None = field(default=None, metadata={
+        "help": "pt (torch.save) or safetensors; default: safetensors if FILE ends in .safetensors, else pt",
+        "choices": FORMATS})
+
+
+def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, Any, dict]:
+    """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
+
+    Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
+    used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
+    """
+    from unison.config import TrainConfig
+    from unison.methods import get_method
+    from unison.models import build_backbone
+    from unison.train.checkpoint import check_compatible, load_checkpoint
+
+    ckpt = load_checkpoint(checkpoint, map_location=device)
+    cfg = TrainConfig.from_dict(dict(ckpt["config"]))
+    try:
+        cls = get_method(ckpt["method"])
+        backbone, dim = build_backbone(cfg.backbone)
+    except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
+        raise ConfigError(str(e)) from None
+    # steps_total only shapes schedules used during training (momentum, temperature warm-up).
+    method = cls(backbone, dim, cls.Params(**cfg.method_params), gather_distributed=cfg.distributed.gather_distributed,
+                 shared_queue=cfg.distributed.shared_queue, steps_total=max(1, int(ckpt["step"])))
+    method = method.to(device, getattr(torch, cfg.precision))
+    check_compatible(method, ckpt["model"])
+    method.load_state_dict(ckpt["model"])
+    return method.eval(), cfg, ckpt
+
+
+def backbone_state_dict(method: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The backbone's own state dict as independent, contiguous CPU tensors (no shared storage)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in method.backbone.state_dict().items()}
+
+
+def _resolve_format(out: Path, fmt: str | None) -> str:
+    if fmt is None:
+        return "safetensors" if out.suffix == ".safetensors" else "pt"
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is unknown; use pt or safetensors")
+    return fmt
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: str | Path, fmt: str | None = None,
+                     metadata: dict[str, str] | None = None) -> Path:
+    """Write `state` atomically (temporary sibling + rename) as .pt or safetensors; returns the path."""
+    out = Path(out)
+    fmt = _resolve_format(out, fmt)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / ('backbone.' + fmt)}")
+    if fmt == "safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise ConfigError("--format safetensors needs the safetensors package: pip install safetensors "
+                              "(or use --format pt)") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        if fmt == "safetensors":
+            save_file(state, str(tmp), metadata=metadata)
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, out)  # a reader never sees a half-written file
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = None) -> dict[str, Any]:
+    """Export the backbone of `checkpoint` to `out`; return a description (path, format, counts, backbone)."""
+    method, cfg, ckpt = load_method(checkpoint)
+    state = backbone_state_dict(method)
+    fmt = _resolve_format(Path(out), fmt)
+    meta = {"unison": "backbone", "method": str(ckpt["method"]), "backbone": cfg.backbone, "step": str(ckpt["step"])}
+    path = write_state_dict(state, out, fmt, metadata=meta)  # metadata: safetensors only (.pt is tensors only)
+    n_params = sum(p.numel() for p in method.backbone.parameters())
+    return {**meta, "path": str(path), "format": fmt, "tensors": len(state), "parameters": n_params}
+
+
+def _load_hint(backbone: str) -> str:
+    if backbone in ("resnet18", "resnet50"):
+        return (f"load into torchvision.models.{backbone}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
+                "maxpool = Identity(), with strict=False (only fc.* is missing)")
+    if backbone.startswith("timm:"):
+        return f"load into timm.create_model({backbone[5:]!r}, num_classes=0)"
+    return f"load into unison.models.build_backbone({backbone!r})[0]"
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from unison.configutil import overrides_from_namespace
+    from unison.train.checkpoint import CheckpointError
+
+    opts = ExportOptions(**overrides_from_namespace(ns, ExportOptions))
+    if not opts.checkpoint or not opts.out:
+        raise ConfigError("give --checkpoint RUN_DIR_OR_FILE and --out FILE, e.g. "
+                          "unison export --checkpoint runs/default --out backbone.pt")
+    try:
+        info = export_backbone(opts.checkpoint, opts.out, opts.format)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    print(f"exported the {info['backbone']} backbone of {info['method']} (step {info['step']}; {info['tensors']} "
+          f"tensors, {info['parameters'] / 1e6:.2f}M parameters) to {info['path']} ({info['format']}); "
+          f"{_load_hint(info['backbone'])}")
+    return 0
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    from unison.configutil import add_dataclass_arguments
+
+    p = sub.add_parser("export", help="write the trained backbone as a plain state dict (.pt or safetensors)",
+                       description=__doc__.splitlines()[0])
+    add_dataclass_arguments(p, ExportOptions)
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,103 @@
+"""`unison export` (backbone state dict loadable into torchvision), `unison eval` (kNN + linear probe), errors."""
+
+import json
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.config import TrainConfig
+from unison.eval.linear import linear_probe
+from unison.methods import get_method
+from unison.models import build_backbone
+from unison.train.checkpoint import save_checkpoint
+
+
+def _checkpoint(run_dir, backbone: str) -> torch.nn.Module:
+    """A freshly built SimCLR with non-trivial batch-norm statistics, saved as a unison checkpoint."""
+    torch.manual_seed(0)
+    net, dim = build_backbone(backbone)
+    cls = get_method("simclr")
+    method = cls(net, dim, cls.Params())
+    with torch.no_grad():  # eval-mode features then depend on every saved buffer, not just the weights
+        for m in method.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+    cfg = TrainConfig(backbone=backbone).to_dict()
+    save_checkpoint(run_dir, {"method": "simclr", "config": cfg, "model": method.state_dict()}, step=0)
+    return method.eval()
+
+
+def test_export_resnet18_loads_into_torchvision_with_cifar_stem(tmp_path, capsys):
+    import torchvision
+
+    method = _checkpoint(tmp_path / "run", "resnet18")
+    out = tmp_path / "r18.pt"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "torchvision.models.resnet18" in capsys.readouterr().out
+    state = torch.load(out, weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert "conv1.weight" in state and not any(k.startswith(("backbone.", "projector.", "fc.")) for k in state)
+
+    tv = torchvision.models.resnet18()
+    tv.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    tv.maxpool = torch.nn.Identity()
+    missing, unexpected = tv.load_state_dict(state, strict=False)
+    assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
+    tv.fc = torch.nn.Identity()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(tv.eval()(x), method.backbone(x))
+
+
+def test_export_safetensors_or_clear_error(tmp_path, capsys):
+    _checkpoint(tmp_path / "run", "small_cnn")
+    out = tmp_path / "bb.safetensors"
+    rc = main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)])
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        assert rc == 2 and "pip install safetensors" in capsys.readouterr().err and not out.exists()
+        return
+    assert rc == 0 and set(load_file(str(out))) == set(build_backbone("small_cnn")[0].state_dict())
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys, command):
+    extra = ["--out", str(tmp_path / "x.pt")] if command == "export" else []
+    assert main([command, "--checkpoint", str(tmp_path / "nope"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err and str(tmp_path / "nope") in err
+
+
+def test_eval_on_a_trained_run_prints_knn_and_linear_and_writes_json(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--max-steps", "3", "--batch-size", "64", "--no-progress",
+                 "--world-size", "1", "--threads", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    report = tmp_path / "eval.json"
+    assert main(["eval", "--checkpoint", str(run), "--linear-epochs", "30", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "kNN top-1" in out and "linear top-1" in out
+    result = json.loads(report.read_text())
+    assert 0.0 <= result["knn_top1"] <= 1.0 and 0.0 <= result["linear_top1"] <= 1.0
+    assert result["step"] == 3 and result["method"] == "simclr"
+    # Same checkpoint, data and k/t as the loop's final kNN: the same number.
+    summary = json.loads((run / "summary.json").read_text())
+    assert abs(result["knn_top1"] - summary["knn_top1"]) < 1e-9
+    assert f"{result['knn_top1']:.4f}" in out and f"{result['linear_top1']:.4f}" in out
+
+
+def test_linear_probe_is_seeded_and_learns_separable_features():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(5, 16, generator=g) * 3
+    y = torch.arange(500) % 5
+    x = centres[y] + torch.randn(500, 16, generator=g)
+    rng = torch.get_rng_state()
+    a = linear_probe(x[:400], y[:400], x[400:], y[400:], 5, epochs=10, seed=1)
+    b = linear_probe(x[:400], y[:400], x[400:], y[400:], 5, epochs=10, seed=1)
+    assert a == b and a.top1 > 0.9
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
