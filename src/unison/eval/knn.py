@@ -41,15 +41,17 @@ def embed_all(encode: Callable[[torch.Tensor], torch.Tensor], images: torch.Tens
 
 @torch.no_grad()
 def knn_predict(query: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
-                k: int = 200, t: float = 0.1) -> torch.Tensor:
+                k: int = 200, t: float = 0.1, chunk_size: int = 1024) -> torch.Tensor:
     """Predicted labels [Q] for normalised `query` [Q, d] against normalised `bank` [N, d]."""
     k = min(k, bank.shape[0])
-    sim = query @ bank.T                                   # [Q, N]
-    top_sim, top_idx = sim.topk(k, dim=1)                  # [Q, k]
-    weights = (top_sim / t).exp()
-    votes = torch.zeros(query.shape[0], num_classes, device=query.device, dtype=weights.dtype)
-    votes.scatter_add_(1, bank_labels[top_idx], weights)
-    return votes.argmax(dim=1)
+    preds = []
+    for chunk in query.split(chunk_size):                  # bounds memory at [chunk, N] similarities
+        top_sim, top_idx = (chunk @ bank.T).topk(k, dim=1)  # [chunk, k]
+        weights = (top_sim / t).exp()
+        votes = torch.zeros(chunk.shape[0], num_classes, device=query.device, dtype=weights.dtype)
+        votes.scatter_add_(1, bank_labels[top_idx], weights)
+        preds.append(votes.argmax(dim=1))
+    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=query.device)
 
 
 @torch.no_grad()
