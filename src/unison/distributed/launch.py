@@ -21,6 +21,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import sys
@@ -34,12 +35,18 @@ from .config import DistributedConfig
 
 
 class WorkerFailure(RuntimeError):
-    """A worker process failed; `rank` and `cause` say which and why."""
+    """A worker process failed; `rank` and `cause` say which and why.
 
-    def __init__(self, rank: int, cause: str):
+    `error_type` is the class name of the worker's exception (None when it was killed or
+    exited without one), so the CLI can map it to an exit code; `traceback` is its traceback.
+    """
+
+    def __init__(self, rank: int, cause: str, error_type: str | None = None, traceback: str = ""):
         super().__init__(f"worker rank {rank} failed: {cause}")
         self.rank = rank
         self.cause = cause
+        self.error_type = error_type
+        self.traceback = traceback
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -81,7 +88,9 @@ def _describe_exit(code: int | None, error_file: str) -> str:
         try:
             with open(error_file) as f:
                 err = json.load(f)
-            return f"{err['type']}: {err['message']}"
+            # drop the C++ source location gloo/NCCL put first: "[.../unbound_buffer.cc:129] Timed out ..."
+            message = re.sub(r"^\[[^\]]*:\d+\] ", "", err["message"])
+            return f"{err['type']}: {message}"
         except (OSError, ValueError, KeyError):
             pass
     if code is not None and code < 0:
@@ -93,7 +102,8 @@ def _describe_exit(code: int | None, error_file: str) -> str:
 
 
 def _is_comm_error(cause: str) -> bool:
-    return any(k in cause for k in ("DistBackendError", "Connection", "connection", "Gloo", "gloo", "NCCL"))
+    return any(k in cause for k in ("DistBackendError", "Connection", "connection", "Gloo", "gloo", "NCCL",
+                                    "Timed out", "timed out", "Timeout"))
 
 
 def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFailure | None:
@@ -114,7 +124,12 @@ def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFai
         return (2 if _is_comm_error(causes[r]) else 1, r)
 
     r, _ = min(failed, key=priority)
-    return WorkerFailure(r, causes[r])
+    try:
+        with open(error_files[r]) as f:
+            err = json.load(f)
+        return WorkerFailure(r, causes[r], err.get("type"), err.get("traceback", ""))
+    except (OSError, ValueError, AttributeError):
+        return WorkerFailure(r, causes[r])
 
 
 def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
@@ -151,6 +166,11 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
                 failure = _first_failure(procs, error_files) or failure
                 if not _is_comm_error(failure.cause):
                     break
+        if failure is not None and _is_comm_error(failure.cause):
+            silent = [str(r) for r, p in enumerate(procs) if p.is_alive() and r != failure.rank]
+            if silent:  # a peer that neither failed nor answered: hung (the collective timed out, --timeout-s)
+                failure.cause += f" (rank {', '.join(silent)} did not fail but stopped responding)"
+                failure.args = (f"worker rank {failure.rank} failed: {failure.cause}",)
         if failure is None:
             for p in procs:
                 p.join()

@@ -9,6 +9,8 @@
 5. Each step: augment the local slice on the device (views depend on (seed, epoch, sample
    index) only, so they are the same whatever the world size), forward, backward, step,
    momentum/EMA updates. Non-finite losses stop the run with the step and rank.
+   Under ``torchrun --max-restarts N`` a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0)
+   resumes from the run directory's last complete checkpoint by itself.
 6. kNN evaluation every few epochs and at the end (reference set embedded in shards),
    checkpoints (rank 0 writes; sharded optimiser state consolidated first), metrics CSV,
    a plot, and `summary.json`.
@@ -16,10 +18,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import random
+import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +37,7 @@ from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.datasets import load_dataset
 from unison.data.random import global_batches
 from unison.distributed import collectives as C
+from unison.distributed.config import ConfigError
 from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
 from unison.distributed.env import apply_launch_env, detect_launch_env, init_distributed, shutdown_distributed
 from unison.distributed.optim import ShardedOptimizer, build_optimizer
@@ -39,8 +45,8 @@ from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.eval.knn import knn_accuracy
 from unison.methods import get_method
 from unison.models import build_backbone
-from unison.train.checkpoint import (check_compatible, load_checkpoint, pack_rng_state, restore_rng_state,
-                                     save_checkpoint)
+from unison.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, pack_rng_state,
+                                     restore_rng_state, save_checkpoint)
 from unison.train.metrics import MetricsLogger
 
 
@@ -101,20 +107,85 @@ def train_worker(payload: dict[str, Any]) -> None:
 
 
 def _consistent_config(cfg: TrainConfig) -> None:
-    """Every rank must run the same configuration (rank itself excepted)."""
+    """Every rank must run the same configuration (rank itself excepted); raise `ConfigError` if not.
+
+    Ranks exchange a SHA-256 digest of the canonical JSON (a few bytes, whatever the config's
+    size); only after a mismatch are the configurations gathered, to name what differs.
+    """
     d = cfg.to_dict()
     d["distributed"] = {k: v for k, v in d["distributed"].items() if k != "rank"}
-    digest = json.dumps(d, sort_keys=True)
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=repr).encode()).hexdigest()
     digests = C.all_gather_object(digest)
-    if len(set(digests)) > 1:
-        bad = next(r for r, x in enumerate(digests) if x != digests[0])
-        raise RuntimeError(f"rank {bad}'s configuration differs from rank 0's; start every worker with the same options")
+    if len(set(digests)) == 1:
+        return
+    configs = C.all_gather_object(d)  # every rank saw the mismatch, so every rank joins this gather
+    bad = next(r for r, x in enumerate(digests) if x != digests[0])
+
+    def flat(x: dict, prefix: str = "") -> dict:
+        return {k2: v2 for k, v in x.items()
+                for k2, v2 in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
+
+    ref, other = flat(configs[0]), flat(configs[bad])
+    diff = [f"{k}: {ref.get(k)!r} vs {other.get(k)!r}" for k in sorted(set(ref) | set(other))
+            if ref.get(k) != other.get(k)]
+    raise ConfigError(f"rank {bad}'s configuration differs from rank 0's ({'; '.join(diff[:3]) or 'digest'}); "
+                      "start every worker with the same options")
+
+
+FAULT_ENV = "UNISON_FAULT_INJECT"
+FAULT_KINDS = ("kill", "raise", "nan", "hang")
+
+
+def _restart_count() -> int:
+    """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def _fault_from_env() -> dict[str, Any] | None:
+    """TESTING ONLY: the fault that ``UNISON_FAULT_INJECT`` asks for, or None.
+
+    ``UNISON_FAULT_INJECT="rank=1,step=3[,kind=kill|raise|nan|hang][,attempt=0]"`` makes rank 1 fail
+    when it is about to run step 3 (0-based, i.e. after 3 completed steps) in restart attempt 0 only,
+    so a worker restarted by torchrun does not fail again. kill: SIGKILL itself; raise: a
+    RuntimeError; nan: a NaN loss; hang: sleep forever (its peers time out after --timeout-s).
+    The fault tests (tests/test_faults.py) use it; never set it for real runs.
+    """
+    spec = os.environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return None
+    try:
+        fields = dict(item.strip().split("=", 1) for item in spec.split(","))
+        fault = {"rank": int(fields.pop("rank")), "step": int(fields.pop("step")),
+                 "kind": fields.pop("kind", "kill"), "attempt": int(fields.pop("attempt", "0"))}
+        if fields or fault["kind"] not in FAULT_KINDS:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise ConfigError(f"{FAULT_ENV}={spec!r} must look like 'rank=1,step=3[,kind=kill|raise|nan|hang]"
+                          f"[,attempt=0]'; it is for testing only, unset it") from None
+    return fault if fault["attempt"] == _restart_count() else None
+
+
+def _inject_fault(fault: dict[str, Any] | None, rank: int, step: int) -> bool:
+    """Fire the test fault if it is due on this rank at this step; True = poison this step's loss."""
+    if fault is None or fault["rank"] != rank or fault["step"] != step:
+        return False
+    print(f"unison: {FAULT_ENV}: {fault['kind']} on rank {rank} at step {step} (t={time.time():.3f})",
+          file=sys.stderr, flush=True)  # the time lets tests measure how fast the run ends
+    if fault["kind"] == "kill":
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+    if fault["kind"] == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV})")
+    while fault["kind"] == "hang":
+        time.sleep(3600)
+    return fault["kind"] == "nan"
 
 
 def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     rank, world = C.rank(), C.world_size()
     master = rank == 0
     _consistent_config(cfg)
+    fault = _fault_from_env()  # testing only
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     _seed_everything(cfg.seed, cfg.deterministic)
@@ -178,6 +249,12 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     # ---- resume, or record the random-initialisation baseline
     step = 0
     history: dict[str, Any] = {"random_init_knn_top1": None}
+    if _restart_count() > 0:  # restarted by torchrun --max-restarts: continue from the last checkpoint
+        if C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0's view decides for all
+            cfg.resume = str(run_dir)
+            if master:
+                print(f"unison: restart {_restart_count()}: resuming from {latest_checkpoint(run_dir)}",
+                      file=sys.stderr, flush=True)
     if cfg.resume:
         ckpt = load_checkpoint(cfg.resume, expect_method=cfg.method, map_location=device)
         check_compatible(method, ckpt["model"])
@@ -227,6 +304,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     t_log, images_since_log = time.perf_counter(), 0
     final_loss = float("nan")
     while step < total_steps:
+        poison = _inject_fault(fault, rank, step)  # testing only (UNISON_FAULT_INJECT); normally False
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total_steps, warmup_steps, peak_lr)
         loss_sum = torch.zeros((), device=device, dtype=dtype)
@@ -242,10 +320,12 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             with grad_sync_context(ddp, micro, accumulate):
                 with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
                     loss = forward(views)
+                if poison:
+                    loss = loss * float("nan")
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
-                        f"non-finite loss ({float(loss)}) at step {step} on rank {rank}; lower --lr, set --grad-clip, "
-                        "or check the data (the last checkpoint is intact)")
+                        f"non-finite loss ({float(loss.detach())}) at step {step} on rank {rank}; lower --lr, "
+                        "set --grad-clip, or check the data (the last checkpoint is intact)")
                 scaler.scale(loss / accumulate).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip:
