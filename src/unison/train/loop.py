@@ -201,7 +201,9 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     image_size = cfg.image_size or train_set.images.shape[-1]
     method_cls = get_method(cfg.method)
     recipe = method_cls.recipe
-    augment = ViewAugmenter(cfg.augmentation or recipe.augmentation, image_size, train_set.mean, train_set.std)
+    # The embedded digits are grey and not mirror-symmetric: their own preset unless one is asked for.
+    preset = cfg.augmentation or ("digits" if cfg.data == "digits" else recipe.augmentation)
+    augment = ViewAugmenter(preset, image_size, train_set.mean, train_set.std)
 
     dtype = getattr(torch, cfg.precision)
 
