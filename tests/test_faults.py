@@ -194,9 +194,9 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 @pytest.mark.skipif(not TORCHRUN.exists() and not shutil.which("torchrun"), reason="torchrun is not installed")
 def test_torchrun_restarts_a_killed_worker_which_resumes_by_itself(reference, tmp_path):
     run = tmp_path / "run"
-    # torch 2.14's shared agent store keeps the previous attempt's gloo addresses, so restarted gloo workers
-    # hang in connectFullMesh; a store per attempt (this variable) avoids that. See docs/reliability.md.
-    env = {**os.environ, FAULT: "rank=1,step=3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "UNISON_NO_CACHE": "1"}
+    # No workaround variable: under torchelastic unison joins with env://, whose store is prefixed per attempt.
+    env = {**os.environ, FAULT: "rank=1,step=3", "UNISON_NO_CACHE": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     cmd = [str(TORCHRUN) if TORCHRUN.exists() else "torchrun", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", "-m", "unison.cli", "train", *TINY, "--out", str(run)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
@@ -206,10 +206,6 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_by_itself(reference, tm
     _assert_same_training_state(load_checkpoint(run), reference)
 
 
-@pytest.mark.xfail(strict=True, reason="metrics.py writes a second CSV header when it resumes a metrics.csv that holds "
-                   "only a header (a run that failed before its first logged step); the next resume then fails "
-                   "with \"could not convert string to float: 'step'\". Fix: write the header only when the file is "
-                   "empty (MetricsLogger.__init__).")
 def test_resuming_a_run_killed_before_its_first_metrics_row(tmp_path):
     from unison.train.metrics import MetricsLogger
 
@@ -257,9 +253,6 @@ def test_rendezvous_defaults_to_loopback(listening):
     assert gloo and all(loopback for _, _, loopback in gloo), listening
 
 
-@pytest.mark.xfail(strict=True, reason="torch's TCPStore server binds every interface whatever master_addr says; "
-                   "fix in unison.distributed.env.init_distributed: on rank 0 bind a socket to (master_addr, port) "
-                   "and pass TCPStore(..., master_listen_fd=sock.fileno()) as init_process_group(store=...)")
 def test_rendezvous_store_listens_on_loopback_only(listening):
     store = [s for s in listening if s[0] == "store"]
     assert store and all(loopback for _, _, loopback in store), listening

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -95,16 +96,41 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     if cfg.resolved_backend() == "local":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return device
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # torchrun: its env:// handler joins the agent's store under a per-attempt prefix, so
+        # workers restarted by --max-restarts never read the previous attempt's addresses.
+        dist.init_process_group(comm, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
+                                timeout=timeout)
+        return device
     if not cfg.master_port:
         raise ConfigError("no rendezvous port: set MASTER_PORT (torchrun/unison set it) or --master-port")
-    dist.init_process_group(
-        comm,
-        init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
-        rank=cfg.rank,
-        world_size=cfg.world_size,
-        timeout=timeout,
-    )
+    dist.init_process_group(comm, store=_rendezvous_store(cfg, timeout), rank=cfg.rank,
+                            world_size=cfg.world_size, timeout=timeout)
     return device
+
+
+def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous key-value store; rank 0 serves it on `master_addr` only.
+
+    torch's TCPStore server listens on every interface whatever address it is given, so
+    rank 0 binds the socket itself (loopback by default) and hands it over.
+    """
+    if cfg.rank != 0:
+        return dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in cfg.master_addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.master_addr, cfg.master_port))
+        sock.listen(max(128, cfg.world_size))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {cfg.master_addr}:{cfg.master_port} for the rendezvous ({exc.strerror}); "
+                          "choose another --master-port or --master-addr") from None
+    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=True, timeout=timeout,
+                          master_listen_fd=sock.fileno())
+    sock.detach()  # the store serves on this descriptor from now on; Python must not close it
+    return store
 
 
 def shutdown_distributed() -> None:

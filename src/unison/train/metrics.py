@@ -29,7 +29,7 @@ class MetricsLogger:
                              for row in csv.DictReader(f)]
         self._file = open(self.path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
-        if not self.rows:
+        if self._file.tell() == 0:  # a resumed run whose file holds only the header must not get a second one
             self._writer.writeheader()
         try:
             from torch.utils.tensorboard import SummaryWriter
