@@ -128,6 +128,8 @@ PRESETS: dict[str, dict] = {
         "noise_std": 0.0,  # 0.02 trained no better here and costs ~5x the rest of the pipeline on CPU
     },
 }
+# Multi-crop (SwAV / DINO) on the digits: the digits' colour ops, 2 global + 4 local 8x8 crops.
+PRESETS["digits_multicrop"] = {**PRESETS["digits"], "n_local": 4, "local_crop_scale": (0.2, 0.5)}
 
 _N_ATTEMPTS = 10
 # Column layout of the per-view uniforms (fixed, so switching an op off leaves the others' draws unchanged).

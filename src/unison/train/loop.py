@@ -202,7 +202,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     method_cls = get_method(cfg.method)
     recipe = method_cls.recipe
     # The embedded digits are grey and not mirror-symmetric: their own preset unless one is asked for.
-    preset = cfg.augmentation or ("digits" if cfg.data == "digits" else recipe.augmentation)
+    digits_preset = "digits_multicrop" if recipe.augmentation == "multicrop" else "digits"
+    preset = cfg.augmentation or (digits_preset if cfg.data == "digits" else recipe.augmentation)
     augment = ViewAugmenter(preset, image_size, train_set.mean, train_set.std)
 
     dtype = getattr(torch, cfg.precision)
