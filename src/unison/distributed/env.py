@@ -89,7 +89,9 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
         raise RuntimeError("a torch.distributed process group is already initialised in this process")
     comm = cfg.communication_backend()
     device = torch.device("cpu")
-    if comm == "nccl":
+    # NCCL, and a single in-memory process, train on this worker's GPU when there is one; gloo with
+    # several workers stays on the CPU (torch's CUDA SyncBatchNorm needs NCCL).
+    if comm == "nccl" or (cfg.resolved_backend() == "local" and torch.cuda.is_available()):
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
