@@ -44,6 +44,8 @@ import torch.nn as nn
 
 from unison.distributed.collectives import all_reduce_with_grad, world_size
 
+from ._precision import check_embedding_pair, in_full_precision
+
 
 class BarlowTwinsLoss(nn.Module):
     def __init__(self, lambda_offdiag: float = 5e-3, eps: float = 1e-5, gather_distributed: bool = True):
@@ -55,13 +57,8 @@ class BarlowTwinsLoss(nn.Module):
         self.gather_distributed = gather_distributed
 
     def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
-        if z_a.shape != z_b.shape or z_a.dim() != 2:
-            raise ValueError(f"expected two [n, d] embeddings of one shape, got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
-        # Batch statistics and the [d, d] products lose too much in half precision: under AMP the
-        # loss runs in float32 (autocast off, half inputs upcast); float32/float64 inputs are kept.
-        with torch.autocast(z_a.device.type, enabled=False):
-            half = (torch.float16, torch.bfloat16)
-            return self._loss(z_a.float() if z_a.dtype in half else z_a, z_b.float() if z_b.dtype in half else z_b)
+        check_embedding_pair(z_a, z_b)
+        return in_full_precision(self._loss, z_a, z_b)  # batch statistics: float32 under AMP
 
     def _loss(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
         d = z_a.shape[1]

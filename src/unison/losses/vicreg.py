@@ -44,6 +44,8 @@ import torch.nn.functional as F
 
 from unison.distributed.collectives import all_gather_with_grad, world_size
 
+from ._precision import check_embedding_pair, in_full_precision
+
 
 class VICRegLoss(nn.Module):
     def __init__(self, lambda_inv: float = 25.0, mu_var: float = 25.0, nu_cov: float = 1.0, gamma: float = 1.0,
@@ -66,13 +68,8 @@ class VICRegLoss(nn.Module):
         return cov.masked_fill(eye, 0).pow(2).sum() / d
 
     def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
-        if z_a.shape != z_b.shape or z_a.dim() != 2:
-            raise ValueError(f"expected two [n, d] embeddings of one shape, got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
-        # Batch statistics and the [d, d] products lose too much in half precision: under AMP the
-        # loss runs in float32 (autocast off, half inputs upcast); float32/float64 inputs are kept.
-        with torch.autocast(z_a.device.type, enabled=False):
-            half = (torch.float16, torch.bfloat16)
-            return self._loss(z_a.float() if z_a.dtype in half else z_a, z_b.float() if z_b.dtype in half else z_b)
+        check_embedding_pair(z_a, z_b)
+        return in_full_precision(self._loss, z_a, z_b)  # batch statistics: float32 under AMP
 
     def _loss(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
         d = z_a.shape[1]

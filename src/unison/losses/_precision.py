@@ -1,0 +1,25 @@
+"""Shared guard for losses built on batch statistics ([d, d] products, variances).
+
+Those lose too much in half precision, so under AMP such a loss runs in float32: autocast
+off, float16/bfloat16 inputs upcast, float32/float64 inputs kept as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_embedding_pair(z_a: torch.Tensor, z_b: torch.Tensor) -> None:
+    if z_a.shape != z_b.shape or z_a.dim() != 2:
+        raise ValueError(f"expected two [n, d] embeddings of one shape, got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
+
+
+def in_full_precision(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
+    """`loss(z_a, z_b)` with autocast off and half-precision inputs upcast to float32."""
+    with torch.autocast(z_a.device.type, enabled=False):
+        return loss(z_a.float() if z_a.dtype in _HALF else z_a, z_b.float() if z_b.dtype in _HALF else z_b)
