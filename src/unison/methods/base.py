@@ -18,7 +18,7 @@ augmentation preset).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +31,12 @@ class Recipe:
     base_lr: float = 0.06          # per 256 images (scaled linearly with the global batch)
     weight_decay: float = 5e-4
     augmentation: str = "simclr"   # preset in unison.data.augment
+    # Overrides of the fields above for the embedded digits default, a 150-step schedule on which
+    # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
+    embedded: dict[str, Any] = field(default_factory=dict)
+
+    def for_data(self, data: str) -> "Recipe":
+        return replace(self, **self.embedded) if data == "digits" and self.embedded else self
 
 
 class SSLMethod(nn.Module):

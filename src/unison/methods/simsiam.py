@@ -49,7 +49,8 @@ class SimSiamParams:
 class SimSiam(SSLMethod):
     name = "simsiam"
     Params = SimSiamParams
-    recipe = Recipe(optimizer="sgd", base_lr=0.03, weight_decay=5e-4, augmentation="simclr")
+    recipe = Recipe(optimizer="sgd", base_lr=0.03, weight_decay=5e-4, augmentation="simclr",
+                    embedded={"base_lr": 0.1})  # embedded default: 0.80 vs 0.77 kNN
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: SimSiamParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
