@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="append one JSON line with the results to this file")
+    ap.add_argument("--train-step", default="small_cnn", metavar="BACKBONE",
+                    help="also time a SimCLR training step with this backbone and report the ratio ('' = skip)")
     args = ap.parse_args(argv)
 
     if args.data not in ("digits", "cifar10") and not Path(args.data).is_dir():
@@ -99,10 +101,44 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats} x {args.iters} iterations after {args.warmup} warm-up")
     print(f"augmentation: {median:,.0f} images/s median, {best:,.0f} best "
           f"({result['ms_per_batch_median']} ms per global batch, all views)")
+    if args.train_step:
+        train_rate = _train_step_rate(args, step, sync, device)
+        result["train_step_backbone"] = args.train_step
+        result["train_step_images_per_s"] = round(train_rate, 1)
+        result["pipeline_over_train_step"] = round(median / train_rate, 1)
+        print(f"SimCLR training step ({args.train_step}, forward + backward + SGD on the same views): "
+              f"{train_rate:,.0f} images/s; the pipeline delivers {median / train_rate:.1f}x that")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
     return 0
+
+
+def _train_step_rate(args, make_views, sync, device) -> float:
+    """Images/s one SimCLR optimiser step consumes, on views made once beforehand (not timed)."""
+    from unison.methods import SimCLR, SimCLRParams
+    from unison.models import build_backbone
+
+    torch.manual_seed(0)
+    backbone, dim = build_backbone(args.train_step)
+    model = SimCLR(backbone, dim, SimCLRParams()).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    views = make_views(0)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(views).backward()
+        opt.step()
+
+    for _ in range(2):
+        train_step()
+    sync()
+    iters = max(3, args.iters // 5)
+    t = time.perf_counter()
+    for _ in range(iters):
+        train_step()
+    sync()
+    return iters * args.batch / (time.perf_counter() - t)
 
 
 if __name__ == "__main__":
