@@ -253,3 +253,13 @@ def test_defaults_are_the_documented_ones():
         0.1, 0.04, 0.07, 0.9, 0.996)
     assert isinstance(_build("swav"), SwAV) and isinstance(_build("dino"), DINO) and isinstance(_build("byol"), BYOL)
     assert isinstance(_build("moco"), MoCo)
+
+
+def test_recipe_for_embedded_digits():
+    from unison.methods import METHODS
+
+    assert METHODS["simclr"].recipe.for_data("digits").augmentation == "digits"
+    assert METHODS["swav"].recipe.for_data("digits").augmentation == "digits_multicrop"
+    barlow = METHODS["barlowtwins"].recipe
+    assert (barlow.for_data("digits").optimizer, barlow.for_data("digits").base_lr) == ("lars", 0.3)
+    assert barlow.for_data("../shared/data/cifar10/train") is barlow

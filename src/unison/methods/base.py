@@ -36,7 +36,12 @@ class Recipe:
     embedded: dict[str, Any] = field(default_factory=dict)
 
     def for_data(self, data: str) -> "Recipe":
-        return replace(self, **self.embedded) if data == "digits" and self.embedded else self
+        """The recipe for `data`: on the embedded digits, their own augmentation (grey, not
+        mirror-symmetric; multi-crop kept for multi-crop methods) and the `embedded` overrides."""
+        if data != "digits":
+            return self
+        preset = "digits_multicrop" if self.augmentation == "multicrop" else "digits"
+        return replace(self, **{"augmentation": preset, **self.embedded})
 
 
 class SSLMethod(nn.Module):

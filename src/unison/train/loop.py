@@ -201,10 +201,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     image_size = cfg.image_size or train_set.images.shape[-1]
     method_cls = get_method(cfg.method)
     recipe = method_cls.recipe.for_data(cfg.data)
-    # The embedded digits are grey and not mirror-symmetric: their own preset unless one is asked for.
-    digits_preset = "digits_multicrop" if recipe.augmentation == "multicrop" else "digits"
-    preset = cfg.augmentation or (digits_preset if cfg.data == "digits" else recipe.augmentation)
-    augment = ViewAugmenter(preset, image_size, train_set.mean, train_set.std)
+    augment = ViewAugmenter(cfg.augmentation or recipe.augmentation, image_size, train_set.mean, train_set.std)
 
     dtype = getattr(torch, cfg.precision)
 
