@@ -19,13 +19,7 @@ from unison.data import random as R
 CIFAR = Path(__file__).resolve().parents[1].parent / "shared/data/cifar10"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add synchronisation (badly so on a busy 2-core machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

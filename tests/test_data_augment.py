@@ -20,13 +20,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add synchronisation (badly so on a busy 2-core machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _images(n: int, size: int, seed: int = 0) -> torch.Tensor:
