@@ -157,15 +157,15 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
             failure = _first_failure(procs, error_files)
             if failure is None:
                 time.sleep(poll_s)
-        if failure is not None and _is_comm_error(failure.cause):
-            # A peer that lost its partner often fails before the partner's own exit is visible
-            # (the partner is still tearing down); give the root cause a moment to show up.
+        if failure is not None and (procs[failure.rank].exitcode or 0) >= 0:
+            # Workers often fail together: a peer that lost its partner fails with a communication
+            # error before the partner's own exit is visible, and ranks that hit the same bad input
+            # fail at once. Let the others show up (ends as soon as all have exited), then report by
+            # cause and lowest rank, so the report does not depend on timing. A kill needs no wait.
             deadline = time.monotonic() + settle_s
             while time.monotonic() < deadline and any(p.is_alive() for p in procs):
                 time.sleep(poll_s)
-                failure = _first_failure(procs, error_files) or failure
-                if not _is_comm_error(failure.cause):
-                    break
+            failure = _first_failure(procs, error_files) or failure
         if failure is not None and _is_comm_error(failure.cause):
             silent = [str(r) for r, p in enumerate(procs) if p.is_alive() and r != failure.rank]
             if silent:  # a peer that neither failed nor answered: hung (the collective timed out, --timeout-s)
