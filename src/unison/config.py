@@ -109,6 +109,13 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
+        from unison.data.augment import PRESETS
+        from unison.models.backbones import BACKBONES
+
+        if self.backbone not in BACKBONES and not self.backbone.startswith("timm:"):
+            raise ConfigError(f"backbone={self.backbone!r} is unknown; use one of {', '.join(BACKBONES)} or timm:<name>")
+        if self.augmentation is not None and self.augmentation not in PRESETS:
+            raise ConfigError(f"augmentation={self.augmentation!r} is unknown; use one of {', '.join(sorted(PRESETS))}")
         if self.optimizer is not None and self.optimizer not in ("sgd", "lars", "adam", "adamw"):
             raise ConfigError(f"optimizer={self.optimizer!r} is unknown; use sgd, lars, adam or adamw")
         cls = METHODS[self.method]

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,8 @@ class DistributedConfig:
             raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
         if not self.timeout_s > 0:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if not math.isfinite(self.timeout_s):
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a finite number of seconds")
         return self
 
     # ---------------------------------------------------------- serialisation
