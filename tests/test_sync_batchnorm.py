@@ -1,5 +1,6 @@
 """CPU SyncBN (GlobalBatchNorm) against nn.BatchNorm on the concatenated global batch, real gloo processes."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -8,42 +9,54 @@ from unison.distributed.sync_batchnorm import GlobalBatchNorm, convert_sync_batc
 from unison.distributed.testing import run_in_workers
 
 G = torch.Generator().manual_seed(3)
-X = torch.randn(10, 4, 5, 5, generator=G, dtype=torch.float64) * 3 + 1.5   # 10 rows: 4 on rank 0, 6 on rank 1
-W_OUT = torch.randn(10, 4, 5, 5, generator=G, dtype=torch.float64)        # asymmetric upstream gradient
-SPLIT = [4, 6]
+SPLIT = [4, 6]                                                            # 10 rows: 4 on rank 0, 6 on rank 1
+# Per case: the global input (a shift and scale that plain batch norm must remove) and an asymmetric
+# upstream gradient. "2d" is a conv feature map, "1d" a projection head's [N, C], "2d_channels_last" the
+# memory format a channels-last run feeds in.
+CASES = {
+    "2d": (torch.randn(10, 4, 5, 5, generator=G, dtype=torch.float64) * 3 + 1.5,
+           torch.randn(10, 4, 5, 5, generator=G, dtype=torch.float64)),
+    "1d": (torch.randn(10, 4, generator=G, dtype=torch.float64) * 2 - 0.7,
+           torch.randn(10, 4, generator=G, dtype=torch.float64)),
+}
+CASES["2d_channels_last"] = tuple(t.contiguous(memory_format=torch.channels_last) for t in CASES["2d"])
+X, W_OUT = CASES["2d"]
 
 
-def _model() -> nn.Module:
+def _model(dim: int = 4) -> nn.Module:
     torch.manual_seed(0)
-    bn = nn.BatchNorm2d(4, momentum=0.3).double()
+    bn = (nn.BatchNorm2d(4, momentum=0.3) if dim == 4 else nn.BatchNorm1d(4, momentum=0.3)).double()
     with torch.no_grad():
         bn.weight.uniform_(0.5, 1.5)
         bn.bias.uniform_(-0.5, 0.5)
     return bn
 
 
-def _worker():
-    bn = convert_sync_batchnorm(_model(), "cpu")
+def _worker(case: str):
+    x_all, w_out = CASES[case]
+    bn = convert_sync_batchnorm(_model(x_all.dim()), "cpu")
     assert isinstance(bn, GlobalBatchNorm)
     start = sum(SPLIT[: C.rank()])
     rows = slice(start, start + SPLIT[C.rank()])
-    x = X[rows].clone().requires_grad_(True)
+    x = x_all[rows].clone().requires_grad_(True)
     outs = []
     for _ in range(2):  # two steps: running statistics accumulate
         y = bn(x)
         outs.append(y.detach())
-    (y * W_OUT[rows]).sum().backward()
+    (y * w_out[rows]).sum().backward()
     return {"y": outs[-1], "dx": x.grad, "dw": bn.weight.grad, "db": bn.bias.grad,
             "rm": bn.running_mean, "rv": bn.running_var, "nbt": bn.num_batches_tracked}
 
 
-def test_global_batchnorm_matches_batchnorm_on_global_batch_uneven_ranks():
-    out = run_in_workers(_worker, world_size=2)
-    ref = _model()
-    x = X.clone().requires_grad_(True)
+@pytest.mark.parametrize("case", list(CASES))
+def test_global_batchnorm_matches_batchnorm_on_global_batch_uneven_ranks(case):
+    out = run_in_workers(_worker, world_size=2, args=(case,))
+    x_all, w_out = CASES[case]
+    ref = _model(x_all.dim())
+    x = x_all.clone().requires_grad_(True)
     for _ in range(2):
         y = ref(x)
-    (y * W_OUT).sum().backward()
+    (y * w_out).sum().backward()
     torch.testing.assert_close(torch.cat([o["y"] for o in out]), y.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(torch.cat([o["dx"] for o in out]), x.grad, rtol=1e-10, atol=1e-10)
     # Parameter gradients are per-rank partial sums; their sum is the global gradient.
