@@ -61,7 +61,9 @@ class TrainConfig:
         "help": "parameter/compute dtype: float32, or float64 for exactness and resume checks",
         "choices": ("float32", "float64")})
     amp: str = field(default="none", metadata={"help": "mixed precision on GPU: none | bf16 | fp16", "choices": AMP_MODES})
-    channels_last: bool = field(default=False, metadata={"help": "channels_last memory format (GPU)"})
+    channels_last: bool = field(default=True, metadata={
+        "help": "channels_last (NHWC) memory format for conv backbones: oneDNN on CPU and tensor cores on GPU are faster "
+                "with it (the CPU SimCLR step about 1.3x)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the method"})
     deterministic: bool = field(default=False, metadata={"help": "deterministic algorithms (bitwise repeatable runs)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per worker; default: cores / workers"})
