@@ -77,10 +77,37 @@ def test_lightly_writer_reports_ratio_or_why_not(tmp_path):
              "steady_images_per_s": 160.0, **common}]
     md = write_lightly(rows, tmp_path)["md"].read_text()
     assert "3.00x" in md and "2.00x after step 10" in md and _md_table_ok(md, 2)
+    for r, tflops in zip(rows, (0.5, 0.1)):   # a GPU with a known peak: the fraction is printed
+        r.update(step_gflop=3411.7, tflops_per_s=tflops, bf16_peak_tflops=989.4, peak_fraction=tflops / 989.4)
+    md = write_lightly(rows, tmp_path)["md"].read_text()
+    assert "| 0.500 | 0.1 % |" in md and "against 989.4 TFLOPS dense bf16" in md and _md_table_ok(md, 2)
     rows[1] = {"side": "lightly", "pipeline": "not measured", "backbone": "small_cnn", "global_batch": 256,
                "steps": 40, "error": "ImportError: no module named lightly (pip install lightly)"}
     md = write_lightly(rows, tmp_path)["md"].read_text()
     assert "not measured: ImportError" in md and "ratio" not in md and _md_table_ok(md, 2)
+
+
+def test_step_flops_counts_conv_and_matmul_work_and_scales_with_batch():
+    from unison.bench.flops import training_step_flops
+
+    # ResNet-18 with the CIFAR stem: about 0.56 GMACs per 32 px image forward, i.e. 1.11 GFLOP; a training step
+    # is forward + backward (x3) of two views.
+    per_step = training_step_flops("simclr", "resnet18", batch=512, image_size=32)
+    assert per_step / (3 * 2 * 512) == pytest.approx(1.11e9, rel=0.03)
+    # Linear in the batch but for NT-Xent's (2B x 2B) similarity matrix, a small quadratic term.
+    small, double = training_step_flops("simclr", "small_cnn", 64, 32), training_step_flops("simclr", "small_cnn", 128, 32)
+    assert 2 * small < double < 2.01 * small
+
+
+def test_bf16_peak_lookup_prefers_the_specific_name():
+    from unison.bench.flops import bf16_peak_tflops
+
+    assert bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bf16_peak_tflops("NVIDIA L40S") == 362.0 and bf16_peak_tflops("NVIDIA L4") == 121.0
+    assert bf16_peak_tflops("NVIDIA GeForce GTX 1080") is None and bf16_peak_tflops(None) is None
+    with pytest.raises(ConfigError, match="peak-tflops"):
+        config_from_overrides({"peak_tflops": 0})
 
 
 def test_presets_and_overrides():

@@ -63,6 +63,9 @@ class BenchConfig:
         "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
     lightly_threads: int | None = field(default=None, metadata={
         "help": "torch threads of the training process on each side of the Lightly comparison (default: all cores)"})
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
+                "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
     scaling_steps: int = field(default=30, metadata={"help": "optimiser steps of each scaling run"})
     train_args: str = field(default="", metadata={
         "help": "extra 'unison train' flags for every run, e.g. \"--amp bf16 --channels-last\""})
@@ -88,6 +91,8 @@ class BenchConfig:
             raise ConfigError("bench: --workers must be >= 2 (the table compares 1 worker with W workers)")
         if self.batch_size % self.workers:
             raise ConfigError(f"bench: batch_size={self.batch_size} must be divisible by workers={self.workers}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"bench: --peak-tflops={self.peak_tflops} must be a positive number of TFLOPS")
         if self.comm_steps < 3:
             raise ConfigError("bench: --comm-steps must be >= 3 (PowerSGD compresses from the third step)")
         return self

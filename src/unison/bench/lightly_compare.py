@@ -200,7 +200,30 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
                      "load_1m_after": (loadavg() or [None])[0], "version": _version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})
+    _add_flops(rows, cfg, s.get("image_size", 32), device)
     return rows
+
+
+def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, image_size: int, device: str) -> None:
+    """Achieved TFLOP/s of each measured side and, on a GPU with a known peak, the fraction of its bf16 peak.
+
+    Both sides do the same matrix work per step (same backbone, projection head and batch), so one count
+    from `training_step_flops` serves both.
+    """
+    import torch
+
+    from .flops import bf16_peak_tflops, training_step_flops
+
+    step_flops = training_step_flops("simclr", cfg.backbone, cfg.batch_size, image_size)
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else None
+    peak = cfg.peak_tflops or bf16_peak_tflops(device_name)
+    for r in rows:
+        if r.get("error"):
+            continue
+        r["step_gflop"] = step_flops / 1e9
+        r["tflops_per_s"] = step_flops * r["steps"] / r["train_time_s"] / 1e12
+        r["bf16_peak_tflops"] = peak
+        r["peak_fraction"] = r["tflops_per_s"] / peak if peak else None
 
 
 def _first_logged_interval(metrics_csv: Path, batch: int) -> tuple[int, float]:
@@ -227,16 +250,20 @@ def _version(dist: str) -> str:
 def lightly_markdown(rows: list[dict[str, Any]]) -> str:
     steady_from = next((r.get("steady_from_step") for r in rows if r.get("steady_from_step")), None)
     headers = ["Side", "Version", "Pipeline", "Threads", "Loader workers", "Steps x batch", "Training time",
-               "img/s (all steps)", f"img/s (after step {steady_from})", "kNN acc", "Peak mem", "Load 1 min before / after"]
+               "img/s (all steps)", f"img/s (after step {steady_from})", "TFLOP/s", "of bf16 peak", "kNN acc", "Peak mem",
+               "Load 1 min before / after"]
     body = []
     for r in rows:
         if r.get("error"):
-            body.append([r["side"], "-", f"not measured: {r['error']}"] + ["-"] * 9)
+            body.append([r["side"], "-", f"not measured: {r['error']}"] + ["-"] * 11)
             continue
         steady = r.get("steady_images_per_s")
         body.append([r["side"], r["version"], r["pipeline"], r["threads"], r["loader_workers"],
                      f"{r['steps']} x {r['global_batch']}", fmt_duration(r["train_time_s"]), f"{r['images_per_s']:.1f}",
-                     "n/a" if steady is None else f"{steady:.1f}", f"{r['knn_top1']:.3f}",
+                     "n/a" if steady is None else f"{steady:.1f}",
+                     "n/a" if r.get("tflops_per_s") is None else f"{r['tflops_per_s']:.3f}",
+                     "n/a (peak unknown)" if r.get("peak_fraction") is None else f"{100 * r['peak_fraction']:.1f} %",
+                     f"{r['knn_top1']:.3f}",
                      f"{r['peak_memory_mib']:.0f} MiB", load_pair(r)])
     text = markdown_table(headers, body)
     measured = {r["side"]: r for r in rows if not r.get("error")}
@@ -248,6 +275,14 @@ def lightly_markdown(rows: list[dict[str, Any]]) -> str:
             text += f", {u['steady_images_per_s'] / lt['steady_images_per_s']:.2f}x after step {steady_from}"
         text += (" (images/s of the training loop; all steps include the first step's warm-up on both sides and, "
                  "for Lightly, starting its loader workers at every epoch).\n")
+    flop_row = next((r for r in rows if r.get("step_gflop")), None)
+    if flop_row is not None:
+        peak = flop_row.get("bf16_peak_tflops")
+        text += (f"\nTFLOP/s: {flop_row['step_gflop']:.1f} GFLOP of matrix work per step (forward + backward, "
+                 "counted by `torch.utils.flop_counter` via `unison.bench.flops`) x steps / training time; "
+                 + (f"of bf16 peak: against {peak:g} TFLOPS dense bf16.\n" if peak else
+                    "no bf16 peak is known for this device (CPU, or a GPU not in `BF16_PEAK_TFLOPS`; "
+                    "pass --peak-tflops).\n"))
     return text
 
 

@@ -368,7 +368,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     peak_memory = C.all_gather_object(round(peak_memory_mib(device), 1))  # per rank, for benchmarks
     summary = {
         "method": cfg.method, "backbone": cfg.backbone, "data": cfg.data, "world_size": world, "steps": step,
-        "epochs": step / steps_per_epoch, "global_batch": global_batch, "train_images": len(train_set),
+        "epochs": step / steps_per_epoch, "global_batch": global_batch, "image_size": image_size,
+        "train_images": len(train_set),
         "val_images": len(val_set), "final_loss": final_loss, "knn_top1": knn_top1,
         "random_init_knn_top1": history["random_init_knn_top1"], "train_time_s": train_time,
         "peak_memory_mib": peak_memory,

@@ -1,0 +1,68 @@
+"""FLOPs of one training step, and the fraction of an accelerator's bf16 peak a measured step reaches.
+
+`training_step_flops` counts the matrix FLOPs (convolutions, matmuls, bmm, attention)
+of one forward + backward of a method at a given batch with PyTorch's own
+`torch.utils.flop_counter.FlopCounterMode`, on the ``meta`` device: shapes only, no
+memory, no compute, so it is instant even for ResNet-50 at batch 512. Elementwise ops
+(batch norm, ReLU, the optimizer) are not counted, as in the usual model-FLOPs
+utilisation (MFU) figure. The count does not depend on the number of workers: W
+workers at B/W each do the work of one worker at B.
+
+`BF16_PEAK_TFLOPS` holds the dense bf16 tensor-core peak of common data-centre GPUs from
+NVIDIA's datasheets (their headline "with sparsity" figures are twice these). A GPU that
+is not listed reports its achieved TFLOP/s without a fraction, unless ``--peak-tflops``
+names its peak. CPUs have no entry: the peak of a CPU depends on its clock, cores
+and vector units, so only achieved TFLOP/s is reported there.
+
+Example::
+
+    flops = training_step_flops("simclr", "resnet18", batch=512, image_size=32)
+    tflops = flops * steps / train_time_s / 1e12
+    fraction = tflops / bf16_peak_tflops(torch.cuda.get_device_name())   # None if unknown
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Substring of `torch.cuda.get_device_name()` -> dense bf16 TFLOPS. Checked in order: the
+# first match wins, so the specific names ("H100 PCIe", "L40S") come before the general ones.
+BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.4),      # SXM5 (device name "NVIDIA H100 80GB HBM3")
+    ("H200", 989.4),      # SXM: the H100's compute with more memory
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
+
+
+def bf16_peak_tflops(device_name: str | None) -> float | None:
+    """Dense bf16 peak of the named GPU, or None when it is not in `BF16_PEAK_TFLOPS`."""
+    if not device_name:
+        return None
+    for key, peak in BF16_PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def training_step_flops(method: str, backbone: str, batch: int, image_size: int) -> int:
+    """Matrix FLOPs of one forward + backward of `method` on `backbone` at global batch `batch`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unison.methods import get_method
+    from unison.models import build_backbone
+
+    method_cls = get_method(method)
+    with torch.device("meta"):
+        net, feature_dim = build_backbone(backbone)
+        model = method_cls(net, feature_dim, method_cls.Params(), steps_total=1)
+        views = [torch.randn(batch, 3, image_size, image_size) for _ in range(2)]
+    model.train()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(views).backward()
+    return int(counter.get_total_flops())
