@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="append one JSON line with the results to this file")
+    from unison.config import TrainConfig
+
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=TrainConfig().channels_last,
+                    help="memory format of the timed training step (default: unison train's)")
     ap.add_argument("--train-step", default="small_cnn", metavar="BACKBONE",
                     help="also time a SimCLR training step with this backbone and report the ratio ('' = skip)")
     args = ap.parse_args(argv)
@@ -122,8 +126,11 @@ def _train_step_rate(args, make_views, sync, device) -> float:
     torch.manual_seed(0)
     backbone, dim = build_backbone(args.train_step)
     model = SimCLR(backbone, dim, SimCLRParams()).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     views = make_views(0)
+    if args.channels_last:   # as `unison train` does by default
+        model = model.to(memory_format=torch.channels_last)
+        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def train_step() -> None:
         opt.zero_grad(set_to_none=True)
