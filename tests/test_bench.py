@@ -132,3 +132,16 @@ def test_cli_dry_run_wires_the_gpu_preset(capsys):
     assert all("--backbone resnet18" in ln and "--batch-size 512" in ln and "--knn-k 200" in ln for ln in train_lines)
     assert sum("--world-size 4" in ln for ln in train_lines) == 6 * 2 + 1
     assert all("--backend nccl" in ln for ln in train_lines)
+
+
+def test_bench_command_reproduces_the_config_even_with_flag_like_values():
+    import shlex
+
+    from unison.bench.config import bench_command
+    from unison.cli import make_parser
+
+    cfg = config_from_overrides({"train_args": "--no-channels-last", "scaling_steps": 5})
+    line = bench_command("scaling", cfg)
+    assert "--train-args=--no-channels-last" in line
+    ns = make_parser().parse_args(shlex.split(line)[1:])   # the printed line parses back to the same values
+    assert ns.train_args == "--no-channels-last" and ns.scaling_steps == 5

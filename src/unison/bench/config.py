@@ -234,6 +234,8 @@ def bench_command(part: str, cfg: BenchConfig) -> str:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif str(value).startswith("-"):   # e.g. --train-args=--no-channels-last: argparse would read a flag
+            args.append(f"{flag}={value}")
         else:
             args += [flag, str(value)]
     return shlex.join(args)
