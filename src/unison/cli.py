@@ -249,6 +249,24 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     ns = parser.parse_args(argv)
+    code = _run(ns)
+    if argv is None and ns.func is cmd_train and _launched_worker():
+        from unison.distributed.env import exit_worker
+
+        exit_worker(code)   # a torchrun/srun/mpirun worker: skip interpreter finalization (see exit_worker)
+    return code
+
+
+def _launched_worker() -> bool:
+    from unison.distributed.env import detect_launch_env
+
+    try:
+        return detect_launch_env() is not None
+    except ConfigError:   # already reported as this command's error
+        return False
+
+
+def _run(ns: argparse.Namespace) -> int:
     try:
         return ns.func(ns)
     except KeyboardInterrupt:

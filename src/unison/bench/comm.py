@@ -196,8 +196,9 @@ def write_comm(rows: list[dict[str, Any]], out_dir, header: str = "") -> dict[st
     notes = ("\nBytes per step per worker, the mean over the steps after PowerSGD's start "
              f"(steps {POWERSGD_START_ITER + 1}+), counted by `CommMeter` as each worker hands them to a collective "
              "(a ring all-reduce moves about 2(W-1)/W times that over the wire). Ideal = trainable parameters "
-             "synchronised by DDP x element size. \"Other all-reduce\": SyncBN statistics (forward and backward) and "
-             "the backward of the autograd gathers. Broadcast per step is DDP's buffer broadcast (on when SyncBN is "
+             "synchronised by DDP x element size. \"Other all-reduce\": SyncBN's backward sums (2C per layer) and "
+             "the backward of the autograd gathers; \"All-gather\": embeddings or keys, and SyncBN's forward "
+             "statistics (2C+1 per layer). Broadcast per step is DDP's buffer broadcast (on when SyncBN is "
              "off); MoCo's queue and key encoder are rank-local state: copied from rank 0 once, at step 1, never again, "
              "while the keys' all-gather is counted every step.\n")
     paths["md"].write_text(header + comm_markdown(rows) + notes)

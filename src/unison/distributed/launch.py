@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import DistributedConfig
+from .env import exit_worker
 
 
 class WorkerFailure(RuntimeError):
@@ -76,11 +77,12 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
         target(payload)
     except BaseException as exc:  # report every failure, SystemExit included
         if isinstance(exc, SystemExit) and exc.code in (0, None):
-            return
+            exit_worker(0)
         with open(error_file, "w") as f:
             json.dump({"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
                        "traceback": traceback.format_exc()}, f)
-        sys.exit(1)
+        exit_worker(1)
+    exit_worker(0)
 
 
 def _describe_exit(code: int | None, error_file: str) -> str:
