@@ -263,3 +263,6 @@ def test_recipe_for_embedded_digits():
     barlow = METHODS["barlowtwins"].recipe
     assert (barlow.for_data("digits").optimizer, barlow.for_data("digits").base_lr) == ("lars", 0.3)
     assert barlow.for_data("../shared/data/cifar10/train") is barlow
+    byol = METHODS["byol"].recipe.for_data("digits")
+    assert (byol.optimizer, byol.base_lr, byol.weight_decay) == ("adam", 2e-3, 1e-6)
+    assert METHODS["byol"].recipe.for_data("../shared/data/cifar10/train").optimizer == "sgd"
