@@ -63,6 +63,22 @@ def test_failing_worker_ends_all_workers_promptly(tmp_path, mode, cause):
     assert not any(_alive(p) for p in pids), "a worker process was left behind"
 
 
+def _worker_whose_finalization_aborts(payload):
+    """Finishes its work, then arms an abort for interpreter finalization, as gloo's C++ threads sometimes do."""
+    import atexit
+
+    with open(os.path.join(payload["dir"], f"done{detect_launch_env().rank}"), "w") as f:
+        f.write("ok")
+    atexit.register(os.abort)
+
+
+def test_a_finished_worker_is_not_killed_by_interpreter_finalization(tmp_path):
+    # Workers leave with os._exit once their results are written (unison.distributed.env.exit_worker): a SIGABRT
+    # during finalization, seen in about 1 of 12 short gloo runs, must not turn a finished run into a failure.
+    launch(_worker_whose_finalization_aborts, {"dir": str(tmp_path)}, DistributedConfig(backend="gloo", world_size=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done0", "done1"]
+
+
 def test_env_detection_for_launchers():
     assert detect_launch_env({}) is None
     t = detect_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
