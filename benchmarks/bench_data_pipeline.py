@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from unison.config import TrainConfig
 from unison.data import ViewAugmenter, global_batches, load_dataset
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared/data/cifar10/train"
@@ -39,8 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", default=None, help="append one JSON line with the results to this file")
-    from unison.config import TrainConfig
-
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=TrainConfig().channels_last,
                     help="memory format of the timed training step (default: unison train's)")
     ap.add_argument("--train-step", default="small_cnn", metavar="BACKBONE",

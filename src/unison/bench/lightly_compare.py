@@ -200,7 +200,7 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
                      "load_1m_after": (loadavg() or [None])[0], "version": _version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})
-    _add_flops(rows, cfg, s.get("image_size", 32), device)
+    _add_flops(rows, cfg, s["image_size"], device)
     return rows
 
 
