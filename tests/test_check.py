@@ -18,3 +18,49 @@ def test_check_fails_without_syncbn_or_gather(capsys):
     report = run_equivalence("simclr", world_size=2, steps=2, gather_distributed=False)
     assert not report.passed and report.max_rel_loss > 1e-3
     assert "gather is off" in report.summary()
+
+
+# A change to the production step must make `unison check` fail: the check runs that step, not a copy.
+def _record_with_per_rank_lr(spec_dict):
+    """The production step with a per-rank learning rate (rank r steps with (1 + r) x the schedule's lr)."""
+    from unison.check import record_steps
+    from unison.distributed import collectives as C
+    from unison.train import step
+
+    original = step.Schedule.lr
+    step.Schedule.lr = lambda self, s: original(self, s) * (1 + C.rank())
+    try:
+        return record_steps(spec_dict)
+    finally:
+        step.Schedule.lr = original
+
+
+def _record_with_world_dependent_schedule(spec_dict):
+    """The production step with a schedule that wrongly depends on the world size (warm-up W times longer)."""
+    from unison.check import record_steps
+    from unison.distributed import collectives as C
+    from unison.train import step
+
+    original = step.Schedule.lr
+    step.Schedule.lr = lambda self, s: original(self, s // C.world_size())
+    try:
+        return record_steps(spec_dict)
+    finally:
+        step.Schedule.lr = original
+
+
+def test_check_fails_when_the_production_step_changes():
+    for broken in (_record_with_per_rank_lr, _record_with_world_dependent_schedule):
+        report = run_equivalence("simclr", world_size=2, steps=3, record=broken)
+        assert not report.passed, f"{broken.__name__}: {report.summary()}"
+        assert report.max_rel_state > 1e-3, report.summary()
+
+
+def test_check_uses_the_recipe_optimizer_and_schedule():
+    """The check's configuration is unison train's: recipe optimizer (LARS for VICReg), warm-up, precision."""
+    from unison.check import CheckSpec, train_config_for
+    from unison.train.step import resolve_recipe
+
+    cfg = train_config_for(CheckSpec(method="vicreg"), world_size=2)
+    assert resolve_recipe(cfg)["optimizer"] == "lars"
+    assert cfg.precision == "float64" and cfg.warmup_epochs > 0 and cfg.max_steps == 4

@@ -1,7 +1,7 @@
 """Faults with real worker processes: a dying or hung worker ends the whole run, promptly, with one line.
 
 Faults are injected with ``UNISON_FAULT_INJECT="rank=R,step=S[,kind=kill|nan|hang|raise]"``, a
-testing-only hook of the training loop (see `unison.train.loop._fault_from_env`): rank R SIGKILLs
+testing-only hook of the training loop (see `unison.train.faults`): rank R SIGKILLs
 itself (or poisons its loss, or hangs) when it is about to run step S. Runs are tiny (digits subset,
 batch 64, 8 steps, float64) so that "resumed == uninterrupted" can be checked at 1e-9.
 """
@@ -171,10 +171,10 @@ def test_hung_worker_ends_the_run_after_the_collective_timeout(tmp_path, capfd, 
 
 def _consistent(seed_by_rank: bool) -> str:
     from unison.distributed import collectives as C
-    from unison.train.loop import _consistent_config
+    from unison.train.loop import consistent_config
 
     cfg = TrainConfig(seed=C.rank() if seed_by_rank else 0, distributed=DistributedConfig(world_size=2))
-    _consistent_config(cfg)
+    consistent_config(cfg)
     return "ok"
 
 

@@ -1,6 +1,6 @@
 """Every method at W=2 (real gloo processes, DDP, SyncBN, gather) equals one process on the global batch.
 
-The runs use `unison.check._train_and_record`, i.e. exactly what `unison train` does: the
+The runs use `unison.check.record_steps`, i.e. exactly what `unison train` does: the
 method built from one seed, `convert_sync_batchnorm`, `wrap_ddp`, SGD with momentum, views
 from the method's augmentation preset with DIFFERENT data on each rank, float64, 3 steps
 (EMAs, queues, centres, schedules and prototype freezing are exercised). All methods run
@@ -142,17 +142,17 @@ def _moco_checks() -> dict:
 
 
 def _distributed_worker(specs: dict[str, dict]) -> dict:
-    from unison.check import _train_and_record
+    from unison.check import record_steps
 
-    out = {key: _train_and_record(spec) for key, spec in specs.items()}
+    out = {key: record_steps(spec) for key, spec in specs.items()}
     out["_moco"] = _moco_checks()
     return out
 
 
 def _reference_worker(specs: dict[str, dict]) -> dict:
-    from unison.check import _train_and_record
+    from unison.check import record_steps
 
-    return {key: _train_and_record(spec) for key, spec in specs.items()}
+    return {key: record_steps(spec) for key, spec in specs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -87,52 +86,6 @@ def build_train_config(ns: argparse.Namespace) -> "TrainConfig":  # noqa: F821
     return cfg.validate()
 
 
-def _preflight(cfg: "TrainConfig", launched: bool) -> None:  # noqa: F821
-    """Check in the launching process what would otherwise fail in every worker after start-up.
-
-    Method-parameter types, data folders (layout, image count
-    against subset and batch), the checkpoint to resume (exists, intact, safe, same method) and
-    the run directory. Image decoding and model shapes are checked by the workers, whose errors
-    still reach the user as one line naming the rank.
-    """
-    import warnings
-
-    from unison.data.datasets import DataError, _scan
-    from unison.methods import METHODS
-    from unison.train.checkpoint import latest_checkpoint, load_checkpoint
-
-    defaults = METHODS[cfg.method].Params()
-    for name, value in cfg.method_params.items():  # unknown names were refused by validate()
-        default = getattr(defaults, name)
-        want = type(default)
-        accepted = (int, float) if want is float else want
-        if want in (bool, int, float, str) and ((type(value) is bool) != (want is bool)
-                                                or not isinstance(value, accepted)):
-            raise ConfigError(f"--param {name}={value!r} must be a {want.__name__} (default {default!r})")
-    for flag, spec, subset in (("--data", cfg.data, cfg.subset), ("--val", cfg.val, cfg.val_subset)):
-        if spec is None or spec in ("digits", "cifar10"):
-            continue
-        with warnings.catch_warnings():  # the workers repeat the scan and its warnings
-            warnings.simplefilter("ignore")
-            files = _scan(Path(spec).expanduser().resolve(), with_stat=False)[1]
-        if subset is not None and subset > len(files):
-            raise DataError(f"{flag} {spec} has {len(files)} images, fewer than --subset/--val-subset {subset}; "
-                            "lower it or leave it unset")
-        if flag == "--data" and min(len(files), subset or len(files)) < cfg.batch_size:
-            raise DataError(f"{flag} {spec} has {min(len(files), subset or len(files))} images, fewer than one "
-                            f"global batch ({cfg.batch_size}); lower --batch-size")
-    out = Path(cfg.out)
-    if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
-        load_checkpoint(cfg.resume, expect_method=cfg.method)
-    elif not launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0") and latest_checkpoint(out):
-        print(f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
-              f"use --resume {out} (or --resume auto) to continue it", file=sys.stderr)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
-
-
 def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
     """Refuse a config-file value of the wrong type, naming the option (instead of a TypeError later)."""
     import typing
@@ -157,10 +110,9 @@ def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
+    from unison.api import train
     from unison.distributed.env import detect_launch_env
-    from unison.distributed.launch import launch
     from unison.train.checkpoint import latest_checkpoint
-    from unison.train.loop import train_worker
 
     if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
         from unison.config import TrainConfig
@@ -173,21 +125,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg = build_train_config(ns)
     if cfg.resume == "auto":  # `resume: auto` in a YAML file: the file's options stand, weights come from --out
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
-    _preflight(cfg, launched=detect_launch_env() is not None)
     started = time.perf_counter()
-    if detect_launch_env() is not None:          # torchrun / srun / mpirun started this process
-        train_worker(cfg.to_dict())
-        return 0
-    if cfg.distributed.world_size == 1:
-        train_worker(cfg.to_dict())
-    else:  # a WorkerFailure goes to main(), which prints it as one line
-        launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
-    summary_path = Path(cfg.out) / "summary.json"
-    summary = json.loads(summary_path.read_text())
-    wall = time.perf_counter() - started
-    print(f"{summary['method']} x{summary['world_size']} workers, {summary['steps']} steps, "
-          f"{wall:.0f} s: kNN top-1 {summary['knn_top1']:.4f} vs random init {summary['random_init_knn_top1']:.4f} "
-          f"(run dir {cfg.out})")
+    summary = train(cfg)   # a WorkerFailure goes to main(), which prints it as one line
+    launch_env = detect_launch_env()
+    if launch_env is None or launch_env.rank == 0:   # under torchrun/srun/mpirun: rank 0 prints the result
+        print(summary.result_line(time.perf_counter() - started), flush=True)
     return 0
 
 
@@ -286,24 +228,14 @@ def _run(ns: argparse.Namespace) -> int:
         return code
 
 
-# Exit codes: 1 a worker failed (killed, crashed, timed out), 2 bad configuration or usage (argparse uses
-# 2 too), 3 bad data, 4 checkpoint cannot be read or written, 5 non-finite loss, 130 interrupted. A
-# worker's exception maps like the same exception raised in this process.
-EXIT_CODES = {"ConfigError": 2, "ValueError": 2, "DataError": 3, "CheckpointError": 4, "_CorruptCheckpoint": 4,
-              "NonFiniteLossError": 5}
-
-
 def _exit_code(exc: BaseException) -> int | None:
-    from unison.distributed.launch import WorkerFailure, _is_comm_error
+    """The exit code of a failure the user can act on (`unison.errors`); None for a bug."""
+    from unison.distributed.launch import _is_comm_error
+    from unison.errors import exit_code_of
 
-    if isinstance(exc, WorkerFailure):
-        return EXIT_CODES.get(exc.error_type or "", 1)
     if "RANK" in os.environ and isinstance(exc, RuntimeError) and _is_comm_error(f"{type(exc).__name__} {exc}"):
         return 1  # under torchrun/srun: this worker lost a peer, whose own failure is the root cause
-    for cls in type(exc).__mro__:  # the most specific known class: DataError before ValueError
-        if cls.__name__ in EXIT_CODES and cls.__module__.startswith(("unison.", "builtins")):
-            return EXIT_CODES[cls.__name__]
-    return None
+    return exit_code_of(exc)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unison.errors import DataError
+
 from .random import _key, hash64
 
 __all__ = ["DataError", "IMG_EXTENSIONS", "ImageTensorDataset", "balanced_subset", "load_dataset"]
@@ -74,10 +76,6 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 _CACHE_VERSION = 1
 _SPLIT_SEED = 0x5D1617  # fixed: the digits split never depends on `seed`
 _SUBSET_STREAM = 0x5B5E7
-
-
-class DataError(ValueError):
-    """A dataset cannot be loaded; the message says what to fix."""
 
 
 @dataclass
@@ -267,6 +265,11 @@ def _scan(root: Path, with_stat: bool) -> tuple[list[str], list[str], list[int],
     if empty:
         warnings.warn(f"{root}: class folder(s) without images kept as classes: {empty[:5]}", stacklevel=4)
     return classes, files, labels, stats
+
+
+def scan_folder(root: Path) -> list[str]:
+    """The sorted relative image paths of an ImageFolder tree (raises `DataError` for a bad layout)."""
+    return _scan(root, with_stat=False)[1]
 
 
 @functools.cache

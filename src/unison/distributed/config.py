@@ -18,12 +18,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from unison.errors import ConfigError
+
 BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message is one line that says what to fix."""
 
 
 @dataclass

@@ -137,6 +137,12 @@ def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> di
     return store
 
 
+def restart_count() -> int:
+    """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def exit_worker(code: int) -> NoReturn:
     """End this worker process now with `code`, after flushing stdout/stderr, skipping interpreter finalization.
 

@@ -8,7 +8,9 @@ worker code path is identical under unison, torchrun, SLURM and mpirun.
 Failure policy: the parent polls its children. When one exits non-zero or is killed,
 the others are terminated (SIGTERM, then SIGKILL after a grace period) and
 `WorkerFailure` is raised naming the first failing rank and its cause (the worker's
-exception, written to a per-rank error file, or the signal that killed it). Children
+exception, written to a per-rank error file, or the signal that killed it); its exit code
+is that of the worker's own `UnisonError` (`unison.errors`). On success `launch` returns
+each rank's return value, sent back through a pipe. Children
 ask the kernel to kill them if the parent dies (PR_SET_PDEATHSIG), so no orphan
 survives a killed launcher. Hand-written rather than `torch.multiprocessing.spawn`
 because we need the error text of the *first* failure, the bounded shutdown and the
@@ -21,6 +23,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import pickle
 import re
 import signal
 import socket
@@ -31,23 +34,29 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from unison.errors import WorkerError, exit_code_of
+
 from .config import DistributedConfig
 from .env import exit_worker
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(WorkerError):
     """A worker process failed; `rank` and `cause` say which and why.
 
     `error_type` is the class name of the worker's exception (None when it was killed or
-    exited without one), so the CLI can map it to an exit code; `traceback` is its traceback.
+    exited without one); `exit_code` is the exit code of that exception when it was a
+    `UnisonError` (a `DataError` on rank 1 ends the command with 3), else 1; `traceback`
+    is the worker's traceback.
     """
 
-    def __init__(self, rank: int, cause: str, error_type: str | None = None, traceback: str = ""):
+    def __init__(self, rank: int, cause: str, error_type: str | None = None, traceback: str = "",
+                 exit_code: int | None = None):
         super().__init__(f"worker rank {rank} failed: {cause}")
         self.rank = rank
         self.cause = cause
         self.error_type = error_type
         self.traceback = traceback
+        self.exit_code = exit_code or 1
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -67,20 +76,24 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], error_file: str,
-                 threads: int) -> None:
+                 threads: int, result_conn: Any) -> None:
     _die_with_parent()
     os.environ.update(env)
     try:
         import torch
 
         torch.set_num_threads(threads)
-        target(payload)
+        result = target(payload)
+        # Plain pickle, in-band: torch's multiprocessing pickler would pass tensors as shared-memory handles
+        # that die with this process. The launcher reads while it polls, so a large result cannot block.
+        result_conn.send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        result_conn.close()
     except BaseException as exc:  # report every failure, SystemExit included
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             exit_worker(0)
         with open(error_file, "w") as f:
             json.dump({"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                       "traceback": traceback.format_exc()}, f)
+                       "exit_code": exit_code_of(exc), "traceback": traceback.format_exc()}, f)
         exit_worker(1)
     exit_worker(0)
 
@@ -129,33 +142,41 @@ def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFai
     try:
         with open(error_files[r]) as f:
             err = json.load(f)
-        return WorkerFailure(r, causes[r], err.get("type"), err.get("traceback", ""))
+        return WorkerFailure(r, causes[r], err.get("type"), err.get("traceback", ""), err.get("exit_code"))
     except (OSError, ValueError, AttributeError):
         return WorkerFailure(r, causes[r])
 
 
 def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
            poll_s: float = 0.05, grace_s: float = 5.0, settle_s: float = 3.0, threads_per_worker: int | None = None,
-           extra_env: dict[str, str] | None = None) -> None:
-    """Run `target(payload)` in `cfg.world_size` processes; raise `WorkerFailure` if any fails."""
+           extra_env: dict[str, str] | None = None) -> list[Any]:
+    """Run `target(payload)` in `cfg.world_size` processes; return their results by rank.
+
+    Raises `WorkerFailure` if any worker fails.
+    """
     cfg.validate()
     port = cfg.master_port or find_free_port(cfg.master_addr)
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     ctx = mp.get_context("spawn")
     errdir = tempfile.mkdtemp(prefix="unison-errors-")
     procs: list[mp.Process] = []
+    pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
+    results: dict[int, Any] = {}
     error_files = [os.path.join(errdir, f"rank{r}.json") for r in range(cfg.world_size)]
     try:
         for r in range(cfg.world_size):
             env = {"RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
                    "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
-            p = ctx.Process(target=_worker_main, args=(target, payload, env, error_files[r], threads),
+            p = ctx.Process(target=_worker_main, args=(target, payload, env, error_files[r], threads, pipes[r][1]),
                             name=f"unison-rank{r}", daemon=False)
             p.start()
+            pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
             procs.append(p)
+        conns = [read for read, _ in pipes]
         failure: WorkerFailure | None = None
         while failure is None and any(p.is_alive() for p in procs):
+            _receive_results(conns, results)
             failure = _first_failure(procs, error_files)
             if failure is None:
                 time.sleep(poll_s)
@@ -179,12 +200,28 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
             failure = _first_failure(procs, error_files)
         if failure is not None:
             raise failure
+        _receive_results(conns, results)
+        return [results.get(r) for r in range(cfg.world_size)]
     finally:
+        for read, _ in pipes:
+            read.close()
         _terminate_all(procs, grace_s)
         for f in error_files:
             if os.path.exists(f):
                 os.remove(f)
         os.rmdir(errdir)
+
+
+def _receive_results(conns: list[Any], results: dict[int, Any]) -> None:
+    """Take each finished worker's result off its pipe (EOF without a result: it failed or returned nothing)."""
+    for r, conn in enumerate(conns):
+        if r in results or conn.closed:
+            continue
+        try:
+            if conn.poll():
+                results[r] = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            results[r] = None
 
 
 def _terminate_all(procs: list[mp.Process], grace_s: float) -> None:

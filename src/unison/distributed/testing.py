@@ -10,14 +10,11 @@ distributed code::
 
     results = run_in_workers(work, world_size=2, args=(3.0,))   # [tensor([9., 9.]), tensor([9., 9.])]
 
-Results travel back through files written with ``torch.save`` and are read with
-``weights_only=True`` (tensors, numbers, strings, lists, dicts).
+Results travel back to the caller through the launcher's pipes (`unison.distributed.launch`).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +25,7 @@ from .env import detect_launch_env, init_distributed, shutdown_distributed
 from .launch import launch
 
 
-def _run_one(payload: dict[str, Any]) -> None:
+def _run_one(payload: dict[str, Any]) -> Any:
     launch_env = detect_launch_env()
     assert launch_env is not None
     cfg = DistributedConfig(backend=payload["backend"], world_size=launch_env.world_size, rank=launch_env.rank,
@@ -37,8 +34,7 @@ def _run_one(payload: dict[str, Any]) -> None:
     init_distributed(cfg, launch_env.local_rank)
     try:
         torch.manual_seed(payload["seed"] + launch_env.rank)
-        result = payload["fn"](*payload["args"])
-        torch.save(result, os.path.join(payload["outdir"], f"rank{launch_env.rank}.pt"))
+        return payload["fn"](*payload["args"])
     finally:
         shutdown_distributed()
 
@@ -46,16 +42,13 @@ def _run_one(payload: dict[str, Any]) -> None:
 def run_in_workers(fn: Callable[..., Any], world_size: int, args: tuple = (), *, backend: str = "gloo",
                    seed: int = 0, timeout_s: float = 120.0, threads_per_worker: int = 1) -> list[Any]:
     """Call `fn(*args)` on every rank of a fresh `world_size`-process group; return results by rank."""
-    with tempfile.TemporaryDirectory(prefix="unison-workers-") as outdir:
-        if world_size == 1 and backend == "local":
-            cfg = DistributedConfig(backend="local", world_size=1)
-            init_distributed(cfg)
-            try:
-                torch.manual_seed(seed)
-                return [fn(*args)]
-            finally:
-                shutdown_distributed()
-        cfg = DistributedConfig(backend=backend, world_size=world_size, timeout_s=timeout_s)
-        payload = {"fn": fn, "args": args, "outdir": outdir, "backend": backend, "seed": seed, "timeout_s": timeout_s}
-        launch(_run_one, payload, cfg, threads_per_worker=threads_per_worker)
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
+    if world_size == 1 and backend == "local":
+        init_distributed(DistributedConfig(backend="local", world_size=1))
+        try:
+            torch.manual_seed(seed)
+            return [fn(*args)]
+        finally:
+            shutdown_distributed()
+    cfg = DistributedConfig(backend=backend, world_size=world_size, timeout_s=timeout_s)
+    payload = {"fn": fn, "args": args, "backend": backend, "seed": seed, "timeout_s": timeout_s}
+    return launch(_run_one, payload, cfg, threads_per_worker=threads_per_worker)

@@ -8,8 +8,12 @@ The whole method is wrapped in DDP, so online parameters get averaged gradients;
 that is not trained by gradient (momentum encoders, queues, centres) is declared with
 `mark_rank_local_state` so DDP never re-broadcasts it.
 
-``on_after_step(step, total_steps)`` runs after every optimiser step (EMA updates,
-schedules). ``embed(x)`` returns backbone features for evaluation.
+``on_after_step(step)`` runs after every optimiser step (EMA updates, schedules).
+``embed(x)`` returns backbone features for evaluation. A method that draws per-sample
+randomness in its forward (masks of MAE, iBOT, I-JEPA) sets ``needs_sample_keys = True``
+and is called as ``forward(views, keys=SampleKeys(seed, epoch, indices))``: drawing from
+`unison.data.random` with these keys makes a sample's masks independent of the world size
+and of the rank it lands on.
 
 Each method declares a dataclass of hyper-parameters (published defaults) and the
 recipe it was tuned with (optimizer, base learning rate per 256 images, weight decay,
@@ -44,10 +48,21 @@ class Recipe:
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 
+@dataclass(frozen=True)
+class SampleKeys:
+    """What per-sample randomness may depend on: (seed, epoch, sample index), never the rank."""
+
+    seed: int
+    epoch: int
+    indices: torch.Tensor   # int64 [local batch], this rank's sample indices
+
+
 class SSLMethod(nn.Module):
     name: ClassVar[str]
     Params: ClassVar[type]
     recipe: ClassVar[Recipe] = Recipe()
+    # True: forward(views, keys=SampleKeys(...)) — the method draws per-sample randomness (masks).
+    needs_sample_keys: ClassVar[bool] = False
     # Why a run at W workers may differ from one process on the global batch (None = exact).
     inexact_reason: ClassVar[str | None] = None
 

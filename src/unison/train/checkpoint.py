@@ -52,6 +52,8 @@ from typing import Any, BinaryIO, Callable
 
 import torch
 
+from unison.errors import CheckpointError
+
 FORMAT = "unison-checkpoint"
 VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
@@ -60,10 +62,6 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"step_(\d{8,})\.pt")
 _TMP_RE = re.compile(r"\.(?:step_\d{8,}\.pt|latest)\.\d+\.[0-9a-f]+\.tmp")
 _ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or loaded. The message is one line that says what to fix."""
 
 
 class _CorruptCheckpoint(CheckpointError):

@@ -1,0 +1,182 @@
+"""`unison check`: prove that W workers train exactly like one worker on the global batch.
+
+The production step (`unison.train.step`: the method with its hyper-parameters, SyncBN,
+DDP, the recipe's optimizer, the learning-rate schedule, the precision) is built and run
+for a few optimiser steps
+
+* by W real worker processes (gloo on loopback), each on its own slice of every global
+  batch (different data on each rank);
+* by one process on the whole global batch.
+
+Both read the same synthetic images in the same global order (a function of (seed,
+epoch)), and a sample's views depend on (seed, epoch, sample index) only, so both see the
+same views. Gradients are recorded between `forward_backward` and `optimizer_step` — the
+gradients the production optimizer then applies. After every step we compare the loss (mean
+over ranks vs the single-process loss), the averaged gradients, and the full state
+(parameters *and* buffers: momentum encoders, queues, centres, running statistics). The
+check passes when the largest relative difference (`max_rel_difference`) over all tensors
+and steps is within the tolerance (1e-6 in float64, 1e-3 in float32), and the state is
+bitwise identical across ranks.
+
+Example::
+
+    report = run_equivalence("simclr", world_size=2, steps=4)
+    print(report.summary()); assert report.passed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .compare import max_rel_difference
+
+TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
+
+
+@dataclass
+class CheckSpec:
+    method: str = field(default="simclr", metadata={"help": "method to check, or 'all'"})
+    world_size: int = field(default=2, metadata={"help": "worker processes of the distributed run"})
+    steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
+    local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})
+    image_size: int = field(default=16, metadata={"help": "image size of the synthetic data"})
+    backbone: str = field(default="small_cnn", metadata={"help": "backbone"})
+    dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
+                                                     "choices": tuple(TOLERANCE)})
+    sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})
+    gather_distributed: bool = field(default=True, metadata={"help": "global-batch losses", "flag": "gather"})
+    shared_queue: bool = field(default=True, metadata={"help": "MoCo-style queues shared by all workers"})
+    seed: int = field(default=0, metadata={"help": "seed"})
+    lr: float | None = field(default=None, metadata={
+        "help": "base learning rate per 256 images; default: the method's recipe, as in unison train"})
+    method_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CheckReport:
+    spec: CheckSpec
+    max_rel_loss: float
+    max_rel_grad: float
+    max_rel_state: float
+    ranks_identical: bool
+    worst: dict[str, str]
+    note: str | None
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.ranks_identical and max(self.max_rel_loss, self.max_rel_grad, self.max_rel_state) <= self.tolerance
+
+    def summary(self) -> str:
+        s = self.spec
+        lines = [
+            f"unison check: method={s.method} world_size={s.world_size} steps={s.steps} "
+            f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
+            f"gather={s.gather_distributed} shared_queue={s.shared_queue} (the training step of unison train)",
+            f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
+            f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
+            f"  max relative difference, parameters : {self.max_rel_state:.3e}   ({self.worst.get('state', '-')})",
+            f"  state identical on every rank       : {'yes' if self.ranks_identical else 'NO'}",
+        ]
+        if self.note:
+            lines.append(f"  not exactly equivalent here         : {self.note}")
+        verdict = "PASS" if self.passed else "FAIL"
+        lines.append(f"  {verdict}: tolerance {self.tolerance:.0e} ({s.dtype})")
+        return "\n".join(lines)
+
+
+def train_config_for(spec: CheckSpec, world_size: int) -> "TrainConfig":  # noqa: F821
+    """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches."""
+    from unison.config import TrainConfig
+    from unison.distributed.config import DistributedConfig
+
+    return TrainConfig(
+        method=spec.method, data="synthetic", backbone=spec.backbone, epochs=1, max_steps=spec.steps,
+        batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
+        threads=1, progress=False, method_params=dict(spec.method_params),
+        distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
+                                      sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
+                                      shared_queue=spec.shared_queue))
+
+
+def synthetic_images(spec: CheckSpec) -> "ImageTensorDataset":  # noqa: F821
+    """steps x global batch random uint8 images (a pure function of the seed), one class."""
+    from unison.data.datasets import ImageTensorDataset
+
+    n = spec.steps * spec.local_batch * spec.world_size
+    g = torch.Generator().manual_seed(spec.seed * 7919 + 17)
+    images = torch.randint(0, 256, (n, 3, spec.image_size, spec.image_size), generator=g, dtype=torch.uint8)
+    return ImageTensorDataset(images, torch.zeros(n, dtype=torch.int64), ["none"], (0.5, 0.5, 0.5),
+                              (0.25, 0.25, 0.25), "synthetic")
+
+
+def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
+    """Worker body (also run in-process for the single-worker reference): the production step's
+    losses, gradients and states, step by step."""
+    from unison.distributed import collectives as C
+    from unison.train.step import batches, build_run, forward_backward, optimizer_step
+
+    spec = CheckSpec(**spec_dict)
+    torch.set_num_threads(1)
+    cfg = train_config_for(spec, C.world_size())
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_images(spec))
+    losses, grads, states = [], [], []
+    loss_sum = torch.zeros((), dtype=run.dtype)
+    for batch in batches(run):
+        loss_sum = (loss_sum if batch.micro else loss_sum * 0) + forward_backward(run, batch)
+        if batch.micro < run.accumulate - 1:
+            continue
+        losses.append(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
+        grads.append({n: p.grad.detach().clone() for n, p in run.method.named_parameters() if p.grad is not None})
+        optimizer_step(run, batch.step)
+        states.append({k: v.detach().clone() for k, v in run.method.state_dict().items()})
+    # Every rank must hold the same state; per-rank queues (shared_queue off) differ by design.
+    final = {k: v for k, v in states[-1].items() if spec.shared_queue or "queue" not in k}
+    gathered = C.all_gather_object(final) if C.world_size() > 1 else [final]
+    identical = all(all(torch.equal(g[k], final[k]) for k in final) for g in gathered)
+    return {"losses": losses, "grads": grads, "states": states, "identical": identical,
+            "note": run.method.exactness_note()}
+
+
+def compare(multi: dict[str, Any], single: dict[str, Any], spec: CheckSpec) -> CheckReport:
+    """The check's verdict from rank 0's record of the W-worker run and the single-process record."""
+    worst: dict[str, str] = {}
+    rl = 0.0
+    for step, (a, b) in enumerate(zip(multi["losses"], single["losses"])):
+        d = float((a.double() - b.double()).abs()) / max(float(b.abs()), 1e-12)
+        if d > rl:
+            rl, worst["loss"] = d, f"step {step}"
+    if len(multi["losses"]) != len(single["losses"]):
+        rl, worst["loss"] = float("inf"), "the runs took different numbers of steps"
+    rg = rs = 0.0
+    for step in range(min(len(multi["grads"]), len(single["grads"]))):
+        d, k = max_rel_difference(multi["grads"][step], single["grads"][step])
+        if d > rg:
+            rg, worst["grad"] = d, f"step {step}: {k}"
+        d, k = max_rel_difference(multi["states"][step], single["states"][step])
+        if d > rs:
+            rs, worst["state"] = d, f"step {step}: {k}"
+    return CheckReport(spec, rl, rg, rs, bool(multi["identical"]), worst, multi["note"], TOLERANCE[spec.dtype])
+
+
+def run_equivalence(method: str = "simclr", world_size: int = 2, *,
+                    record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps, **kw: Any) -> CheckReport:
+    """Train `method` on W processes and on 1 process with the production step; return the comparison.
+
+    `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
+    from unison.distributed.testing import run_in_workers
+    from unison.errors import ConfigError
+
+    spec = CheckSpec(method=method, world_size=world_size, **kw)
+    if spec.dtype not in TOLERANCE:
+        raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {spec.dtype!r}")
+    spec_dict = dataclasses.asdict(spec)
+    multi = run_in_workers(record, world_size, args=(spec_dict,), backend="gloo", seed=spec.seed, timeout_s=600)[0]
+    single_spec = dict(spec_dict, world_size=1, local_batch=spec.local_batch * world_size)
+    single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
+    return compare(multi, single, spec)

@@ -1,0 +1,75 @@
+"""unison's errors: one base class, and the exit code each kind of failure ends the command with.
+
+Every error a user can cause or meet (bad option, bad data, unreadable checkpoint, a loss
+that became NaN, a worker that died) is a `UnisonError` whose message is one line that says
+what to fix. The CLI prints it as ``unison: error: <message>`` and exits with the class's
+`exit_code`; anything else is a bug and keeps its traceback.
+
+    ====  ==========================================================
+    code  meaning
+    ====  ==========================================================
+    1     a worker failed (killed, crashed, timed out)  `WorkerError`
+    2     bad configuration or usage (argparse uses 2)  `ConfigError`
+    3     bad data                                      `DataError`
+    4     a checkpoint cannot be read or written        `CheckpointError`
+    5     the loss became NaN or infinite               `NonFiniteLossError`
+    130   interrupted (Ctrl-C)
+    ====  ==========================================================
+
+A worker's exception travels to the launching process by its exit code, so a `DataError`
+raised on rank 1 ends ``unison train`` with 3, as if it had been raised in the launcher.
+
+Example::
+
+    raise DataError("--data /x has no images; give a folder of images")   # exit code 3
+"""
+
+from __future__ import annotations
+
+
+class UnisonError(Exception):
+    """Base class: a failure the user can act on. The message is one line."""
+
+    exit_code: int = 1
+
+
+class ConfigError(UnisonError, ValueError):
+    """A configuration value is invalid."""
+
+    exit_code = 2
+
+
+class DataError(UnisonError, ValueError):
+    """The data cannot be read or does not fit the configuration."""
+
+    exit_code = 3
+
+
+class CheckpointError(UnisonError, RuntimeError):
+    """A checkpoint cannot be read, is unsafe, or cannot be written."""
+
+    exit_code = 4
+
+
+class NonFiniteLossError(UnisonError, FloatingPointError):
+    """The loss became NaN or infinite; the last checkpoint is intact."""
+
+    exit_code = 5
+
+
+class WorkerError(UnisonError, RuntimeError):
+    """A worker process failed; `exit_code` is that of the worker's own error (1 if it had none)."""
+
+    exit_code = 1
+
+
+INTERRUPTED_EXIT_CODE = 130
+
+
+def exit_code_of(exc: BaseException) -> int | None:
+    """The exit code for `exc`, or None when it is not a `UnisonError` (a bug: keep the traceback)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED_EXIT_CODE
+    if isinstance(exc, UnisonError):
+        return exc.exit_code
+    return None

@@ -1,0 +1,265 @@
+"""The training step, built once: `unison train`, `unison check` and the benchmarks all run this.
+
+    run = build_run(cfg, device)                 # data, augmentation, method, SyncBN, DDP, optimizer, schedule
+    for batch in batches(run, start_step=0):     # this rank's micro-batches, in the global order
+        loss = forward_backward(run, batch)      # autocast, DDP no_sync for accumulation, finite-loss check
+        if batch.micro == run.accumulate - 1:
+            optimizer_step(run, batch.step)      # lr from the schedule, clipping, (scaled) step, EMA updates
+
+Everything that decides what a step computes lives here and nowhere else:
+
+* the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
+  (`convert_sync_batchnorm`) -> channels_last -> DDP (`wrap_ddp`: comm hooks, rank-local
+  state) -> optional ``torch.compile``; every rank is seeded identically before the build;
+* the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
+  with the global batch (x accumulation), optionally ZeRO-1 sharded;
+* the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
+  state to lose in a checkpoint);
+* precision: the parameter dtype (float32, or float64 for exactness checks), bf16/fp16
+  autocast on GPU, and a GradScaler for fp16.
+
+`unison check` records gradients between `forward_backward` and `optimizer_step` of exactly
+this step, so what it proves is what users run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from unison.config import TrainConfig
+from unison.data.augment import ViewAugmenter, eval_transform
+from unison.data.batches import BatchSource, InMemoryBatches
+from unison.data.datasets import ImageTensorDataset, load_dataset
+from unison.distributed import collectives as C
+from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
+from unison.distributed.optim import ShardedOptimizer, build_optimizer
+from unison.distributed.sync_batchnorm import convert_sync_batchnorm
+from unison.errors import ConfigError, DataError, NonFiniteLossError
+from unison.methods import get_method
+from unison.methods.base import SampleKeys, SSLMethod
+from unison.models import build_backbone
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Linear warm-up to `peak_lr` over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
+
+    peak_lr: float
+    warmup_steps: int
+    total_steps: int
+
+    def lr(self, step: int) -> float:
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class Batch:
+    """One micro-batch of this rank: micro-batch `micro` of optimiser step `step`."""
+
+    step: int
+    micro: int
+    epoch: int
+    indices: torch.Tensor          # this rank's sample indices into the training set
+    views: list[torch.Tensor]      # augmented views, in the step's dtype and memory format
+    wait_s: float = 0.0            # time spent waiting for the data of this micro-batch
+
+
+@dataclass
+class Run:
+    """Everything one rank needs to take training steps; built by `build_run`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    dtype: torch.dtype
+    train_set: ImageTensorDataset
+    val_set: ImageTensorDataset | None
+    image_size: int
+    augment: ViewAugmenter
+    source: BatchSource
+    method: SSLMethod              # the bare method (parameters, state, embed)
+    ddp: nn.Module                 # the method wrapped for data parallelism
+    forward: nn.Module             # what a step calls: `ddp`, or `torch.compile(ddp)`
+    trainable: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast_dtype: torch.dtype | None
+    schedule: Schedule
+    global_batch: int
+    accumulate: int                # micro-batches per optimiser step (grad_sync_every)
+    steps_per_epoch: int
+    resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.total_steps
+
+    def to_eval(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images -> the evaluation input of this run (centre resize, training-set normalisation)."""
+        x = eval_transform(images, self.image_size, self.train_set.mean, self.train_set.std).to(self.dtype)
+        return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else x
+
+
+def resolve_recipe(cfg: TrainConfig) -> dict[str, Any]:
+    """The optimizer, base learning rate, weight decay and augmentation a run uses: the method's recipe
+    for `cfg.data`, overridden by whatever `cfg` sets."""
+    recipe = get_method(cfg.method).recipe.for_data(cfg.data)
+    return {"optimizer": cfg.optimizer or recipe.optimizer,
+            "lr": cfg.lr if cfg.lr is not None else recipe.base_lr,
+            "weight_decay": cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
+            "augmentation": cfg.augmentation or recipe.augmentation}
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed every generator the build uses, identically on every rank (same initialisation everywhere)."""
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def load_train_data(cfg: TrainConfig, device: torch.device) -> tuple[ImageTensorDataset, ImageTensorDataset]:
+    """The training set and the held-out set for kNN, decoded into memory on `device`."""
+    train_set = load_dataset(cfg.data, "train", subset=cfg.subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
+    val_set = load_dataset(cfg.val or cfg.data, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
+    return train_set.to(device), val_set.to(device)
+
+
+def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device) -> SSLMethod:
+    """backbone -> method with its hyper-parameters, seeded identically on every rank."""
+    seed_everything(cfg.seed, cfg.deterministic)
+    method_cls = get_method(cfg.method)
+    backbone, feature_dim = build_backbone(cfg.backbone)
+    try:
+        params = method_cls.Params(**cfg.method_params)
+        method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
+                            shared_queue=cfg.distributed.shared_queue, steps_total=total_steps)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
+    return method.to(device, dtype)
+
+
+def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
+              val_set: ImageTensorDataset | None = None) -> Run:
+    """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s
+    synthetic images); the process group must already be initialised (one process: backend local)."""
+    if train_set is None:
+        train_set, val_set = load_train_data(cfg, device)
+    resolved = resolve_recipe(cfg)
+    dtype = getattr(torch, cfg.precision)
+    image_size = cfg.image_size or train_set.image_size
+
+    global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
+    if len(train_set) < global_batch:
+        raise DataError(f"the training set has {len(train_set)} images, fewer than one global batch "
+                        f"({global_batch}); lower --batch-size")
+    augment = ViewAugmenter(resolved["augmentation"], image_size, train_set.mean, train_set.std)
+    source = InMemoryBatches(train_set, augment, global_batch, cfg.seed)
+    steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    # ---- model: SyncBN, memory format, DDP
+    method = build_method(cfg, total_steps, dtype, device)
+    model: nn.Module = method
+    if cfg.distributed.sync_batchnorm:
+        model = convert_sync_batchnorm(model, device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ddp = wrap_ddp(model, cfg.distributed, device)
+    method = unwrap(ddp)
+    forward = torch.compile(ddp) if cfg.compile else ddp
+
+    # ---- optimizer, learning rate scaled linearly with the global batch, schedule
+    peak_lr = resolved["lr"] * global_batch * accumulate / 256
+    trainable = [p for p in method.parameters() if p.requires_grad]
+    optimizer = build_optimizer(resolved["optimizer"], trainable, lr=peak_lr, weight_decay=resolved["weight_decay"],
+                                momentum=cfg.momentum)
+    if cfg.distributed.shard_optimizer:
+        optimizer = ShardedOptimizer(trainable, type(optimizer), **optimizer.defaults)
+    warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
+    return Run(cfg=cfg, device=device, dtype=dtype, train_set=train_set, val_set=val_set, image_size=image_size,
+               augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
+               optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
+               schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
+               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
+               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps})
+
+
+def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
+    """This rank's micro-batches from optimiser step `start_step` to the end of the run, in order."""
+    stream = run.source.iter_from(start_step * run.accumulate)
+    for step in range(start_step, run.total_steps):
+        for micro in range(run.accumulate):
+            started = time.perf_counter()
+            epoch, indices, views = next(stream)
+            views = [v.to(run.dtype) for v in views]
+            if run.cfg.channels_last:
+                views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+            yield Batch(step, micro, epoch, indices, views, time.perf_counter() - started)
+
+
+def forward_backward(run: Run, batch: Batch, *, poison: bool = False) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns this rank's loss (detached).
+
+    Gradients are all-reduced by DDP on the last micro-batch of the step only. A non-finite
+    loss raises `NonFiniteLossError` before its backward, so the last checkpoint stays the
+    last good state. `poison` (fault injection, testing only) makes the loss NaN.
+    """
+    kwargs = {}
+    if run.method.needs_sample_keys:   # masks drawn per sample (MAE, iBOT, I-JEPA): never from the rank
+        kwargs["keys"] = SampleKeys(run.cfg.seed, batch.epoch, batch.indices)
+    with grad_sync_context(run.ddp, batch.micro, run.accumulate):
+        with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32,
+                            enabled=run.autocast_dtype is not None):
+            loss = run.forward(batch.views, **kwargs)
+        if poison:
+            loss = loss * float("nan")
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"non-finite loss ({float(loss.detach())}) at step {batch.step} on rank {C.rank()}; lower --lr, "
+                "set --grad-clip, or check the data (the last checkpoint is intact)")
+        run.scaler.scale(loss / run.accumulate).backward()
+    return loss.detach()
+
+
+def optimizer_step(run: Run, step: int) -> float:
+    """Optimiser step `step` (0-based) on the accumulated gradients; returns its learning rate."""
+    lr = run.schedule.lr(step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    if run.cfg.grad_clip:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.trainable, run.cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.method.on_after_step(step)
+    return lr
+
+
+def threads_per_worker(cfg: TrainConfig, world: int) -> int:
+    """torch threads of one worker: ``--threads``, else the cores shared evenly by the workers."""
+    return cfg.threads or max(1, (os.cpu_count() or 1) // world)

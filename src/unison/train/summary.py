@@ -1,0 +1,75 @@
+"""`Summary`: what a finished training run reports (`unison.train` returns it; ``summary.json`` holds it).
+
+Example::
+
+    summary = unison.train(TrainConfig(max_steps=20))
+    print(summary.result_line())      # "simclr x2 workers, 20 steps, ...: kNN top-1 ... vs random init ..."
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Summary:
+    method: str
+    backbone: str
+    data: str
+    world_size: int
+    steps: int
+    epochs: float
+    global_batch: int
+    image_size: int
+    train_images: int
+    val_images: int
+    final_loss: float
+    knn_top1: float | None
+    random_init_knn_top1: float | None
+    train_time_s: float
+    data_wait_fraction: float          # share of the step loop spent waiting for this rank's batches
+    peak_memory_mib: list[float]       # per rank
+    peak_memory_kind: str              # "cuda_max_allocated" or "peak_rss"
+    out: str                           # the run directory
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)   # (step, loss) of every logged step
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """What ``summary.json`` holds: everything but the loss curve (that is in ``metrics.csv``)."""
+        return {k: v for k, v in self.to_dict().items() if k != "loss_curve"}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Summary":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def result_line(self, wall_s: float | None = None) -> str:
+        """The line `unison train` ends with."""
+        took = f", {wall_s:.0f} s" if wall_s is not None else ""
+        knn = "kNN not measured" if self.knn_top1 is None else f"kNN top-1 {self.knn_top1:.4f}"
+        base = "" if self.random_init_knn_top1 is None else f" vs random init {self.random_init_knn_top1:.4f}"
+        return f"{self.method} x{self.world_size} workers, {self.steps} steps{took}: {knn}{base} (run dir {self.out})"
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This worker's peak memory so far: the CUDA allocator's peak on GPU, the peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:  # VmHWM belongs to this process image; ru_maxrss can inherit the parent's peak across fork + exec
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
