@@ -197,7 +197,7 @@ CASES = [
     # ... found while loading, in the (in-process) worker
     ("digits-subset-larger-than-data", [*W1, "--subset", "100000", "--out", "{tmp}/o1"], 3,
      "subset=100000 is larger than the dataset"),
-    ("digits-fewer-images-than-a-batch", [*W1, "--batch-size", "4096", "--out", "{tmp}/o2"], 2,
+    ("digits-fewer-images-than-a-batch", [*W1, "--batch-size", "4096", "--out", "{tmp}/o2"], 3,
      "fewer than one global batch (4096); lower --batch-size"),
     ("every-image-corrupt", [*W1, "--data", "{tmp}/garbage", "--subset", "8", "--val", "{tmp}/small",
                              "--val-subset", "8", "--batch-size", "8", "--out", "{tmp}/o3"], 3,
