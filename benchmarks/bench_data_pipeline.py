@@ -118,32 +118,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_step_rate(args, make_views, sync, device) -> float:
-    """Images/s one SimCLR optimiser step consumes, on views made once beforehand (not timed)."""
-    from unison.methods import SimCLR, SimCLRParams
-    from unison.models import build_backbone
+    """Images/s one SimCLR optimiser step of `unison train` consumes, on views made once beforehand (not timed)."""
+    from unison.distributed.testing import run_in_workers
 
-    torch.manual_seed(0)
-    backbone, dim = build_backbone(args.train_step)
-    model = SimCLR(backbone, dim, SimCLRParams()).to(device)
-    views = make_views(0)
-    if args.channels_last:   # as `unison train` does by default
-        model = model.to(memory_format=torch.channels_last)
-        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return run_in_workers(_time_train_step, 1, args=(args, make_views(0), str(device)), backend="local")[0]
 
-    def train_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        model(views).backward()
-        opt.step()
 
-    for _ in range(2):
-        train_step()
-    sync()
+def _time_train_step(args, views: list[torch.Tensor], device_name: str) -> float:
+    """The production step (`unison.train.step`) of one worker, timed on fixed views."""
+    from unison.data.synthetic import synthetic_dataset
+    from unison.distributed.config import DistributedConfig
+    from unison.train.step import Batch, build_run, forward_backward, optimizer_step
+
+    device = torch.device(device_name)
     iters = max(3, args.iters // 5)
+    cfg = TrainConfig(method="simclr", backbone=args.train_step, data="synthetic", batch_size=args.batch,
+                      epochs=1, max_steps=iters + 2, channels_last=args.channels_last, progress=False,
+                      distributed=DistributedConfig(backend="local", world_size=1))
+    run = build_run(cfg, device, train_set=synthetic_dataset(args.batch, views[0].shape[-1]).to(device))
+    if args.channels_last:   # as `unison train`'s batch iterator does by default
+        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+    indices = torch.arange(args.batch)
+
+    def train_step(step: int) -> None:
+        forward_backward(run, Batch(step, 0, 0, indices, views))
+        optimizer_step(run, step)
+
+    for step in range(2):
+        train_step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t = time.perf_counter()
-    for _ in range(iters):
-        train_step()
-    sync()
+    for step in range(2, iters + 2):
+        train_step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return iters * args.batch / (time.perf_counter() - t)
 
 

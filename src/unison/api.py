@@ -22,8 +22,11 @@ from unison.config import TrainConfig
 from unison.train.summary import Summary
 
 
-def train(cfg: TrainConfig) -> Summary:
-    """Train as `cfg` says; return the run's `Summary` (also written to ``<out>/summary.json``)."""
+def train(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
+    """Train as `cfg` says; return the run's `Summary` (also written to ``<out>/summary.json``).
+
+    `isolated`: run even a single worker in a fresh process (benchmarks: each run's peak memory
+    and thread settings are its own)."""
     from unison.distributed.env import detect_launch_env
     from unison.distributed.launch import launch
     from unison.train.loop import train_worker
@@ -32,7 +35,7 @@ def train(cfg: TrainConfig) -> Summary:
     cfg.validate()
     launched = detect_launch_env() is not None
     preflight(cfg, launched=launched)
-    if launched or cfg.distributed.world_size == 1:
+    if launched or (cfg.distributed.world_size == 1 and not isolated):
         return Summary.from_dict(train_worker(cfg.to_dict()))
     results = launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
     return Summary.from_dict(results[0])

@@ -86,6 +86,12 @@ def build_train_config(ns: argparse.Namespace) -> "TrainConfig":  # noqa: F821
     return cfg.validate()
 
 
+def parse_train_args(argv: list[str]) -> "TrainConfig":  # noqa: F821
+    """The `TrainConfig` that ``unison train ARGV`` would run (flags, ``--config``, ``--param``, ``--resume``)."""
+    ns = make_parser().parse_args(["train", *argv])
+    return build_train_config(ns)
+
+
 def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
     """Refuse a config-file value of the wrong type, naming the option (instead of a TypeError later)."""
     import typing

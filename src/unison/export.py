@@ -57,21 +57,15 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
     """
     from unison.config import TrainConfig
-    from unison.methods import get_method
-    from unison.models import build_backbone
     from unison.train.checkpoint import check_compatible, load_checkpoint
+    from unison.train.step import build_method
 
     ckpt = load_checkpoint(checkpoint, map_location=device)
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
-    try:
-        cls = get_method(ckpt["method"])
-        backbone, dim = build_backbone(cfg.backbone)
+    try:  # the method as the training step built it; steps_total only shapes training-time schedules
+        method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device))
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
-    # steps_total only shapes schedules used during training (momentum, temperature warm-up).
-    method = cls(backbone, dim, cls.Params(**cfg.method_params), gather_distributed=cfg.distributed.gather_distributed,
-                 shared_queue=cfg.distributed.shared_queue, steps_total=max(1, int(ckpt["step"])))
-    method = method.to(device, getattr(torch, cfg.precision))
     check_compatible(method, ckpt["model"])
     method.load_state_dict(ckpt["model"])
     return method.eval(), cfg, ckpt

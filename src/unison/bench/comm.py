@@ -1,8 +1,8 @@
 """Communication report: bytes each worker hands to collectives per step, counted, against the ideal.
 
-W real workers (gloo on CPU, NCCL on GPU) build each configuration the way training does
-(backbone, method, SyncBN conversion, `wrap_ddp(..., metered=True)`, the method's
-optimizer) and run a few steps on random images inside `CommMeter`. ``metered=True`` gives
+W real workers (gloo on CPU, NCCL on GPU) build each configuration with the production
+step (`unison.train.step.build_run(..., metered_comm=True)`: backbone, method, SyncBN,
+DDP, the method's recipe optimizer) and run a few steps on synthetic images inside `CommMeter`. ``metered=True`` gives
 DDP the Python all-reduce hook, so gradient buckets go through ``dist.all_reduce`` and are
 counted like everything else.
 
@@ -97,50 +97,42 @@ def _step_bytes(meter: GradTaggingMeter) -> dict[str, int]:
 
 def comm_worker(specs: list[dict[str, Any]], backbone_name: str, global_batch: int, image_size: int, steps: int,
                 backend: str) -> list[dict[str, Any]]:
-    """Run in every worker (see `unison.distributed.testing.run_in_workers`): per-spec, per-step counted bytes."""
+    """Run in every worker (see `unison.distributed.testing.run_in_workers`): per-spec, per-step counted bytes.
+
+    Each configuration is the production step (`unison.train.step.build_run` with a metered DDP) on
+    synthetic images: every rank trains on its own slice of each global batch."""
+    from unison.config import TrainConfig
+    from unison.data.synthetic import synthetic_dataset
     from unison.distributed import collectives as C
     from unison.distributed.config import DistributedConfig
-    from unison.distributed.ddp import rank_local_state_names, unwrap, wrap_ddp
-    from unison.distributed.optim import build_optimizer
-    from unison.distributed.sync_batchnorm import convert_sync_batchnorm
-    from unison.methods import get_method
-    from unison.models import build_backbone
+    from unison.distributed.ddp import rank_local_state_names
+    from unison.train.step import batches, build_run, forward_backward, optimizer_step
 
-    world, rank = C.world_size(), C.rank()
+    world = C.world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    local_batch = global_batch // world
     results = []
     for raw in specs:
         spec = CommSpec(**raw)
-        dcfg = DistributedConfig(backend=backend, world_size=world, rank=rank, sync_batchnorm=spec.sync_batchnorm,
-                                 gather_distributed=spec.gather, grad_compression=spec.compression,
-                                 powersgd_start_iter=POWERSGD_START_ITER, shared_queue=spec.shared_queue)
-        torch.manual_seed(0)
-        backbone, dim = build_backbone(backbone_name)
-        cls = get_method(spec.method)
-        model = cls(backbone, dim, cls.Params(), gather_distributed=spec.gather, shared_queue=spec.shared_queue,
-                    steps_total=steps).to(device)
-        if spec.sync_batchnorm:
-            model = convert_sync_batchnorm(model, device)
-        ddp = wrap_ddp(model, dcfg, device, metered=True)
-        method = unwrap(ddp)
-        ignored = set(rank_local_state_names(method))
-        synced = [p for n, p in method.named_parameters() if p.requires_grad and n not in ignored]
+        cfg = TrainConfig(method=spec.method, backbone=backbone_name, data="synthetic", batch_size=global_batch,
+                          epochs=1, max_steps=steps, image_size=image_size, progress=False,
+                          distributed=DistributedConfig(backend=backend, world_size=world,
+                                                        sync_batchnorm=spec.sync_batchnorm,
+                                                        gather_distributed=spec.gather,
+                                                        grad_compression=spec.compression,
+                                                        powersgd_start_iter=POWERSGD_START_ITER,
+                                                        shared_queue=spec.shared_queue))
+        run = build_run(cfg, device, train_set=synthetic_dataset(steps * global_batch, image_size).to(device),
+                        metered_comm=True)
+        ignored = set(rank_local_state_names(run.method))
+        synced = [p for n, p in run.method.named_parameters() if p.requires_grad and n not in ignored]
         ideal = sum(p.numel() * p.element_size() for p in synced)
-        opt = build_optimizer(cls.recipe.optimizer, [p for p in method.parameters() if p.requires_grad],
-                              lr=0.01, weight_decay=cls.recipe.weight_decay)
-        gen = torch.Generator().manual_seed(1000 + rank)   # different data on every rank
         per_step = []
-        for step in range(steps):
-            views = [torch.randn(local_batch, 3, image_size, image_size, generator=gen).to(device) for _ in range(2)]
+        for batch in batches(run):
             with GradTaggingMeter() as meter:
-                loss = ddp(views)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                method.on_after_step(step)
+                forward_backward(run, batch)
+                optimizer_step(run, batch.step)
             per_step.append(_step_bytes(meter))
-        queue = getattr(method, "queue", None)
+        queue = getattr(run.method, "queue", None)
         results.append({"spec": raw, "per_step": per_step, "ideal_bytes": ideal,
                         "trainable_params": sum(p.numel() for p in synced),
                         "element_size": synced[0].element_size() if synced else 0,

@@ -50,16 +50,18 @@ def bf16_peak_tflops(device_name: str | None) -> float | None:
 
 
 def training_step_flops(method: str, backbone: str, batch: int, image_size: int) -> int:
-    """Matrix FLOPs of one forward + backward of `method` on `backbone` at global batch `batch`."""
+    """Matrix FLOPs of one forward + backward of `method` on `backbone` at global batch `batch`.
+
+    The model is the production one (`unison.train.step.build_method`: backbone, method and its
+    default hyper-parameters), built on the meta device; two views at `image_size`."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from unison.methods import get_method
-    from unison.models import build_backbone
+    from unison.config import TrainConfig
+    from unison.train.step import build_method
 
-    method_cls = get_method(method)
+    cfg = TrainConfig(method=method, backbone=backbone)
     with torch.device("meta"):
-        net, feature_dim = build_backbone(backbone)
-        model = method_cls(net, feature_dim, method_cls.Params(), steps_total=1)
+        model = build_method(cfg, total_steps=1, dtype=torch.float32, device=torch.device("meta"))
         views = [torch.randn(batch, 3, image_size, image_size) for _ in range(2)]
     model.train()
     counter = FlopCounterMode(display=False)

@@ -78,7 +78,8 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     from unison.eval.knn import knn_accuracy
     from unison.methods import SimCLR
     from unison.models import build_backbone
-    from unison.train.loop import lr_at, peak_memory_mib
+    from unison.train.step import Schedule
+    from unison.train.summary import peak_memory_mib
 
     torch.set_num_threads(p["threads"])
     torch.manual_seed(p["seed"])
@@ -106,13 +107,14 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     peak_lr = SimCLR.recipe.base_lr * p["batch_size"] / 256
     optimizer = build_optimizer("sgd", model.parameters(), lr=peak_lr, weight_decay=SimCLR.recipe.weight_decay)
     steps, step = p["steps"], 0
+    schedule = Schedule(peak_lr, warmup_steps=0, total_steps=steps)   # unison's schedule, so both sides match
     step_end: list[float] = []   # seconds since the start at the end of every step
     model.train()
     started = time.perf_counter()
     while step < steps:
         for (x0, x1), _ in loader:
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, steps, 0, peak_lr)
+                group["lr"] = schedule.lr(step)
             x0, x1 = x0.to(device, non_blocking=True), x1.to(device, non_blocking=True)
             loss = criterion(model(x0), model(x1))
             loss.backward()
@@ -173,8 +175,8 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
     load = wait_for_load(cfg.max_load, cfg.load_wait_s)
     print(f"unison bench: Lightly comparison, unison side (load {format_load(load)}) ...", flush=True)
     run_dir = out_dir / "runs" / "lightly-cmp-unison"
-    s, wall = run_train(argv, run_dir, out_dir / "logs" / "lightly-cmp-unison.log")
-    first_step, first_time = _first_logged_interval(run_dir / "metrics.csv", cfg.batch_size)
+    s, wall = run_train(argv, run_dir)
+    first_step, first_time = _first_logged_interval(s)
     b, n = cfg.batch_size, s["steps"]
     rows.append({"side": "unison", "pipeline": "uint8 tensor dataset + batched ViewAugmenter + unison NTXentLoss",
                  **common, "threads": threads, "loader_workers": 0, "train_time_s": s["train_time_s"], "wall_s": wall,
@@ -226,16 +228,11 @@ def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, image_size: int, de
         r["peak_fraction"] = r["tflops_per_s"] / peak if peak else None
 
 
-def _first_logged_interval(metrics_csv: Path, batch: int) -> tuple[int, float]:
-    """(step, seconds) at unison's first throughput log: the warm-up interval left out of the steady rate."""
-    import csv
-
-    with open(metrics_csv) as f:
-        for row in csv.DictReader(f):
-            if row.get("images_per_s"):
-                step = int(row["step"])
-                return step, step * batch / float(row["images_per_s"])
-    raise BenchError(f"{metrics_csv} has no throughput row")
+def _first_logged_interval(summary: dict[str, Any]) -> tuple[int, float]:
+    """(step, seconds) at unison's first log: the warm-up interval left out of the steady rate."""
+    if not summary["loss_curve"]:
+        raise BenchError("the unison side logged no step")
+    return int(summary["loss_curve"][0][0]), float(summary["log_times_s"][0])
 
 
 def _version(dist: str) -> str:

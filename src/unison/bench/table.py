@@ -1,9 +1,10 @@
 """The distributed table (Lightly's layout) and the CPU scaling measurement, through `unison train`.
 
-Every configuration is one real training run: a fresh ``python -m unison.cli train ...``
-process (the CLI users run; with W > 1 it starts W workers through unison's launcher). A
-fresh process per run keeps each worker's peak memory its own (``summary.json``:
-``peak_memory_mib`` per rank: peak resident set on CPU, CUDA allocator peak on GPU).
+Every configuration is one real training run of `unison.train`, described by the
+``unison train`` arguments a user would type (printed with each row, so any row can be
+reproduced) and run in fresh worker processes even for one worker (``isolated=True``),
+which keeps each worker's peak memory its own (`Summary.peak_memory_mib` per rank: peak
+resident set on CPU, CUDA allocator peak on GPU).
 
 Rows per method: 1 worker; W workers with SyncBN + gather (exact: the same training as the
 1-worker row); W workers with gather only (per-rank batch-norm statistics, as many
@@ -17,12 +18,9 @@ number of steps; images/s = steps x global batch / training time.
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,20 +99,21 @@ def train_argv(cfg: BenchConfig, spec: RunSpec, data: str, val: str | None, run_
     return argv + shlex.split(cfg.train_args)
 
 
-def run_train(argv: list[str], run_dir: Path, log_path: Path) -> tuple[dict[str, Any], float]:
-    """Run `unison train` in a fresh process; return (summary.json, wall seconds)."""
+def run_train(argv: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
+    """Train what ``unison train ARGV`` describes, in fresh worker processes; return (summary, wall seconds)."""
+    from unison.api import train
+    from unison.cli import parse_train_args
+    from unison.errors import UnisonError
+
     if run_dir.exists():
-        shutil.rmtree(run_dir)   # never read a previous run's summary
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(run_dir)   # a fresh run, never a resumed or mixed one
+    cfg = parse_train_args(argv[1:])   # argv[0] is the subcommand, "train"
     started = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "unison.cli", *argv], stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - started
-    summary_path = run_dir / "summary.json"
-    if proc.returncode != 0 or not summary_path.exists():
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-5:]).strip()
-        raise BenchError(f"'unison {' '.join(argv[:3])} ...' exited with {proc.returncode}; log {log_path}:\n{tail}")
-    return json.loads(summary_path.read_text()), wall
+    try:
+        summary = train(cfg, isolated=True)
+    except UnisonError as exc:
+        raise BenchError(f"'unison {shlex.join(argv[:3])} ...' failed: {exc}") from None
+    return summary.to_dict(), time.perf_counter() - started
 
 
 def measure(cfg: BenchConfig, specs: list[RunSpec], data: str, val: str | None, out_dir: Path,
@@ -127,7 +126,7 @@ def measure(cfg: BenchConfig, specs: list[RunSpec], data: str, val: str | None, 
         load = wait_for_load(cfg.max_load, cfg.load_wait_s)
         if verbose:
             print(f"unison bench: {spec.method} / {spec.config} (load {format_load(load)}) ...", flush=True)
-        summary, wall = run_train(argv, run_dir, out_dir / "logs" / f"{spec.name}.log")
+        summary, wall = run_train(argv, run_dir)
         rows.append(row_from_summary(spec, summary, wall, load, argv))
         after = loadavg()   # includes this run's own workers
         rows[-1]["load_1m_after"] = after[0] if after else None

@@ -105,14 +105,10 @@ def train_config_for(spec: CheckSpec, world_size: int) -> "TrainConfig":  # noqa
 
 
 def synthetic_images(spec: CheckSpec) -> "ImageTensorDataset":  # noqa: F821
-    """steps x global batch random uint8 images (a pure function of the seed), one class."""
-    from unison.data.datasets import ImageTensorDataset
+    """steps x global batch random uint8 images (a pure function of the seed): one epoch of the check."""
+    from unison.data.synthetic import synthetic_dataset
 
-    n = spec.steps * spec.local_batch * spec.world_size
-    g = torch.Generator().manual_seed(spec.seed * 7919 + 17)
-    images = torch.randint(0, 256, (n, 3, spec.image_size, spec.image_size), generator=g, dtype=torch.uint8)
-    return ImageTensorDataset(images, torch.zeros(n, dtype=torch.int64), ["none"], (0.5, 0.5, 0.5),
-                              (0.25, 0.25, 0.25), "synthetic")
+    return synthetic_dataset(spec.steps * spec.local_batch * spec.world_size, spec.image_size, spec.seed)
 
 
 def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:

@@ -155,6 +155,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     t_log, images_since_log, wait_s = time.perf_counter(), 0, 0.0
     final_loss = float("nan")
     curve: list[tuple[int, float]] = []   # (step, loss) of every logged step, for `Summary.loss_curve`
+    log_times: list[float] = []
     loss_sum = torch.zeros((), device=device, dtype=run.dtype)
     poison = False
     for batch in batches(run, step):
@@ -174,6 +175,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         if step % cfg.log_every == 0 or step == run.total_steps or epoch_done:
             final_loss = float(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
             curve.append((step, final_loss))
+            log_times.append(time.perf_counter() - t_start)
             now = time.perf_counter()
             ips = images_since_log / max(now - t_log, 1e-9)
             t_log, images_since_log = now, 0
@@ -204,7 +206,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(run_dir),
-        loss_curve=curve)
+        loss_curve=curve, log_times_s=log_times)
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close()

@@ -159,9 +159,11 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
-              val_set: ImageTensorDataset | None = None) -> Run:
-    """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s
-    synthetic images); the process group must already be initialised (one process: backend local)."""
+              val_set: ImageTensorDataset | None = None, metered_comm: bool = False) -> Run:
+    """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
+    benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
+    `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
+    initialised (one process: backend local)."""
     if train_set is None:
         train_set, val_set = load_train_data(cfg, device)
     resolved = resolve_recipe(cfg)
@@ -186,7 +188,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         model = convert_sync_batchnorm(model, device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    ddp = wrap_ddp(model, cfg.distributed, device)
+    ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = unwrap(ddp)
     forward = torch.compile(ddp) if cfg.compile else ddp
 

@@ -36,6 +36,7 @@ class Summary:
     peak_memory_kind: str              # "cuda_max_allocated" or "peak_rss"
     out: str                           # the run directory
     loss_curve: list[tuple[int, float]] = field(default_factory=list)   # (step, loss) of every logged step
+    log_times_s: list[float] = field(default_factory=list)   # seconds since the loop started, at each logged step
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -43,7 +44,7 @@ class Summary:
 
     def to_json_dict(self) -> dict[str, Any]:
         """What ``summary.json`` holds: everything but the loss curve (that is in ``metrics.csv``)."""
-        return {k: v for k, v in self.to_dict().items() if k != "loss_curve"}
+        return {k: v for k, v in self.to_dict().items() if k not in ("loss_curve", "log_times_s")}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Summary":
