@@ -157,7 +157,11 @@ def row_from_summary(spec: RunSpec, s: dict[str, Any], wall: float, load, argv: 
 
 def baseline_memory_mib() -> float | None:
     """Peak resident set of a process that only imports unison's training loop (torch, torchvision, ...)."""
-    code = ("import unison.train.loop as l, torch; print(l.peak_memory_mib(torch.device('cpu')))")
+    import subprocess
+    import sys
+
+    code = ("import unison.train.loop, torch; from unison.train.summary import peak_memory_mib; "
+            "print(peak_memory_mib(torch.device('cpu')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
         return float(proc.stdout.split()[-1])
