@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from unison.losses import (BarlowTwinsLoss, BYOLLoss, DINOLoss, MoCoLoss, SimSiamLoss, SwAVLoss, VICRegLoss,
-                           sinkhorn)
+from unison.losses import BarlowTwinsLoss, BYOLLoss, DINOLoss, MoCoLoss, SimSiamLoss, SwAVLoss, VICRegLoss, sinkhorn
 
 
 def _rand(*shape, seed=0):

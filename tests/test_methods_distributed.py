@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from unison.check import max_rel_difference
 from unison.distributed.testing import run_in_workers
 
 WORLD = 2
@@ -162,25 +163,6 @@ def runs():
     return multi, single
 
 
-# ------------------------------------------------------------------------------ comparison
-def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], skip=()) -> tuple[float, str]:
-    floats = [v for v in b.values() if v.is_floating_point() and v.numel()]
-    floor = 1e-3 * max(float(v.abs().max()) for v in floats)
-    worst, where = 0.0, "-"
-    for k, y in b.items():
-        if any(s in k for s in skip):
-            continue
-        assert k in a, f"{k} missing from the distributed run"
-        x = a[k]
-        if not y.is_floating_point():
-            assert torch.equal(x, y), f"{k}: {x} != {y}"
-            continue
-        d = float((x.double() - y.double()).abs().max()) / max(float(y.abs().max()), floor, 1e-300)
-        if d > worst:
-            worst, where = d, k
-    return worst, where
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_workers_equal_one_process(runs, case):
@@ -192,9 +174,9 @@ def test_two_workers_equal_one_process(runs, case):
         for step in range(STEPS):
             ml, sl = float(m["losses"][step]), float(s["losses"][step])
             assert abs(ml - sl) <= TOL * abs(sl), f"step {step}: loss {ml} vs {sl}"
-            d, k = _max_rel(m["grads"][step], s["grads"][step])
+            d, k = max_rel_difference(m["grads"][step], s["grads"][step])
             assert d < TOL, f"rank {r} step {step}: gradient of {k} differs by {d:.2e}"
-            d, k = _max_rel(m["states"][step], s["states"][step], skip)
+            d, k = max_rel_difference(m["states"][step], s["states"][step], skip)
             assert d < TOL, f"rank {r} step {step}: state {k} differs by {d:.2e}"
     # Per-rank queues differ between ranks by design, so the check leaves them out; the rest is identical.
     assert multi[0][case]["identical"], "the state differs between ranks"

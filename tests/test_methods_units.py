@@ -12,8 +12,19 @@ import torch.nn as nn
 from unison.data.augment import PRESETS
 from unison.distributed.ddp import rank_local_state_names
 from unison.distributed.optim import OPTIMIZER_NAMES
-from unison.methods import (BYOL, DINO, METHODS, BarlowTwins, BYOLParams, DINOParams, MoCo, MoCoParams, SwAV,
-                            SwAVParams, VICReg)
+from unison.methods import (
+    BYOL,
+    DINO,
+    METHODS,
+    BarlowTwins,
+    BYOLParams,
+    DINOParams,
+    MoCo,
+    MoCoParams,
+    SwAV,
+    SwAVParams,
+    VICReg,
+)
 from unison.methods.dino import DINOHead
 
 SMALL = {

@@ -12,8 +12,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from unison.distributed import collectives as C
-from unison.distributed.optim import (LARS, GradientAveragingOptimizer, LocalSGD, ShardedOptimizer,
-                                      build_optimizer)
+from unison.distributed.optim import LARS, GradientAveragingOptimizer, LocalSGD, ShardedOptimizer, build_optimizer
 from unison.distributed.testing import run_in_workers
 
 DIM = 6
@@ -165,7 +164,7 @@ def test_local_sgd_averages_every_period(averaging):
     ends = []
     for rows in (slice(0, 4), slice(4, 8)):
         n_r, o_r = copy.deepcopy((net, opt))  # keeps the optimizer bound to the copied parameters
-        train(n_r, o_r, 3, loss_fn=lambda n: body_loss(n, X[rows], Y[rows]))
+        train(n_r, o_r, 3, loss_fn=lambda n, rows=rows: body_loss(n, X[rows], Y[rows]))
         ends.append(vec(n_r))
     for i in (0, 1):  # warm-up: identical and equal to the global-batch step
         torch.testing.assert_close(t0[i], t1[i], rtol=0, atol=0)

@@ -9,33 +9,14 @@ rate and the data position are derived) and the RNG state. Runs use float64, so 
 from __future__ import annotations
 
 import pytest
-import torch
 
+from unison.check import assert_states_close
 from unison.cli import main
 from unison.train.checkpoint import load_checkpoint
 
 FAULT = "UNISON_FAULT_INJECT"
 TINY = ["--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5", "--no-progress",
         "--precision", "float64", "--max-steps", "4", "--checkpoint-every", "2", "--log-every", "1"]
-
-
-def _assert_close(a, b, where: str = "state") -> None:
-    if isinstance(a, torch.Tensor):
-        if a.is_floating_point():
-            scale = max(float(a.abs().max()), 1e-6)
-            assert float((a - b).abs().max()) / scale < 1e-9, where
-        else:
-            assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_close(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_close(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(autouse=True)
@@ -65,9 +46,9 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(method, how, tmp_pa
     assert final["step"] == expected["step"] == 4
     buffers = [k for k in expected["model"] if "queue" in k or "center" in k or "teacher" in k or "momentum" in k]
     assert buffers, "no momentum encoder, queue or centre in the state: the test would not cover them"
-    _assert_close(final["model"], expected["model"], "model")
-    _assert_close(final["optimizer"], expected["optimizer"], "optimizer")
-    _assert_close(final["history"]["random_init_knn_top1"], expected["history"]["random_init_knn_top1"])
+    assert_states_close(final["model"], expected["model"], where="model")
+    assert_states_close(final["optimizer"], expected["optimizer"], where="optimizer")
+    assert_states_close(final["history"]["random_init_knn_top1"], expected["history"]["random_init_knn_top1"])
 
 
 @pytest.mark.slow
@@ -79,5 +60,5 @@ def test_sharded_optimizer_state_resumes_at_another_world_size(tmp_path):
     assert main(["train", "--resume", str(mid), "--world-size", "1", "--out", str(b), "--no-progress"]) == 0
     full, resumed = load_checkpoint(a), load_checkpoint(b)
     assert resumed["step"] == full["step"] == 4 and resumed["world_size"] == 1 and full["world_size"] == 2
-    _assert_close(resumed["model"], full["model"], "model")
-    _assert_close(resumed["optimizer"], full["optimizer"], "optimizer")
+    assert_states_close(resumed["model"], full["model"], where="model")
+    assert_states_close(resumed["optimizer"], full["optimizer"], where="optimizer")

@@ -41,14 +41,14 @@ def train(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
     return Summary.from_dict(results[0])
 
 
-def check(method: str = "simclr", world_size: int = 2, **options: Any) -> "CheckReport":  # noqa: F821
+def check(method: str = "simclr", world_size: int = 2, **options: Any) -> CheckReport:  # noqa: F821
     """`unison check`: the production step at `world_size` workers against one process on the global batch."""
     from unison.check import run_equivalence
 
     return run_equivalence(method, world_size, **options)
 
 
-def evaluate(options: "EvalOptions") -> dict[str, Any]:  # noqa: F821
+def evaluate(options: EvalOptions) -> dict[str, Any]:  # noqa: F821
     """`unison eval`: kNN and linear probe of a checkpoint's backbone."""
     from unison.eval.commands import evaluate_checkpoint
 

@@ -19,7 +19,6 @@ from typing import Any
 from unison.configutil import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.config import ConfigError, DistributedConfig
 
-
 SUBCOMMAND_MODULES = ("unison.eval.commands", "unison.export", "unison.bench.commands")
 
 
@@ -59,7 +58,7 @@ def _resume_base(resume: str) -> dict[str, Any]:
     return dict(ckpt["config"])
 
 
-def build_train_config(ns: argparse.Namespace) -> "TrainConfig":  # noqa: F821
+def build_train_config(ns: argparse.Namespace) -> TrainConfig:  # noqa: F821
     from unison.config import TrainConfig
 
     base: dict[str, Any] = {}
@@ -86,7 +85,7 @@ def build_train_config(ns: argparse.Namespace) -> "TrainConfig":  # noqa: F821
     return cfg.validate()
 
 
-def parse_train_args(argv: list[str]) -> "TrainConfig":  # noqa: F821
+def parse_train_args(argv: list[str]) -> TrainConfig:  # noqa: F821
     """The `TrainConfig` that ``unison train ARGV`` would run (flags, ``--config``, ``--param``, ``--resume``)."""
     ns = make_parser().parse_args(["train", *argv])
     return build_train_config(ns)

@@ -74,7 +74,7 @@ class TrainConfig:
         "help": "method hyper-parameters (--param NAME=VALUE)"})
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
-    def validate(self, cuda_available: bool | None = None) -> "TrainConfig":
+    def validate(self, cuda_available: bool | None = None) -> TrainConfig:
         from unison.methods import METHODS
 
         self.distributed.validate(cuda_available)
@@ -134,7 +134,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a configuration must be a mapping of option names to values, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -18,8 +18,17 @@ from unison.configutil import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.config import ConfigError
 from unison.distributed.launch import WorkerFailure
 
-from .config import (PARTS, BenchConfig, bench_command, config_from_overrides, data_or_skip, describe_machine,
-                     format_load, loadavg, machine_info)
+from .config import (
+    PARTS,
+    BenchConfig,
+    bench_command,
+    config_from_overrides,
+    data_or_skip,
+    describe_machine,
+    format_load,
+    loadavg,
+    machine_info,
+)
 from .table import BenchError
 
 _WHAT = {

@@ -76,7 +76,7 @@ class BenchConfig:
         "help": "the most this run waits for --max-load, all measurements together; then it measures anyway"})
     dry_run: bool = field(default=False, metadata={"help": "print the training commands and exit"})
 
-    def validate(self) -> "BenchConfig":
+    def validate(self) -> BenchConfig:
         from unison.methods import METHODS
 
         for m in self.method_list:

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -43,3 +44,30 @@ def max_rel_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
         if d > worst:
             worst, where = d, k
     return worst, where
+
+
+def assert_states_close(a: Any, b: Any, tol: float = 1e-9, where: str = "state") -> None:
+    """Assert that two nested states (dicts, lists, tuples of tensors and plain values) are the same.
+
+    Structure, integer tensors and plain values must be equal; a float tensor may differ by
+    `tol` relative to ``max(max|b|, 1e-6)``. The AssertionError names the path, e.g.
+    ``state.optimizer.state.3.momentum_buffer``.
+    """
+    if isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and a.shape == b.shape, f"{where}: shape {getattr(a, 'shape', a)} vs {b.shape}"
+        if b.is_floating_point():
+            scale = max(float(b.double().abs().max()) if b.numel() else 0.0, 1e-6)
+            diff = float((a.double() - b.double()).abs().max()) if b.numel() else 0.0
+            assert diff / scale <= tol, f"{where}: relative difference {diff / scale:.2e} > {tol:.0e}"
+        else:
+            assert torch.equal(a, b), f"{where}: {a} != {b}"
+    elif isinstance(b, dict):
+        assert isinstance(a, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in b:
+            assert_states_close(a[k], b[k], tol, f"{where}.{k}")
+    elif isinstance(b, (list, tuple)):
+        assert isinstance(a, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_states_close(x, y, tol, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -90,7 +90,7 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def train_config_for(spec: CheckSpec, world_size: int) -> "TrainConfig":  # noqa: F821
+def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: F821
     """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches."""
     from unison.config import TrainConfig
     from unison.distributed.config import DistributedConfig
@@ -104,7 +104,7 @@ def train_config_for(spec: CheckSpec, world_size: int) -> "TrainConfig":  # noqa
                                       shared_queue=spec.shared_queue))
 
 
-def synthetic_images(spec: CheckSpec) -> "ImageTensorDataset":  # noqa: F821
+def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:  # noqa: F821
     """steps x global batch random uint8 images (a pure function of the seed): one epoch of the check."""
     from unison.data.synthetic import synthetic_dataset
 

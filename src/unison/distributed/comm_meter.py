@@ -55,7 +55,7 @@ class CommMeter:
             return _nbytes(args[1] if len(args) > 1 else None)
         return _nbytes(args[0] if args else kwargs.get("tensor"))
 
-    def __enter__(self) -> "CommMeter":
+    def __enter__(self) -> CommMeter:
         for name in _WRAPPED:
             original = getattr(dist, name, None)
             if original is None:

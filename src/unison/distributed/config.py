@@ -86,7 +86,7 @@ class DistributedConfig:
             cuda_available = torch.cuda.is_available()
         return "nccl" if cuda_available else "gloo"  # mpi-launched
 
-    def validate(self, cuda_available: bool | None = None) -> "DistributedConfig":
+    def validate(self, cuda_available: bool | None = None) -> DistributedConfig:
         """Raise `ConfigError` with a one-line fix for any invalid combination; return self."""
         if cuda_available is None:
             import torch
@@ -139,7 +139,7 @@ class DistributedConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DistributedConfig":
+    def from_dict(cls, data: dict[str, Any]) -> DistributedConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

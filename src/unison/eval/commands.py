@@ -69,7 +69,7 @@ class EvalOptions:
     json: str | None = field(default=None, metadata={"help": "also write the results to this JSON file",
                                                      "metavar": "PATH"})
 
-    def validate(self) -> "EvalOptions":
+    def validate(self) -> EvalOptions:
         if not self.checkpoint:
             raise ConfigError("give --checkpoint RUN_DIR_OR_FILE, e.g. unison eval --checkpoint runs/default")
         if not (self.knn or self.linear):

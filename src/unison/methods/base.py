@@ -39,7 +39,7 @@ class Recipe:
     # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
     embedded: dict[str, Any] = field(default_factory=dict)
 
-    def for_data(self, data: str) -> "Recipe":
+    def for_data(self, data: str) -> Recipe:
         """The recipe for `data`: on the embedded digits, their own augmentation (grey, not
         mirror-symmetric; multi-crop kept for multi-crop methods) and the `embedded` overrides."""
         if data != "digits":

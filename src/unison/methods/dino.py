@@ -43,8 +43,15 @@ import torch.nn.functional as F
 from unison.distributed.ddp import mark_rank_local_state
 from unison.losses import DINOLoss
 
-from ._common import broadcast_once, check_multicrop, cosine_momentum, ema_update_, module_state, momentum_copy
-from ._common import multicrop_features
+from ._common import (
+    broadcast_once,
+    check_multicrop,
+    cosine_momentum,
+    ema_update_,
+    module_state,
+    momentum_copy,
+    multicrop_features,
+)
 from .base import Recipe, SSLMethod
 
 

@@ -47,8 +47,9 @@ import re
 import secrets
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import torch
 

@@ -18,7 +18,6 @@ from typing import Any
 from unison.distributed.env import restart_count
 from unison.errors import ConfigError
 
-
 FAULT_ENV = "UNISON_FAULT_INJECT"
 FAULT_KINDS = ("kill", "raise", "nan", "hang")
 

@@ -25,12 +25,23 @@ import torch
 
 from unison.config import TrainConfig
 from unison.distributed import collectives as C
-from unison.distributed.env import (apply_launch_env, detect_launch_env, init_distributed, restart_count,
-                                    shutdown_distributed)
+from unison.distributed.env import (
+    apply_launch_env,
+    detect_launch_env,
+    init_distributed,
+    restart_count,
+    shutdown_distributed,
+)
 from unison.errors import ConfigError
 from unison.eval.knn import knn_accuracy
-from unison.train.checkpoint import (check_compatible, latest_checkpoint, load_checkpoint, pack_rng_state,
-                                     restore_rng_state, save_checkpoint)
+from unison.train.checkpoint import (
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    pack_rng_state,
+    restore_rng_state,
+    save_checkpoint,
+)
 from unison.train.faults import FaultHook
 from unison.train.metrics import MetricsLogger
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker

@@ -47,7 +47,7 @@ class Summary:
         return {k: v for k, v in self.to_dict().items() if k not in ("loss_curve", "log_times_s")}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Summary":
+    def from_dict(cls, data: dict[str, Any]) -> Summary:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
