@@ -145,3 +145,18 @@ def test_bench_command_reproduces_the_config_even_with_flag_like_values():
     assert "--train-args=--no-channels-last" in line
     ns = make_parser().parse_args(shlex.split(line)[1:])   # the printed line parses back to the same values
     assert ns.train_args == "--no-channels-last" and ns.scaling_steps == 5
+
+
+def test_gpu1_preset_needs_one_gpu_for_the_lightly_comparison_only(monkeypatch):
+    """`--preset gpu1`: Lightly's comparison on one GPU; parts that need several GPUs are refused on one."""
+    import torch
+
+    from unison.bench.commands import check_devices
+
+    cfg = config_from_overrides({"preset": "gpu1"})
+    assert cfg.backend == "nccl" and cfg.batch_size == 512 and cfg.backbone == "resnet18"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_devices(cfg, ["lightly"])
+    with pytest.raises(ConfigError, match="1 GPU"):
+        check_devices(cfg, ["table"])

@@ -63,7 +63,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     if cfg.dry_run:
         _print_plan(cfg, parts)
         return 0
-    _check_devices(cfg)
+    check_devices(cfg, parts)
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     machine = describe_machine(machine_info())
@@ -83,13 +83,14 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _check_devices(cfg: BenchConfig) -> None:
+def check_devices(cfg: BenchConfig, parts: list[str]) -> None:
     import torch
 
     if cfg.backend != "nccl":
         return
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < cfg.workers:
+    needed = 1 if set(parts) <= {"lightly"} else cfg.workers   # the Lightly comparison trains on one GPU
+    if n < needed:
         raise ConfigError(f"bench: the {cfg.preset} preset runs {cfg.workers} NCCL workers, one per GPU, but "
                           f"{n} GPU(s) are visible; use --workers {max(n, 2)} on a multi-GPU machine, --dry-run to "
                           "see the commands, or --preset cpu")

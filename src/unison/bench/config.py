@@ -38,8 +38,9 @@ SHARED_CIFAR10 = "../shared/data/cifar10"
 class BenchConfig:
     preset: str = field(default="cpu", metadata={
         "help": "cpu: small_cnn, CIFAR-10 subset, 2 gloo workers x 1 thread, simclr+moco; gpu: Lightly's protocol "
-                "(resnet18, CIFAR-10, batch 512, k=200, 4 NCCL workers, 100 epochs, 6 methods); other flags override",
-        "choices": ("cpu", "gpu")})
+                "(resnet18, CIFAR-10, batch 512, k=200, 4 NCCL workers, 100 epochs, 6 methods); gpu1: the gpu preset's "
+                "Lightly comparison on one GPU; other flags override",
+        "choices": ("cpu", "gpu", "gpu1")})
     methods: str = field(default="simclr,moco", metadata={"help": "comma-separated methods for the table and comm report"})
     backbone: str = field(default="small_cnn", metadata={"help": "backbone of every run (same module type on both "
                                                                  "sides of the Lightly comparison)"})
@@ -115,6 +116,11 @@ PRESETS: dict[str, BenchConfig] = {
     "gpu": BenchConfig(preset="gpu", methods="simclr,moco,simsiam,barlowtwins,byol,swav", backbone="resnet18",
                        subset=None, val_subset=None, epochs=100, batch_size=512, workers=4, threads=None,
                        backend="nccl", lightly_steps=200, lightly_loader_workers=8, scaling_steps=100),
+    # One GPU: the Lightly comparison (same GPU, same work) and the communication report of the gpu preset's
+    # configuration; the table and scaling parts need several GPUs and are refused on one.
+    "gpu1": BenchConfig(preset="gpu1", methods="simclr,moco,simsiam,barlowtwins,byol,swav", backbone="resnet18",
+                        subset=None, val_subset=None, epochs=100, batch_size=512, workers=4, threads=None,
+                        backend="nccl", lightly_steps=200, lightly_loader_workers=8, scaling_steps=100),
 }
 
 
