@@ -40,12 +40,13 @@ from unison.data.batches import BatchSource, InMemoryBatches
 from unison.data.datasets import ImageTensorDataset, load_dataset
 from unison.distributed import collectives as C
 from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
-from unison.distributed.optim import ShardedOptimizer, build_optimizer
+from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, DataError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
+from unison.optim import build_optimizer
 
 
 @dataclass(frozen=True)
