@@ -52,13 +52,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 
 from unison.distributed import collectives as C
@@ -155,15 +154,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, vetted)
 
 
-def _load(state: dict[str, Any], directory: Path) -> None:
-    """dcp.load with the safe reader and planner (collective when a process group exists)."""
+def load_safely(state: dict[str, Any], directory: Path) -> None:
+    """dcp.load into `state` with `SafeReader` and `SafeLoadPlanner` (collective when a process group exists)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
             dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
         except CheckpointError:
             raise
-        except Exception as e:  # DCP wraps worker errors in CheckpointException
+        except (Exception, CheckpointException) as e:  # DCP wraps each rank's error (a BaseException)
             inner = _checkpoint_error_in(e)
             if inner is not None:
                 raise inner from None
@@ -177,9 +176,8 @@ def _checkpoint_error_in(e: BaseException) -> CheckpointError | None:
         x = seen.pop()
         if isinstance(x, CheckpointError):
             return x
-        failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
-            seen.extend(v for v in failures.values() if isinstance(v, BaseException))
+        if isinstance(x, CheckpointException):   # {rank: (exception, traceback)}
+            seen.extend(pair[0] for pair in x.failures.values())
         for nxt in (x.__cause__, x.__context__):
             if nxt is not None:
                 seen.append(nxt)
@@ -197,7 +195,7 @@ def load_consolidated(path: str | Path, map_location: Any = "cpu") -> dict[str, 
              for fqn, md in metadata.state_dict_metadata.items()
              if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     state = {"model": model}
-    _load(state, directory)
+    load_safely(state, directory)
     if map_location not in (None, "cpu"):
         state["model"] = {k: v.to(map_location) for k, v in state["model"].items()}
     return {**header, "model": state["model"]} if isinstance(header, dict) else header
@@ -235,7 +233,7 @@ def save_sharded(run: Run, run_dir: Path, step: int, history: dict[str, Any]) ->
     rng_states = C.all_gather_object(ckpt_io.pack_rng_state())
     try:
         dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=FileSystemWriter(tmp))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(f"could not write checkpoint {final} ({e}); the previous checkpoint is intact") from e
     if C.rank() == 0:
         header = {"format": ckpt_io.FORMAT, "version": ckpt_io.VERSION, "method": run.cfg.method, "step": step,
@@ -293,14 +291,22 @@ def resume_sharded(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     optimizer = _optimizer_twin(run) if isinstance(run.optimizer, ShardedOptimizer) else run.optimizer
     model_state, optim_state = get_state_dict(run.method, optimizer)
     expected = set(model_state)
+    keys = read_metadata_safely(directory).state_dict_metadata
+    # get_state_dict gives every trainable parameter a state (a zero-gradient step); parameters that never
+    # had a gradient (a frozen teacher's batch-norm weights) have none in the checkpoint, nor in the run.
+    with_state = {k.split(".", 2)[2] for k in keys if k.startswith("optimizer.state.")}
+    optim_state["state"] = {fqn: s for fqn, s in optim_state["state"].items()
+                            if any(f"{fqn}.{name}" in with_state for name in s)}
     state = {"model": model_state, "optimizer": optim_state}
-    saved = {k[len("model."):] for k in read_metadata_safely(directory).state_dict_metadata if k.startswith("model.")}
+    saved = {k[len("model."):] for k in keys if k.startswith("model.")}
     if saved != expected:
         missing, unexpected = sorted(expected - saved), sorted(saved - expected)
         raise CheckpointError(f"checkpoint {directory} does not match the model: {len(missing)} missing key(s) "
                               f"{missing[:3]}, {len(unexpected)} unexpected key(s) {unexpected[:3]}")
-    _load(state, directory)
-    set_state_dict(run.method, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    load_safely(state, directory)
+    set_model_state_dict(run.method, state["model"])
+    # strict=False: the stateless parameters above, left without state as in the saved run
+    set_optimizer_state_dict(run.method, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     if optimizer is not run.optimizer:
         run.optimizer.load_state_dict(optimizer.state_dict())
     _restore_rng(header)
@@ -318,7 +324,8 @@ def _resume_full_from_pt(run: Run, path: Path) -> tuple[int, dict[str, Any]]:
     optim = ckpt["optimizer"]
     by_name = {"state": {names[i]: s for i, s in optim["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}
-    set_optimizer_state_dict(run.method, run.optimizer, by_name, options=full)
+    set_optimizer_state_dict(run.method, run.optimizer, by_name,
+                             options=StateDictOptions(full_state_dict=True, strict=False))   # as above
     _restore_rng(ckpt)
     return int(ckpt["step"]), dict(ckpt.get("history") or {})
 
