@@ -46,7 +46,6 @@ import pickle
 import random
 import re
 import secrets
-import shutil
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -207,7 +206,12 @@ def _prune(ckpt_dir: Path, keep: int, written: Path) -> None:
     others = _newest_first([p for p in list_checkpoints(ckpt_dir) if p.name != written.name], _step_of(written))
     for p in others[keep - 1:]:
         try:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if p.is_dir():
+                from .dcp_checkpoint import remove_checkpoint_dir
+
+                remove_checkpoint_dir(p)
+            else:
+                p.unlink()
         except FileNotFoundError:
             pass
         except OSError as e:  # a failed prune must not fail a save that succeeded

@@ -213,6 +213,14 @@ def _fsync_tree(directory: Path) -> None:
     ckpt_io._fsync_dir(directory)
 
 
+def remove_checkpoint_dir(path: Path) -> None:
+    """Delete a checkpoint directory without ever leaving a half-deleted one under its final name:
+    renamed to a temporary name first (atomic), then removed (a kill in between leaves a temporary)."""
+    doomed = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _remove_stale(ckpt_dir: Path) -> None:
     """Temporary directories of saves that were killed."""
     for p in ckpt_dir.glob(f".step_*{SUFFIX}.*.tmp"):
@@ -245,7 +253,7 @@ def save_sharded(run: Run, run_dir: Path, step: int, history: dict[str, Any]) ->
                 torch.save(header, f)
             _fsync_tree(tmp)
             if final.exists():   # the same step saved again (a resumed run): replace it
-                shutil.rmtree(final)
+                remove_checkpoint_dir(final)
             os.replace(tmp, final)
             ckpt_io._fsync_dir(ckpt_dir)
             ckpt_io._atomic_write(ckpt_dir / ckpt_io.LATEST, lambda f: f.write(final.name.encode() + b"\n"))
