@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,9 +20,16 @@ from torch.optim import Optimizer
 
 from .lars import LARS
 
-__all__ = ["LARS", "OPTIMIZER_NAMES", "build_optimizer"]
+__all__ = ["LARS", "OPTIMIZER_NAMES", "build_optimizer", "constructor_args"]
 
 OPTIMIZER_NAMES = ("sgd", "lars", "adam", "adamw")
+
+
+def constructor_args(optimizer: Optimizer) -> dict[str, Any]:
+    """The hyper-parameters to build another optimizer of the same class: ``optimizer.defaults`` minus
+    what its ``__init__`` does not take (torch 2.14's AdamW records ``decoupled_weight_decay``)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 def build_optimizer(name: str, params: Iterable[Any], lr: float, weight_decay: float, momentum: float = 0.9,

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from unison.distributed import collectives as C
 from unison.errors import CheckpointError
+from unison.optim import constructor_args
 
 from . import checkpoint as ckpt_io
 
@@ -272,7 +273,7 @@ def _optimizer_twin(run: Run) -> torch.optim.Optimizer:
     the full state into it, then hand it to their sharded optimizer)."""
     local = getattr(run.optimizer, "_optimizer", run.optimizer)
     local = getattr(local, "optim", local)    # ZeroRedundancyOptimizer's local optimizer
-    return type(local)(run.trainable, **run.optimizer.defaults)
+    return type(local)(run.trainable, **constructor_args(local))
 
 
 def resumes_sharded(run: Run, path: str | Path) -> bool:

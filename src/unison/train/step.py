@@ -49,7 +49,7 @@ from unison.errors import ConfigError, DataError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
-from unison.optim import build_optimizer
+from unison.optim import build_optimizer, constructor_args
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     optimizer = build_optimizer(resolved["optimizer"], trainable, lr=peak_lr, weight_decay=resolved["weight_decay"],
                                 momentum=cfg.momentum)
     if cfg.distributed.shard == "optimizer":
-        optimizer = ShardedOptimizer(trainable, type(optimizer), **optimizer.defaults)
+        optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
