@@ -11,7 +11,6 @@ import torch.nn as nn
 
 from unison.data.augment import PRESETS
 from unison.distributed.ddp import rank_local_state_names
-from unison.distributed.optim import OPTIMIZER_NAMES
 from unison.methods import (
     BYOL,
     DINO,
@@ -26,6 +25,7 @@ from unison.methods import (
     VICReg,
 )
 from unison.methods.dino import DINOHead
+from unison.optim import OPTIMIZER_NAMES
 
 SMALL = {
     "moco": dict(proj_hidden_dim=8, proj_dim=4, queue_size=32),

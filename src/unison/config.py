@@ -107,6 +107,12 @@ class TrainConfig:
             raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")
         if self.amp not in AMP_MODES:
             raise ConfigError(f"amp={self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.distributed.shard == "full" and self.amp == "fp16":
+            raise ConfigError("amp='fp16' needs a gradient scaler for sharded gradients, which --shard full does not "
+                              "have; use --amp bf16 (FSDP mixed precision: bf16 parameters, fp32 reduction)")
+        if self.distributed.shard == "full" and self.method == "moco" and self.method_params.get("shuffle_bn"):
+            raise ConfigError("MoCo shuffle_bn swaps the key encoder's batch-norm layers during training, which "
+                              "--shard full cannot follow; use --shard none or drop --param shuffle_bn=true")
         if self.precision not in ("float32", "float64"):
             raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:

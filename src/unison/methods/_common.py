@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from unison.distributed.collectives import broadcast_, world_size
+from unison.distributed.dtensor import is_sharded
 
 _SYNCED_ATTR = "_unison_rank_local_synced"
 
@@ -62,13 +63,17 @@ def cosine_momentum(base: float, step: int, total: int, final: float = 1.0) -> f
 
 
 def broadcast_once(owner: nn.Module, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
-    """On the first call for `owner`, overwrite every tensor of `tensors()` with rank 0's copy."""
+    """On the first call for `owner`, overwrite every tensor of `tensors()` with rank 0's copy.
+
+    Sharded (FSDP) parameters are skipped: each rank holds a different slice, and
+    `unison.distributed.fsdp.apply_fsdp` broadcast them from rank 0 before sharding."""
     if owner.__dict__.get(_SYNCED_ATTR, False):
         return
     owner.__dict__[_SYNCED_ATTR] = True
     if world_size() > 1:
         for t in tensors():
-            broadcast_(t.data)
+            if not is_sharded(t):
+                broadcast_(t.data)
 
 
 def module_state(*modules: nn.Module) -> list[torch.Tensor]:

@@ -65,6 +65,10 @@ class SSLMethod(nn.Module):
     needs_sample_keys: ClassVar[bool] = False
     # Why a run at W workers may differ from one process on the global batch (None = exact).
     inexact_reason: ClassVar[str | None] = None
+    # Children whose parameters forward() reads directly (not through their own forward), e.g.
+    # F.linear(z, self.prototypes.weight): under --shard full they stay in the method's own FSDP unit,
+    # which gathers them for the method's forward.
+    unsharded_children: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: Any, *, gather_distributed: bool = True,
                  shared_queue: bool = True, steps_total: int = 1):

@@ -9,8 +9,10 @@
 Everything that decides what a step computes lives here and nowhere else:
 
 * the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
-  (`convert_sync_batchnorm`) -> channels_last -> DDP (`wrap_ddp`: comm hooks, rank-local
-  state) -> optional ``torch.compile``; every rank is seeded identically before the build;
+  (`convert_sync_batchnorm`) -> channels_last -> optional activation checkpointing -> DDP
+  (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
+  every backbone block and head sharded; ``Run.ddp`` is then the sharded method itself) ->
+  optional ``torch.compile``; every rank is seeded identically before the build;
 * the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
   with the global batch (x accumulation), optionally ZeRO-1 sharded;
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
@@ -40,12 +42,14 @@ from unison.data.batches import BatchSource, InMemoryBatches
 from unison.data.datasets import ImageTensorDataset, load_dataset
 from unison.distributed import collectives as C
 from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
-from unison.distributed.optim import ShardedOptimizer, build_optimizer
+from unison.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
+from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, DataError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
+from unison.optim import build_optimizer, constructor_args
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ class Run:
     augment: ViewAugmenter
     source: BatchSource
     method: SSLMethod              # the bare method (parameters, state, embed)
-    ddp: nn.Module                 # the method wrapped for data parallelism
+    ddp: nn.Module                 # the method wrapped for data parallelism (DDP, or FSDP: the method itself)
     forward: nn.Module             # what a step calls: `ddp`, or `torch.compile(ddp)`
     trainable: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -188,7 +192,12 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         model = convert_sync_batchnorm(model, device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
+    if cfg.distributed.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
+        ddp = apply_fsdp(model, cfg, device)
+    else:
+        ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = unwrap(ddp)
     forward = torch.compile(ddp) if cfg.compile else ddp
 
@@ -197,8 +206,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     trainable = [p for p in method.parameters() if p.requires_grad]
     optimizer = build_optimizer(resolved["optimizer"], trainable, lr=peak_lr, weight_decay=resolved["weight_decay"],
                                 momentum=cfg.momentum)
-    if cfg.distributed.shard_optimizer:
-        optimizer = ShardedOptimizer(trainable, type(optimizer), **optimizer.defaults)
+    if cfg.distributed.shard == "optimizer":
+        optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
