@@ -17,7 +17,8 @@ and of the rank it lands on.
 
 Each method declares a dataclass of hyper-parameters (published defaults) and the
 recipe it was tuned with (optimizer, base learning rate per 256 images, weight decay,
-augmentation preset).
+augmentation preset, and the backbone `unison train` and `unison check` use when none is
+given: ``small_cnn``, or a ViT for the methods that need patch tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Recipe:
     base_lr: float = 0.06          # per 256 images (scaled linearly with the global batch)
     weight_decay: float = 5e-4
     augmentation: str = "simclr"   # preset in unison.data.augment
+    backbone: str = "small_cnn"    # used when --backbone is not given (a ViT for the masked-image methods)
     # Overrides of the fields above for the embedded digits default, a 150-step schedule on which
     # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
     embedded: dict[str, Any] = field(default_factory=dict)
