@@ -43,10 +43,10 @@ class Recipe:
 
     def for_data(self, data: str) -> Recipe:
         """The recipe for `data`: on the embedded digits, their own augmentation (grey, not
-        mirror-symmetric; multi-crop kept for multi-crop methods) and the `embedded` overrides."""
+        mirror-symmetric; multi-crop and single-crop kept as such) and the `embedded` overrides."""
         if data != "digits":
             return self
-        preset = "digits_multicrop" if self.augmentation == "multicrop" else "digits"
+        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop"}.get(self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 
