@@ -14,8 +14,9 @@ which timm's ``forward`` does not:
 
 ``blocks`` is an ``nn.ModuleList`` of timm ``Block`` modules, one per layer, so that a
 sharding wrapper can wrap each block separately. Images of another size than ``img_size``
-(multi-crop local views) get a bicubically resampled positional embedding
-(``timm.layers.resample_abs_pos_embed``); the size must be a multiple of the patch size.
+(multi-crop local views) get a bicubically resampled positional embedding (as
+``timm.layers.resample_abs_pos_embed``, in the parameter's precision); the size must be a
+multiple of the patch size.
 The parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``pos_embed``,
 ``blocks.0.attn.qkv.weight``, ``norm.weight``), so an exported state dict loads into
 ``timm.create_model("vit_tiny_patch16_224", num_classes=0, img_size=..., patch_size=...)``.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
     "nano": (128, 6, 4),
@@ -85,11 +87,16 @@ class ViT(nn.Module):
         return image_size // self.patch_size
 
     def _pos_embed(self, grid: int) -> torch.Tensor:
+        """[1, 1 + grid * grid, D]: the positional embedding, patch part resampled bicubically (antialiased) to
+        `grid` as timm's ``resample_abs_pos_embed``, but in the parameter's own precision (timm's computes in
+        float32, which would cost a float64 exactness check its digits)."""
         if grid == self.grid:
             return self.pos_embed
-        from timm.layers import resample_abs_pos_embed
-
-        return resample_abs_pos_embed(self.pos_embed, [grid, grid], [self.grid, self.grid], num_prefix_tokens=1)
+        cls_pos, patch_pos = self.pos_embed[:, :1], self.pos_embed[:, 1:]
+        work = torch.float32 if patch_pos.dtype in (torch.float16, torch.bfloat16) else patch_pos.dtype
+        img = patch_pos.to(work).reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2)
+        img = F.interpolate(img, size=(grid, grid), mode="bicubic", antialias=True)
+        return torch.cat([cls_pos, img.permute(0, 2, 3, 1).reshape(1, grid * grid, -1).to(patch_pos.dtype)], dim=1)
 
     def patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Patch embeddings plus positional embedding, [B, N, D] (no class token)."""
