@@ -126,7 +126,8 @@ class IBOT(SSLMethod):
         n_patches = grid * grid
         n_masked = round(p.mask_ratio * n_patches)
         if not 1 <= n_masked <= n_patches:
-            raise ValueError(f"iBOT mask_ratio={p.mask_ratio} masks {n_masked} of {n_patches} patches; mask at least one")
+            raise ConfigError(f"iBOT mask_ratio={p.mask_ratio} masks {n_masked} of {n_patches} patches; mask at least one "
+                              "(--param mask_ratio=VALUE)")
         masked = torch.cat([random_masking(keys, MASK_STREAM + i, n_patches, n_masked, views[0].device)[1]
                             for i in range(2)])                                        # [2n, m]
         is_masked = torch.zeros(2 * n, n_patches, dtype=torch.bool, device=masked.device).scatter_(1, masked, True)

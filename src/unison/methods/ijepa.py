@@ -46,6 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from unison.distributed.ddp import mark_rank_local_state
+from unison.errors import ConfigError
 from unison.losses import IJEPALoss
 
 from ._common import mean_patch_embedding, require_vit
@@ -116,11 +117,18 @@ class IJEPA(SSLMethod):
         mark_rank_local_state(self, ["step_count"])
         self.loss_fn = IJEPALoss()
 
-    def block_shape(self, n_patches: int) -> tuple[int, int]:
-        """(h, w) of a target block for an image of `n_patches` patches."""
-        k = max(1, round(self.params.target_scale * n_patches))
-        h = max(1, round(math.sqrt(k * self.params.target_aspect)))
-        return h, max(1, round(k / h))
+    def block_shape(self, grid: int) -> tuple[int, int]:
+        """(h, w) of a target block on a `grid` x `grid` patch grid; ConfigError if no context would be left."""
+        p, n_patches = self.params, grid * grid
+        k = max(1, round(p.target_scale * n_patches))
+        h = min(grid, max(1, round(math.sqrt(k * p.target_aspect))))
+        w = min(grid, max(1, round(k / h)))
+        if p.num_targets * h * w >= n_patches:
+            raise ConfigError(f"I-JEPA: {p.num_targets} target blocks of {h} x {w} patches cover the {grid} x {grid} "
+                              f"patches of the image, no context is left; use a backbone with smaller patches "
+                              f"(vit_*_p2 for 16 px images) or fewer / smaller targets (--param num_targets=2, "
+                              f"--param target_scale=0.1)")
+        return h, w
 
     def momentum(self, step: int) -> float:
         base = self.params.momentum_base
@@ -134,7 +142,7 @@ class IJEPA(SSLMethod):
         for v, x in enumerate(views):
             grid = self.backbone.grid_size(x.shape[-1])
             targets, context = block_masking(keys, MASK_STREAM + 2 * v, grid, self.params.num_targets,
-                                             self.block_shape(grid * grid), x.device)
+                                             self.block_shape(grid), x.device)
             n, m, k = targets.shape
             with torch.no_grad():
                 s = self.target.backbone.forward_tokens(x)[:, 1:]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from unison.errors import ConfigError
 from unison.losses import MAELoss, patchify
 
 from ._common import mean_patch_embedding, require_vit
@@ -97,8 +98,8 @@ class MAE(SSLMethod):
         """(visible, masked) patch indices of this view of every sample: [n, N - m], [n, m]."""
         m = round(self.params.mask_ratio * n_patches)
         if not 1 <= m < n_patches:
-            raise ValueError(f"MAE mask_ratio={self.params.mask_ratio} masks {m} of {n_patches} patches; "
-                             "at least one patch must be masked and one visible")
+            raise ConfigError(f"MAE mask_ratio={self.params.mask_ratio} masks {m} of {n_patches} patches; "
+                              "at least one patch must be masked and one visible (--param mask_ratio=VALUE)")
         return random_masking(keys, MASK_STREAM + view, n_patches, m, device)
 
     def decode(self, latent: torch.Tensor, visible: torch.Tensor, masked: torch.Tensor, grid: int) -> torch.Tensor:
