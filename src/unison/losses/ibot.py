@@ -51,6 +51,9 @@ CENTERINGS = ("centre", "sinkhorn")
 
 
 class IBOTLoss(nn.Module):
+    center: torch.Tensor
+    patch_center: torch.Tensor
+
     def __init__(self, out_dim: int, student_temp: float = 0.1, center_momentum: float = 0.9,
                  centering: str = "centre", sinkhorn_iterations: int = 3, gather_distributed: bool = True):
         super().__init__()

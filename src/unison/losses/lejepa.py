@@ -57,6 +57,10 @@ def sigreg_directions(seed: int, step: int, dim: int, num_slices: int, device: t
 class SIGRegLoss(nn.Module):
     """mean over views and directions of the Epps-Pulley statistic of the projected global batch."""
 
+    t: torch.Tensor
+    phi: torch.Tensor
+    weights: torch.Tensor
+
     def __init__(self, knots: int = 17, t_max: float = 5.0, gather_distributed: bool = True):
         super().__init__()
         if knots < 2 or t_max <= 0:

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from unison.distributed.collectives import broadcast_, world_size
+from unison.models.vit import ViT
 
 _SYNCED_ATTR = "_unison_rank_local_synced"
 
@@ -115,10 +116,8 @@ def check_multicrop(views: list[torch.Tensor], method: str) -> int:
     return n
 
 
-def require_vit(backbone: nn.Module, method: str):
-    """`backbone` as a `unison.models.vit.ViT`, or a ValueError naming the ViT backbones."""
-    from unison.models.vit import ViT
-
+def require_vit(backbone: nn.Module, method: str) -> ViT:
+    """`backbone` as a `unison.models.vit.ViT` (typed), or a ValueError naming the ViT backbones."""
     if not isinstance(backbone, ViT):
         raise ValueError(f"{method} needs a ViT backbone with patch tokens (--backbone vit_tiny_p4, vit_nano_p2, "
                          f"vit_small, ...), got {type(backbone).__name__}")
@@ -127,4 +126,4 @@ def require_vit(backbone: nn.Module, method: str):
 
 def mean_patch_embedding(vit: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The mean of a ViT's output patch tokens (the class token left out), [B, D]."""
-    return vit.forward_tokens(x)[:, 1:].mean(dim=1)
+    return require_vit(vit, "mean_patch_embedding").forward_tokens(x)[:, 1:].mean(dim=1)

@@ -88,6 +88,7 @@ class IBOTParams:
 
 
 class IBOT(SSLMethod):
+    step_count: torch.Tensor
     name = "ibot"
     Params = IBOTParams
     needs_sample_keys = True
@@ -122,7 +123,8 @@ class IBOT(SSLMethod):
             raise ValueError("iBOT draws its masks per sample: call it with keys=SampleKeys(seed, epoch, indices)")
         n = check_multicrop(views, "iBOT")
         p = self.params
-        grid = self.backbone.grid_size(views[0].shape[-1])
+        vit, teacher_vit = require_vit(self.backbone, "iBOT"), require_vit(self.teacher.backbone, "iBOT")
+        grid = vit.grid_size(views[0].shape[-1])
         n_patches = grid * grid
         n_masked = round(p.mask_ratio * n_patches)
         if not 1 <= n_masked <= n_patches:
@@ -136,10 +138,10 @@ class IBOT(SSLMethod):
         self.teacher.sync_once()
         globals_ = torch.cat(views[:2])
         with torch.no_grad():
-            t = self.teacher.backbone.forward_tokens(globals_)
+            t = teacher_vit.forward_tokens(globals_)
             t_cls = self.teacher.head(t[:, 0]).split(n)
             t_patch = self.teacher.head(t[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, n_masked, -1)
-        s = self.backbone.forward_tokens(globals_, mask=is_masked, mask_token=self.mask_token)
+        s = vit.forward_tokens(globals_, mask=is_masked, mask_token=self.mask_token)
         s_global_cls = s[:, 0]
         s_cls = [s_global_cls] + ([multicrop_features(self.backbone, views[2:])] if len(views) > 2 else [])
         s_cls_out = self.head(torch.cat(s_cls)).split(n)

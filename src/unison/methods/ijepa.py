@@ -101,6 +101,7 @@ class IJEPAPredictor(nn.Module):
 
 
 class IJEPA(SSLMethod):
+    step_count: torch.Tensor
     name = "ijepa"
     Params = IJEPAParams
     needs_sample_keys = True
@@ -138,17 +139,18 @@ class IJEPA(SSLMethod):
         if keys is None:
             raise ValueError("I-JEPA draws its masks per sample: call it with keys=SampleKeys(seed, epoch, indices)")
         self.target.sync_once()
+        vit, target_vit = require_vit(self.backbone, "I-JEPA"), require_vit(self.target.backbone, "I-JEPA")
         losses = []
         for v, x in enumerate(views):
-            grid = self.backbone.grid_size(x.shape[-1])
+            grid = vit.grid_size(x.shape[-1])
             targets, context = block_masking(keys, MASK_STREAM + 2 * v, grid, self.params.num_targets,
                                              self.block_shape(grid), x.device)
             n, m, k = targets.shape
             with torch.no_grad():
-                s = self.target.backbone.forward_tokens(x)[:, 1:]
+                s = target_vit.forward_tokens(x)[:, 1:]
                 s = F.layer_norm(s, s.shape[-1:])
                 s = s.gather(1, targets.reshape(n, m * k, 1).expand(-1, -1, s.shape[-1])).view(n, m, k, -1)
-            c = self.backbone.forward_tokens(x, keep=context)[:, 1:]
+            c = vit.forward_tokens(x, keep=context)[:, 1:]
             losses.append(self.loss_fn(self.predictor(c, context, targets, grid), s))
         return torch.stack(losses).mean()
 

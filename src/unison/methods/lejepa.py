@@ -62,6 +62,7 @@ class LeJEPAParams:
 
 
 class LeJEPA(SSLMethod):
+    step_count: torch.Tensor
     name = "lejepa"
     Params = LeJEPAParams
     needs_sample_keys = True           # the run's seed: SIGReg's directions are a function of (seed, step)

@@ -118,7 +118,7 @@ class MAE(SSLMethod):
     def forward(self, views: list[torch.Tensor], keys: SampleKeys | None = None) -> torch.Tensor:
         if keys is None:
             raise ValueError("MAE draws its masks per sample: call it with keys=SampleKeys(seed, epoch, indices)")
-        vit = self.backbone
+        vit = require_vit(self.backbone, "MAE")
         losses = []
         for v, x in enumerate(views):
             grid = vit.grid_size(x.shape[-1])

@@ -63,6 +63,7 @@ class MoCoV3Params:
 
 
 class MoCoV3(SSLMethod):
+    step_count: torch.Tensor
     name = "mocov3"
     Params = MoCoV3Params
     recipe = Recipe(optimizer="adamw", base_lr=1.5e-4, weight_decay=0.1, augmentation="byol",

@@ -49,6 +49,10 @@ class MomentumTeacher(nn.Module):
             self.add_module(name, momentum_copy(module))
         mark_rank_local_state(self)
 
+    def __getattr__(self, name: str) -> nn.Module:
+        # Typed for the copies (nn.Module.__getattr__ is typed Tensor | Module); lookup is nn.Module's.
+        return super().__getattr__(name)  # type: ignore[return-value]
+
     def sync_once(self) -> None:
         """On the first call, overwrite this teacher with rank 0's (a no-op afterwards and in one process)."""
         broadcast_once(self, lambda: module_state(self))

@@ -69,9 +69,10 @@ class ViT(nn.Module):
             raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
         vit = VisionTransformer(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
                                 num_heads=num_heads, mlp_ratio=mlp_ratio, num_classes=0, global_pool="token")
+        assert vit.cls_token is not None and vit.pos_embed is not None
         self.patch_embed = vit.patch_embed
-        self.cls_token = vit.cls_token
-        self.pos_embed = vit.pos_embed                      # [1, 1 + grid * grid, D], class position first
+        self.cls_token: nn.Parameter = vit.cls_token
+        self.pos_embed: nn.Parameter = vit.pos_embed        # [1, 1 + grid * grid, D], class position first
         self.blocks = nn.ModuleList(vit.blocks)
         self.norm = vit.norm
         self.patch_size, self.embed_dim, self.pool = patch_size, embed_dim, pool
