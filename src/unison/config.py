@@ -36,7 +36,9 @@ class TrainConfig:
     val_subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N held-out images"})
     on_corrupt: str = field(default="skip", metadata={"help": "corrupt image files: skip (with a count) or error",
                                                        "choices": ON_CORRUPT})
-    backbone: str = field(default="small_cnn", metadata={"help": "small_cnn | resnet18 | resnet50 | timm:<name>"})
+    backbone: str | None = field(default=None, metadata={
+        "help": "small_cnn | resnet18 | resnet50 | vit_<nano|tiny|small|base>[_p4|_p2] | timm:<name>; default: the "
+                "method's recipe (small_cnn; a small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
     image_size: int | None = field(default=None, metadata={"help": "training crop size; default: the data's size"})
     epochs: int = field(default=30, metadata={"help": "training epochs"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size (split evenly over workers)"})
@@ -120,6 +122,8 @@ class TrainConfig:
         from unison.data.augment import PRESETS
         from unison.models.backbones import BACKBONES
 
+        if self.backbone is None:   # the method's recipe names it: what the workers, checkpoints and summary see
+            self.backbone = METHODS[self.method].recipe.for_data(self.data).backbone
         if self.backbone not in BACKBONES and not self.backbone.startswith("timm:"):
             raise ConfigError(f"backbone={self.backbone!r} is unknown; use one of {', '.join(BACKBONES)} or timm:<name>")
         if self.augmentation is not None and self.augmentation not in PRESETS:

@@ -45,7 +45,8 @@ class CheckSpec:
     steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
     local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})
     image_size: int = field(default=16, metadata={"help": "image size of the synthetic data"})
-    backbone: str = field(default="small_cnn", metadata={"help": "backbone"})
+    backbone: str | None = field(default=None, metadata={
+        "help": "backbone; default: the method's recipe (small_cnn, or a ViT for the methods that need one)"})
     dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
                                                      "choices": tuple(TOLERANCE)})
     sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})

@@ -1,4 +1,4 @@
-"""Helpers shared by the methods: momentum (EMA) networks, schedules, multi-crop forwards.
+"""Helpers shared by the methods: momentum (EMA) networks, schedules, multi-crop forwards, ViT checks.
 
 * `momentum_copy(module)`: a frozen deep copy (``requires_grad=False``), the usual teacher /
   key encoder. Mark it with `mark_rank_local_state` so DDP never re-broadcasts it.
@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from unison.distributed.collectives import broadcast_, world_size
 from unison.distributed.dtensor import is_sharded
+from unison.models.vit import ViT
 
 _SYNCED_ATTR = "_unison_rank_local_synced"
 
@@ -118,3 +119,16 @@ def check_multicrop(views: list[torch.Tensor], method: str) -> int:
         raise ValueError(f"{method}: the two global views differ in shape: "
                          f"{tuple(views[0].shape)} vs {tuple(views[1].shape)}")
     return n
+
+
+def require_vit(backbone: nn.Module, method: str) -> ViT:
+    """`backbone` as a `unison.models.vit.ViT` (typed), or a ValueError naming the ViT backbones."""
+    if not isinstance(backbone, ViT):
+        raise ValueError(f"{method} needs a ViT backbone with patch tokens (--backbone vit_tiny_p4, vit_nano_p2, "
+                         f"vit_small, ...), got {type(backbone).__name__}")
+    return backbone
+
+
+def mean_patch_embedding(vit: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The mean of a ViT's output patch tokens (the class token left out), [B, D]."""
+    return require_vit(vit, "mean_patch_embedding").forward_tokens(x)[:, 1:].mean(dim=1)

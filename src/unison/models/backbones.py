@@ -8,13 +8,18 @@
   no max-pool), as in Lightly's and solo-learn's CIFAR benchmarks; ``fc`` is removed, so
   `unison export` writes a state dict that loads into ``torchvision.models.resnet18`` with
   the same stem (``strict=False`` for the missing ``fc``).
-* ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``).
+* ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p4`` (4 px patches, 32 px images) and
+  ``..._p2`` (2 px patches, 16 px images): Vision Transformers with token-level access for
+  the masked-image methods (`unison.models.vit`).
+* ``timm:<name>``: any timm model with ``num_classes=0``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from .vit import VIT_BACKBONES, build_vit
 
 
 class SmallCNN(nn.Module):
@@ -50,6 +55,9 @@ def build_backbone(name: str) -> tuple[nn.Module, int]:
         return m, m.feature_dim
     if name in ("resnet18", "resnet50"):
         return cifar_resnet(name)
+    if name in VIT_BACKBONES:
+        vit = build_vit(name)
+        return vit, vit.feature_dim
     if name.startswith("timm:"):
         try:
             import timm
@@ -60,4 +68,4 @@ def build_backbone(name: str) -> tuple[nn.Module, int]:
     raise ValueError(f"unknown backbone {name!r}; use one of {', '.join(BACKBONES)} or timm:<model>")
 
 
-BACKBONES = ("small_cnn", "resnet18", "resnet50")
+BACKBONES = ("small_cnn", "resnet18", "resnet50", *VIT_BACKBONES)

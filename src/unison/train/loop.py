@@ -216,7 +216,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     logger.log(step=step, epoch=step / run.steps_per_epoch, knn_top1=history["knn_top1"])
     save_run_checkpoint(run, run_dir, step, history)
     summary = Summary(
-        method=cfg.method, backbone=cfg.backbone, data=cfg.data, world_size=world, steps=step,
+        method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
         train_images=len(run.train_set), val_images=len(run.val_set) if run.val_set is not None else 0,
         final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history["random_init_knn_top1"],

@@ -115,10 +115,11 @@ class Run:
 
 
 def resolve_recipe(cfg: TrainConfig) -> dict[str, Any]:
-    """The optimizer, base learning rate, weight decay and augmentation a run uses: the method's recipe
-    for `cfg.data`, overridden by whatever `cfg` sets."""
+    """The optimizer, base learning rate, weight decay, augmentation and backbone a run uses: the method's
+    recipe for `cfg.data`, overridden by whatever `cfg` sets."""
     recipe = get_method(cfg.method).recipe.for_data(cfg.data)
-    return {"optimizer": cfg.optimizer or recipe.optimizer,
+    return {"backbone": cfg.backbone or recipe.backbone,
+            "optimizer": cfg.optimizer or recipe.optimizer,
             "lr": cfg.lr if cfg.lr is not None else recipe.base_lr,
             "weight_decay": cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
             "augmentation": cfg.augmentation or recipe.augmentation}
@@ -152,7 +153,7 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     """backbone -> method with its hyper-parameters, seeded identically on every rank."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(cfg.backbone)
+    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"])
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
