@@ -109,6 +109,12 @@ def _is_backbone_like(child: nn.Module, method: nn.Module) -> bool:
     return backbone is not None and type(child) is type(backbone)
 
 
+def _has_no_forward(module: nn.Module) -> bool:
+    """A module that is never called itself (a teacher holding copies, a ModuleDict): FSDP hooks on it would
+    never run, so its children are the units."""
+    return type(module).forward is nn.Module.forward
+
+
 def _frozen(module: nn.Module) -> bool:
     return not any(p.requires_grad for p in module.parameters())
 
@@ -148,13 +154,19 @@ def apply_fsdp(method: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     def shard(module: nn.Module) -> None:
         fully_shard(module, reshard_after_forward=reshard or _frozen(module), **kw)
 
-    for name, child in method.named_children():
-        if name in unsharded or not _has_params(child):
-            continue
-        if _is_backbone_like(child, method):
-            for block in backbone_blocks(child):
-                shard(block)
-        shard(child)
+    def shard_children(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if (parent is method and name in unsharded) or not _has_params(child):
+                continue
+            if _has_no_forward(child):   # a holder of modules used one by one (MomentumTeacher): shard those
+                shard_children(child)
+                continue
+            if _is_backbone_like(child, method):
+                for block in backbone_blocks(child):
+                    shard(block)
+            shard(child)
+
+    shard_children(method)
     # The root unit stays gathered from its forward to its backward (FSDP would gather it again at once):
     # forward and backward then see the same values even where a forward writes into a parameter it holds
     # (SwAV normalises its prototypes in place).

@@ -111,7 +111,15 @@ class ViT(nn.Module):
     def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                        mask_token: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised output tokens [B, 1 + n, D] (class token first) of the patches `keep` (default all);
-        patches where `mask` is True are replaced by `mask_token` (plus their positional embedding)."""
+        patches where `mask` is True are replaced by `mask_token` (plus their positional embedding).
+
+        Goes through ``self(...)`` so that wrappers hooked on the forward (FSDP2's parameter gathering under
+        ``--shard full``) run for token access too."""
+        return self(x, tokens=True, keep=keep, mask=mask, mask_token=mask_token)
+
+    def _tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """See `forward_tokens`."""
         t = self.patch_tokens(x)
         if mask is not None:
             if mask_token is None:
@@ -127,8 +135,12 @@ class ViT(nn.Module):
             t = block(t)
         return self.norm(t)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.forward_tokens(x)
+    def forward(self, x: torch.Tensor, *, tokens: bool = False, keep: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled feature [B, D] (class token or patch mean); with ``tokens=True`` every output token."""
+        t = self._tokens(x, keep, mask, mask_token)
+        if tokens:
+            return t
         return t[:, 0] if self.pool == "cls" else t[:, 1:].mean(dim=1)
 
 
