@@ -33,8 +33,11 @@ def _shard(n: int) -> slice:
 @torch.no_grad()
 def embed_all(encode: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
               transform: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 512) -> torch.Tensor:
-    """L2-normalised features of `images` (uint8), computed in batches."""
-    feats = [F.normalize(encode(transform(images[i:i + batch_size])).float(), dim=1)
+    """L2-normalised features of `images` (uint8), computed in batches. `images` may also be lazily decoded
+    (`unison.data.source.LazyImages`: ``decode(start, stop)`` gives the uint8 batch)."""
+    lazy = not isinstance(images, torch.Tensor)
+    feats = [F.normalize(encode(transform(images.decode(i, i + batch_size) if lazy else images[i:i + batch_size]))
+                         .float(), dim=1)
              for i in range(0, images.shape[0], batch_size)]
     return torch.cat(feats) if feats else torch.empty(0)
 
