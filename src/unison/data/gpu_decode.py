@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,9 @@ class GpuCropper:
         jpeg = [k for k, d in enumerate(data) if len(d) > 2 and int(d[0]) == 0xFF and int(d[1]) == 0xD8]
         if jpeg:
             try:
-                decoded = decode_jpeg([data[k] for k in jpeg], mode=ImageReadMode.RGB, device=self.device)
+                with warnings.catch_warnings():  # torchvision >= 0.29: deprecation notice on every call
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    decoded = decode_jpeg([data[k] for k in jpeg], mode=ImageReadMode.RGB, device=self.device)
                 for k, img in zip(jpeg, decoded):
                     out[k] = img
             except RuntimeError:  # one JPEG the batched decoder refuses: decode those one by one below

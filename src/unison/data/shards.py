@@ -133,7 +133,7 @@ def index_shard(path: str) -> dict[str, np.ndarray | PackedStrings]:
                     labels[-1] = _parse_label(tf.extractfile(m).read(), path, m.name)  # type: ignore[union-attr]
             end = tf.offset
     except tarfile.TarError as e:
-        raise DataError(f"tar shard {path} cannot be read as an uncompressed tar ({e})") from None
+        raise DataError(f"tar shard {path} is truncated or not an uncompressed tar ({e})") from None
     with open(path, "rb") as f:  # the end-of-archive marker: a zero block where the headers stop
         f.seek(end)
         marker = f.read(512)

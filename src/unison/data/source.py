@@ -9,8 +9,10 @@
   (`StreamingBatches`). Costs CPU per step instead of memory: per rank, the packed index (about
   8 bytes + the path per image) and the decoded jobs in flight; nothing grows with the data.
 * ``auto`` (default): ``memory`` when the decoded training set fits `MEMORY_BUDGET` (2 GiB per
-  rank, counted at the first image's size, the size the memory path stores every image at),
-  else ``stream``. ``digits`` and ``cifar10`` are always in memory; ``--decode gpu`` streams.
+  rank, counted at the first image's size, the size the memory path stores every image at) and
+  `SIZE_PROBES` evenly spaced images all have that size (the memory path would resize the others
+  to it, distorting them), else ``stream``. ``digits`` and ``cifar10`` are always in memory;
+  ``--decode gpu`` streams.
 
 Image size: ``--image-size``, else the data's size (memory), else the first image's shorter
 side, at most 224 (stream). Normalisation: the memory path's per-channel statistics of all
@@ -61,6 +63,7 @@ MEMORY_BUDGET = 2 * 2**30
 KNN_REFERENCE = 5_000
 KNN_QUERIES = 2_000
 STATS_IMAGES = 256
+SIZE_PROBES = 16
 STREAM_MAX_DEFAULT_SIZE = 224
 
 
@@ -146,7 +149,10 @@ def choose_mode(cfg: Any, catalog: Catalog | None, n: int) -> str:
     if cfg.data_mode != "auto":
         return cfg.data_mode
     h, w = _first_size(catalog)
-    return "memory" if n * 3 * h * w <= MEMORY_BUDGET else "stream"
+    if n * 3 * h * w > MEMORY_BUDGET:
+        return "stream"
+    probes = np.linspace(0, len(catalog) - 1, min(len(catalog), SIZE_PROBES)).round().astype(np.int64)
+    return "memory" if all(_size_or_none(catalog, int(i)) in ((h, w), None) for i in probes) else "stream"
 
 
 def build_batch_source(cfg: Any, device: torch.device, augmentation: str, *,
@@ -257,12 +263,19 @@ def _stream_knn(cfg: Any, catalog: Catalog, pick: np.ndarray, size: int,
                    torch.from_numpy(val.labels[query]).to(device), len(catalog.classes)), None
 
 
+def _size_or_none(catalog: Catalog, i: int) -> tuple[int, int] | None:
+    """(H, W) of sample i from its header, None if unreadable."""
+    try:
+        w, h = open_image(catalog.read(i)).size
+        return h, w
+    except Exception:
+        return None
+
+
 def _first_size(catalog: Catalog) -> tuple[int, int]:
     """(H, W) of the first sample whose header reads."""
     for i in range(min(len(catalog), 100)):
-        try:
-            w, h = open_image(catalog.read(i)).size
-            return h, w
-        except Exception:
-            continue
-    raise DataError(f"no readable images among the first samples of {catalog.location}")
+        size = _size_or_none(catalog, i)
+        if size is not None:
+            return size
+    raise DataError(f"no readable images in {catalog.location} (the first {min(len(catalog), 100)} failed to open)")
