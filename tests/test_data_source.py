@@ -120,3 +120,17 @@ def test_resnet_stem_follows_the_image_size():
     small, _ = build_backbone("resnet18", 32)
     assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
     assert build_backbone("resnet18_cifar", 224)[0].conv1.kernel_size == (3, 3)
+
+
+def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
+    from types import SimpleNamespace
+
+    from unison.train.loop import DataWaitWarning
+
+    run = SimpleNamespace(data=SimpleNamespace(mode="stream", source=SimpleNamespace(loader_workers=2)))
+    waits = DataWaitWarning(run)
+    for step, share in ((10, 0.9), (20, 0.1), (30, 0.6), (40, 0.7)):   # the first window (start-up) is excused
+        waits.observe(step, share)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "waited for data 60% of the time up to step 30" in err[0]
+    assert "raise --loader-workers (now 2)" in err[0]

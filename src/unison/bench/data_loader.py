@@ -10,10 +10,12 @@ the same batch size:
   PIL GaussianBlur (sigma 0.1-2) with p 0.5, ToTensor, Normalize — the real one when ``lightly`` is
   installed, else the same torchvision transforms with those defaults; ``DataLoader(shuffle=True,
   drop_last=True, persistent_workers=True)``.
-* **unison** (`StreamingBatches`, ``--data-mode stream``): the workers read each image once,
-  decode JPEGs at reduced size when the crops allow, crop both views from the original-size
-  boxes with antialiasing; colour jitter, grayscale, blur and normalisation run batched in the
-  training process (on the GPU in training; here on the device the benchmark runs on).
+* **unison** (`StreamingBatches`, ``--data-mode stream``, training on the CPU): the workers read
+  each image once, decode JPEGs at reduced size when the crops allow, crop both views from the
+  original-size boxes with antialiasing, and run colour jitter, grayscale, blur and normalisation
+  batched over their job (`ViewAugmenter.finish`).
+* **unison loader, colour ops on the GPU**: the same workers' CPU work when training on a GPU,
+  where `ViewAugmenter.finish` runs batched on the device: read, decode, crop (uint8 crops).
 * **unison, --decode gpu** (only with CUDA): batched nvJPEG decode and crops on the GPU.
 
 Without ``--data-folder`` the images are generated once (ImageNet-like: 300-500 px per side, JPEG
@@ -120,7 +122,7 @@ def _torchvision_side(folder: str, cfg: BenchConfig) -> float:
     return _time_batches(forever(), cfg.data_batches, cfg.data_batch_size)
 
 
-def _unison_side(folder: str, cfg: BenchConfig, decode: str, device: torch.device) -> float:
+def _unison_side(folder: str, cfg: BenchConfig, decode: str, device: torch.device, crops_only: bool = False) -> float:
     from unison.data.augment import ViewAugmenter
     from unison.data.catalog import open_catalog
     from unison.data.stream import StreamingBatches
@@ -128,7 +130,11 @@ def _unison_side(folder: str, cfg: BenchConfig, decode: str, device: torch.devic
     source = StreamingBatches(open_catalog(folder), ViewAugmenter("simclr", SIZE, IMAGENET_MEAN, IMAGENET_STD),
                               cfg.data_batch_size, seed=0, device=device, loader_workers=cfg.data_loader_workers,
                               decode=decode)
-    views = (v for _, _, v in source.iter_from(0))
+    if crops_only:  # what the loader processes do when the colour ops run on a GPU: the uint8 crops
+        source.decoder.finish = False
+        views: Any = (job["crops"] for job in source.loader(0))
+    else:
+        views = (v for _, _, v in source.iter_from(0))
     rate = _time_batches(views, cfg.data_batches, cfg.data_batch_size)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -141,6 +147,8 @@ def measure(cfg: BenchConfig, out: Path) -> list[dict[str, Any]]:
     sides: list[tuple[str, Any]] = [
         ("torchvision", lambda: _torchvision_side(folder, cfg)),
         ("unison", lambda: _unison_side(folder, cfg, "cpu", torch.device("cpu"))),
+        ("unison loader, colour ops on the GPU", lambda: _unison_side(folder, cfg, "cpu", torch.device("cpu"),
+                                                                      crops_only=True)),
     ]
     if torch.cuda.is_available():
         sides.append(("unison --decode gpu", lambda: _unison_side(folder, cfg, "gpu", torch.device("cuda"))))

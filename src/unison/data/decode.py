@@ -16,7 +16,8 @@
    PIL images), flipping where the view's flip draw says so;
 5. return uint8 ``[b, 3, s, s]`` per view. Colour jitter, grayscale, blur, solarisation and
    normalisation then run batched on the training device (`ViewAugmenter.finish`), with the
-   same per-sample draws.
+   same per-sample draws; when training on the CPU (``finish=True``) they run here, in the
+   loader process, so that they use every loader core rather than one training process.
 
 Unreadable samples (``on_corrupt="skip"``): the sample's pixels come from the next readable
 sample in catalog order (at most 10 tried), cropped with the *unreadable* sample's draws,
@@ -105,8 +106,9 @@ class CropDecoder:
     """Decode and crop the views of one job of samples (see the module docstring); picklable."""
 
     def __init__(self, catalog: Catalog, augment: ViewAugmenter, seed: int, on_corrupt: str,
-                 positions: np.ndarray | None = None):
+                 positions: np.ndarray | None = None, finish: bool = False):
         self.catalog, self.augment, self.seed, self.on_corrupt = catalog, augment, seed, on_corrupt
+        self.finish = finish  # also run the colour ops here (CPU training: in parallel over the loader processes)
         self.positions = positions  # sample index -> catalog index (a subset), or None: the identity
         self.n = len(positions) if positions is not None else len(catalog)
 
@@ -136,8 +138,11 @@ class CropDecoder:
                 skipped.append((self._describe(i), _reason(e)))
                 if self.on_corrupt == "error" or not self._substitute(i, epoch, crops, k, skipped):
                     return {"epoch": epoch, "indices": idx, "crops": [], "skipped": [], "error": skipped[-1]}
-        return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None,
-                "crops": [torch.from_numpy(c).permute(0, 3, 1, 2).contiguous() for c in crops]}
+        out = [torch.from_numpy(c).permute(0, 3, 1, 2).contiguous() for c in crops]
+        if self.finish:
+            return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None,
+                    "views": self.augment.finish(out, idx, epoch, self.seed)}
+        return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None, "crops": out}
 
     # -- one sample -----------------------------------------------------------------------------------
     def _describe(self, i: int) -> str:

@@ -12,7 +12,9 @@ That slice — ``(epoch, [sample indices])``, one *job* — is what the loader d
   host memory when training on CUDA. The job stream is infinite (epoch after epoch), so
   the workers live for the whole run (``persistent_workers`` semantics without re-iterating);
 * on the training device, `ViewAugmenter.finish` runs colour jitter, grayscale, blur,
-  solarisation and normalisation batched, with the same per-sample draws.
+  solarisation and normalisation batched, with the same per-sample draws (when the training
+  device is the CPU, the loader processes run it on their job, in parallel: the training
+  process would otherwise do it alone, on as many cores as it has threads).
 
 Why the views do not depend on the world size or the number of loader workers: every
 random number of a sample is `sample_uniform(seed, epoch, index, stream=view)`; which
@@ -119,7 +121,8 @@ class StreamingBatches:
             self.decoder: Any = BytesReader(catalog, seed, on_corrupt, positions)
             self.gpu: Any = GpuCropper(augment, seed, device)
         else:
-            self.decoder = CropDecoder(catalog, augment, seed, on_corrupt, positions)
+            # On the CPU the colour ops run in the loader processes too (in parallel); on a GPU, batched there.
+            self.decoder = CropDecoder(catalog, augment, seed, on_corrupt, positions, finish=device.type == "cpu")
             self.gpu = None
         self.skipped: dict[str, str] = {}
 
@@ -140,6 +143,9 @@ class StreamingBatches:
             self._report(out["skipped"])
             epoch = int(out["epoch"])
             indices = out["indices"].to(self.device, non_blocking=True)
+            if "views" in out:  # finished in the loader process (training on the CPU)
+                yield epoch, indices, out["views"]
+                continue
             if self.gpu is not None:
                 crops = self.gpu(out, indices)
             else:

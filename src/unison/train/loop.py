@@ -238,7 +238,8 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         if progress is not None:
             progress.update(1)
         completed_epoch = step // run.steps_per_epoch
-        if epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps:
+        if (epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps
+                and run.data.knn is not None):
             logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
         due = step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else epoch_done
         if due and step < run.total_steps:
