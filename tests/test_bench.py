@@ -169,7 +169,7 @@ def test_bench_data_runs_both_loaders_side_by_side(tmp_path, capsys):
             "--data-batches", "1", "--data-repeats", "1", "--data-loader-workers", "1"]
     assert main(argv) == 0
     table = (tmp_path / "data.md").read_text()
-    assert "| torchvision |" in table and "| unison |" in table and "vs torchvision" in table
+    assert "| torchvision |" in table and "| unison |" in table and "| unison loader, colour ops on the GPU |" in table
     assert "unison bench data" in table and "load average" in table
     rows = (tmp_path / "data.csv").read_text().splitlines()
-    assert rows[0].startswith("side,images_per_s") and len(rows) == 3
+    assert rows[0].startswith("side,images_per_s") and len(rows) == 4   # + the loader without the colour ops
