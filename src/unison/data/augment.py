@@ -13,6 +13,10 @@ parameters but from a stateful generator (world-size dependent) and is not a
 dependency. Each op below is a few tensor ops over the whole batch; there are no
 per-sample Python loops.
 
+Streamed data (`unison.data.stream`): step 1 is done on the CPU by the loader processes
+(`unison.data.decode`: the same crop and flip draws, `crop_fractions`, applied to the image at
+its original size with PIL's antialiased resize), and `finish` runs steps 2-7 on the crops.
+
 Pipeline of one view (fixed order; torchvision randomises the jitter order):
 
 1. random resized crop + horizontal flip (+ optional rotation) as ONE affine
