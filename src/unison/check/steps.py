@@ -100,7 +100,7 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: 
     from unison.config import TrainConfig
     from unison.distributed.config import DistributedConfig
 
-    streamed = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
+    streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     return TrainConfig(
         method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,

@@ -149,7 +149,7 @@ class Catalog:
     def file_stats(self) -> list[tuple[int, int]]:
         """(size, mtime_ns) of every file (samples, or shards), for cache keys."""
         files = self.shards if self.kind == "shards" else [self.path(i) for i in range(len(self))]
-        return [(st.st_size, st.st_mtime_ns) for st in _stat_all(files)]
+        return [(st.st_size, st.st_mtime_ns) for st in _stat_all(files) if st is not None]  # missing: raised
 
 
 def open_catalog(spec: str) -> Catalog:
@@ -235,6 +235,7 @@ def _open_list(path: Path) -> Catalog:
     if "\x00" in text[:4096]:
         raise DataError(f"{path} is neither a folder, a text file list (one image path per line) nor a .tar shard")
     names: list[str] = []
+    label: str | None
     raw_labels: list[str | None] = []
     line_of: list[int] = []
     for lineno, line in enumerate(text.splitlines(), 1):

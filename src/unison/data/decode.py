@@ -118,7 +118,8 @@ class CropDecoder:
     def __call__(self, job: tuple[int, list[int]]) -> dict[str, Any]:
         epoch, indices = job
         idx = torch.as_tensor(indices, dtype=torch.int64)
-        images, skipped = [], []
+        images: list[Any] = []
+        skipped: list[tuple[str, str]] = []
         for i in indices:
             im, _, _ = self._readable(i, skipped, start=0)
             if im is None:

@@ -45,7 +45,8 @@ class BytesReader(CropDecoder):
 
     def __call__(self, job: tuple[int, list[int]]) -> dict[str, Any]:
         epoch, indices = job
-        data, skipped = [], []
+        data: list[torch.Tensor] = []
+        skipped: list[tuple[str, str]] = []
         for i in indices:
             found = self._read_checked(i, skipped)
             if found is None:

@@ -42,6 +42,7 @@ import os
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ def open_shards(paths: list[str]) -> Catalog:
                    sizes=np.concatenate([idx["sizes"] for idx in indexes]))
 
 
-def index_shard(path: str) -> dict[str, np.ndarray | PackedStrings]:
+def index_shard(path: str) -> dict[str, Any]:
     """Image member names, data offsets, sizes and labels (-1: none) of one tar; DataError if empty or truncated."""
     file_size = os.path.getsize(path)
     if file_size == 0:
@@ -164,7 +165,7 @@ def _parse_label(data: bytes, path: str, member: str) -> int:
     return int(text)
 
 
-def _cached_index(path: str) -> dict[str, np.ndarray | PackedStrings]:
+def _cached_index(path: str) -> dict[str, Any]:
     """`index_shard`, from the cache when the shard is unchanged (path, size and mtime)."""
     from .memory import cache_dir
 

@@ -51,7 +51,8 @@ def balanced_subset(labels: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     return torch.sort(order[pick]).values
 
 
-def channel_stats(images: torch.Tensor, max_images: int = 10_000) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def channel_stats(images: torch.Tensor, max_images: int = 10_000) -> tuple[tuple[float, float, float],
+                                                                         tuple[float, float, float]]:
     """Per-channel mean/std in [0, 1] units from pixel histograms of up to `max_images` evenly spaced images."""
     step = max(1, -(-images.shape[0] // max_images))
     x = images[::step].cpu().transpose(0, 1).reshape(3, -1)
@@ -60,4 +61,6 @@ def channel_stats(images: torch.Tensor, max_images: int = 10_000) -> tuple[tuple
     n = hist.sum(1).clamp_min(1)
     mean = (hist * v).sum(1) / n
     std = ((hist * (v - mean[:, None]) ** 2).sum(1) / n).sqrt()
-    return tuple(round(float(m), 6) for m in mean), tuple(round(float(s), 6) for s in std)
+    m0, m1, m2 = (round(float(m), 6) for m in mean)
+    s0, s1, s2 = (round(float(s), 6) for s in std)
+    return (m0, m1, m2), (s0, s1, s2)

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,8 @@ def embed_all(encode: Callable[[torch.Tensor], torch.Tensor], images: torch.Tens
               transform: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 512) -> torch.Tensor:
     """L2-normalised features of `images` (uint8), computed in batches. `images` may also be lazily decoded
     (`unison.data.source.LazyImages`: ``decode(start, stop)`` gives the uint8 batch)."""
-    lazy = not isinstance(images, torch.Tensor)
-    feats = [F.normalize(encode(transform(images.decode(i, i + batch_size) if lazy else images[i:i + batch_size]))
+    lazy: Any = None if isinstance(images, torch.Tensor) else images
+    feats = [F.normalize(encode(transform(lazy.decode(i, i + batch_size) if lazy else images[i:i + batch_size]))
                          .float(), dim=1)
              for i in range(0, images.shape[0], batch_size)]
     return torch.cat(feats) if feats else torch.empty(0)

@@ -85,6 +85,7 @@ def build_backbone(name: str, image_size: int | None = None) -> tuple[nn.Module,
             import timm
         except ImportError:
             raise ValueError(f"backbone {name!r} needs timm: pip install timm") from None
-        m = timm.create_model(name[5:], pretrained=False, num_classes=0)
-        return m, m.num_features
+        model = timm.create_model(name[5:], pretrained=False, num_classes=0)
+        dim: int = model.num_features  # type: ignore[assignment]
+        return model, dim
     raise ValueError(f"unknown backbone {name!r}; use one of {', '.join(BACKBONES)} or timm:<model>")

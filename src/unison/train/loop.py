@@ -106,7 +106,7 @@ def describe_data(run: Run) -> None:
     """One line on rank 0 for what is not the in-memory default: streamed data, and a skipped kNN."""
     d = run.data
     if d.mode == "stream":
-        src = d.source
+        src: Any = d.source   # StreamingBatches
         print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "
               f"{src.loader_workers} loader process(es) per worker, decode on {src.decode_on}", file=sys.stderr,
               flush=True)
@@ -129,7 +129,7 @@ class DataWaitWarning:
             return
         self.warned = True
         d = self.run.data
-        advice = (f"raise --loader-workers (now {d.source.loader_workers}) or use --decode gpu"
+        advice = (f"raise --loader-workers (now {getattr(d.source, 'loader_workers', 0)}) or use --decode gpu"
                   if d.mode == "stream" else "the in-memory augmentation is the bottleneck (see unison bench)")
         print(f"unison: warning: the training step waited for data {share:.0%} of the time up to step {step} "
               f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
