@@ -134,3 +134,18 @@ def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "waited for data 60% of the time up to step 30" in err[0]
     assert "raise --loader-workers (now 2)" in err[0]
+
+
+def test_streamed_subset_and_bounded_knn_sets(folders, monkeypatch):
+    monkeypatch.setattr(S, "KNN_REFERENCE", 10)
+    cfg = TrainConfig(data=folders["train"], val=folders["val"], data_mode="stream", subset=20, val_subset=6,
+                      batch_size=8, loader_workers=0, image_size=16)
+    data = S.build_batch_source(cfg, torch.device("cpu"), "simclr")
+    assert data.mode == "stream" and data.num_images == 20 and data.source.batches_per_epoch == 2
+    epoch, indices, views = next(data.source.iter_from(0))
+    assert indices.shape == (8,) and int(indices.max()) < 20 and views[0].shape == (8, 3, 16, 16)
+    knn = data.knn
+    assert knn.reference.shape == (10, 3, 16, 16) and knn.queries.shape == (6, 3, 16, 16)
+    assert torch.bincount(knn.reference_labels).tolist() == [5, 5] and knn.num_classes == 2
+    decoded = knn.queries.decode(0, 6)
+    assert decoded.dtype == torch.uint8 and decoded.shape == (6, 3, 16, 16)

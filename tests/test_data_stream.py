@@ -266,3 +266,14 @@ def test_each_sample_is_read_once_per_epoch_across_ranks_and_workers(data, tmp_p
         assert {e for e, _ in lines} <= {"0", "1"}      # read-ahead goes no further than the next epoch
         seen += epoch0
     assert sorted(seen) == list(range(N))               # every sample once per epoch, over both ranks
+
+
+def test_memory_mode_reads_lists_and_shards_like_the_folder(data):
+    from unison.data import load_dataset
+
+    with pytest.warns(UserWarning, match="resized"):   # the memory path stores every image at one size
+        ref = load_dataset(data["folder"], on_corrupt="error")
+    for spec in (data["list"], data["shards"]):
+        with pytest.warns(UserWarning, match="resized"):
+            other = load_dataset(spec, on_corrupt="error")
+        assert torch.equal(other.images, ref.images) and torch.equal(other.labels, ref.labels)
