@@ -228,6 +228,11 @@ CASES = [
     ("every-image-corrupt", [*W1, "--data", "{tmp}/garbage", "--subset", "8", "--val", "{tmp}/small",
                              "--val-subset", "8", "--batch-size", "8", "--out", "{tmp}/o3"], 3,
      "no readable images in"),
+    # ... method and backbone that do not fit (found when the worker builds the method / draws the first masks)
+    ("token-method-without-vit", [*W1, "--method", "mae", "--backbone", "small_cnn", "--out", "{tmp}/o8"], 2,
+     "MAE needs a ViT backbone with patch tokens"),
+    ("ijepa-blocks-cover-the-image", [*W1, "--method", "ijepa", "--backbone", "vit_nano_p4", "--out", "{tmp}/o9"], 2,
+     "no context is left; use a backbone with smaller patches"),
     # --- checkpoints to resume (CheckpointError, exit 4)
     ("resume-path-missing", ["--resume", "{tmp}/nope"], 4, "nope does not exist; pass a checkpoint file or a run"),
     ("resume-dir-without-checkpoints", ["--resume", "{c}/no_checkpoints"], 4, "nothing to resume"),

@@ -171,6 +171,8 @@ def make_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")
     add_dataclass_arguments(p_train, TrainConfig, skip=("method_params", "distributed"))
     add_dataclass_arguments(p_train, DistributedConfig, group_title="distributed", skip=("rank",))
+    p_train.add_argument("--shard-optimizer", dest="shard", action="store_const", const="optimizer",
+                         default=argparse.SUPPRESS, help="alias of --shard optimizer (ZeRO-1)")
     p_train.set_defaults(func=cmd_train)
 
     p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)")

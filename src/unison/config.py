@@ -52,7 +52,10 @@ class TrainConfig:
     decode: str = field(default="cpu", metadata={
         "help": "where streamed JPEGs are decoded: cpu (loader processes, DCT-scaled) or gpu "
                 "(torchvision.io.decode_jpeg batched on the worker's GPU; needs CUDA)", "choices": DECODERS})
-    backbone: str = field(default="small_cnn", metadata={"help": "small_cnn | resnet18 | resnet50 | timm:<name>"})
+    backbone: str | None = field(default=None, metadata={
+        "help": "small_cnn | resnet18 | resnet50 (stem by image size; _cifar / _imagenet pin it) | "
+                "vit_<nano|tiny|small|base>[_p4|_p2] | timm:<name>; default: the method's recipe (small_cnn; a "
+                "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
     image_size: int | None = field(default=None, metadata={"help": "training crop size; default: the data's size"})
     epochs: int = field(default=30, metadata={"help": "training epochs"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size (split evenly over workers)"})
@@ -123,6 +126,12 @@ class TrainConfig:
             raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")
         if self.amp not in AMP_MODES:
             raise ConfigError(f"amp={self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.distributed.shard == "full" and self.amp == "fp16":
+            raise ConfigError("amp='fp16' needs a gradient scaler for sharded gradients, which --shard full does not "
+                              "have; use --amp bf16 (FSDP mixed precision: bf16 parameters, fp32 reduction)")
+        if self.distributed.shard == "full" and self.method == "moco" and self.method_params.get("shuffle_bn"):
+            raise ConfigError("MoCo shuffle_bn swaps the key encoder's batch-norm layers during training, which "
+                              "--shard full cannot follow; use --shard none or drop --param shuffle_bn=true")
         if self.precision not in ("float32", "float64"):
             raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:
@@ -131,6 +140,8 @@ class TrainConfig:
         from unison.data.augment import PRESETS
         from unison.models.backbones import BACKBONES
 
+        if self.backbone is None:   # the method's recipe names it: what the workers, checkpoints and summary see
+            self.backbone = METHODS[self.method].recipe.for_data(self.data).backbone
         if self.backbone not in BACKBONES and not self.backbone.startswith("timm:"):
             raise ConfigError(f"backbone={self.backbone!r} is unknown; use one of {', '.join(BACKBONES)} or timm:<name>")
         if self.augmentation is not None and self.augmentation not in PRESETS:

@@ -66,7 +66,8 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
     # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
     # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
-    cfg.backbone = (ckpt.get("resolved") or {}).get("backbone") or resolve_backbone(cfg.backbone, None)
+    pinned = (ckpt.get("resolved") or {}).get("backbone")
+    cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device))
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...

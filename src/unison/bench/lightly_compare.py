@@ -74,10 +74,10 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     from torch.utils.data import DataLoader
 
     from unison.data import eval_transform, load_dataset
-    from unison.distributed.optim import build_optimizer
     from unison.eval.knn import knn_accuracy
     from unison.methods import SimCLR
     from unison.models import build_backbone
+    from unison.optim import build_optimizer
     from unison.train.step import Schedule
     from unison.train.summary import peak_memory_mib
 

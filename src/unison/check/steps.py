@@ -45,12 +45,16 @@ class CheckSpec:
     steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
     local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})
     image_size: int = field(default=16, metadata={"help": "image size of the synthetic data"})
-    backbone: str = field(default="small_cnn", metadata={"help": "backbone"})
+    backbone: str | None = field(default=None, metadata={
+        "help": "backbone; default: the method's recipe (small_cnn, or a ViT for the methods that need one)"})
     dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
                                                      "choices": tuple(TOLERANCE)})
     sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})
     gather_distributed: bool = field(default=True, metadata={"help": "global-batch losses", "flag": "gather"})
     shared_queue: bool = field(default=True, metadata={"help": "MoCo-style queues shared by all workers"})
+    shard: str = field(default="none", metadata={
+        "help": "sharding of the distributed run: none (DDP) | optimizer (ZeRO-1) | full (FSDP2); the reference "
+                "process is never sharded", "choices": ("none", "optimizer", "full")})
     seed: int = field(default=0, metadata={"help": "seed"})
     lr: float | None = field(default=None, metadata={
         "help": "base learning rate per 256 images; default: the method's recipe, as in unison train"})
@@ -80,7 +84,8 @@ class CheckReport:
         lines = [
             f"unison check: method={s.method} world_size={s.world_size} steps={s.steps} "
             f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
-            f"gather={s.gather_distributed} shared_queue={s.shared_queue} (the training step of unison train)"
+            f"gather={s.gather_distributed} shared_queue={s.shared_queue} shard={s.shard} "
+            "(the training step of unison train)"
             + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
@@ -108,7 +113,8 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: 
         threads=1, progress=False, method_params=dict(spec.method_params),
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
-                                      shared_queue=spec.shared_queue))
+                                      shared_queue=spec.shared_queue,
+                                      shard=spec.shard if world_size > 1 else "none"))
 
 
 def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:  # noqa: F821
@@ -122,6 +128,7 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
     """Worker body (also run in-process for the single-worker reference): the production step's
     losses, gradients and states, step by step."""
     from unison.distributed import collectives as C
+    from unison.distributed.dtensor import full_tensor
     from unison.train.step import batches, build_run, forward_backward, optimizer_step
 
     spec = CheckSpec(**spec_dict)
@@ -135,9 +142,11 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
         if batch.micro < run.accumulate - 1:
             continue
         losses.append(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
-        grads.append({n: p.grad.detach().clone() for n, p in run.method.named_parameters() if p.grad is not None})
+        # full_tensor: sharded (FSDP) gradients and parameters gathered whole (a collective; plain ones as they are)
+        grads.append({n: full_tensor(p.grad).detach().clone() for n, p in run.method.named_parameters()
+                      if p.grad is not None})
         optimizer_step(run, batch.step)
-        states.append({k: v.detach().clone() for k, v in run.method.state_dict().items()})
+        states.append({k: full_tensor(v).detach().clone() for k, v in run.method.state_dict().items()})
     # Every rank must hold the same state; per-rank queues (shared_queue off) differ by design.
     final = {k: v for k, v in states[-1].items() if spec.shared_queue or "queue" not in k}
     gathered = C.all_gather_object(final) if C.world_size() > 1 else [final]

@@ -134,6 +134,11 @@ PRESETS: dict[str, dict] = {
 }
 # Multi-crop (SwAV / DINO) on the digits: the digits' colour ops, 2 global + 4 local 8x8 crops.
 PRESETS["digits_multicrop"] = {**PRESETS["digits"], "n_local": 4, "local_crop_scale": (0.2, 0.5)}
+# MAE / I-JEPA (He et al., 2022; Assran et al., 2023): ONE view, random resized crop and flip, no colour ops
+# (masking is the pretext task). On the digits: their crop and rotation, no flip.
+PRESETS["crop"] = {**_COMMON, "n_global": 1, "crop_scale": (0.2, 1.0), "jitter_p": 0.0, "grayscale_p": 0.0,
+                   "blur_p": 0.0}
+PRESETS["digits_crop"] = {**PRESETS["digits"], "n_global": 1, "jitter_p": 0.0}
 
 _N_ATTEMPTS = 10
 # Column layout of the per-view uniforms (fixed, so switching an op off leaves the others' draws unchanged).

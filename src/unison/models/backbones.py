@@ -1,4 +1,4 @@
-"""Encoders: a small CNN for CPU runs, torchvision ResNets with the stem the image size needs, timm models.
+"""Encoders: a small CNN for CPU runs, torchvision ResNets with the stem the image size needs, ViTs, timm models.
 
 `build_backbone(name, image_size=None)` returns ``(module, feature_dim)``; the module maps
 images [B, 3, H, W] to features [B, feature_dim] (no classifier).
@@ -17,7 +17,10 @@ images [B, 3, H, W] to features [B, feature_dim] (no classifier).
   stem whatever the size. `resolve_backbone` gives the pinned name a run used (recorded in the
   checkpoint, so `unison export` / `unison eval` rebuild the same stem). The export loads into
   torchvision as is (ImageNet stem) or after the same stem surgery (CIFAR stem), ``fc.*`` missing.
-* ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``).
+* ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p4`` (4 px patches, 32 px images) and
+  ``..._p2`` (2 px patches, 16 px images): Vision Transformers with token-level access for
+  the masked-image methods (`unison.models.vit`).
+* ``timm:<name>``: any timm model with ``num_classes=0``.
 
 Example::
 
@@ -30,9 +33,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .vit import VIT_BACKBONES, build_vit
+
 CIFAR_STEM_MAX_SIZE = 64
 RESNETS = ("resnet18", "resnet50")
-BACKBONES = ("small_cnn", *RESNETS, *(f"{r}_{stem}" for r in RESNETS for stem in ("cifar", "imagenet")))
+PINNED_RESNETS = tuple(f"{r}_{stem}" for r in RESNETS for stem in ("cifar", "imagenet"))
+BACKBONES = ("small_cnn", *RESNETS, *PINNED_RESNETS, *VIT_BACKBONES)
 
 
 class SmallCNN(nn.Module):
@@ -76,10 +82,13 @@ def resnet(name: str) -> tuple[nn.Module, int]:
 def build_backbone(name: str, image_size: int | None = None) -> tuple[nn.Module, int]:
     name = resolve_backbone(name, image_size)
     if name == "small_cnn":
-        m = SmallCNN()
-        return m, m.feature_dim
-    if name in BACKBONES:
+        cnn = SmallCNN()
+        return cnn, cnn.feature_dim
+    if name in PINNED_RESNETS:
         return resnet(name)
+    if name in VIT_BACKBONES:
+        vit = build_vit(name)
+        return vit, vit.feature_dim
     if name.startswith("timm:"):
         try:
             import timm

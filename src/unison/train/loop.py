@@ -42,6 +42,7 @@ from unison.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from unison.train.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
 from unison.train.faults import FaultHook
 from unison.train.metrics import MetricsLogger
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
@@ -137,6 +138,9 @@ class DataWaitWarning:
 
 def save_run_checkpoint(run: Run, run_dir: Path, step: int, history: dict[str, Any]) -> None:
     """Every rank takes part (sharded optimizer state and RNG states are collected); rank 0 writes."""
+    if run.cfg.distributed.shard == "full":   # every rank writes its own shards (torch.distributed.checkpoint)
+        save_sharded(run, run_dir, step, history)
+        return
     optim_state = run.optimizer.state_dict()   # collective when sharded: every rank calls it
     rng_states = C.all_gather_object(pack_rng_state())
     if C.rank() == 0:
@@ -149,6 +153,8 @@ def save_run_checkpoint(run: Run, run_dir: Path, step: int, history: dict[str, A
 
 def resume(run: Run, path: str) -> tuple[int, dict[str, Any]]:
     """Load model, optimizer and (at the same world size) RNG state; return (step, history)."""
+    if resumes_sharded(run, path):   # a sharded run, or a sharded run's checkpoint: any world size, any --shard
+        return resume_sharded(run, path)
     ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
     check_compatible(run.method, ckpt["model"])
     run.method.load_state_dict(ckpt["model"])
@@ -253,7 +259,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     logger.log(step=step, epoch=step / run.steps_per_epoch, knn_top1=history["knn_top1"])
     save_run_checkpoint(run, run_dir, step, history)
     summary = Summary(
-        method=cfg.method, backbone=cfg.backbone, data=cfg.data, world_size=world, steps=step,
+        method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
         train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
         final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history["random_init_knn_top1"],

@@ -9,8 +9,10 @@
 Everything that decides what a step computes lives here and nowhere else:
 
 * the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
-  (`convert_sync_batchnorm`) -> channels_last -> DDP (`wrap_ddp`: comm hooks, rank-local
-  state) -> optional ``torch.compile``; every rank is seeded identically before the build;
+  (`convert_sync_batchnorm`) -> channels_last -> optional activation checkpointing -> DDP
+  (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
+  every backbone block and head sharded; ``Run.ddp`` is then the sharded method itself) ->
+  optional ``torch.compile``; every rank is seeded identically before the build;
 * the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
   with the global batch (x accumulation), optionally ZeRO-1 sharded;
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
@@ -41,13 +43,15 @@ from unison.data.datasets import ImageTensorDataset
 from unison.data.source import TrainData, build_batch_source
 from unison.distributed import collectives as C
 from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
-from unison.distributed.optim import ShardedOptimizer, build_optimizer
+from unison.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
+from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
+from unison.optim import build_optimizer, constructor_args
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class Run:
     augment: ViewAugmenter
     source: BatchSource
     method: SSLMethod              # the bare method (parameters, state, embed)
-    ddp: nn.Module                 # the method wrapped for data parallelism
+    ddp: nn.Module                 # the method wrapped for data parallelism (DDP, or FSDP: the method itself)
     forward: nn.Module             # what a step calls: `ddp`, or `torch.compile(ddp)`
     trainable: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -114,10 +118,11 @@ class Run:
 
 
 def resolve_recipe(cfg: TrainConfig) -> dict[str, Any]:
-    """The optimizer, base learning rate, weight decay and augmentation a run uses: the method's recipe
-    for `cfg.data`, overridden by whatever `cfg` sets."""
+    """The optimizer, base learning rate, weight decay, augmentation and backbone a run uses: the method's
+    recipe for `cfg.data`, overridden by whatever `cfg` sets."""
     recipe = get_method(cfg.method).recipe.for_data(cfg.data)
-    return {"optimizer": cfg.optimizer or recipe.optimizer,
+    return {"backbone": cfg.backbone or recipe.backbone,
+            "optimizer": cfg.optimizer or recipe.optimizer,
             "lr": cfg.lr if cfg.lr is not None else recipe.base_lr,
             "weight_decay": cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
             "augmentation": cfg.augmentation or recipe.augmentation}
@@ -146,7 +151,7 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     the ResNet stem of ``resnet18``/``resnet50`` (`unison.models.backbones`)."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(cfg.backbone, image_size)
+    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"], image_size)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -179,7 +184,12 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         model = convert_sync_batchnorm(model, device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
+    if cfg.distributed.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
+        ddp = apply_fsdp(model, cfg, device)
+    else:
+        ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = unwrap(ddp)
     forward = torch.compile(ddp) if cfg.compile else ddp
 
@@ -188,8 +198,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     trainable = [p for p in method.parameters() if p.requires_grad]
     optimizer = build_optimizer(resolved["optimizer"], trainable, lr=peak_lr, weight_decay=resolved["weight_decay"],
                                 momentum=cfg.momentum)
-    if cfg.distributed.shard_optimizer:
-        optimizer = ShardedOptimizer(trainable, type(optimizer), **optimizer.defaults)
+    if cfg.distributed.shard == "optimizer":
+        optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
@@ -200,7 +210,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
                accumulate=accumulate, steps_per_epoch=steps_per_epoch,
                resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
-                         "backbone": resolve_backbone(cfg.backbone, image_size), "image_size": image_size,
+                         "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
                          "data_mode": data.mode},
                data=data)
 
