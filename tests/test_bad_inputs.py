@@ -36,6 +36,17 @@ def _png(path: Path, value: int) -> None:
     Image.new("RGB", (8, 8), (value, 255 - value, value // 2)).save(path)
 
 
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
 class _Evil:
     """Unpickling this runs os.mkdir(path): a stand-in for arbitrary code in a checkpoint."""
 
@@ -51,6 +62,13 @@ def paths(tmp_path_factory) -> dict[str, str]:
     """Bad files and folders, plus one real checkpointed run ({run}) made by a 2-step training at W=1."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "file.txt").write_text("not a folder\n")
+    _png(tmp / "listed" / "a.png", 30)                                  # a file list naming a missing file
+    (tmp / "list.txt").write_text(f"{tmp / 'listed' / 'a.png'}\n{tmp / 'gone.png'}\n")
+    (tmp / "shards").mkdir()                                            # shards: one without any image
+    _tar(tmp / "shards" / "a.tar", [("k/1.png", (tmp / "listed" / "a.png").read_bytes())])
+    _tar(tmp / "shards" / "b.tar", [("k/2.cls", b"0")])
+    _tar(tmp / "full.tar", [(f"k/{i}.png", (tmp / "listed" / "a.png").read_bytes()) for i in range(3)])
+    (tmp / "cut.tar").write_bytes((tmp / "full.tar").read_bytes()[:700])   # a truncated tar
     (tmp / "empty").mkdir()
     _png(tmp / "flat" / "a.png", 10)                                   # images but no class folders
     (tmp / "noimages" / "cat").mkdir(parents=True)
@@ -162,6 +180,10 @@ CASES = [
     ("negative-checkpoint-every", ["--checkpoint-every", "-1"], 2, "checkpoint_every and eval_every must be >= 0"),
     ("unknown-optimizer", ["--optimizer", "rmsprop"], 2, "optimizer='rmsprop' is unknown"),
     ("unknown-backbone", ["--backbone", "resnet999"], 2, "backbone='resnet999' is unknown"),
+    ("decode-gpu-without-cuda", ["--decode", "gpu"], 2, "--decode gpu decodes JPEGs on the GPU and this machine has no "
+                                                        "CUDA device; use --decode cpu"),
+    ("stream-the-digits", [*W1, "--data-mode", "stream", "--out", "{tmp}/o4"], 2, "--data digits is built in and "
+                                                                                  "always held in memory"),
     ("unknown-augmentation", ["--augmentation", "sepia"], 2, "augmentation='sepia' is unknown"),
     ("run-dir-is-a-file", ["--out", "{tmp}/file.txt/run"], 2, "cannot create the run directory"),
     # --- argparse (exit 2: usage line + one error line)
@@ -185,9 +207,13 @@ CASES = [
      "distributed.timeout_s='soon' must be a float"),
     # --- data folders (DataError, exit 3; the pre-flight finds them before any worker starts)
     ("data-folder-missing", ["--data", "{tmp}/nope"], 3, "nope does not exist (expected an ImageFolder layout"),
-    ("data-is-a-file", ["--data", "{tmp}/file.txt"], 3, "file.txt is not a folder"),
+    ("data-is-a-file", ["--data", "{tmp}/file.txt"], 3, "file.txt: line 1:"),
+    ("data-list-missing-file", ["--data", "{tmp}/list.txt"], 3, "list.txt: line 2:"),
+    ("data-empty-shard", ["--data", "{tmp}/shards"], 3, "shards/b.tar holds no image samples"),
+    ("data-truncated-shard", ["--data", "{tmp}/cut.tar"], 3, "cut.tar is truncated"),
     ("data-folder-empty", ["--data", "{tmp}/empty"], 3, "empty is empty"),
-    ("data-no-class-folders", ["--data", "{tmp}/flat"], 3, "flat has no class subfolders"),
+    ("data-flat-folder-fewer-than-a-batch", ["--data", "{tmp}/flat"], 3,
+     "flat has 1 images, fewer than one global batch (256)"),
     ("data-no-image-files", ["--data", "{tmp}/noimages"], 3, "no image files (.jpg, .jpeg, .png, ...) in the class"),
     ("val-folder-missing", ["--val", "{tmp}/nope"], 3, "nope does not exist"),
     ("data-fewer-images-than-a-batch", ["--data", "{tmp}/small", "--batch-size", "64"], 3,

@@ -23,22 +23,39 @@ from unison.distributed.config import ConfigError, DistributedConfig
 
 AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")
+DATA_MODES = ("auto", "memory", "stream")
+DECODERS = ("cpu", "gpu")
 
 
 @dataclass
 class TrainConfig:
     method: str = field(default="simclr", metadata={"help": "self-supervised method"})
     data: str = field(default="digits", metadata={
-        "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download) or an ImageFolder directory"})
+        "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download), an ImageFolder directory, "
+                "a folder of images (unlabelled), a file list (one path per line, optional label) or .tar shards "
+                "(x.tar, a folder of them, or train-{0000..0146}.tar)"})
     val: str | None = field(default=None, metadata={
-        "help": "held-out data for kNN: an ImageFolder directory; default: the held-out split of --data"})
+        "help": "labelled held-out data for kNN, in any --data layout; default: the held-out split of digits / "
+                "cifar10, and no kNN for other data"})
     subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N training images"})
     val_subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N held-out images"})
     on_corrupt: str = field(default="skip", metadata={"help": "corrupt image files: skip (with a count) or error",
                                                        "choices": ON_CORRUPT})
+    data_mode: str = field(default="auto", metadata={
+        "help": "memory: decode all images once into memory (fastest; 3*H*W bytes per image on every worker); "
+                "stream: each worker decodes its share of every batch in loader processes (memory independent of "
+                "the data's size); auto: memory when the decoded training set fits 2 GiB, else stream",
+        "choices": DATA_MODES})
+    loader_workers: int | None = field(default=None, metadata={
+        "help": "loader processes per worker for streamed data (0: decode in the worker); default: the cores per "
+                "worker minus one, 1 to 8"})
+    decode: str = field(default="cpu", metadata={
+        "help": "where streamed JPEGs are decoded: cpu (loader processes, DCT-scaled) or gpu "
+                "(torchvision.io.decode_jpeg batched on the worker's GPU; needs CUDA)", "choices": DECODERS})
     backbone: str | None = field(default=None, metadata={
-        "help": "small_cnn | resnet18 | resnet50 | vit_<nano|tiny|small|base>[_p4|_p2] | timm:<name>; default: the "
-                "method's recipe (small_cnn; a small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
+        "help": "small_cnn | resnet18 | resnet50 (stem by image size; _cifar / _imagenet pin it) | "
+                "vit_<nano|tiny|small|base>[_p4|_p2] | timm:<name>; default: the method's recipe (small_cnn; a "
+                "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
     image_size: int | None = field(default=None, metadata={"help": "training crop size; default: the data's size"})
     epochs: int = field(default=30, metadata={"help": "training epochs"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size (split evenly over workers)"})
@@ -119,6 +136,7 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
+        self._validate_data(cuda_available)
         from unison.data.augment import PRESETS
         from unison.models.backbones import BACKBONES
 
@@ -139,6 +157,25 @@ class TrainConfig:
                 f"unknown parameter in method_params {sorted(self.method_params)} for {self.method}; "
                 f"known: {known}") from None
         return self
+
+    def _validate_data(self, cuda_available: bool | None) -> None:
+        if self.data_mode not in DATA_MODES:
+            raise ConfigError(f"data_mode={self.data_mode!r} is unknown; use auto, memory or stream")
+        if self.decode not in DECODERS:
+            raise ConfigError(f"decode={self.decode!r} is unknown; use cpu or gpu")
+        lw = self.loader_workers
+        if lw is not None and (not isinstance(lw, int) or isinstance(lw, bool) or lw < 0):
+            raise ConfigError(f"loader_workers={lw!r} must be an integer >= 0 (0: decode in the worker itself)")
+        if self.decode == "gpu":
+            if cuda_available is None:
+                import torch
+
+                cuda_available = torch.cuda.is_available()
+            if not cuda_available:
+                raise ConfigError("--decode gpu decodes JPEGs on the GPU and this machine has no CUDA device; "
+                                  "use --decode cpu")
+            if self.data_mode == "memory":
+                raise ConfigError("--decode gpu decodes streamed batches; use --data-mode stream (or auto)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

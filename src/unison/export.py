@@ -8,9 +8,10 @@ only, keys exactly as the backbone module names them (``conv1.weight``,
 encoder: for BYOL/MoCo/DINO the *online* backbone is exported) — as ``torch.save`` (.pt)
 or safetensors (``pip install safetensors``; not a dependency of unison).
 
-The CIFAR ResNets are torchvision's with a 3x3 stride-1 ``conv1``, no max-pool and no
-``fc``, so the export loads into torchvision after the same stem surgery, with only
-``fc.*`` missing::
+ResNets trained above 64 px (``resnet18_imagenet``) are torchvision's without ``fc``: the export
+loads into ``torchvision.models.resnet18()`` as is, with only ``fc.*`` missing. The CIFAR ResNets
+(``resnet18_cifar``, what ``resnet18`` is at 64 px and below) have a 3x3 stride-1 ``conv1`` and no
+max-pool, so the export loads into torchvision after the same stem surgery::
 
     unison export --checkpoint runs/cifar --out r18.pt
 
@@ -57,11 +58,16 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
     """
     from unison.config import TrainConfig
+    from unison.models.backbones import resolve_backbone
     from unison.train.checkpoint import check_compatible, load_checkpoint
     from unison.train.step import build_method
 
     ckpt = load_checkpoint(checkpoint, map_location=device)
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
+    # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
+    # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
+    pinned = (ckpt.get("resolved") or {}).get("backbone")
+    cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device))
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
@@ -123,8 +129,10 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
 
 
 def _load_hint(backbone: str) -> str:
-    if backbone in ("resnet18", "resnet50"):
-        return (f"load into torchvision.models.{backbone}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
+    if backbone.endswith("_imagenet"):
+        return f"load into torchvision.models.{backbone[:-9]}() with strict=False (only fc.* is missing)"
+    if backbone.endswith("_cifar"):
+        return (f"load into torchvision.models.{backbone[:-6]}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
                 "maxpool = Identity(), with strict=False (only fc.* is missing)")
     if backbone.startswith("timm:"):
         return f"load into timm.create_model({backbone[5:]!r}, num_classes=0)"

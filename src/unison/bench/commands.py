@@ -41,6 +41,9 @@ _WHAT = {
     "lightly": ("Side by side with Lightly SSL",
                 "SimCLR, same backbone type, data, global batch, steps, optimizer and schedule; one training process "
                 "per side (Lightly's with its DataLoader workers); kNN of both encoders by the same code."),
+    "data": ("Data loading at 224 px",
+             "Images/s of SimCLR's two 224 px views from a JPEG folder: unison's streaming loader against "
+             "torchvision's ImageFolder + Lightly's SimCLRTransform, the same number of DataLoader workers."),
     "scaling": ("Scaling on this machine",
                 "The same global batch and number of steps on 1 worker and on W workers, one thread each; "
                 "throughput ratio in images/s of the training loop."),
@@ -52,7 +55,7 @@ def add_subcommand(subparsers: Any) -> None:
                               description=__doc__.splitlines()[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("part", nargs="?", default="table", choices=PARTS,
-                   help="table (default), comm, lightly, scaling, or all of them")
+                   help="table (default), comm, lightly, scaling, data, or all of them")
     add_dataclass_arguments(p, BenchConfig)
     p.set_defaults(func=cmd_bench)
 
@@ -107,6 +110,13 @@ def _run_part(part: str, cfg: BenchConfig, out: Path, machine: str) -> str:
     start_load = format_load(loadavg())
     if part == "comm":
         return _run_comm(cfg, out, machine, start_load)
+    if part == "data":
+        from .data_loader import measure as measure_data
+        from .data_loader import write as write_data
+
+        rows = measure_data(cfg, out)
+        return write_data(rows, out, _header(part, cfg, machine, f"at start {start_load}; before each run: "
+                                             "the last column"))["md"].read_text()
     data = data_or_skip(cfg)
     if isinstance(data, str):
         msg = f"unison bench: {part} skipped: {data}"
@@ -174,6 +184,9 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
             print("unison " + shlex.join(argv))
             print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
                   f"{cfg.lightly_steps} steps of {cfg.batch_size}")
+        elif part == "data":
+            print(f"# data: {cfg.data_batches} batches of {cfg.data_batch_size} at 224 px, "
+                  f"{cfg.data_loader_workers} loader workers per side, {cfg.data_folder or 'generated JPEGs'}")
         elif part == "comm":
             for s in default_specs(cfg.method_list):
                 print(f"# comm: {s.method}, {s.label}, compression {s.compression}: {cfg.workers} workers, "

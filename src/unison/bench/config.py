@@ -28,7 +28,7 @@ from typing import Any
 
 from unison.distributed.config import ConfigError
 
-PARTS = ("table", "comm", "lightly", "scaling", "all")
+PARTS = ("table", "comm", "lightly", "scaling", "data", "all")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -68,6 +68,16 @@ class BenchConfig:
         "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
                 "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
     scaling_steps: int = field(default=30, metadata={"help": "optimiser steps of each scaling run"})
+    data_folder: str | None = field(default=None, metadata={
+        "help": "bench data: an ImageFolder of JPEGs (default: ImageNet-like images generated under --out)"})
+    data_images: int = field(default=512, metadata={"help": "bench data: number of generated images"})
+    data_loader_workers: int = field(default=2, metadata={
+        "help": "bench data: DataLoader worker processes, the same on both sides"})
+    data_batch_size: int = field(default=64, metadata={"help": "bench data: images per batch"})
+    data_batches: int = field(default=10, metadata={"help": "bench data: timed batches per run (after 2 warm-up)"})
+    data_repeats: int = field(default=2, metadata={"help": "bench data: runs per side, alternating; the best counts"})
+    data_threads: int = field(default=1, metadata={
+        "help": "bench data: torch threads of the training process (unison's colour ops run there)"})
     train_args: str = field(default="", metadata={
         "help": "extra 'unison train' flags for every run, e.g. \"--amp bf16 --channels-last\""})
     out: str | None = field(default=None, metadata={"help": "output directory (default: runs/bench/<preset>)"})
@@ -85,13 +95,16 @@ class BenchConfig:
                 raise ConfigError(f"bench: method {m!r} is unknown; use some of {', '.join(sorted(METHODS))}")
         if not self.method_list:
             raise ConfigError("bench: --methods is empty; give e.g. simclr,moco")
-        for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "lightly_steps", "scaling_steps"):
+        for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "lightly_steps", "scaling_steps",
+                     "data_images", "data_batch_size", "data_batches", "data_repeats", "data_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench: {name}={getattr(self, name)} must be >= 1")
         if self.workers < 2:
             raise ConfigError("bench: --workers must be >= 2 (the table compares 1 worker with W workers)")
         if self.batch_size % self.workers:
             raise ConfigError(f"bench: batch_size={self.batch_size} must be divisible by workers={self.workers}")
+        if self.data_loader_workers < 0:
+            raise ConfigError(f"bench: data_loader_workers={self.data_loader_workers} must be >= 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"bench: --peak-tflops={self.peak_tflops} must be a positive number of TFLOPS")
         if self.comm_steps < 3:

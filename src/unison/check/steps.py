@@ -58,6 +58,9 @@ class CheckSpec:
     seed: int = field(default=0, metadata={"help": "seed"})
     lr: float | None = field(default=None, metadata={
         "help": "base learning rate per 256 images; default: the method's recipe, as in unison train"})
+    data: str | None = field(default=None, metadata={
+        "help": "check on these images instead of synthetic ones: a folder, file list or tar shards, streamed "
+                "(each worker decodes its slice of every batch in a loader process) at --image-size"})
     method_params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,7 +85,8 @@ class CheckReport:
             f"unison check: method={s.method} world_size={s.world_size} steps={s.steps} "
             f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
             f"gather={s.gather_distributed} shared_queue={s.shared_queue} shard={s.shard} "
-            "(the training step of unison train)",
+            "(the training step of unison train)"
+            + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
             f"  max relative difference, parameters : {self.max_rel_state:.3e}   ({self.worst.get('state', '-')})",
@@ -96,12 +100,15 @@ class CheckReport:
 
 
 def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: F821
-    """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches."""
+    """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches (synthetic
+    images), or `spec.steps` global batches of `spec.data`, streamed."""
     from unison.config import TrainConfig
     from unison.distributed.config import DistributedConfig
 
+    streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
+                "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     return TrainConfig(
-        method=spec.method, data="synthetic", backbone=spec.backbone, epochs=1, max_steps=spec.steps,
+        method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
         threads=1, progress=False, method_params=dict(spec.method_params),
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
@@ -127,7 +134,7 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
     spec = CheckSpec(**spec_dict)
     torch.set_num_threads(1)
     cfg = train_config_for(spec, C.world_size())
-    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_images(spec))
+    run = build_run(cfg, torch.device("cpu"), train_set=None if spec.data else synthetic_images(spec))
     losses, grads, states = [], [], []
     loss_sum = torch.zeros((), dtype=run.dtype)
     for batch in batches(run):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +36,19 @@ def _shard(n: int) -> slice:
 def embed_all(encode: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
               transform: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 512, *, calls: int = 0,
               filler: torch.Tensor | None = None) -> torch.Tensor:
-    """L2-normalised features of `images` (uint8), computed in batches.
+    """L2-normalised features of `images` (uint8), computed in batches. `images` may also be lazily decoded
+    (`unison.data.source.LazyImages`: ``decode(start, stop)`` gives the uint8 batch).
 
     `calls` > number of batches: `encode` is called on `filler` (discarded) until it has run `calls`
     times. A sharded (FSDP) encoder gathers its parameters in every call, a collective, so every rank
     must call it equally often even when the ranks' shares of the images differ in size."""
-    feats = [F.normalize(encode(transform(images[i:i + batch_size])).float(), dim=1)
+    lazy: Any = None if isinstance(images, torch.Tensor) else images
+    feats = [F.normalize(encode(transform(lazy.decode(i, i + batch_size) if lazy else images[i:i + batch_size]))
+                         .float(), dim=1)
              for i in range(0, images.shape[0], batch_size)]
     for _ in range(len(feats), calls):
-        encode(transform(filler if filler is not None else images[:1]))
+        fill: Any = filler if filler is not None else images[:1]
+        encode(transform(fill if isinstance(fill, torch.Tensor) else fill.decode()))
     return torch.cat(feats) if feats else torch.empty(0)
 
 

@@ -1,17 +1,31 @@
-"""Encoders: a small CNN for CPU runs, CIFAR-variant ResNets from torchvision, timm models if installed.
+"""Encoders: a small CNN for CPU runs, torchvision ResNets with the stem the image size needs, ViTs, timm models.
 
-`build_backbone(name)` returns ``(module, feature_dim)``; the module maps images
-[B, 3, H, W] to features [B, feature_dim] (no classifier).
+`build_backbone(name, image_size=None)` returns ``(module, feature_dim)``; the module maps
+images [B, 3, H, W] to features [B, feature_dim] (no classifier).
 
 * ``small_cnn``: 4 conv-BN-ReLU blocks and global average pooling; trains in seconds on CPU.
-* ``resnet18`` / ``resnet50``: torchvision's models with the CIFAR stem (3x3 conv, stride 1,
-  no max-pool), as in Lightly's and solo-learn's CIFAR benchmarks; ``fc`` is removed, so
-  `unison export` writes a state dict that loads into ``torchvision.models.resnet18`` with
-  the same stem (``strict=False`` for the missing ``fc``).
+* ``resnet18`` / ``resnet50``: torchvision's ResNets, ``fc`` removed. The stem follows the image
+  size, as in solo-learn (and what a user of either field expects of the plain name):
+
+  - above `CIFAR_STEM_MAX_SIZE` (64 px): torchvision's standard ImageNet stem (7x7 conv stride 2,
+    3x3 max-pool): the model is exactly ``torchvision.models.resnet18()``;
+  - at 64 px and below, or when no size is known: the CIFAR stem (3x3 conv stride 1, no max-pool),
+    as in Lightly's and solo-learn's CIFAR benchmarks (at 32 px the ImageNet stem leaves 1x1 maps
+    after layer 4; at 224 px the CIFAR stem costs about 16x the FLOPs of the standard one).
+
+  ``resnet18_cifar`` / ``resnet50_cifar`` and ``resnet18_imagenet`` / ``resnet50_imagenet`` pin the
+  stem whatever the size. `resolve_backbone` gives the pinned name a run used (recorded in the
+  checkpoint, so `unison export` / `unison eval` rebuild the same stem). The export loads into
+  torchvision as is (ImageNet stem) or after the same stem surgery (CIFAR stem), ``fc.*`` missing.
 * ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p4`` (4 px patches, 32 px images) and
   ``..._p2`` (2 px patches, 16 px images): Vision Transformers with token-level access for
   the masked-image methods (`unison.models.vit`).
 * ``timm:<name>``: any timm model with ``num_classes=0``.
+
+Example::
+
+    net, dim = build_backbone("resnet50", image_size=224)   # torchvision's resnet50 without fc, dim 2048
+    resolve_backbone("resnet18", 32)                         # "resnet18_cifar"
 """
 
 from __future__ import annotations
@@ -20,6 +34,11 @@ import torch
 import torch.nn as nn
 
 from .vit import VIT_BACKBONES, build_vit
+
+CIFAR_STEM_MAX_SIZE = 64
+RESNETS = ("resnet18", "resnet50")
+PINNED_RESNETS = tuple(f"{r}_{stem}" for r in RESNETS for stem in ("cifar", "imagenet"))
+BACKBONES = ("small_cnn", *RESNETS, *PINNED_RESNETS, *VIT_BACKBONES)
 
 
 class SmallCNN(nn.Module):
@@ -38,23 +57,35 @@ class SmallCNN(nn.Module):
         return self.features(x)
 
 
-def cifar_resnet(name: str) -> tuple[nn.Module, int]:
+def resolve_backbone(name: str, image_size: int | None) -> str:
+    """The pinned name of `name` at `image_size`: ``resnet18`` -> ``resnet18_cifar`` or ``resnet18_imagenet``."""
+    if name in RESNETS:
+        stem = "imagenet" if image_size is not None and image_size > CIFAR_STEM_MAX_SIZE else "cifar"
+        return f"{name}_{stem}"
+    return name
+
+
+def resnet(name: str) -> tuple[nn.Module, int]:
+    """A pinned ResNet (``resnet18_cifar``, ``resnet50_imagenet``, ...) without ``fc``."""
     import torchvision
 
-    model = getattr(torchvision.models, name)(weights=None)
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
+    arch, stem = name.rsplit("_", 1)
+    model = getattr(torchvision.models, arch)(weights=None)
+    if stem == "cifar":
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
     dim = model.fc.in_features
     model.fc = nn.Identity()
     return model, dim
 
 
-def build_backbone(name: str) -> tuple[nn.Module, int]:
+def build_backbone(name: str, image_size: int | None = None) -> tuple[nn.Module, int]:
+    name = resolve_backbone(name, image_size)
     if name == "small_cnn":
-        m = SmallCNN()
-        return m, m.feature_dim
-    if name in ("resnet18", "resnet50"):
-        return cifar_resnet(name)
+        cnn = SmallCNN()
+        return cnn, cnn.feature_dim
+    if name in PINNED_RESNETS:
+        return resnet(name)
     if name in VIT_BACKBONES:
         vit = build_vit(name)
         return vit, vit.feature_dim
@@ -63,9 +94,7 @@ def build_backbone(name: str) -> tuple[nn.Module, int]:
             import timm
         except ImportError:
             raise ValueError(f"backbone {name!r} needs timm: pip install timm") from None
-        m = timm.create_model(name[5:], pretrained=False, num_classes=0)
-        return m, m.num_features
+        model = timm.create_model(name[5:], pretrained=False, num_classes=0)
+        dim: int = model.num_features  # type: ignore[assignment]
+        return model, dim
     raise ValueError(f"unknown backbone {name!r}; use one of {', '.join(BACKBONES)} or timm:<model>")
-
-
-BACKBONES = ("small_cnn", "resnet18", "resnet50", *VIT_BACKBONES)

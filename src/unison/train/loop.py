@@ -88,17 +88,52 @@ def consistent_config(cfg: TrainConfig) -> None:
                       "start every worker with the same options")
 
 
-def knn_top1(run: Run) -> float:
-    """Weighted kNN top-1 of the encoder: training set as reference, held-out set as queries."""
-    assert run.val_set is not None, "kNN needs a held-out set"
+def knn_top1(run: Run) -> float | None:
+    """Weighted kNN top-1 of the encoder on the run's kNN sets (training images as reference, held-out
+    images as queries); None when there are none (`run.data.knn_skipped` says why)."""
+    knn = run.data.knn
+    if knn is None:
+        return None
     was_training = run.method.training
     run.method.eval()
     with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
-        acc = knn_accuracy(run.method.embed, run.train_set.images, run.train_set.labels, run.val_set.images,
-                           run.val_set.labels, run.to_eval, len(run.train_set.classes), k=run.cfg.knn_k,
-                           t=run.cfg.knn_t)
+        acc = knn_accuracy(run.method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
+                           run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t)
     run.method.train(was_training)
     return acc
+
+
+def describe_data(run: Run) -> None:
+    """One line on rank 0 for what is not the in-memory default: streamed data, and a skipped kNN."""
+    d = run.data
+    if d.mode == "stream":
+        src: Any = d.source   # StreamingBatches
+        print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "
+              f"{src.loader_workers} loader process(es) per worker, decode on {src.decode_on}", file=sys.stderr,
+              flush=True)
+    if d.knn_skipped:
+        print(f"unison: kNN evaluation skipped: {d.knn_skipped}", file=sys.stderr, flush=True)
+
+
+class DataWaitWarning:
+    """Warn once when the step waits for data more than `SHARE` of a logging window (the first excepted:
+    loader processes are still starting), with what to change."""
+
+    SHARE = 0.25
+
+    def __init__(self, run: Run):
+        self.run, self.windows, self.warned = run, 0, False
+
+    def observe(self, step: int, share: float) -> None:
+        self.windows += 1
+        if self.warned or self.windows == 1 or share <= self.SHARE:
+            return
+        self.warned = True
+        d = self.run.data
+        advice = (f"raise --loader-workers (now {getattr(d.source, 'loader_workers', 0)}) or use --decode gpu"
+                  if d.mode == "stream" else "the in-memory augmentation is the bottleneck (see unison bench)")
+        print(f"unison: warning: the training step waited for data {share:.0%} of the time up to step {step} "
+              f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
 
 
 def save_run_checkpoint(run: Run, run_dir: Path, step: int, history: dict[str, Any]) -> None:
@@ -151,6 +186,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+        describe_data(run)
 
     # ---- resume, or record the random-initialisation baseline
     _resume_after_restart(cfg, run_dir)
@@ -169,7 +205,8 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     # ---- the loop
     run.method.train()
     t_start = time.perf_counter()
-    t_log, images_since_log, wait_s = time.perf_counter(), 0, 0.0
+    t_log, images_since_log, wait_s, wait_since_log = time.perf_counter(), 0, 0.0, 0.0
+    waits = DataWaitWarning(run) if master else None
     final_loss = float("nan")
     curve: list[tuple[int, float]] = []   # (step, loss) of every logged step, for `Summary.loss_curve`
     log_times: list[float] = []
@@ -180,6 +217,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
             poison = faults.before_step(batch.step)
             loss_sum.zero_()
         wait_s += batch.wait_s
+        wait_since_log += batch.wait_s
         loss_sum += forward_backward(run, batch, poison=poison)
         if batch.micro < run.accumulate - 1:
             continue
@@ -195,14 +233,19 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
             log_times.append(time.perf_counter() - t_start)
             now = time.perf_counter()
             ips = images_since_log / max(now - t_log, 1e-9)
-            t_log, images_since_log = now, 0
-            logger.log(step=step, epoch=step / run.steps_per_epoch, loss=final_loss, lr=lr, images_per_s=ips)
+            data_wait = min(1.0, wait_since_log / max(now - t_log, 1e-9))   # this rank's share of the window
+            t_log, images_since_log, wait_since_log = now, 0, 0.0
+            logger.log(step=step, epoch=step / run.steps_per_epoch, loss=final_loss, lr=lr, images_per_s=ips,
+                       data_wait=round(data_wait, 4))
             if progress is not None:
-                progress.set_postfix(loss=f"{final_loss:.4f}", img_s=f"{ips:.0f}")
+                progress.set_postfix(loss=f"{final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}")
+            if waits is not None:
+                waits.observe(step, data_wait)
         if progress is not None:
             progress.update(1)
         completed_epoch = step // run.steps_per_epoch
-        if epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps:
+        if (epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps
+                and run.data.knn is not None):
             logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
         due = step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else epoch_done
         if due and step < run.total_steps:
@@ -218,7 +261,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     summary = Summary(
         method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
-        train_images=len(run.train_set), val_images=len(run.val_set) if run.val_set is not None else 0,
+        train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
         final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history["random_init_knn_top1"],
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),

@@ -1,7 +1,9 @@
 """Run metrics: a CSV file, TensorBoard when installed, and a PNG plot at the end (rank 0 only).
 
 ``metrics.csv`` has one row per logged event with columns step, epoch, loss, lr,
-images_per_s, knn_top1 (empty where not measured). ``plot.png`` shows the training loss
+images_per_s, knn_top1, data_wait (the share of the logging window the step waited for
+data, on rank 0); empty where not measured. A resumed run whose file has an older header
+rewrites it with the current columns (earlier rows keep their values, new columns empty). ``plot.png`` shows the training loss
 and the kNN accuracy against epochs.
 """
 
@@ -11,7 +13,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1")
+COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait")
 
 
 class MetricsLogger:
@@ -25,8 +27,12 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.csv"
         if self.path.exists():  # resumed run: keep the earlier rows
             with open(self.path, newline="") as f:
+                reader = csv.DictReader(f)
                 self.rows = [{k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
-                             for row in csv.DictReader(f)]
+                             for row in reader]
+                header = tuple(reader.fieldnames or ())
+            if header and header != COLUMNS:  # written by another unison version: one header for all rows
+                self._rewrite()
         self._file = open(self.path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
         if self._file.tell() == 0:  # a resumed run whose file holds only the header must not get a second one
@@ -37,6 +43,14 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         except ImportError:  # tensorboard is optional: pip install 'unison[tensorboard]'
             self._tb = None
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows({k: ("" if row.get(k) is None else row.get(k)) for k in COLUMNS} for row in self.rows)
+        tmp.replace(self.path)
 
     def log(self, **values: Any) -> None:
         if not self.enabled:

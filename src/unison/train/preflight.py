@@ -1,7 +1,7 @@
 """Checks in the launching process of what would otherwise fail in every worker after start-up.
 
 `preflight(cfg)` runs before any worker starts (`unison.train` calls it): method-parameter
-types, data folders (layout, image count against subset and batch), the checkpoint to
+types, data (folder, file list or shards: layout, image count against subset and batch), the checkpoint to
 resume (exists, intact, safe, same method) and the run directory. Image decoding and
 model shapes are checked by the workers, whose errors still reach the user as one line
 naming the rank.
@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 from unison.config import TrainConfig
-from unison.data.datasets import scan_folder
+from unison.data.catalog import open_catalog
 from unison.errors import ConfigError, DataError
 from unison.methods import METHODS
 from unison.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -36,12 +36,12 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             continue
         with warnings.catch_warnings():  # the workers repeat the scan and its warnings
             warnings.simplefilter("ignore")
-            files = scan_folder(Path(spec).expanduser().resolve())
-        if subset is not None and subset > len(files):
-            raise DataError(f"{flag} {spec} has {len(files)} images, fewer than --subset/--val-subset {subset}; "
+            n = len(open_catalog(spec))
+        if subset is not None and subset > n:
+            raise DataError(f"{flag} {spec} has {n} images, fewer than --subset/--val-subset {subset}; "
                             "lower it or leave it unset")
-        if flag == "--data" and min(len(files), subset or len(files)) < cfg.batch_size:
-            raise DataError(f"{flag} {spec} has {min(len(files), subset or len(files))} images, fewer than one "
+        if flag == "--data" and min(n, subset or n) < cfg.batch_size:
+            raise DataError(f"{flag} {spec} has {min(n, subset or n)} images, fewer than one "
                             f"global batch ({cfg.batch_size}); lower --batch-size")
     out = Path(cfg.out)
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers

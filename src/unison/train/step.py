@@ -38,17 +38,19 @@ import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
-from unison.data.batches import BatchSource, InMemoryBatches
-from unison.data.datasets import ImageTensorDataset, load_dataset
+from unison.data.batches import BatchSource
+from unison.data.datasets import ImageTensorDataset
+from unison.data.source import TrainData, build_batch_source
 from unison.distributed import collectives as C
 from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
 from unison.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
 from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
-from unison.errors import ConfigError, DataError, NonFiniteLossError
+from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
+from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
 
 
@@ -86,7 +88,7 @@ class Run:
     cfg: TrainConfig
     device: torch.device
     dtype: torch.dtype
-    train_set: ImageTensorDataset
+    train_set: ImageTensorDataset | None     # the decoded sets of in-memory data (None when streamed)
     val_set: ImageTensorDataset | None
     image_size: int
     augment: ViewAugmenter
@@ -102,6 +104,7 @@ class Run:
     global_batch: int
     accumulate: int                # micro-batches per optimiser step (grad_sync_every)
     steps_per_epoch: int
+    data: TrainData                # the data side: source, mode, normalisation, kNN sets (`build_batch_source`)
     resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
 
     @property
@@ -110,7 +113,7 @@ class Run:
 
     def to_eval(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> the evaluation input of this run (centre resize, training-set normalisation)."""
-        x = eval_transform(images, self.image_size, self.train_set.mean, self.train_set.std).to(self.dtype)
+        x = eval_transform(images, self.image_size, self.data.mean, self.data.std).to(self.dtype)
         return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else x
 
 
@@ -142,18 +145,13 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def load_train_data(cfg: TrainConfig, device: torch.device) -> tuple[ImageTensorDataset, ImageTensorDataset]:
-    """The training set and the held-out set for kNN, decoded into memory on `device`."""
-    train_set = load_dataset(cfg.data, "train", subset=cfg.subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
-    val_set = load_dataset(cfg.val or cfg.data, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
-    return train_set.to(device), val_set.to(device)
-
-
-def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device) -> SSLMethod:
-    """backbone -> method with its hyper-parameters, seeded identically on every rank."""
+def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
+                 image_size: int | None = None) -> SSLMethod:
+    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` picks
+    the ResNet stem of ``resnet18``/``resnet50`` (`unison.models.backbones`)."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"])
+    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"], image_size)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -169,25 +167,18 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
     `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
     initialised (one process: backend local)."""
-    if train_set is None:
-        train_set, val_set = load_train_data(cfg, device)
     resolved = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
-    image_size = cfg.image_size or train_set.image_size
-
+    data = build_batch_source(cfg, device, resolved["augmentation"], train_set=train_set, val_set=val_set)
+    image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
-    if len(train_set) < global_batch:
-        raise DataError(f"the training set has {len(train_set)} images, fewer than one global batch "
-                        f"({global_batch}); lower --batch-size")
-    augment = ViewAugmenter(resolved["augmentation"], image_size, train_set.mean, train_set.std)
-    source = InMemoryBatches(train_set, augment, global_batch, cfg.seed)
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
 
     # ---- model: SyncBN, memory format, DDP
-    method = build_method(cfg, total_steps, dtype, device)
+    method = build_method(cfg, total_steps, dtype, device, image_size)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
@@ -212,12 +203,16 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
-    return Run(cfg=cfg, device=device, dtype=dtype, train_set=train_set, val_set=val_set, image_size=image_size,
+    return Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
+               image_size=image_size,
                augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
                optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
                schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
                accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps})
+               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
+                         "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
+                         "data_mode": data.mode},
+               data=data)
 
 
 def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
