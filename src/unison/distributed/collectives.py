@@ -142,6 +142,15 @@ def all_reduce_no_grad(x: torch.Tensor, average: bool = False) -> torch.Tensor:
 
 
 @torch.no_grad()
+def all_reduce_max_no_grad(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of `x` over ranks without autograd; returns a new tensor."""
+    y = x.detach().clone()
+    if _active():
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    return y
+
+
+@torch.no_grad()
 def broadcast_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite `x` in place with rank `src`'s value."""
     if _active():
@@ -164,6 +173,15 @@ def all_gather_object(obj) -> list:
         return [obj]
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_object_to_rank0(obj) -> list | None:
+    """Every rank's picklable object, in rank order, on rank 0 (None elsewhere). Tensors should be on the CPU."""
+    if not _active():
+        return [obj]
+    out: list | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
     return out
 
 

@@ -143,6 +143,19 @@ def restart_count() -> int:
     return int(value) if value.isdigit() else 0
 
 
+def restart_reason() -> str | None:
+    """Why this worker runs a second time, or None: ``restart N`` (torchrun ``--max-restarts``) or
+    ``SLURM requeue N`` (the job was requeued: ``sbatch --requeue`` after a preemption or node failure,
+    or ``scontrol requeue``; SLURM sets ``SLURM_RESTART_COUNT``). Either way the run continues from the
+    run directory's last checkpoint by itself."""
+    if restart_count() > 0:
+        return f"restart {restart_count()}"
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+    if requeued.isdigit() and int(requeued) > 0:
+        return f"SLURM requeue {int(requeued)}"
+    return None
+
+
 def exit_worker(code: int) -> NoReturn:
     """End this worker process now with `code`, after flushing stdout/stderr, skipping interpreter finalization.
 

@@ -39,13 +39,14 @@ from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource, InMemoryBatches
 from unison.data.datasets import ImageTensorDataset, load_dataset
 from unison.distributed import collectives as C
-from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
+from unison.distributed.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.distributed.optim import ShardedOptimizer, build_optimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, DataError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
+from unison.train.extra_state import ExtraState
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Run:
     accumulate: int                # micro-batches per optimiser step (grad_sync_every)
     steps_per_epoch: int
     resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
+    extra_state: ExtraState = field(default_factory=ExtraState)   # checkpointed beyond model/optimizer
 
     @property
     def total_steps(self) -> int:
@@ -202,12 +204,23 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
-    return Run(cfg=cfg, device=device, dtype=dtype, train_set=train_set, val_set=val_set, image_size=image_size,
-               augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
-               optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
-               schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
-               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps})
+    run = Run(cfg=cfg, device=device, dtype=dtype, train_set=train_set, val_set=val_set, image_size=image_size,
+              augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
+              optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
+              schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
+              accumulate=accumulate, steps_per_epoch=steps_per_epoch,
+              resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps})
+    register_checkpoint_state(run)
+    return run
+
+
+def register_checkpoint_state(run: Run) -> None:
+    """What a checkpoint must carry besides model and optimizer for a resumed run to continue exactly."""
+    if run.scaler.is_enabled():   # fp16 loss scale and its growth tracker
+        run.extra_state.register("grad_scaler", run.scaler)
+    hook_state = comm_hook_checkpoint_state(run.ddp)
+    if hook_state is not None:     # PowerSGD error feedback (this rank's own residual), warm start, step counter
+        run.extra_state.register("powersgd", hook_state, per_rank=True)
 
 
 def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
