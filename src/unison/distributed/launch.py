@@ -102,6 +102,9 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
         result_conn.send_bytes(pickle.dumps(("result", result), protocol=pickle.HIGHEST_PROTOCOL))
         result_conn.close()
     except BaseException as exc:  # report every failure, SystemExit included
+        # The launcher's SIGINT (it ends the survivors of a failed run) must not interrupt the report itself.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             exit_worker(0)
         code = exit_code_of(exc) or 1

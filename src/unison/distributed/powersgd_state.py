@@ -55,7 +55,8 @@ class CheckpointablePowerSGD:
         self._warm: set[str] = set()                          # parameters whose bucket had warm-start memory
 
     # ------------------------------------------------------------------ the hook
-    def hook(self, state: psgd.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(self, state, bucket):  # no annotations: DDP compares them with the classes, and these would be strings
+        """The comm hook: `powerSGD_hook`, with this process's bucket layout aligned to the saved state first."""
         self._align(bucket)
         return psgd.powerSGD_hook(state, bucket)
 

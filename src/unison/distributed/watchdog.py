@@ -145,17 +145,20 @@ class Watchdog:
         finally:
             self.enter(before, step)
 
-    def data(self, micro_batches: Iterator[Any]) -> Iterator[Any]:
-        """Pass `micro_batches` through, in phase "data" while each is produced, "step" once it is there."""
-        step = self._step
+    def data(self, micro_batches: Iterator[Any], start_step: int = 0) -> Iterator[Any]:
+        """Pass `micro_batches` through, in phase "data" while each is produced, "step" once it is there.
+
+        The step a "data" phase reports is the one whose batch is awaited: the last batch's step, or the
+        step the loop's hooks entered after it (`phase(..., step)` with the number of completed steps).
+        """
+        self._step = max(self._step, start_step)
         while True:
-            self.enter("data", step)
+            self.enter("data", self._step)
             try:
                 batch = next(micro_batches)
             except StopIteration:
                 return
-            step = getattr(batch, "step", step)
-            self.enter("step", step)
+            self.enter("step", getattr(batch, "step", self._step))
             yield batch
 
     def arm(self) -> None:

@@ -75,7 +75,9 @@ def _fire(fault: dict[str, Any], rank: int, step: int) -> bool:
         sig = getattr(signal, _SIGNALS[fault["kind"]], signal.SIGTERM)
         os.kill(os.getppid() if fault["to"] == "launcher" else os.getpid(), sig)
         if fault["kind"] in ("term", "usr1", "int"):
-            time.sleep(0.2)   # let the handler run here, deterministically inside the step (or the save)
+            # let the signal take effect here, inside the step or the save (a save waits longer: the signal may
+            # travel through the launcher and back to this process)
+            time.sleep(1.0 if fault["at"] == "save" else 0.2)
     if fault["kind"] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV})")
     while fault["kind"] == "hang":

@@ -224,7 +224,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
     log_times: list[float] = []
     loss_sum = torch.zeros((), device=device, dtype=run.dtype)
     poison = False
-    for batch in watch.data(faults.batches(batches(run, step))):   # heartbeat: "data" while a batch is made
+    for batch in watch.data(faults.batches(batches(run, step)), step):   # heartbeat: "data" while a batch is made
         if batch.micro == 0:
             poison = faults.before_step(batch.step)
             loss_sum.zero_()
