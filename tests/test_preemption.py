@@ -9,11 +9,15 @@ inside the worker (to itself or to its launcher), so each round is reproducible.
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +203,24 @@ def test_powersgd_state_is_not_loaded_at_another_world_size(tmp_path, capfd, mon
         assert main(["train", "--resume", "auto", "--out", str(run), "--world-size", "1", "--no-progress"]) == 0
     assert any("'powersgd' state is per rank and was saved at world size 2, this run has 1: it starts fresh"
                in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+def test_sigterm_to_torchrun_checkpoints_and_the_next_run_resumes(tmp_path):
+    """torchrun forwards SIGTERM to its workers (and gives them 30 s); they save the step in progress."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update({FAULT: "rank=1,step=3,kind=term,to=launcher", "UNISON_NO_CACHE": "1"})   # the worker's parent: torchrun
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "unison.cli", "train", *TINY, "--out", str(run)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode != 0   # torchrun itself reports the signal it got
+    ranks = re.findall(r"^unison: error: rank (\d): preempted by SIGTERM", proc.stderr, flags=re.M)
+    assert sorted(ranks) == ["0", "1"], proc.stderr[-3000:]
+    assert load_intact(run)["step"] == 4
+    env.pop(FAULT)
+    proc = subprocess.run([*cmd, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_checkpoint(run)["step"] == STEPS
