@@ -150,4 +150,4 @@ def test_failing_disk_ends_the_run_and_keeps_the_last_checkpoint(tmp_path, capfd
     assert error_line(err) == (f"unison: error: could not write checkpoint {ckpts / 'step_00000004.pt'} (Input/output "
                                f"error); the last good checkpoint is {ckpts / 'step_00000002.pt'} (intact)")
     assert load_intact(run)["step"] == 2 and not temporaries(run)
-    assert _last_logged_step(run) <= 5
+    assert _last_logged_step(run) <= 6   # the background save's failure is agreed on within two steps

@@ -142,15 +142,6 @@ def all_reduce_no_grad(x: torch.Tensor, average: bool = False) -> torch.Tensor:
 
 
 @torch.no_grad()
-def all_reduce_max_no_grad(x: torch.Tensor) -> torch.Tensor:
-    """Element-wise maximum of `x` over ranks without autograd; returns a new tensor."""
-    y = x.detach().clone()
-    if _active():
-        dist.all_reduce(y, op=dist.ReduceOp.MAX)
-    return y
-
-
-@torch.no_grad()
 def broadcast_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite `x` in place with rank `src`'s value."""
     if _active():

@@ -223,7 +223,6 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
     results: dict[int, Any] = {}
     errors: dict[int, dict[str, Any]] = {}
-    interrupted = False
     try:
         with _ForwardStopSignals(procs):
             for r in range(cfg.world_size):
@@ -237,13 +236,10 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
                 procs.append(p)
             conns = [read for read, _ in pipes]
             return _supervise(procs, conns, results, errors, heartbeats, cfg, poll_s, settle_s)
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
     finally:
         for read, _ in pipes:
             read.close()
-        _terminate_all(procs, grace_s if not interrupted else min(grace_s, 3.0))
+        _terminate_all(procs, grace_s)
 
 
 def _supervise(procs: list[mp.Process], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],

@@ -68,6 +68,10 @@ class Checkpointer:
         self.last_path: Path | None = None
         self.last_step: int | None = None
         self._thread: threading.Thread | None = None
+        # Waiting uses this event, not Thread.join(): a KeyboardInterrupt in join() makes CPython 3.11 mark the
+        # still-running writer as stopped (bpo-45274's handling), and a later join() would return at once while
+        # the file is half-written.
+        self._done = threading.Event()
         self._error: BaseException | None = None
         self._abort = threading.Event()
 
@@ -76,14 +80,15 @@ class Checkpointer:
         self.wait()
         if self.asynchronous:
             copy = snapshot(state)
-            self._thread = threading.Thread(target=self._write, args=(copy, step), name="unison-checkpoint",
+            self._done = threading.Event()
+            self._thread = threading.Thread(target=self._write, args=(copy, step, self._done), name="unison-checkpoint",
                                             daemon=True)
             self._thread.start()
         else:
             self._write(state, step)
             self._raise_error()
 
-    def _write(self, state: dict, step: int) -> None:
+    def _write(self, state: dict, step: int, done: threading.Event | None = None) -> None:
         def on_write(written: int) -> None:
             if self._abort.is_set():
                 raise SaveAborted(f"checkpoint of step {step} aborted")
@@ -97,11 +102,14 @@ class Checkpointer:
             pass
         except BaseException as e:  # kept for the loop: a failed save must end the run
             self._error = e
+        finally:
+            if done is not None:
+                done.set()
 
     # ------------------------------------------------------------------ waiting, failures
     @property
     def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._done.is_set()
 
     def failed(self) -> bool:
         """True when a save failed (without waiting for one in flight)."""
@@ -118,7 +126,7 @@ class Checkpointer:
     def wait(self) -> Path | None:
         """Wait for the save in flight; raise its error; return the last checkpoint written."""
         if self._thread is not None:
-            self._thread.join()
+            self._done.wait()
             self._thread = None
         self._raise_error()
         return self.last_path
@@ -132,7 +140,7 @@ class Checkpointer:
         if abort:
             self._abort.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._done.wait(timeout_s)
             self._thread = None
         if abort:
             self._error = None

@@ -77,7 +77,7 @@ def _fire(fault: dict[str, Any], rank: int, step: int) -> bool:
         if fault["kind"] in ("term", "usr1", "int"):
             # let the signal take effect here, inside the step or the save (a save waits longer: the signal may
             # travel through the launcher and back to this process)
-            time.sleep(1.0 if fault["at"] == "save" else 0.2)
+            time.sleep(2.0 if fault["at"] == "save" else 0.2)
     if fault["kind"] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV})")
     while fault["kind"] == "hang":

@@ -19,6 +19,7 @@ run in which no rank makes progress ends after ``--watchdog-s`` with the ranks a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -51,7 +52,7 @@ from unison.train.checkpoint import (
 from unison.train.checkpointer import Checkpointer
 from unison.train.faults import FaultHook
 from unison.train.metrics import MetricsLogger
-from unison.train.preemption import agree_to_stop, preempted, save_failed_elsewhere
+from unison.train.preemption import StopAgreement, preempted, save_failed_elsewhere
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.train.summary import Summary, peak_memory_mib
 
@@ -148,14 +149,14 @@ def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
             print(f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}", file=sys.stderr, flush=True)
 
 
-def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, step: int, history: dict[str, Any],
-                    saved_now: bool) -> None:
+def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, agreement: StopAgreement, step: int,
+                    history: dict[str, Any], saved_now: bool) -> None:
     """After every step: agree with the other ranks whether to stop; on a stop request save and raise `Preempted`.
 
     A failed background save ends the run with its error (rank 0) on every rank.
     """
     with watch.phase("collective", step):
-        decision = agree_to_stop(stop_requests(), checkpointer.failed(), run.device)
+        decision = agreement.exchange(stop_requests(), checkpointer.failed())
     if decision.save_failed:
         checkpointer.raise_if_failed()     # rank 0: the save's own error
         raise save_failed_elsewhere()
@@ -178,7 +179,8 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,
                                 on_write=faults.during_save)
     try:
-        return _train(cfg, device, watch, faults, checkpointer)
+        with contextlib.ExitStack() as on_exit:   # what a failed run must still close (its metrics file)
+            return _train(cfg, device, watch, faults, checkpointer, on_exit)
     except KeyboardInterrupt:
         checkpointer.close(abort=True)     # Ctrl-C: end promptly, no half-written checkpoint
         raise
@@ -188,8 +190,8 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         restore_default_handlers()         # in-process runs (world size 1, tests): the caller's handlers again
 
 
-def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: FaultHook,
-           checkpointer: Checkpointer) -> Summary:
+def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: FaultHook, checkpointer: Checkpointer,
+           on_exit: contextlib.ExitStack) -> Summary:
     rank, world = C.rank(), C.world_size()
     master = rank == 0
     consistent_config(cfg)
@@ -208,6 +210,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
             history["random_init_knn_top1"] = knn_top1(run)
 
     logger = MetricsLogger(run_dir, enabled=master)
+    on_exit.callback(logger.release)
     progress = None
     if master and cfg.progress:
         from tqdm.auto import tqdm
@@ -216,6 +219,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
                         mininterval=1.0, dynamic_ncols=True)
 
     # ---- the loop
+    agreement = StopAgreement()   # preemption signals and failed saves, agreed by all ranks after every step
     run.method.train()
     t_start = time.perf_counter()
     t_log, images_since_log, wait_s = time.perf_counter(), 0, 0.0
@@ -259,8 +263,9 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
             with watch.phase("checkpoint", step):
                 save_run_checkpoint(run, checkpointer, step, history)
         if step < run.total_steps:   # the last step goes on to the final checkpoint anyway
-            stop_after_step(run, checkpointer, watch, step, history, saved_now=due)
+            stop_after_step(run, checkpointer, watch, agreement, step, history, saved_now=due)
         watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
+    agreement.close()
     if progress is not None:
         progress.close()
     train_time = time.perf_counter() - t_start

@@ -9,22 +9,24 @@ all-reduce (MAX) of three integers, on whether to stop:
 * rank 0's background checkpoint save failed (disk full, read-only, I/O error): the run ends
   with that error rather than training on without saving.
 
-All ranks therefore stop after the same step. On a stop request every rank takes part in the
-checkpoint of that step (unless it was just written), rank 0 waits until the file is complete,
+All ranks therefore stop after the same step (the exchange runs in the background, so the step
+after the one in which the signal arrived: `StopAgreement`). On a stop request every rank takes
+part in the checkpoint of that step (unless it was just written), rank 0 waits until the file is complete,
 and every rank raises `Preempted`, whose message names the checkpoint and how to continue:
 ``--resume auto`` with the same ``--out`` (what a SLURM ``--requeue`` or a torchrun restart of
 the same command does by itself, see `unison.distributed.env.restart_reason`).
 
-Cost: one all-reduce of 3 int64 per step (measured with the rest of the loop in
-docs/reliability.md).
+Cost: one asynchronous all-reduce of 3 int64 per step on a CPU group (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from unison.distributed import collectives as C
 from unison.distributed.signals import StopRequests
@@ -47,12 +49,45 @@ class StopDecision:
         return signal.Signals(self.signal_number).name if self.signal_number else ""
 
 
-def agree_to_stop(requests: StopRequests, save_failed: bool, device: torch.device) -> StopDecision:
-    """Every rank calls this after every step; all get the same decision (one small all-reduce)."""
-    mine = torch.tensor([int(requests.first or 0), C.rank() if requests.requested else -1, int(save_failed)],
-                        dtype=torch.int64, device=device)
-    agreed = C.all_reduce_max_no_grad(mine).tolist()
-    return StopDecision(int(agreed[0]), int(agreed[1]), bool(agreed[2]))
+class StopAgreement:
+    """The per-step agreement, exchanged in the background: the decision read after step N was started after N-1.
+
+    One all-reduce (MAX) of 3 int64 per step, issued asynchronously on a CPU (gloo) group, so the step loop
+    neither waits for it nor synchronises with the GPU: with NCCL the default group would need a CUDA tensor
+    and a host-device sync every step. The price is one step of delay: a signal received during step N is
+    acted on after step N+1, on every rank alike.
+    """
+
+    def __init__(self) -> None:
+        self._group = None
+        if C.is_distributed() and C.world_size() > 1 and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")   # collective: every rank builds it at the same point
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def exchange(self, requests: StopRequests, save_failed: bool) -> StopDecision:
+        """Every rank calls this after every step: the decision of the previous exchange; starts the next one."""
+        decision = self._finish()
+        mine = torch.tensor([int(requests.first or 0), C.rank() if requests.requested else -1, int(save_failed)],
+                            dtype=torch.int64)
+        if C.is_distributed() and C.world_size() > 1:
+            self._pending = (dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group, async_op=True), mine)
+        else:
+            self._pending = (None, mine)
+        return decision
+
+    def _finish(self) -> StopDecision:
+        if self._pending is None:
+            return StopDecision()
+        work, agreed = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        a, b, c = agreed.tolist()
+        return StopDecision(int(a), int(b), bool(c))
+
+    def close(self) -> None:
+        """Wait for the exchange in flight (before the process group goes away)."""
+        self._finish()
 
 
 def save_failed_elsewhere() -> CheckpointError:
