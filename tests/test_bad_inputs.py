@@ -316,8 +316,9 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(paths, capfd, monke
     code, err = _run([*W1, "--max-steps", "3", "--checkpoint-every", "1", "--out", str(out)], capfd)
     line = _log("disk-full-during-checkpoint", code, err, paths)
     assert code == 4
-    assert line.endswith("step_00000002.pt (No space left on device); the previous checkpoint step_00000001.pt "
-                         "is intact"), line
+    assert line.startswith("unison: error: no space left on device: could not write checkpoint "), line
+    assert line.endswith(f"step_00000002.pt; the last good checkpoint is {out / 'checkpoints' / 'step_00000001.pt'} "
+                         "(intact); free space, then continue with --resume auto"), line
     monkeypatch.undo()
     assert load_checkpoint(out)["step"] == 1
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith(".tmp")]

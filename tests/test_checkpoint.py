@@ -226,8 +226,9 @@ def test_disk_full_gives_a_clear_error_and_keeps_previous(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch, "save", write_then_enospc)
     msg = _error(save_checkpoint, tmp_path, _state(2), 2)
-    assert "could not write checkpoint" in msg and "step_00000002.pt" in msg
-    assert msg.endswith("(No space left on device); the previous checkpoint step_00000001.pt is intact")
+    assert msg.startswith("no space left on device: could not write checkpoint ") and "step_00000002.pt" in msg
+    assert msg.endswith(f"the last good checkpoint is {tmp_path / 'checkpoints' / 'step_00000001.pt'} (intact); "
+                        "free space, then continue with --resume auto")
     monkeypatch.undo()
     _assert_previous_intact(tmp_path, 1)
     assert _names(tmp_path) == ["step_00000001.pt"] and _temporaries(tmp_path) == []
@@ -251,7 +252,7 @@ def test_disk_full_while_updating_latest_rolls_back(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     msg = _error(save_checkpoint, tmp_path, _state(2), 2)
     monkeypatch.undo()
-    assert "No space left on device" in msg and "step_00000001.pt is intact" in msg
+    assert msg.startswith("no space left on device") and "step_00000001.pt (intact)" in msg
     _assert_previous_intact(tmp_path, 1)
     assert _names(tmp_path) == ["step_00000001.pt"] and _temporaries(tmp_path) == []
 

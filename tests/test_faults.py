@@ -194,10 +194,10 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 @pytest.mark.skipif(not TORCHRUN.exists() and not shutil.which("torchrun"), reason="torchrun is not installed")
 def test_torchrun_restarts_a_killed_worker_which_resumes_by_itself(reference, tmp_path):
     run = tmp_path / "run"
-    # torch 2.14's shared agent store can leave restarted gloo workers hanging in their rendezvous (seen
-    # intermittently even with unison's per-attempt env:// join); a store per attempt avoids it. See
-    # docs/reliability.md.
-    env = {**os.environ, FAULT: "rank=1,step=3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "UNISON_NO_CACHE": "1"}
+    # Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torchrun's agent store outlives the restart, and unison's workers
+    # join it under a key prefix of their attempt (unison.distributed.env.torchrun_attempt_store; pytorch#135712).
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update({FAULT: "rank=1,step=3", "UNISON_NO_CACHE": "1"})
     cmd = [str(TORCHRUN) if TORCHRUN.exists() else "torchrun", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", "-m", "unison.cli", "train", *TINY, "--out", str(run)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)

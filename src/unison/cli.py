@@ -9,15 +9,19 @@ FILE.yaml`` (or the resumed run's config) < command-line flags.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from unison.configutil import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.config import ConfigError, DistributedConfig
+from unison.errors import WatchdogTimeout
 
 SUBCOMMAND_MODULES = ("unison.eval.commands", "unison.export", "unison.bench.commands")
 
@@ -131,11 +135,51 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if cfg.resume == "auto":  # `resume: auto` in a YAML file: the file's options stand, weights come from --out
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
     started = time.perf_counter()
-    summary = train(cfg)   # a WorkerFailure goes to main(), which prints it as one line
+    with _stop_before_training():
+        try:
+            summary = train(cfg)   # a WorkerFailure goes to main(), which prints it as one line
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(_where_to_continue(cfg.out)) from None
+        except WatchdogTimeout as exc:
+            raise WatchdogTimeout(f"{exc}; {_where_to_continue(cfg.out)}") from None
     launch_env = detect_launch_env()
     if launch_env is None or launch_env.rank == 0:   # under torchrun/srun/mpirun: rank 0 prints the result
         print(summary.result_line(time.perf_counter() - started), flush=True)
     return 0
+
+
+def _where_to_continue(out: str) -> str:
+    """Where the last complete checkpoint of run directory `out` is, and how to continue from it."""
+    from unison.train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out)
+    if last is None:
+        return f"no checkpoint was written in {out}"
+    return f"the last checkpoint is {last}; continue with --resume auto --out {out}"
+
+
+@contextlib.contextmanager
+def _stop_before_training():
+    """SIGTERM/SIGUSR1 before the workers run (pre-flight, data scan): end at once with a line, nothing to save.
+
+    Once training runs, the launcher (forwarding) or the training loop (finish the step, checkpoint)
+    replace this handler with their own.
+    """
+    from unison.distributed.signals import STOP_SIGNALS
+    from unison.errors import Preempted
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Preempted(f"stopped by {signal.Signals(signum).name} before training started: nothing to save; "
+                        "run the same command again")
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
@@ -218,8 +262,9 @@ def _launched_worker() -> bool:
 def _run(ns: argparse.Namespace) -> int:
     try:
         return ns.func(ns)
-    except KeyboardInterrupt:
-        print("unison: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        hint = f"; {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else ""
+        print(f"unison: interrupted{hint}", file=sys.stderr)
         return 130
     except Exception as exc:
         # Bad input and failed runs are one line and an exit code; anything else is a bug and keeps its

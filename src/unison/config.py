@@ -73,6 +73,8 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={
         "help": "save a checkpoint every N optimiser steps (0 = at the end of every epoch)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints"})
+    checkpoint_async: bool = field(default=True, metadata={
+        "help": "write checkpoints in a background thread: the step loop waits only for a copy of the state"})
     eval_every: int = field(default=0, metadata={"help": "kNN evaluation every N epochs (0 = only at the end)"})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
     knn_t: float = field(default=0.1, metadata={"help": "kNN temperature for similarity weighting"})

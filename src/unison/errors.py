@@ -13,6 +13,8 @@ what to fix. The CLI prints it as ``unison: error: <message>`` and exits with th
     3     bad data                                      `DataError`
     4     a checkpoint cannot be read or written        `CheckpointError`
     5     the loss became NaN or infinite               `NonFiniteLossError`
+    75    preempted (SIGTERM/SIGUSR1): a checkpoint was  `Preempted`
+          written; run again with --resume auto
     130   interrupted (Ctrl-C)
     ====  ==========================================================
 
@@ -61,6 +63,21 @@ class WorkerError(UnisonError, RuntimeError):
     """A worker process failed; `exit_code` is that of the worker's own error (1 if it had none)."""
 
     exit_code = 1
+
+
+class WatchdogTimeout(WorkerError):
+    """No rank made progress for ``--watchdog-s`` seconds (a hung collective, a stopped worker, a blocked loader)."""
+
+    exit_code = 1
+
+
+PREEMPTED_EXIT_CODE = 75   # EX_TEMPFAIL (sysexits.h): a temporary failure, the caller is invited to retry
+
+
+class Preempted(UnisonError):
+    """The run was asked to stop (SIGTERM/SIGUSR1), finished its step and wrote a checkpoint."""
+
+    exit_code = PREEMPTED_EXIT_CODE
 
 
 INTERRUPTED_EXIT_CODE = 130

@@ -167,6 +167,15 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def gather_object_to_rank0(obj) -> list | None:
+    """Every rank's picklable object, in rank order, on rank 0 (None elsewhere). Tensors should be on the CPU."""
+    if not _active():
+        return [obj]
+    out: list | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def barrier() -> None:
     if _active():
         dist.barrier()

@@ -70,6 +70,9 @@ class DistributedConfig:
     master_port: int = field(default=0, metadata={"help": "rendezvous port (0 = pick a free one)"})
     timeout_s: float = field(
         default=300.0, metadata={"help": "seconds a collective may wait before the run is ended with an error"})
+    watchdog_s: float = field(
+        default=180.0, metadata={"help": "end the run when no rank has made progress (data, step, collective, "
+                                         "checkpoint) for this many seconds; 0 = off"})
 
     @property
     def shard_optimizer(self) -> bool:
@@ -149,6 +152,9 @@ class DistributedConfig:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be > 0 seconds")
         if not math.isfinite(self.timeout_s):
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a finite number of seconds")
+        if not (isinstance(self.watchdog_s, (int, float)) and math.isfinite(self.watchdog_s) and self.watchdog_s >= 0):
+            raise ConfigError(f"distributed.watchdog_s={self.watchdog_s!r} must be a finite number of seconds >= 0 "
+                              "(0 = no watchdog)")
         return self
 
     def _validate_sharding(self) -> None:

@@ -8,7 +8,7 @@
 * Gradient compression through DDP comm hooks: ``fp16`` (any backend), ``bf16`` (CUDA+NCCL
   only; refused by config validation elsewhere), ``powersgd`` (rank ``powersgd_rank``,
   error feedback, warm start, ``start_powerSGD_iter = powersgd_start_iter``; 1-D tensors go
-  uncompressed).
+  uncompressed; its state is checkpointed by parameter, `unison.distributed.powersgd_state`).
 * State that must never be re-broadcast — queues, DINO centres, momentum encoders — is
   declared with `mark_rank_local_state(module, ...)` and excluded from DDP by fully
   qualified name. With SyncBN the running statistics are already identical on every rank,
@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .config import DistributedConfig
 
 _STATE_ATTR = "_unison_rank_local_state"
+_HOOK_STATE_ATTR = "_unison_comm_hook_state"
 
 
 def mark_rank_local_state(module: nn.Module, names: Iterable[str] | None = None) -> None:
@@ -105,8 +106,19 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig, device: torch.device, *, 
     hook = comm_hook_for(cfg, metered)
     if hook is not None:
         fn, state = hook
+        if cfg.grad_compression == "powersgd":   # its state goes into checkpoints, keyed by parameter
+            from .powersgd_state import CheckpointablePowerSGD
+
+            checkpointable = CheckpointablePowerSGD(state, model)
+            fn = checkpointable.hook
+            setattr(ddp, _HOOK_STATE_ATTR, checkpointable)
         ddp.register_comm_hook(state, fn)
     return ddp
+
+
+def comm_hook_checkpoint_state(ddp: nn.Module):
+    """The checkpointable state of `ddp`'s comm hook (PowerSGD's error feedback, ...), or None."""
+    return getattr(ddp, _HOOK_STATE_ATTR, None)
 
 
 def grad_sync_context(model: nn.Module, micro_step: int, grad_sync_every: int):

@@ -101,16 +101,39 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return device
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        # torchrun: its env:// handler joins the agent's store under a per-attempt prefix, so
-        # workers restarted by --max-restarts never read the previous attempt's addresses.
-        dist.init_process_group(comm, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
-                                timeout=timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(comm, store=torchrun_attempt_store(cfg, timeout), rank=cfg.rank,
+                                    world_size=cfg.world_size, timeout=timeout)
+        else:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves a fresh store in every attempt
+            dist.init_process_group(comm, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
+                                    timeout=timeout)
         return device
     if not cfg.master_port:
         raise ConfigError("no rendezvous port: set MASTER_PORT (torchrun/unison set it) or --master-port")
     dist.init_process_group(comm, store=_rendezvous_store(cfg, timeout), rank=cfg.rank,
                             world_size=cfg.world_size, timeout=timeout)
     return device
+
+
+def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's shared store, seen through a prefix of this restart attempt.
+
+    Why: since torch 2.5 torchrun's agent serves the workers' store itself (``TORCHELASTIC_USE_AGENT_STORE``,
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and that server lives as long as the agent: it is
+    created at the first rendezvous and reused for every restart. torch <= 2.4 gave each attempt its own
+    key prefix (``/worker/attempt_N``); the fix of pytorch#135712 (PR #135957) removed the prefix on the
+    assumption that every retry gets a new server, which torch 2.14's ``DynamicRendezvousHandler`` does
+    not do. Restarted workers then share the namespace ``default_pg/`` with the dead ones and can read
+    their gloo addresses: ``failed to connect ... Connection refused`` and a rendezvous that hangs until
+    ``--timeout-s`` (seen in 1 of 3 restarts of a 2-worker gloo run). A prefix per attempt, as torch <= 2.4
+    had, gives every attempt fresh keys. Caveat (the reason torch dropped it): the attempt number is each
+    agent's own count, so a multi-node job whose agents restarted a different number of times (a node
+    replaced mid-job) must set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    https://github.com/pytorch/pytorch/issues/135712
+    """
+    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return dist.PrefixStore(f"unison/{run_id}/attempt_{restart_count()}", store)
 
 
 def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> dist.Store:
@@ -141,6 +164,19 @@ def restart_count() -> int:
     """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun)."""
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
     return int(value) if value.isdigit() else 0
+
+
+def restart_reason() -> str | None:
+    """Why this worker runs a second time, or None: ``restart N`` (torchrun ``--max-restarts``) or
+    ``SLURM requeue N`` (the job was requeued: ``sbatch --requeue`` after a preemption or node failure,
+    or ``scontrol requeue``; SLURM sets ``SLURM_RESTART_COUNT``). Either way the run continues from the
+    run directory's last checkpoint by itself."""
+    if restart_count() > 0:
+        return f"restart {restart_count()}"
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+    if requeued.isdigit() and int(requeued) > 0:
+        return f"SLURM requeue {int(requeued)}"
+    return None
 
 
 def exit_worker(code: int) -> NoReturn:

@@ -6,21 +6,30 @@ set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
 worker code path is identical under unison, torchrun, SLURM and mpirun.
 
 Failure policy: the parent polls its children. When one exits non-zero or is killed,
-the others are terminated (SIGTERM, then SIGKILL after a grace period) and
-`WorkerFailure` is raised naming the first failing rank and its cause (the worker's
-exception, written to a per-rank error file, or the signal that killed it); its exit code
-is that of the worker's own `UnisonError` (`unison.errors`). On success `launch` returns
-each rank's return value, sent back through a pipe. Children
-ask the kernel to kill them if the parent dies (PR_SET_PDEATHSIG), so no orphan
-survives a killed launcher. Hand-written rather than `torch.multiprocessing.spawn`
-because we need the error text of the *first* failure, the bounded shutdown and the
-death signal.
+the others are ended (SIGINT, then SIGKILL after a grace period) and `WorkerFailure` is
+raised naming the first failing rank and its cause (the worker's exception, sent back
+through its pipe, or the signal that killed it); its exit code is that of the worker's own
+`UnisonError` (`unison.errors`). On success `launch` returns each rank's return value, sent
+back through the same pipe. Children ask the kernel to kill them if the parent dies
+(PR_SET_PDEATHSIG), so no orphan survives a killed launcher, and nothing is left on disk
+(results and errors travel through pipes, not files).
+
+Signals: SIGTERM and SIGUSR1 received by the launcher (a cluster's preemption notice) are
+forwarded to every worker, which finish their step, checkpoint and exit 75; the launcher then
+raises `Preempted` with rank 0's message. SIGINT (Ctrl-C) ends the workers promptly.
+
+Watchdog: the workers publish heartbeats (phase, step, time) in a table shared with the
+launcher (`unison.distributed.watchdog`); when no rank has made progress for
+``cfg.watchdog_s`` seconds (hung collective, SIGSTOPped or frozen workers, a blocked loader)
+the launcher kills them all and raises `WatchdogTimeout` naming every rank's phase and step.
+
+Hand-written rather than `torch.multiprocessing.spawn` because we need the error text of
+the *first* failure, the bounded shutdown, the death signal, signal forwarding and the watchdog.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import multiprocessing as mp
 import os
 import pickle
@@ -28,16 +37,18 @@ import re
 import signal
 import socket
 import sys
-import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from unison.errors import WorkerError, exit_code_of
+from unison.errors import Preempted, WatchdogTimeout, WorkerError, exit_code_of
 
+from . import watchdog
 from .config import DistributedConfig
 from .env import exit_worker
+from .signals import STOP_SIGNALS, install_stop_handlers
 
 
 class WorkerFailure(WorkerError):
@@ -75,10 +86,12 @@ def _die_with_parent() -> None:
             pass
 
 
-def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], error_file: str,
+def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
                  threads: int, result_conn: Any) -> None:
     _die_with_parent()
+    install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
     os.environ.update(env)
+    watchdog.attach_launcher_table(heartbeats, int(env["RANK"]))
     try:
         import torch
 
@@ -86,28 +99,31 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
         result = target(payload)
         # Plain pickle, in-band: torch's multiprocessing pickler would pass tensors as shared-memory handles
         # that die with this process. The launcher reads while it polls, so a large result cannot block.
-        result_conn.send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        result_conn.send_bytes(pickle.dumps(("result", result), protocol=pickle.HIGHEST_PROTOCOL))
         result_conn.close()
     except BaseException as exc:  # report every failure, SystemExit included
+        # The launcher's SIGINT (it ends the survivors of a failed run) must not interrupt the report itself.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             exit_worker(0)
-        with open(error_file, "w") as f:
-            json.dump({"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                       "exit_code": exit_code_of(exc), "traceback": traceback.format_exc()}, f)
-        exit_worker(1)
+        code = exit_code_of(exc) or 1
+        error = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
+                 "exit_code": code, "traceback": traceback.format_exc()}
+        try:
+            result_conn.send_bytes(pickle.dumps(("error", error), protocol=pickle.HIGHEST_PROTOCOL))
+            result_conn.close()
+        except OSError:   # the launcher is gone
+            pass
+        exit_worker(code)
     exit_worker(0)
 
 
-def _describe_exit(code: int | None, error_file: str) -> str:
-    if os.path.exists(error_file):
-        try:
-            with open(error_file) as f:
-                err = json.load(f)
-            # drop the C++ source location gloo/NCCL put first: "[.../unbound_buffer.cc:129] Timed out ..."
-            message = re.sub(r"^\[[^\]]*:\d+\] ", "", err["message"])
-            return f"{err['type']}: {message}"
-        except (OSError, ValueError, KeyError):
-            pass
+def _describe_exit(code: int | None, error: dict[str, Any] | None) -> str:
+    if error is not None:
+        # drop the C++ source location gloo/NCCL put first: "[.../unbound_buffer.cc:129] Timed out ..."
+        message = re.sub(r"^\[[^\]]*:\d+\] ", "", error.get("message", ""))
+        return f"{error.get('type')}: {message}"
     if code is not None and code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -121,7 +137,7 @@ def _is_comm_error(cause: str) -> bool:
                                     "Timed out", "timed out", "Timeout"))
 
 
-def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFailure | None:
+def _first_failure(procs: list[mp.Process], errors: dict[int, dict[str, Any]]) -> WorkerFailure | None:
     """The most likely root cause among the workers that have failed so far.
 
     A peer that lost its partner fails too, with a communication error; prefer a worker
@@ -130,7 +146,7 @@ def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFai
     failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     if not failed:
         return None
-    causes = {r: _describe_exit(code, error_files[r]) for r, code in failed}
+    causes = {r: _describe_exit(code, errors.get(r)) for r, code in failed}
 
     def priority(item: tuple[int, int | None]) -> tuple[int, int]:
         r, code = item
@@ -139,12 +155,54 @@ def _first_failure(procs: list[mp.Process], error_files: list[str]) -> WorkerFai
         return (2 if _is_comm_error(causes[r]) else 1, r)
 
     r, _ = min(failed, key=priority)
-    try:
-        with open(error_files[r]) as f:
-            err = json.load(f)
-        return WorkerFailure(r, causes[r], err.get("type"), err.get("traceback", ""), err.get("exit_code"))
-    except (OSError, ValueError, AttributeError):
-        return WorkerFailure(r, causes[r])
+    err = errors.get(r) or {}
+    return WorkerFailure(r, causes[r], err.get("type"), err.get("traceback", ""), err.get("exit_code"))
+
+
+class _ForwardStopSignals:
+    """While active (main thread only): SIGTERM/SIGUSR1 to the launcher go on to every live worker."""
+
+    def __init__(self, procs: list[mp.Process]) -> None:
+        self.procs, self.received, self._previous = procs, None, {}
+
+    def __enter__(self) -> _ForwardStopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            os.write(2, f"unison: {signal.Signals(signum).name}: asking every worker to finish its step and save a "
+                        "checkpoint\n".encode())
+        for p in self.procs:
+            if p.is_alive() and p.pid is not None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+
+
+def _check_watchdog(procs: list[mp.Process], heartbeats: Any, limit_s: float) -> WatchdogTimeout | None:
+    """`WatchdogTimeout` when no worker has made progress for `limit_s` seconds (the workers are then killed)."""
+    if limit_s <= 0:
+        return None
+    beats, now = watchdog.read_table(heartbeats, len(procs)), time.monotonic()
+    if any(now - since <= limit_s for _, _, since in beats):
+        return None   # some rank moved recently (the cheap test first: this runs at every poll)
+    stopped = [p.pid is not None and watchdog.process_stopped(p.pid) for p in procs]
+    report = watchdog.stuck_report(beats, stopped, limit_s, now)
+    if report is None:
+        return None
+    for p in procs:   # stuck in C++ or stopped: only SIGKILL ends them (a stopped process too)
+        if p.is_alive():
+            p.kill()
+    return WatchdogTimeout(report)
 
 
 def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
@@ -152,82 +210,99 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
            extra_env: dict[str, str] | None = None) -> list[Any]:
     """Run `target(payload)` in `cfg.world_size` processes; return their results by rank.
 
-    Raises `WorkerFailure` if any worker fails.
+    Raises `WorkerFailure` if any worker fails, `Preempted` when the workers stopped after a
+    SIGTERM/SIGUSR1 and wrote a checkpoint, `WatchdogTimeout` when none made progress for
+    ``cfg.watchdog_s`` seconds.
     """
     cfg.validate()
     port = cfg.master_port or find_free_port(cfg.master_addr)
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     ctx = mp.get_context("spawn")
-    errdir = tempfile.mkdtemp(prefix="unison-errors-")
+    heartbeats = watchdog.new_table(ctx, cfg.world_size)
     procs: list[mp.Process] = []
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
     results: dict[int, Any] = {}
-    error_files = [os.path.join(errdir, f"rank{r}.json") for r in range(cfg.world_size)]
+    errors: dict[int, dict[str, Any]] = {}
     try:
-        for r in range(cfg.world_size):
-            env = {"RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
-                   "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
-            p = ctx.Process(target=_worker_main, args=(target, payload, env, error_files[r], threads, pipes[r][1]),
-                            name=f"unison-rank{r}", daemon=False)
-            p.start()
-            pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
-            procs.append(p)
-        conns = [read for read, _ in pipes]
-        failure: WorkerFailure | None = None
-        while failure is None and any(p.is_alive() for p in procs):
-            _receive_results(conns, results)
-            failure = _first_failure(procs, error_files)
-            if failure is None:
-                time.sleep(poll_s)
-        if failure is not None and (procs[failure.rank].exitcode or 0) >= 0:
-            # Workers often fail together: a peer that lost its partner fails with a communication
-            # error before the partner's own exit is visible, and ranks that hit the same bad input
-            # fail at once. Let the others show up (ends as soon as all have exited), then report by
-            # cause and lowest rank, so the report does not depend on timing. A kill needs no wait.
-            deadline = time.monotonic() + settle_s
-            while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-                time.sleep(poll_s)
-            failure = _first_failure(procs, error_files) or failure
-        if failure is not None and _is_comm_error(failure.cause):
-            silent = [str(r) for r, p in enumerate(procs) if p.is_alive() and r != failure.rank]
-            if silent:  # a peer that neither failed nor answered: hung (the collective timed out, --timeout-s)
-                failure.cause += f" (rank {', '.join(silent)} did not fail but stopped responding)"
-                failure.args = (f"worker rank {failure.rank} failed: {failure.cause}",)
-        if failure is None:
-            for p in procs:
-                p.join()
-            failure = _first_failure(procs, error_files)
-        if failure is not None:
-            raise failure
-        _receive_results(conns, results)
-        return [results.get(r) for r in range(cfg.world_size)]
+        with _ForwardStopSignals(procs):
+            for r in range(cfg.world_size):
+                env = {"RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
+                       "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+                p = ctx.Process(target=_worker_main, args=(target, payload, env, heartbeats, threads, pipes[r][1]),
+                                name=f"unison-rank{r}", daemon=False)
+                p.start()
+                pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
+                procs.append(p)
+            conns = [read for read, _ in pipes]
+            return _supervise(procs, conns, results, errors, heartbeats, cfg, poll_s, settle_s)
     finally:
         for read, _ in pipes:
             read.close()
         _terminate_all(procs, grace_s)
-        for f in error_files:
-            if os.path.exists(f):
-                os.remove(f)
-        os.rmdir(errdir)
 
 
-def _receive_results(conns: list[Any], results: dict[int, Any]) -> None:
-    """Take each finished worker's result off its pipe (EOF without a result: it failed or returned nothing)."""
+def _supervise(procs: list[mp.Process], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],
+               heartbeats: Any, cfg: DistributedConfig, poll_s: float, settle_s: float) -> list[Any]:
+    """Poll the workers until all have finished or one failed; return the results or raise the failure."""
+    failure: WorkerFailure | None = None
+    while failure is None and any(p.is_alive() for p in procs):
+        _receive_results(conns, results, errors)
+        failure = _first_failure(procs, errors)
+        if failure is None:
+            stuck = _check_watchdog(procs, heartbeats, cfg.watchdog_s)
+            if stuck is not None:
+                raise stuck
+            time.sleep(poll_s)
+    if failure is not None and (procs[failure.rank].exitcode or 0) >= 0:
+        # Workers often fail together: a peer that lost its partner fails with a communication
+        # error before the partner's own exit is visible, and ranks that hit the same bad input
+        # fail at once. Let the others show up (ends as soon as all have exited), then report by
+        # cause and lowest rank, so the report does not depend on timing. A kill needs no wait.
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            time.sleep(poll_s)
+        _receive_results(conns, results, errors)
+        failure = _first_failure(procs, errors) or failure
+    if failure is not None and _is_comm_error(failure.cause):
+        silent = [str(r) for r, p in enumerate(procs) if p.is_alive() and r != failure.rank]
+        if silent:  # a peer that neither failed nor answered: hung (the collective timed out, --timeout-s)
+            failure.cause += f" (rank {', '.join(silent)} did not fail but stopped responding)"
+            failure.args = (f"worker rank {failure.rank} failed: {failure.cause}",)
+    if failure is None:
+        for p in procs:
+            p.join()
+        _receive_results(conns, results, errors)
+        failure = _first_failure(procs, errors)
+    if failure is not None and failure.error_type == "Preempted":
+        raise Preempted(errors[failure.rank]["message"])   # every rank stopped after the same step; rank 0 wrote
+    if failure is not None:
+        raise failure
+    return [results.get(r) for r in range(cfg.world_size)]
+
+
+def _receive_results(conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]]) -> None:
+    """Take each worker's result or error off its pipe (EOF without either: it was killed or returned nothing)."""
     for r, conn in enumerate(conns):
-        if r in results or conn.closed:
+        if r in results or r in errors or conn.closed:
             continue
         try:
             if conn.poll():
-                results[r] = pickle.loads(conn.recv_bytes())
+                kind, value = pickle.loads(conn.recv_bytes())
+                (results if kind == "result" else errors)[r] = value
         except (EOFError, OSError):
             results[r] = None
 
 
 def _terminate_all(procs: list[mp.Process], grace_s: float) -> None:
+    """End every live worker: SIGINT (KeyboardInterrupt: an unfinished save removes its temporary file), SIGKILL
+    after `grace_s`. SIGTERM would ask for a preemption checkpoint, which is not what a failed run needs."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))

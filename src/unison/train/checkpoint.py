@@ -13,8 +13,11 @@ Guarantees
   fsync'ed; `latest` is replaced the same way afterwards. A kill at any instant leaves
   the previous complete checkpoint loadable and `latest_checkpoint` pointing to a
   complete file. Temporary files of a killed save are ignored and removed by the next save.
-* **Disk full.** An `OSError` while saving (ENOSPC, EDQUOT, ...) removes the temporary
-  file, keeps every earlier checkpoint and raises `CheckpointError`.
+* **Disk full, read-only or failing filesystem.** An `OSError` while saving (ENOSPC, EDQUOT,
+  EROFS, EIO from write or fsync) removes the temporary file, keeps every earlier checkpoint
+  and raises `CheckpointError` naming the last good checkpoint. torch's zip writer turns a
+  failed or short write into ``RuntimeError: unexpected pos ...``; the file object it writes
+  to (`_CheckedWriter`) writes every byte or records the `OSError`, which is raised instead.
 * **Safe to load.** `load_checkpoint` always uses ``torch.load(weights_only=True)``: a
   checkpoint holds only tensors, numbers, strings, bools, None, lists, tuples and dicts,
   and a file that would run code when unpickled is refused, never executed.
@@ -166,16 +169,54 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+class _CheckedWriter:
+    """The file object torch.save writes to: every byte reaches the file, or the error is kept.
+
+    torch's zip writer calls ``write`` from C++ and reports a failed or short write as
+    ``RuntimeError: unexpected pos ...``, losing the `OSError` (ENOSPC, EIO) and even a
+    KeyboardInterrupt raised inside ``write``; `error` keeps the original so that the caller
+    can raise it. `on_write(bytes_written)` runs after every write (abort checks, tests).
+    """
+
+    def __init__(self, fd: int, on_write: Callable[[int], None] | None = None) -> None:
+        self.fd, self.on_write, self.written = fd, on_write, 0
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):   # os.write may write less than asked (a filling disk): go on until an error
+                done += os.write(self.fd, view[done:])
+            self.written += done
+            if self.on_write is not None:
+                self.on_write(self.written)
+            return done
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        pass
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], None], on_write: Callable[[int], None] | None = None) -> None:
     """Write via a temporary sibling, fsync, rename onto `path`, fsync the directory."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # os.open (not mkstemp) so the file gets the usual umask-derived mode, not 0600.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)  # a file object, not a path: torch then raises OSError (ENOSPC), not RuntimeError
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            writer = _CheckedWriter(fd, on_write)
+            try:
+                write(writer)  # type: ignore[arg-type]
+            except BaseException as e:
+                if writer.error is not None and writer.error is not e:
+                    raise writer.error from None  # the real cause (ENOSPC, EIO, an interrupt), not the zip writer's
+                raise
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -218,7 +259,8 @@ def _prune(ckpt_dir: Path, keep: int, written: Path) -> None:
             warnings.warn(f"could not delete old checkpoint {p} ({e.strerror or e})", RuntimeWarning, stacklevel=3)
 
 
-def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3) -> Path:
+def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3,
+                    on_write: Callable[[int], None] | None = None) -> Path:
     """Atomically write `state` as ``RUN_DIR/checkpoints/step_{step:08d}.pt``; keep the newest `keep`.
 
     The newest are this one and the highest steps below it; checkpoints of higher steps
@@ -228,7 +270,10 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3) 
     tensors, numbers, strings, bools, None, lists, tuples and dicts (nested freely);
     "format", "version" and "step" are added. Call on rank 0 only. Returns the path
     written. Raises `CheckpointError` on invalid input or on an `OSError` while
-    writing (disk full, ...), in which case every earlier checkpoint is untouched.
+    writing (disk full, read-only, I/O error), in which case every earlier checkpoint is
+    untouched and the message names the last good one. `on_write(bytes_written)` is called
+    after every write of the checkpoint file; an exception it raises aborts the save (the
+    temporary file is removed) and propagates unchanged.
     """
     _validate_state(state, step, keep)
     ckpt_dir = _checkpoint_dir(run_dir)
@@ -245,7 +290,7 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3) 
     payload.update((k, v) for k, v in state.items() if k not in payload)
     renamed = False
     try:
-        _atomic_write(final, lambda f: torch.save(payload, f))
+        _atomic_write(final, lambda f: torch.save(payload, f), on_write)
         renamed = True
         _atomic_write(ckpt_dir / LATEST, lambda f: f.write(final.name.encode() + b"\n"))
     except OSError as e:
@@ -256,12 +301,23 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3) 
                 os.unlink(final)
             except OSError:
                 pass
-        intact = (f"the previous checkpoint {previous.name} is intact" if previous is not None
-                  else "there is no earlier checkpoint")
-        reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
-        raise CheckpointError(f"could not write checkpoint {final} ({reason}); {intact}") from e
+        raise CheckpointError(write_failure_message(final, previous, e)) from e
     _prune(ckpt_dir, keep, final)
     return final
+
+
+def write_failure_message(final: Path, previous: Path | None, e: OSError) -> str:
+    """One line: why `final` could not be written, and the last good checkpoint, which is intact."""
+    intact = (f"the last good checkpoint is {previous} (intact)" if previous is not None
+              else "there is no earlier checkpoint")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        then = "continue with --resume auto" if previous is not None else "start again"
+        return f"{what}: could not write checkpoint {final}; {intact}; free space, then {then}"
+    if e.errno == errno.EROFS:
+        return f"read-only file system: could not write checkpoint {final}; {intact}"
+    reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
+    return f"could not write checkpoint {final} ({reason}); {intact}"
 
 
 # ------------------------------------------------------------------ loading

@@ -3,17 +3,23 @@
 1. Join the process group (unison's launcher, torchrun, SLURM or mpirun set the variables).
 2. Build the step (`unison.train.step.build_run`): data, augmentation, method, SyncBN, DDP,
    optimizer, schedule — the same step `unison check` proves exact.
-3. Resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker),
-   or record the random-initialisation kNN baseline.
+3. Resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker or
+   SLURM requeued the job), or record the random-initialisation kNN baseline.
 4. For each of this rank's micro-batches: `forward_backward`; after the last one of a step,
    `optimizer_step`. Around the step, the hooks: metrics and progress, kNN evaluation every
-   few epochs, checkpoints (rank 0 writes; sharded optimizer state consolidated first).
+   few epochs, checkpoints (rank 0 writes, in the background: `Checkpointer`; sharded optimizer
+   state consolidated first; `Run.extra_state` carried), and the stop agreement (preemption
+   signals, a failed save: `unison.train.preemption`).
 5. At the end: kNN evaluation, the last checkpoint, `summary.json`, and the `Summary`
    returned to the caller (rank 0's is what `unison.train` returns).
+
+Throughout, a heartbeat says which phase each rank is in (`unison.distributed.watchdog`), so a
+run in which no rank makes progress ends after ``--watchdog-s`` with the ranks and phases named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -29,9 +35,11 @@ from unison.distributed.env import (
     apply_launch_env,
     detect_launch_env,
     init_distributed,
-    restart_count,
+    restart_reason,
     shutdown_distributed,
 )
+from unison.distributed.signals import install_stop_handlers, restore_default_handlers, stop_requests
+from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
 from unison.eval.knn import knn_accuracy
 from unison.train.checkpoint import (
@@ -40,17 +48,19 @@ from unison.train.checkpoint import (
     load_checkpoint,
     pack_rng_state,
     restore_rng_state,
-    save_checkpoint,
 )
+from unison.train.checkpointer import Checkpointer
 from unison.train.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
 from unison.train.faults import FaultHook
 from unison.train.metrics import MetricsLogger
+from unison.train.preemption import StopAgreement, preempted, save_failed_elsewhere
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.train.summary import Summary, peak_memory_mib
 
 
 def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
     """Entry point of one worker process (unison's launcher, torchrun, srun or mpirun): its `Summary` as a dict."""
+    install_stop_handlers()   # a SIGTERM during start-up is a stop request too, not a kill
     cfg = TrainConfig.from_dict(payload)
     launch_env = detect_launch_env()
     if launch_env is not None:
@@ -136,29 +146,37 @@ class DataWaitWarning:
               f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
 
 
-def save_run_checkpoint(run: Run, run_dir: Path, step: int, history: dict[str, Any]) -> None:
-    """Every rank takes part (sharded optimizer state and RNG states are collected); rank 0 writes."""
-    if run.cfg.distributed.shard == "full":   # every rank writes its own shards (torch.distributed.checkpoint)
-        save_sharded(run, run_dir, step, history)
+def save_run_checkpoint(run: Run, checkpointer: Checkpointer, step: int, history: dict[str, Any]) -> None:
+    """Every rank takes part (sharded optimizer state, RNG states and per-rank extra state are collected);
+    rank 0 writes, in the background when the checkpointer is asynchronous (it waits for a snapshot only).
+    How long the step loop was held up is appended to ``checkpointer.wait_s``. Under ``--shard full`` every
+    rank writes its own shards with torch.distributed.checkpoint (synchronously)."""
+    started = time.perf_counter()
+    if run.cfg.distributed.shard == "full":
+        save_sharded(run, checkpointer.run_dir, step, history)
+        checkpointer.wait_s.append(time.perf_counter() - started)
         return
     optim_state = run.optimizer.state_dict()   # collective when sharded: every rank calls it
     rng_states = C.all_gather_object(pack_rng_state())
+    extra = run.extra_state.collect()          # GradScaler, PowerSGD error feedback, ... (may be collective)
     if C.rank() == 0:
         state = {"method": run.cfg.method, "config": run.cfg.to_dict(), "resolved": run.resolved,
                  "model": run.method.state_dict(), "optimizer": optim_state, "step": step,
-                 "world_size": C.world_size(), "rng": rng_states, "history": history}
-        save_checkpoint(run_dir, state, step, keep=run.cfg.keep_checkpoints)
+                 "world_size": C.world_size(), "rng": rng_states, "history": history, "extra": extra}
+        checkpointer.save(state, step)
     C.barrier()
+    checkpointer.wait_s.append(time.perf_counter() - started)
 
 
 def resume(run: Run, path: str) -> tuple[int, dict[str, Any]]:
-    """Load model, optimizer and (at the same world size) RNG state; return (step, history)."""
+    """Load model, optimizer, extra state and (at the same world size) RNG state; return (step, history)."""
     if resumes_sharded(run, path):   # a sharded run, or a sharded run's checkpoint: any world size, any --shard
         return resume_sharded(run, path)
     ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
     check_compatible(run.method, ckpt["model"])
     run.method.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.extra_state.restore(ckpt.get("extra"))
     rank, world = C.rank(), C.world_size()
     if ckpt.get("rng") is not None and world == ckpt.get("world_size"):
         restore_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
@@ -166,20 +184,60 @@ def resume(run: Run, path: str) -> tuple[int, dict[str, Any]]:
 
 
 def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
-    """Restarted by torchrun --max-restarts: continue from the run directory's last checkpoint."""
-    if restart_count() > 0 and C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0 decides
+    """Restarted by torchrun --max-restarts or requeued by SLURM: continue from the run directory's last checkpoint."""
+    reason = restart_reason()
+    if reason and not cfg.resume and C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0 decides
         cfg.resume = str(run_dir)
         if C.rank() == 0:
-            print(f"unison: restart {restart_count()}: resuming from {latest_checkpoint(run_dir)}",
-                  file=sys.stderr, flush=True)
+            print(f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}", file=sys.stderr, flush=True)
+
+
+def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, agreement: StopAgreement, step: int,
+                    history: dict[str, Any], saved_now: bool) -> None:
+    """After every step: agree with the other ranks whether to stop; on a stop request save and raise `Preempted`.
+
+    A failed background save ends the run with its error (rank 0) on every rank.
+    """
+    with watch.phase("collective", step):
+        decision = agreement.exchange(stop_requests(), checkpointer.failed())
+    if decision.save_failed:
+        checkpointer.raise_if_failed()     # rank 0: the save's own error
+        raise save_failed_elsewhere()
+    if not decision.stop:
+        return
+    with watch.phase("checkpoint", step):
+        if not saved_now:
+            save_run_checkpoint(run, checkpointer, step, history)
+        path = checkpointer.wait()         # the preemption checkpoint is complete before anyone exits
+        C.barrier()
+    raise preempted(decision, step, run.total_steps, str(path) if path is not None else None)
 
 
 def train(cfg: TrainConfig, device: torch.device) -> Summary:
     """Train on this rank (the process group is initialised); every rank returns the same `Summary`."""
+    rank = C.rank()
+    install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.train.preemption)
+    watch = Watchdog(rank, cfg.distributed.watchdog_s)
+    faults = FaultHook(rank)   # testing only (UNISON_FAULT_INJECT); does nothing otherwise
+    checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,
+                                on_write=faults.during_save)
+    try:
+        with contextlib.ExitStack() as on_exit:   # what a failed run must still close (its metrics file)
+            return _train(cfg, device, watch, faults, checkpointer, on_exit)
+    except KeyboardInterrupt:
+        checkpointer.close(abort=True)     # Ctrl-C: end promptly, no half-written checkpoint
+        raise
+    finally:
+        checkpointer.close()               # a good save in flight completes (errors elsewhere end the run anyway)
+        watch.close()
+        restore_default_handlers()         # in-process runs (world size 1, tests): the caller's handlers again
+
+
+def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: FaultHook, checkpointer: Checkpointer,
+           on_exit: contextlib.ExitStack) -> Summary:
     rank, world = C.rank(), C.world_size()
     master = rank == 0
     consistent_config(cfg)
-    faults = FaultHook(rank)   # testing only (UNISON_FAULT_INJECT); does nothing otherwise
     torch.set_num_threads(threads_per_worker(cfg, world))
     run = build_run(cfg, device)
     run_dir = Path(cfg.out)
@@ -192,9 +250,11 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     _resume_after_restart(cfg, run_dir)
     step, history = resume(run, cfg.resume) if cfg.resume else (0, {})
     if history.get("random_init_knn_top1") is None:
-        history["random_init_knn_top1"] = knn_top1(run)
+        with watch.phase("eval", step):
+            history["random_init_knn_top1"] = knn_top1(run)
 
     logger = MetricsLogger(run_dir, enabled=master)
+    on_exit.callback(logger.release)
     progress = None
     if master and cfg.progress:
         from tqdm.auto import tqdm
@@ -203,6 +263,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
                         mininterval=1.0, dynamic_ncols=True)
 
     # ---- the loop
+    agreement = StopAgreement()   # preemption signals and failed saves, agreed by all ranks after every step
     run.method.train()
     t_start = time.perf_counter()
     t_log, images_since_log, wait_s, wait_since_log = time.perf_counter(), 0, 0.0, 0.0
@@ -212,7 +273,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     log_times: list[float] = []
     loss_sum = torch.zeros((), device=device, dtype=run.dtype)
     poison = False
-    for batch in batches(run, step):
+    for batch in watch.data(faults.batches(batches(run, step)), step):   # heartbeat: "data" while a batch is made
         if batch.micro == 0:
             poison = faults.before_step(batch.step)
             loss_sum.zero_()
@@ -246,18 +307,28 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         completed_epoch = step // run.steps_per_epoch
         if (epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps
                 and run.data.knn is not None):
-            logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
+            with watch.phase("eval", step):
+                logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
         due = step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else epoch_done
         if due and step < run.total_steps:
-            save_run_checkpoint(run, run_dir, step, history)
+            with watch.phase("checkpoint", step):
+                save_run_checkpoint(run, checkpointer, step, history)
+        if step < run.total_steps:   # the last step goes on to the final checkpoint anyway
+            stop_after_step(run, checkpointer, watch, agreement, step, history, saved_now=due)
+        watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
+    agreement.close()
     if progress is not None:
         progress.close()
     train_time = time.perf_counter() - t_start
 
     # ---- the end: evaluation, last checkpoint, summary
-    history["knn_top1"] = knn_top1(run)
+    with watch.phase("eval", step):
+        history["knn_top1"] = knn_top1(run)
     logger.log(step=step, epoch=step / run.steps_per_epoch, knn_top1=history["knn_top1"])
-    save_run_checkpoint(run, run_dir, step, history)
+    with watch.phase("checkpoint", step):
+        save_run_checkpoint(run, checkpointer, step, history)
+        checkpointer.wait()
+    watch.enter("done", step)
     summary = Summary(
         method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
@@ -266,7 +337,8 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(run_dir),
-        loss_curve=curve, log_times_s=log_times)
+        loss_curve=curve, log_times_s=log_times,
+        extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s]})   # per save, the final one last
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close()

@@ -64,6 +64,13 @@ class MetricsLogger:
                 if k not in ("step", "epoch") and v is not None:
                     self._tb.add_scalar(k, v, int(values["step"]))
 
+    def release(self) -> None:
+        """Close the files without drawing the plot (a run that failed); safe after `close`."""
+        if self.enabled and not self._file.closed:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
     def close(self) -> None:
         if not self.enabled:
             return

@@ -9,13 +9,13 @@ naming the rank.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
 
 from unison.config import TrainConfig
 from unison.data.catalog import open_catalog
+from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, DataError
 from unison.methods import METHODS
 from unison.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -46,7 +46,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
     out = Path(cfg.out)
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         load_checkpoint(cfg.resume, expect_method=cfg.method)
-    elif not launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0") and latest_checkpoint(out):
+    elif not launched and restart_reason() is None and latest_checkpoint(out):
         print(f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
               f"use --resume {out} (or --resume auto) to continue it", file=sys.stderr)
     try:

@@ -42,7 +42,7 @@ from unison.data.batches import BatchSource
 from unison.data.datasets import ImageTensorDataset
 from unison.data.source import TrainData, build_batch_source
 from unison.distributed import collectives as C
-from unison.distributed.ddp import grad_sync_context, unwrap, wrap_ddp
+from unison.distributed.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
 from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
@@ -52,6 +52,7 @@ from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
+from unison.train.extra_state import ExtraState
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Run:
     steps_per_epoch: int
     data: TrainData                # the data side: source, mode, normalisation, kNN sets (`build_batch_source`)
     resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
+    extra_state: ExtraState = field(default_factory=ExtraState)   # checkpointed beyond model/optimizer
 
     @property
     def total_steps(self) -> int:
@@ -203,16 +205,27 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
-    return Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
-               image_size=image_size,
-               augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
-               optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
-               schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
-               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
-                         "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
-                         "data_mode": data.mode},
-               data=data)
+    run = Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
+              image_size=image_size,
+              augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
+              optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
+              schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
+              accumulate=accumulate, steps_per_epoch=steps_per_epoch,
+              resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
+                        "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
+                        "data_mode": data.mode},
+              data=data)
+    register_checkpoint_state(run)
+    return run
+
+
+def register_checkpoint_state(run: Run) -> None:
+    """What a checkpoint must carry besides model and optimizer for a resumed run to continue exactly."""
+    if run.scaler.is_enabled():   # fp16 loss scale and its growth tracker
+        run.extra_state.register("grad_scaler", run.scaler)
+    hook_state = comm_hook_checkpoint_state(run.ddp)
+    if hook_state is not None:     # PowerSGD error feedback (this rank's own residual), warm start, step counter
+        run.extra_state.register("powersgd", hook_state, per_rank=True)
 
 
 def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:

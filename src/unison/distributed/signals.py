@@ -1,0 +1,92 @@
+"""Stop requests: SIGTERM and SIGUSR1 are recorded, not obeyed on the spot.
+
+Clusters ask a job to stop before they kill it: SLURM sends SIGTERM at preemption or
+``scancel`` (and SIGUSR1 ahead of the time limit with ``#SBATCH --signal=USR1@120``),
+Kubernetes sends SIGTERM at pod eviction, torchrun forwards the signal it receives to its
+workers. Python's default for SIGTERM is to die at once, losing every step since the last
+checkpoint. `install_stop_handlers()` replaces it with a handler that only records the
+request; the training loop finishes its current step, agrees with the other ranks, writes a
+checkpoint and exits with `unison.errors.PREEMPTED_EXIT_CODE` (`unison.train.preemption`).
+
+A second signal during the save is recorded and otherwise ignored, so the save completes (a
+kill that follows still leaves the previous checkpoint intact: saves are atomic). SIGINT
+(Ctrl-C) is not a stop request: it raises KeyboardInterrupt as usual and ends the run
+promptly, aborting an unfinished save.
+
+Install as early as possible in a worker (before the slow imports), so a signal that arrives
+during start-up is not fatal. Handlers can only be installed from the main thread; elsewhere
+the call does nothing. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+STOP_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
+
+
+@dataclass
+class StopRequests:
+    """What this process has been asked: the first stop signal received and how many arrived."""
+
+    first: int | None = None
+    count: int = 0
+    previous: dict[int, object] = field(default_factory=dict)
+
+    @property
+    def requested(self) -> bool:
+        return self.first is not None
+
+    def name(self) -> str:
+        return signal.Signals(self.first).name if self.first is not None else ""
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first = signum
+            _note(f"{name} received (t={time.time():.3f}): finishing the current step, then saving a checkpoint")
+        else:  # a second signal (e.g. during the save) must not interrupt it: the save is what makes stopping safe
+            _note(f"{name} again: still finishing the step and the checkpoint")
+
+
+_REQUESTS = StopRequests()
+
+
+def _note(text: str) -> None:
+    # os.write, not sys.stderr: the handler may run while the main thread is inside a stderr write.
+    rank = os.environ.get("RANK")
+    try:
+        os.write(2, f"unison: {'rank ' + rank + ': ' if rank is not None else ''}{text}\n".encode())
+    except OSError:
+        pass
+
+
+def install_stop_handlers() -> StopRequests:
+    """Record SIGTERM/SIGUSR1 from now on (idempotent); return the process-wide `StopRequests`."""
+    if threading.current_thread() is not threading.main_thread():
+        return _REQUESTS
+    for sig in STOP_SIGNALS:
+        current = signal.getsignal(sig)
+        if current != _REQUESTS._on_signal:
+            _REQUESTS.previous.setdefault(sig, current)
+            signal.signal(sig, _REQUESTS._on_signal)
+    return _REQUESTS
+
+
+def stop_requests() -> StopRequests:
+    """The process-wide record (whether or not the handlers are installed)."""
+    return _REQUESTS
+
+
+def restore_default_handlers() -> None:
+    """Put back what `install_stop_handlers` replaced and forget recorded requests (tests, in-process runs)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig, old in _REQUESTS.previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+    _REQUESTS.previous.clear()
+    _REQUESTS.first, _REQUESTS.count = None, 0

@@ -1,0 +1,76 @@
+"""Shared by the fault tests (preemption, watchdog, disk faults): processes left behind, leftovers on disk,
+the single error line, when an injected fault fired. Not a test module."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+from unison.check import assert_states_close
+from unison.train.checkpoint import load_checkpoint
+
+FAULT = "UNISON_FAULT_INJECT"
+STEPS = 8
+# digits subset, batch 64, float64: "resumed == uninterrupted" is checked at 1e-9; --log-every 1: metrics every step
+TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "512", "--val-subset", "64",
+        "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
+        "--log-every", "1"]
+
+
+def children() -> set[int]:
+    """Live child processes of this test process (multiprocessing's resource tracker excepted)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def error_dirs() -> set[str]:
+    """What unison's launcher used to leave in the temporary folder when it was killed."""
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("unison-errors-")}
+
+
+def temporaries(run: Path) -> list[str]:
+    """Half-written checkpoint files in a run directory."""
+    folder = run / "checkpoints"
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp")) if folder.is_dir() else []
+
+
+def fault_time(err: str, kind: str = r"\w+") -> float:
+    """When the injected fault fired (the hook prints it)."""
+    m = re.search(rf"unison: {FAULT}: {kind}[\w ]* on rank \d+ at step \d+( \(\w+\))? \(t=([\d.]+)\)", err)
+    assert m, err
+    return float(m.group(2))
+
+
+def error_line(err: str, prefix: str = "unison: error:") -> str:
+    lines = [line for line in err.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def load_intact(run: Path) -> dict:
+    """The latest checkpoint of `run`, which must load itself (no fallback to an older one)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        return load_checkpoint(run, expect_method="simclr")
+
+
+def assert_same_training_state(a: dict, b: dict, tol: float = 1e-9) -> None:
+    """Model (parameters and buffers) and optimizer state, float64 at `tol`."""
+    assert a["step"] == b["step"]
+    assert_states_close(a["model"], b["model"], tol, "model")
+    assert_states_close(a["optimizer"], b["optimizer"], tol, "optimizer")
