@@ -42,9 +42,9 @@ FORMATS = ("pt", "safetensors")
 @dataclass
 class ExportOptions:
     checkpoint: str | None = field(default=None, metadata={
-        "help": "run directory (its latest checkpoint) or checkpoint file; required", "metavar": "RUN_DIR_OR_FILE"})
+        "help": "run directory (its latest checkpoint) or checkpoint file; required", "required": True, "metavar": "RUN_DIR_OR_FILE"})
     out: str | None = field(default=None, metadata={"help": "file to write, e.g. backbone.pt; required",
-                                                     "metavar": "FILE"})
+                                                     "required": True, "metavar": "FILE"})
     format: str | None = field(default=None, metadata={
         "help": "pt (torch.save) or safetensors; default: safetensors if FILE ends in .safetensors, else pt",
         "choices": FORMATS})

@@ -52,7 +52,7 @@ class BenchConfig:
     epochs: int = field(default=2, metadata={"help": "epochs per table run"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size, the same for every configuration"})
     workers: int = field(default=2, metadata={"help": "W, the number of workers of the multi-worker rows"})
-    threads: int | None = field(default=1, metadata={"help": "torch threads per worker (default: cores / workers)"})
+    threads: int | None = field(default=1, metadata={"help": "torch threads per worker (unset: cores / workers)"})
     backend: str = field(default="auto", metadata={"help": "process-group backend of the multi-worker runs",
                                                    "choices": ("auto", "gloo", "nccl")})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's protocol: 200)"})
@@ -63,14 +63,14 @@ class BenchConfig:
     lightly_loader_workers: int = field(default=2, metadata={
         "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
     lightly_threads: int | None = field(default=None, metadata={
-        "help": "torch threads of the training process on each side of the Lightly comparison (default: all cores)"})
+        "help": "torch threads of the training process on each side of the Lightly comparison (unset: all cores)"})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
                 "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
     scaling_steps: int = field(default=30, metadata={"help": "optimiser steps of each scaling run"})
     train_args: str = field(default="", metadata={
         "help": "extra 'unison train' flags for every run, e.g. \"--amp bf16 --channels-last\""})
-    out: str | None = field(default=None, metadata={"help": "output directory (default: runs/bench/<preset>)"})
+    out: str | None = field(default=None, metadata={"help": "output directory (unset: runs/bench/<preset>)"})
     max_load: float | None = field(default=None, metadata={
         "help": "before each measurement wait until the 1-minute load average is at most this"})
     load_wait_s: float = field(default=900.0, metadata={

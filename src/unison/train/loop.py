@@ -43,7 +43,8 @@ from unison.train.checkpoint import (
     save_checkpoint,
 )
 from unison.train.faults import FaultHook
-from unison.train.metrics import MetricsLogger
+from unison.train.metrics import MetricsLogger, progress_bar
+from unison.train.runlog import RunLog
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.train.summary import Summary, peak_memory_mib
 
@@ -129,8 +130,9 @@ def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
     if restart_count() > 0 and C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0 decides
         cfg.resume = str(run_dir)
         if C.rank() == 0:
-            print(f"unison: restart {restart_count()}: resuming from {latest_checkpoint(run_dir)}",
-                  file=sys.stderr, flush=True)
+            message = f"unison: restart {restart_count()}: resuming from {latest_checkpoint(run_dir)}"
+            print(message, file=sys.stderr, flush=True)
+            RunLog(run_dir).line(message)
 
 
 def train(cfg: TrainConfig, device: torch.device) -> Summary:
@@ -147,18 +149,17 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
 
     # ---- resume, or record the random-initialisation baseline
+    runlog = RunLog(run_dir, enabled=master)
     _resume_after_restart(cfg, run_dir)
     step, history = resume(run, cfg.resume) if cfg.resume else (0, {})
-    if history.get("random_init_knn_top1") is None:
+    runlog.line(start_line(run, world, step))
+    if history.get("random_init_knn_top1") is None and cfg.random_init_knn:
         history["random_init_knn_top1"] = knn_top1(run)
+        runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
 
-    logger = MetricsLogger(run_dir, enabled=master)
-    progress = None
-    if master and cfg.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=run.total_steps, initial=step, desc=f"{cfg.method} x{world}", unit="step",
-                        mininterval=1.0, dynamic_ncols=True)
+    logger = MetricsLogger(run_dir, enabled=master, kind=cfg.logger, config=cfg.to_dict())
+    progress = progress_bar(run.total_steps, step, f"{cfg.method} x{world}") if master and cfg.progress else None
+    first_step = step + 1   # logged too, so the loss shows from the first step on
 
     # ---- the loop
     run.method.train()
@@ -183,7 +184,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
 
         # ---- hooks: metrics, progress, evaluation, checkpoints
         epoch_done = step % run.steps_per_epoch == 0
-        if step % cfg.log_every == 0 or step == run.total_steps or epoch_done:
+        if step % cfg.log_every == 0 or step == run.total_steps or epoch_done or step == first_step:
             final_loss = float(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
             curve.append((step, final_loss))
             log_times.append(time.perf_counter() - t_start)
@@ -193,11 +194,15 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
             logger.log(step=step, epoch=step / run.steps_per_epoch, loss=final_loss, lr=lr, images_per_s=ips)
             if progress is not None:
                 progress.set_postfix(loss=f"{final_loss:.4f}", img_s=f"{ips:.0f}")
+            runlog.line(f"step {step}/{run.total_steps} (epoch {step / run.steps_per_epoch:.2f}): loss "
+                        f"{final_loss:.4f}, lr {lr:.4g}, {ips:.0f} img/s")
         if progress is not None:
             progress.update(1)
         completed_epoch = step // run.steps_per_epoch
         if epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps:
-            logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
+            acc = knn_top1(run)
+            logger.log(step=step, epoch=float(completed_epoch), knn_top1=acc)
+            runlog.line(f"epoch {completed_epoch}: kNN top-1 {acc:.4f}")
         due = step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else epoch_done
         if due and step < run.total_steps:
             save_run_checkpoint(run, run_dir, step, history)
@@ -208,6 +213,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     # ---- the end: evaluation, last checkpoint, summary
     history["knn_top1"] = knn_top1(run)
     logger.log(step=step, epoch=step / run.steps_per_epoch, knn_top1=history["knn_top1"])
+    runlog.line(f"step {step}: kNN top-1 {history['knn_top1']:.4f}")
     save_run_checkpoint(run, run_dir, step, history)
     summary = Summary(
         method=cfg.method, backbone=cfg.backbone, data=cfg.data, world_size=world, steps=step,
@@ -220,5 +226,15 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         loss_curve=curve, log_times_s=log_times)
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
-        logger.close()
+        logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
     return summary
+
+
+def start_line(run: Run, world: int, step: int) -> str:
+    """The first ``train.log`` line of a run (or of a resumed attempt): what runs, and the values it resolved to."""
+    r, cfg = run.resolved, run.cfg
+    where = f"resuming at step {step}" if step else "starting"
+    return (f"{cfg.method} x{world} workers on {cfg.data}, {where}: {run.total_steps} steps ({run.steps_per_epoch} per "
+            f"epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} px, {r['optimizer']} peak lr "
+            f"{r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation {r['augmentation']}; run dir "
+            f"{cfg.out}")
