@@ -115,7 +115,7 @@ class TrainConfig:
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("checkpoint_every and eval_every must be >= 0 (0 = once per epoch / at the end)")
         if self.epochs > MAX_EPOCHS:
-            raise ConfigError(f"epochs={self.epochs} is past {MAX_EPOCHS:.0e}; to run by steps, give --max-steps "
+            raise ConfigError(f"epochs={self.epochs} is past 1e9; to run by steps, give --max-steps "
                               "(e.g. --epochs 1e9 --max-steps 100000)")
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed={self.seed} must be in [0, 2**64-1] (torch's seeds are unsigned 64-bit)")
@@ -133,7 +133,7 @@ class TrainConfig:
         if not 0 <= self.warmup_epochs or not math.isfinite(self.warmup_epochs):
             raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} must be >= 0")
         if self.warmup_epochs > MAX_EPOCHS:
-            raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} is past {MAX_EPOCHS:.0e} epochs; a warm-up "
+            raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} is past 1e9 epochs; a warm-up "
                               "longer than the run is cut at its end, so give at most the run's --epochs")
         if not self.knn_t > 0 or not math.isfinite(self.knn_t):
             raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")

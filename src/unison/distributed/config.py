@@ -147,7 +147,7 @@ class DistributedConfig:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a finite number of seconds")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s:g} is past the longest timeout torch takes "
-                              f"safely, {MAX_TIMEOUT_S:.0f} s (24.8 days); give a smaller --timeout-s")
+                              f"safely, {int(MAX_TIMEOUT_S)} s (24.8 days); give a smaller --timeout-s")
         return self
 
     # ---------------------------------------------------------- serialisation
