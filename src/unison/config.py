@@ -160,6 +160,10 @@ class TrainConfig:
         if self.backbone_args and not self.backbone.startswith("timm:"):
             raise ConfigError(f"--backbone-arg {', '.join(self.backbone_args)} is for timm backbones "
                               f"(--backbone timm:<name>); {self.backbone} takes none")
+        if self.backbone.startswith("timm:"):
+            from unison.models.backbones import check_backbone
+
+            check_backbone(self.backbone, self.image_size, self.backbone_args)
         if self.augmentation is not None and self.augmentation not in PRESETS:
             raise ConfigError(f"augmentation={self.augmentation!r} is unknown{did_you_mean(self.augmentation, PRESETS)};"
                               f" use one of {', '.join(sorted(PRESETS))}")

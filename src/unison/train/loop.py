@@ -223,7 +223,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(run_dir),
-        loss_curve=curve, log_times_s=log_times)
+        loss_curve=curve, log_times_s=log_times, mean=run.resolved["mean"], std=run.resolved["std"])
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))

@@ -24,6 +24,7 @@ this step, so what it proves is what users run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -144,11 +145,14 @@ def load_train_data(cfg: TrainConfig, device: torch.device) -> tuple[ImageTensor
     return train_set.to(device), val_set.to(device)
 
 
-def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device) -> SSLMethod:
-    """backbone -> method with its hyper-parameters, seeded identically on every rank."""
+def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
+                 image_size: int | None = None) -> SSLMethod:
+    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size`: the
+    training crop size (timm models that take an image size are built for it)."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(cfg.backbone)
+    backbone, feature_dim = build_backbone(cfg.backbone, image_size=image_size or cfg.image_size,
+                                           backbone_args=cfg.backbone_args)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -182,7 +186,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         total_steps = min(total_steps, cfg.max_steps)
 
     # ---- model: SyncBN, memory format, DDP
-    method = build_method(cfg, total_steps, dtype, device)
+    method = build_method(cfg, total_steps, dtype, device, image_size)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
@@ -207,7 +211,10 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
                schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
                accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps})
+               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
+                         "steps_per_epoch": steps_per_epoch, "global_batch": global_batch, "world_size": C.world_size(),
+                         "image_size": image_size, "mean": [float(m) for m in train_set.mean],
+                         "std": [float(s) for s in train_set.std], "method_params": dataclasses.asdict(method.params)})
 
 
 def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
