@@ -4,7 +4,7 @@ Presets (`PRESETS`): ``cpu`` is the dataclass default and fits a 2-core machine 
 a class-balanced CIFAR-10 subset, 2 gloo workers of 1 thread each, SimCLR and MoCo);
 ``gpu`` is Lightly's distributed-table protocol (ResNet-18, CIFAR-10, global batch 512,
 kNN k=200, 4 NCCL workers, 100 epochs by default). Command-line flags override the chosen
-preset field by field, so ``unison bench --preset gpu --epochs 200`` is the 200-epoch table.
+preset field by field, so ``unison bench table --preset gpu --epochs 200`` is the 200-epoch table.
 
 Why the CPU rows pin one thread per worker: a worker stands for one device, as a GPU does
 in Lightly's table, so "1 worker" gets one core and "2 workers" get two.

@@ -44,7 +44,7 @@ def lightly_available() -> str | None:
         from lightly.models.modules import SimCLRProjectionHead  # noqa: F401
         from lightly.transforms import SimCLRTransform  # noqa: F401
     except Exception as exc:  # ImportError, or a broken dependency
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (pip install lightly)"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; pip install 'unison[bench]'"
     return None
 
 
