@@ -151,8 +151,9 @@ def data_or_skip(cfg: BenchConfig) -> tuple[str, str | None] | str:
     val = resolve_data(cfg.val) if cfg.val is not None else None
     missing = [p for p, r in ((cfg.data, train), (cfg.val, val)) if p is not None and r is None]
     if missing:
-        return (f"data folder(s) {', '.join(missing)} not found (tried the working directory and {REPO_ROOT}); "
-                "pass --data/--val (e.g. --data cifar10 to download CIFAR-10)")
+        tried = "the working directory" + (f" and {REPO_ROOT}" if (REPO_ROOT / "pyproject.toml").exists() else "")
+        return (f"data folder(s) {', '.join(missing)} not found (tried {tried}); pass --data/--val: ImageFolder "
+                "directories, or --data cifar10 --val cifar10 to download CIFAR-10")
     assert train is not None
     return train, val
 
