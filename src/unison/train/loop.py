@@ -219,7 +219,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
         method=cfg.method, backbone=cfg.backbone, data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
         train_images=len(run.train_set), val_images=len(run.val_set) if run.val_set is not None else 0,
-        final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history["random_init_knn_top1"],
+        final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history.get("random_init_knn_top1"),
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(run_dir),
