@@ -176,6 +176,8 @@ CASES = [
      "seed=18446744073709551616 must be in [0, 2**64-1]"),
     ("epochs-past-1e9", ["--epochs", "1e12"], 2, "epochs=1000000000000 is past 1e9; to run by steps, give --max-steps"),
     ("epochs-not-integral", ["--epochs", "1.5"], 2, "argument --epochs: invalid int value: '1.5'"),
+    ("backbone-arg-for-a-cnn", ["--backbone-arg", "drop_path_rate=0.1"], 2,
+     "--backbone-arg drop_path_rate is for timm backbones (--backbone timm:<name>); small_cnn takes none"),
     ("zero-knn-k", ["--knn-k", "0"], 2, "knn_k=0 must be an integer >= 1"),
     ("zero-knn-t", ["--knn-t", "0"], 2, "knn_t=0.0 must be > 0"),
     ("zero-grad-sync-every", ["--grad-sync-every", "0"], 2, "grad_sync_every=0 must be an integer >= 1"),

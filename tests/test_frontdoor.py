@@ -224,7 +224,7 @@ def test_13_logger_wandb_without_wandb_is_one_line(capfd, monkeypatch):
     assert "--logger wandb needs the wandb package: pip install 'unison[wandb]'" in capfd.readouterr().err
 
 
-def test_14_timm_settings_and_image_size_reach_the_model():
+def test_14_timm_settings_and_image_size_reach_the_model(capfd):
     pytest.importorskip("timm")
     import torch
 
@@ -237,6 +237,14 @@ def test_14_timm_settings_and_image_size_reach_the_model():
     cfg = parse_train_args(["--backbone", "timm:vit_tiny_patch16_224", "--image-size", "32",
                             "--backbone-arg", "drop_path_rate=0.1"])
     assert cfg.backbone_args == {"drop_path_rate": 0.1}
+    capfd.readouterr()
+    for argv, message in ((["--backbone", "timm:vit_tiny_patch16_2244"],
+                           "timm has no model 'vit_tiny_patch16_2244' (did you mean 'vit_tiny_patch16_224'?)"),
+                          (["--backbone", "timm:vit_tiny_patch16_224", "--backbone-arg", "bogus=1"],
+                           "timm model 'vit_tiny_patch16_224' cannot be built with bogus=1: TypeError: ")):
+        assert main(["train", *argv]) == 2
+        err = capfd.readouterr().err
+        assert f"unison: error: {message}" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def test_15_the_random_init_knn_can_be_skipped(tmp_path, capsys):
