@@ -252,6 +252,9 @@ def test_15_the_random_init_knn_can_be_skipped(tmp_path, capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "kNN top-1" in line and "random init" not in line
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["random_init_knn_top1"] is None
+    # resumed without the switch: the baseline is not measured on the trained encoder and called random init
+    assert main(["train", "--resume", str(tmp_path / "r"), "--max-steps", "3", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["random_init_knn_top1"] is None
 
 
 @pytest.mark.distributed

@@ -153,7 +153,7 @@ def train(cfg: TrainConfig, device: torch.device) -> Summary:
     _resume_after_restart(cfg, run_dir)
     step, history = resume(run, cfg.resume) if cfg.resume else (0, {})
     runlog.line(start_line(run, world, step))
-    if history.get("random_init_knn_top1") is None and cfg.random_init_knn:
+    if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:   # never a trained encoder
         history["random_init_knn_top1"] = knn_top1(run)
         runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
 
