@@ -36,7 +36,7 @@ def train(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
 
     launch_env = detect_launch_env()
     launched = launch_env is not None
-    if launched:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
+    if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     cfg.validate()
     preflight(cfg, launched=launched)

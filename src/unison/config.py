@@ -176,7 +176,7 @@ class TrainConfig:
             raise ConfigError(f"--logger {self.logger} needs the {package} package: pip install 'unison[{package}]' "
                               "(or use --logger csv)")
 
-    def _validate_method_params(self, method_cls: type) -> None:
+    def _validate_method_params(self, method_cls: Any) -> None:
         """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`)."""
         params_cls = method_cls.Params
         fields = {f.name: f for f in dataclasses.fields(params_cls)}

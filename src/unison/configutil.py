@@ -88,7 +88,7 @@ def coerce_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
         if key not in hints or value is None:
             continue
         typ = base_type(hints[key])
-        if dataclasses.is_dataclass(typ) and isinstance(value, dict):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ) and isinstance(value, dict):
             out[key] = coerce_fields(typ, value)
         elif typ in (int, float):
             out[key] = coerce_value(value, typ)

@@ -83,7 +83,7 @@ def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> t
         if image_size is not None and "img_size" not in args:
             try:
                 m = timm.create_model(model, img_size=image_size, **kwargs)
-                return m, m.num_features
+                return m, int(m.num_features)
             except TypeError as exc:
                 if "img_size" not in str(exc):   # the model takes no image size (CNNs): build it without
                     raise
@@ -93,7 +93,7 @@ def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> t
         raise ConfigError(f"timm model {model!r} cannot be built with {given}"
                           f"{f' and img_size={image_size}' if image_size else ''}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    return m, m.num_features
+    return m, int(m.num_features)
 
 
 BACKBONES = ("small_cnn", "resnet18", "resnet50")
