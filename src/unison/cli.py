@@ -224,7 +224,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_train = sub.add_parser("train", help="self-supervised pre-training (default: SimCLR on digits, 2 workers)",
-                             description="Self-supervised pre-training: W workers with B/W images each, exactly "
+                             description="Self-supervised pre-training: W workers with B/W images each, exactly\n"
                                          "equivalent to 1 worker with the global batch B.",
                              epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p_train.add_argument("--config", metavar="FILE",
