@@ -96,6 +96,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
     (y / "distributed_scalar.yaml").write_text("distributed: 5\n")
     (y / "nested_wrong_type.yaml").write_text("distributed:\n  timeout_s: soon\n")
     (y / "float_for_int.yaml").write_text("subset: 1.5\n")
+    (y / "world_size_at_top.yaml").write_text("world_size: 4\n")
+    (y / "epochs_under_distributed.yaml").write_text("distributed:\n  epochs: 3\n")
 
     run = tmp / "run"
     assert main(["train", *W1, "--checkpoint-every", "1", "--out", str(run)]) == 0
@@ -148,7 +150,7 @@ def _log(case_id: str, code: int, err: str, paths: dict[str, str]) -> str:
 # (id, argv, exit code, message fragment); {tmp}, {run}, {y} (YAML files), {c} (checkpoints) are filled in.
 CASES = [
     # --- command-line flags and configuration values (ConfigError, exit 2, before any worker)
-    ("unknown-method", ["--method", "mocov9"], 2, "method='mocov9' is unknown; use one of"),
+    ("unknown-method", ["--method", "mocov9"], 2, "method='mocov9' is unknown (did you mean 'moco'?); use one of"),
     ("batch-not-divisible-by-workers", ["--batch-size", "255"], 2,
      "batch_size=255 (global) cannot be split evenly over world_size=2; use a multiple of 2"),
     ("batch-not-divisible-by-3-workers", ["--world-size", "3", "--batch-size", "64"], 2,
@@ -167,9 +169,33 @@ CASES = [
     ("empty-master-addr", ["--master-addr", ""], 2, "master_addr is empty"),
     ("zero-timeout", ["--timeout-s", "0"], 2, "timeout_s=0.0 must be > 0 seconds"),
     ("infinite-timeout", ["--timeout-s", "inf"], 2, "timeout_s=inf must be a finite number of seconds"),
-    ("unknown-method-param", ["--param", "temprature=0.1"], 2, "unknown parameter in method_params ['temprature']"),
+    ("unknown-method-param", ["--param", "temprature=0.1"], 2,
+     "unknown simclr parameter(s) 'temprature' (did you mean 'temperature'?)"),
     ("param-without-value", ["--param", "temperature"], 2, "must look like NAME=VALUE"),
     ("param-wrong-type", ["--param", "temperature=warm"], 2, "--param temperature='warm' must be a float"),
+    # --- issue 17: inputs that ended in a traceback or a cryptic message (all refused before any worker starts)
+    ("param-unclosed-bracket", ["--param", "temperature=[0.1"], 2,
+     "--param temperature='[0.1' is not a value (line 1, column 5: expected ',' or ']'"),
+    ("param-python-tag", ["--param", "x=!!python/object/apply:os.mkdir ['{tmp}/pwned_by_param']"], 2,
+     "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.mkdir'"),
+    ("param-negative-size", ["--param", "proj_dim=-5"], 2,
+     "SimCLR parameter proj_dim=-5 must be an integer >= 1 (--param proj_dim=VALUE)"),
+    ("param-zero-size", ["--param", "proj_dim=0"], 2, "SimCLR parameter proj_dim=0 must be an integer >= 1"),
+    ("param-zero-dino-out-dim", ["--method", "dino", "--param", "out_dim=0"], 2,
+     "DINO parameter out_dim=0 must be an integer >= 1"),
+    ("param-zero-temperature", ["--param", "temperature=0"], 2,
+     "SimCLR parameter temperature=0 must be a finite number > 0"),
+    ("param-momentum-above-1", ["--method", "byol", "--param", "momentum_base=1.5"], 2,
+     "BYOL parameter momentum_base=1.5 must be a number in [0, 1]"),
+    ("timeout-past-torch", ["--timeout-s", "1e15"], 2,
+     "distributed.timeout_s=1e+15 is past the longest timeout torch takes safely, 2147483 s"),
+    ("warmup-past-any-run", ["--warmup-epochs", "1e308"], 2, "warmup_epochs=1e+308 is past 1e9 epochs"),
+    ("seed-past-64-bits", ["--seed", "18446744073709551616"], 2,
+     "seed=18446744073709551616 must be in [0, 2**64-1]"),
+    ("epochs-past-1e9", ["--epochs", "1e12"], 2, "epochs=1000000000000 is past 1e9; to run by steps, give --max-steps"),
+    ("epochs-not-integral", ["--epochs", "1.5"], 2, "argument --epochs: invalid int value: '1.5'"),
+    ("backbone-arg-for-a-cnn", ["--backbone-arg", "drop_path_rate=0.1"], 2,
+     "--backbone-arg drop_path_rate is for timm backbones (--backbone timm:<name>); small_cnn takes none"),
     ("zero-knn-k", ["--knn-k", "0"], 2, "knn_k=0 must be an integer >= 1"),
     ("zero-knn-t", ["--knn-t", "0"], 2, "knn_t=0.0 must be > 0"),
     ("zero-grad-sync-every", ["--grad-sync-every", "0"], 2, "grad_sync_every=0 must be an integer >= 1"),
@@ -192,13 +218,19 @@ CASES = [
     ("unknown-flag", ["--epochz", "3"], 2, "unrecognized arguments: --epochz 3"),
     # --- YAML configuration files (exit 2)
     ("yaml-missing", ["--config", "{y}/nope.yaml"], 2, "nope.yaml does not exist"),
-    ("yaml-invalid-syntax", ["--config", "{y}/invalid.yaml"], 2, "invalid.yaml is not valid YAML"),
+    ("yaml-invalid-syntax", ["--config", "{y}/invalid.yaml"], 2,
+     "invalid.yaml is not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"),
     ("yaml-python-tag", ["--config", "{y}/python_tag.yaml"], 2,
      "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.mkdir'"),
-    ("yaml-unknown-key", ["--config", "{y}/unknown_key.yaml"], 2, "unknown option(s) epoch; known options are"),
+    ("yaml-unknown-key", ["--config", "{y}/unknown_key.yaml"], 2,
+     "unknown option(s) 'epoch' (did you mean 'epochs'?); known: amp,"),
+    ("yaml-distributed-key-at-top", ["--config", "{y}/world_size_at_top.yaml"], 2,
+     "option(s) world_size belong under 'distributed:' in a config file (distributed: {world_size: 4})"),
+    ("yaml-top-key-under-distributed", ["--config", "{y}/epochs_under_distributed.yaml"], 2,
+     "option(s) epochs belong at the top level of a config file, not under 'distributed:'"),
     ("yaml-not-a-mapping", ["--config", "{y}/list.yaml"], 2, "must hold a mapping of option names to values"),
     ("yaml-unknown-distributed-key", ["--config", "{y}/unknown_distributed.yaml"], 2,
-     "unknown distributed option(s) world_sise"),
+     "unknown distributed option(s) 'world_sise' (did you mean 'world_size'?)"),
     ("yaml-wrong-type", ["--config", "{y}/wrong_type.yaml"], 2, "wrong_type.yaml: epochs='ten' must be an int"),
     ("yaml-float-for-int", ["--config", "{y}/float_for_int.yaml"], 2, "float_for_int.yaml: subset=1.5 must be an int"),
     ("yaml-distributed-not-a-mapping", ["--config", "{y}/distributed_scalar.yaml"], 2,
@@ -257,6 +289,22 @@ CASES = [
 ENV_CASES = [
     ("launcher-rank-not-an-integer", {"RANK": "x", "WORLD_SIZE": "2"}, [*W1, "--out", "{tmp}/o8"], 2,
      "environment variable RANK='x' is not an integer"),
+    # --- issue 17: partial launcher variables (refused before start) and fewer processes than declared
+    ("mpi-rank-without-size", {"OMPI_COMM_WORLD_RANK": "0"}, [*TINY, "--out", "{tmp}/o11"], 2,
+     "environment variable OMPI_COMM_WORLD_RANK='0' is set but OMPI_COMM_WORLD_SIZE is not; mpirun sets both"),
+    ("pmi-rank-without-size", {"PMI_RANK": "0"}, [*TINY, "--out", "{tmp}/o12"], 2,
+     "environment variable PMI_RANK='0' is set but PMI_SIZE is not"),
+    ("torchrun-rank-without-world-size", {"RANK": "0"}, [*TINY, "--out", "{tmp}/o13"], 2,
+     "environment variable RANK='0' is set but WORLD_SIZE is not"),
+    ("mpi-size-2-one-process", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_PORT": "{port}"},
+     [*TINY, "--max-steps", "1", "--timeout-s", "2", "--out", "{tmp}/o14"], 1,
+     "only 1 of 2 processes joined the rendezvous at 127.0.0.1:{port} within 2 s; start all 2 processes"),
+    ("slurm-ntasks-2-one-process", {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_PORT": "{port}"},
+     [*TINY, "--max-steps", "1", "--timeout-s", "2", "--out", "{tmp}/o15"], 1,
+     "only 1 of 2 processes joined the rendezvous at 127.0.0.1:{port} within 2 s"),
+    ("world-size-disagrees-with-launcher", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                            "MASTER_PORT": "{port}"}, [*TINY, "--world-size", "4"], 2,
+     "--world-size 4 but mpirun started 2 worker processes; the launcher decides the world size"),
     ("fault-injection-malformed", {"UNISON_FAULT_INJECT": "rank=one"}, [*W1, "--out", "{tmp}/o9"], 2,
      "UNISON_FAULT_INJECT='rank=one' must look like"),
 ]
@@ -276,20 +324,35 @@ def test_bad_input(case_id, argv, code, fragment, paths, capfd):
 
 @pytest.mark.parametrize("case_id, env, argv, code, fragment", ENV_CASES, ids=[c[0] for c in ENV_CASES])
 def test_bad_environment(case_id, env, argv, code, fragment, paths, capfd, monkeypatch):
+    from unison.distributed.launch import find_free_port
+
+    filled = {**paths, "port": str(find_free_port())}
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    got, err = _run(_fill(argv, paths), capfd)
+        monkeypatch.setenv(k, v.format(**filled))
+    got, err = _run(_fill(argv, filled), capfd)
     line = _log(case_id, got, err, paths)
     assert got == code, err
-    assert fragment in line, line
+    assert fragment.format(**filled) in line, line
+
+
+def test_integral_numbers_in_scientific_notation_are_integers():
+    """``--epochs 1e9`` (run by steps) and ``epochs: 1e9`` in YAML are the integer 10**9; 1e-3 is a float."""
+    from unison.cli import parse_train_args
+
+    assert parse_train_args(["--epochs", "1e9", "--max-steps", "5"]).epochs == 10**9
+    assert parse_train_args(["--epochs", "1_000"]).epochs == 1000
+    cfg = parse_train_args(["--param", "temperature=1e-1", "--lr", "1e-3"])
+    assert cfg.method_params == {"temperature": 0.1} and cfg.lr == 0.001
 
 
 def test_untrusted_files_never_run_code(paths, capfd):
     """The YAML python tag and the pickled os.mkdir above were refused, not executed."""
-    for argv in (["--config", "{y}/python_tag.yaml"], ["--resume", "{c}/malicious.pt"]):
+    for argv in (["--config", "{y}/python_tag.yaml"], ["--resume", "{c}/malicious.pt"],
+                 ["--param", "x=!!python/object/apply:os.mkdir ['{tmp}/pwned_by_param']"]):
         assert _run(_fill(argv, paths), capfd)[0] in (2, 4)
     assert not (Path(paths["tmp"]) / "pwned_by_yaml").exists()
     assert not (Path(paths["tmp"]) / "pwned_by_checkpoint").exists()
+    assert not (Path(paths["tmp"]) / "pwned_by_param").exists()
 
 
 def test_diverged_run_keeps_its_last_checkpoint(paths, capfd):

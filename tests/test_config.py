@@ -78,7 +78,7 @@ def test_shard_optimizer_flag_is_an_alias():
     ({"amp": "fp8"}, "amp='fp8' is unknown"),
     ({"knn_k": 0}, "knn_k=0 must be"),
     ({"optimizer": "rmsprop"}, "optimizer='rmsprop' is unknown"),
-    ({"method_params": {"temprature": 0.1}}, "unknown parameter in method_params"),
+    ({"method_params": {"temprature": 0.1}}, "unknown simclr parameter(s) 'temprature' (did you mean"),
     ({"subset": 0}, "subset=0 must be an integer >= 1"),
 ])
 def test_train_config_errors(kwargs, fragment):

@@ -4,7 +4,7 @@ Presets (`PRESETS`): ``cpu`` is the dataclass default and fits a 2-core machine 
 a class-balanced CIFAR-10 subset, 2 gloo workers of 1 thread each, SimCLR and MoCo);
 ``gpu`` is Lightly's distributed-table protocol (ResNet-18, CIFAR-10, global batch 512,
 kNN k=200, 4 NCCL workers, 100 epochs by default). Command-line flags override the chosen
-preset field by field, so ``unison bench --preset gpu --epochs 200`` is the 200-epoch table.
+preset field by field, so ``unison bench table --preset gpu --epochs 200`` is the 200-epoch table.
 
 Why the CPU rows pin one thread per worker: a worker stands for one device, as a GPU does
 in Lightly's table, so "1 worker" gets one core and "2 workers" get two.
@@ -52,7 +52,7 @@ class BenchConfig:
     epochs: int = field(default=2, metadata={"help": "epochs per table run"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size, the same for every configuration"})
     workers: int = field(default=2, metadata={"help": "W, the number of workers of the multi-worker rows"})
-    threads: int | None = field(default=1, metadata={"help": "torch threads per worker (default: cores / workers)"})
+    threads: int | None = field(default=1, metadata={"help": "torch threads per worker (unset: cores / workers)"})
     backend: str = field(default="auto", metadata={"help": "process-group backend of the multi-worker runs",
                                                    "choices": ("auto", "gloo", "nccl")})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's protocol: 200)"})
@@ -63,7 +63,7 @@ class BenchConfig:
     lightly_loader_workers: int = field(default=2, metadata={
         "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
     lightly_threads: int | None = field(default=None, metadata={
-        "help": "torch threads of the training process on each side of the Lightly comparison (default: all cores)"})
+        "help": "torch threads of the training process on each side of the Lightly comparison (unset: all cores)"})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
                 "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
@@ -80,7 +80,7 @@ class BenchConfig:
         "help": "bench data: torch threads of the training process (unison's colour ops run there)"})
     train_args: str = field(default="", metadata={
         "help": "extra 'unison train' flags for every run, e.g. \"--amp bf16 --channels-last\""})
-    out: str | None = field(default=None, metadata={"help": "output directory (default: runs/bench/<preset>)"})
+    out: str | None = field(default=None, metadata={"help": "output directory (unset: runs/bench/<preset>)"})
     max_load: float | None = field(default=None, metadata={
         "help": "before each measurement wait until the 1-minute load average is at most this"})
     load_wait_s: float = field(default=900.0, metadata={
@@ -164,8 +164,9 @@ def data_or_skip(cfg: BenchConfig) -> tuple[str, str | None] | str:
     val = resolve_data(cfg.val) if cfg.val is not None else None
     missing = [p for p, r in ((cfg.data, train), (cfg.val, val)) if p is not None and r is None]
     if missing:
-        return (f"data folder(s) {', '.join(missing)} not found (tried the working directory and {REPO_ROOT}); "
-                "pass --data/--val (e.g. --data cifar10 to download CIFAR-10)")
+        tried = "the working directory" + (f" and {REPO_ROOT}" if (REPO_ROOT / "pyproject.toml").exists() else "")
+        return (f"data folder(s) {', '.join(missing)} not found (tried {tried}); pass --data/--val: ImageFolder "
+                "directories, or --data cifar10 --val cifar10 to download CIFAR-10")
     assert train is not None
     return train, val
 

@@ -23,6 +23,10 @@ from unison.errors import ConfigError
 BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 SHARDING = ("none", "optimizer", "full")
+# The longest collective timeout accepted: 2**31 ms (24.8 days). torch's C++ timeouts overflow far beyond it
+# (measured with torch 2.14: gloo refuses 1e13 s, the TCP store 9.3e9 s, timedelta 1e15 s), so this cap leaves
+# every backend and torch version a wide margin; no real collective waits for weeks.
+MAX_TIMEOUT_S = 2**31 / 1000
 
 
 
@@ -107,6 +111,13 @@ class DistributedConfig:
 
     def validate(self, cuda_available: bool | None = None) -> DistributedConfig:
         """Raise `ConfigError` with a one-line fix for any invalid combination; return self."""
+        from unison.configutil import article, coerce_instance, type_error
+
+        coerce_instance(self)
+        bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, DistributedConfig,
+                         (int, float, bool))
+        if bad:
+            raise ConfigError(f"distributed.{bad[0]}={bad[1]!r} must be {article(bad[2])} {bad[2]}")
         if cuda_available is None:
             import torch
 
@@ -148,6 +159,8 @@ class DistributedConfig:
             raise ConfigError(f"distributed.master_port={self.master_port!r} must be in [0, 65535] (0 = pick a free port)")
         if not self.master_addr:
             raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool):
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a number of seconds")
         if not self.timeout_s > 0:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be > 0 seconds")
         if not math.isfinite(self.timeout_s):
@@ -155,6 +168,9 @@ class DistributedConfig:
         if not (isinstance(self.watchdog_s, (int, float)) and math.isfinite(self.watchdog_s) and self.watchdog_s >= 0):
             raise ConfigError(f"distributed.watchdog_s={self.watchdog_s!r} must be a finite number of seconds >= 0 "
                               "(0 = no watchdog)")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s:g} is past the longest timeout torch takes "
+                              f"safely, {int(MAX_TIMEOUT_S)} s (24.8 days); give a smaller --timeout-s")
         return self
 
     def _validate_sharding(self) -> None:
@@ -175,6 +191,8 @@ class DistributedConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DistributedConfig:
+        from unison.configutil import coerce_fields, unknown_keys_message
+
         known = {f.name for f in dataclasses.fields(cls)}
         data = dict(data)
         if "shard_optimizer" in data:   # configs and checkpoints written before `shard` existed
@@ -186,6 +204,11 @@ class DistributedConfig:
                 data["shard"] = "optimizer"
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(
-                f"unknown distributed option(s) {', '.join(unknown)}; known options are {', '.join(sorted(known))}")
-        return cls(**data)
+            from unison.config import TrainConfig
+
+            top = [k for k in unknown if k in {f.name for f in dataclasses.fields(TrainConfig)}]
+            if top:
+                raise ConfigError(f"option(s) {', '.join(top)} belong at the top level of a config file, "
+                                  "not under 'distributed:'")
+            raise ConfigError(unknown_keys_message(unknown, known, "distributed option"))
+        return cls(**coerce_fields(cls, data))

@@ -42,6 +42,7 @@ from unison.models import mlp
 
 from ._common import cosine_momentum, two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
 from .teacher import MomentumTeacher
 
 
@@ -51,6 +52,9 @@ class BYOLParams:
     proj_dim: int = 256
     pred_hidden_dim: int = 1024
     momentum_base: float = 0.99     # tau_base for CIFAR (paper, ImageNet: 0.996)
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "pred_hidden_dim"), unit_interval=("momentum_base",))
 
 
 class BYOL(SSLMethod):
@@ -63,8 +67,6 @@ class BYOL(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: BYOLParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if not 0 <= params.momentum_base <= 1:
-            raise ValueError(f"BYOL momentum_base must be in [0, 1], got {params.momentum_base}")
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2)
         self.predictor = mlp(params.proj_dim, params.pred_hidden_dim, params.proj_dim, 2)
         self.target = MomentumTeacher(backbone=self.backbone, projector=self.projector)

@@ -46,6 +46,7 @@ from unison.losses import DINOLoss
 
 from ._common import check_multicrop, cosine_momentum, multicrop_features
 from .base import Recipe, SSLMethod
+from .params import check_params
 from .teacher import MomentumTeacher
 
 
@@ -93,6 +94,11 @@ class DINOParams:
     teacher_temp_warmup_fraction: float = 0.1   # share of steps_total (official: 30 of 100-300 epochs)
     center_momentum: float = 0.9
 
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "out_dim", "head_layers"),
+                     positive=("student_temp", "teacher_temp", "warmup_teacher_temp"),
+                     unit_interval=("momentum_base", "teacher_temp_warmup_fraction", "center_momentum"))
+
 
 class DINO(SSLMethod):
     name = "dino"
@@ -101,8 +107,6 @@ class DINO(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DINOParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if not 0 <= params.momentum_base <= 1:
-            raise ValueError(f"DINO momentum_base must be in [0, 1], got {params.momentum_base}")
         self.head = DINOHead(feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
                              params.head_layers, params.head_batch_norm)
         self.teacher = MomentumTeacher(backbone=self.backbone, head=self.head)

@@ -64,6 +64,7 @@ from unison.models import mlp
 
 from ._common import broadcast_once, two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
 from .teacher import MomentumTeacher
 
 
@@ -77,6 +78,10 @@ class MoCoParams:
     symmetric: bool = True          # both views as queries, loss averaged
     shuffle_bn: bool = False        # shuffle BN for the key encoder (per-rank BN; not exact)
     shuffle_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("queue_size", "proj_hidden_dim", "proj_dim"), counts=("shuffle_seed",), positive=("temperature",),
+                     unit_interval=("momentum",))
 
 
 class _LocalBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -129,10 +134,6 @@ class MoCo(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: MoCoParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if params.queue_size < 1:
-            raise ValueError(f"MoCo queue_size must be >= 1, got {params.queue_size}")
-        if not 0 <= params.momentum <= 1:
-            raise ValueError(f"MoCo momentum must be in [0, 1], got {params.momentum}")
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2, batch_norm=False)
         self.key_encoder = MomentumTeacher(backbone=self.backbone, projector=self.projector)
         self.register_buffer("queue", F.normalize(torch.randn(params.queue_size, params.proj_dim), dim=1))

@@ -68,6 +68,7 @@ from unison.models import mlp
 
 from ._common import check_multicrop, multicrop_features
 from .base import Recipe, SSLMethod
+from .params import check_params
 
 
 @dataclass
@@ -83,6 +84,11 @@ class SwAVParams:
     queue_start_step: int = 0
     freeze_prototypes_steps: int = 0
 
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "n_prototypes", "sinkhorn_iterations"),
+                     counts=("queue_length", "queue_start_step", "freeze_prototypes_steps"),
+                     positive=("temperature", "sinkhorn_epsilon"))
+
 
 class SwAV(SSLMethod):
     name = "swav"
@@ -92,8 +98,6 @@ class SwAV(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: SwAVParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if params.queue_length < 0:
-            raise ValueError(f"SwAV queue_length must be >= 0, got {params.queue_length}")
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2)
         self.prototypes = nn.Linear(params.proj_dim, params.n_prototypes, bias=False)
         self._normalize_prototypes()

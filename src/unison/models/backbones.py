@@ -20,7 +20,9 @@ images [B, 3, H, W] to features [B, feature_dim] (no classifier).
 * ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p4`` (4 px patches, 32 px images) and
   ``..._p2`` (2 px patches, 16 px images): Vision Transformers with token-level access for
   the masked-image methods (`unison.models.vit`).
-* ``timm:<name>``: any timm model with ``num_classes=0``.
+* ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``), with the
+  run's ``--backbone-arg NAME=VALUE`` settings and ``img_size`` = the training crop size when the
+  model takes one (`timm_backbone`).
 
 Example::
 
@@ -29,6 +31,9 @@ Example::
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -79,7 +84,9 @@ def resnet(name: str) -> tuple[nn.Module, int]:
     return model, dim
 
 
-def build_backbone(name: str, image_size: int | None = None) -> tuple[nn.Module, int]:
+def build_backbone(name: str, image_size: int | None = None, *,
+                   backbone_args: dict[str, Any] | None = None) -> tuple[nn.Module, int]:
+    """`image_size` picks the ResNet stem and reaches timm models; `backbone_args` reach timm models only."""
     name = resolve_backbone(name, image_size)
     if name == "small_cnn":
         cnn = SmallCNN()
@@ -90,11 +97,50 @@ def build_backbone(name: str, image_size: int | None = None) -> tuple[nn.Module,
         vit = build_vit(name)
         return vit, vit.feature_dim
     if name.startswith("timm:"):
-        try:
-            import timm
-        except ImportError:
-            raise ValueError(f"backbone {name!r} needs timm: pip install timm") from None
-        model = timm.create_model(name[5:], pretrained=False, num_classes=0)
-        dim: int = model.num_features  # type: ignore[assignment]
-        return model, dim
+        return timm_backbone(name[5:], image_size, backbone_args or {})
     raise ValueError(f"unknown backbone {name!r}; use one of {', '.join(BACKBONES)} or timm:<model>")
+
+
+def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> tuple[nn.Module, int]:
+    """``timm.create_model(model, num_classes=0, **args)``, with ``img_size=image_size`` when the model takes an
+    image size and `args` does not set one (ViTs, Swin, ...: their patch grid and position embeddings follow it).
+
+    `args` are the run's ``--backbone-arg NAME=VALUE`` (``drop_path_rate``, ``patch_size``, ...). An unknown
+    model or an argument the model does not take is a one-line `ConfigError`."""
+    from unison.errors import ConfigError
+
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError(f"backbone 'timm:{model}' needs timm: pip install timm") from None
+    if not timm.is_model(model):
+        close = difflib.get_close_matches(model, timm.list_models(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"timm has no model {model!r}{hint}; see timm.list_models()")
+    kwargs = {"pretrained": False, "num_classes": 0, **args}
+    try:
+        if image_size is not None and "img_size" not in args:
+            try:
+                m = timm.create_model(model, img_size=image_size, **kwargs)
+                return m, int(m.num_features)
+            except TypeError as exc:
+                if "img_size" not in str(exc):   # the model takes no image size (CNNs): build it without
+                    raise
+        m = timm.create_model(model, **kwargs)
+    except (TypeError, ValueError, AssertionError) as exc:
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no --backbone-arg"
+        raise ConfigError(f"timm model {model!r} cannot be built with {given}"
+                          f"{f' and img_size={image_size}' if image_size else ''}: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return m, int(m.num_features)
+
+
+BACKBONES = ("small_cnn", "resnet18", "resnet50")
+
+
+def check_backbone(name: str, image_size: int | None = None, backbone_args: dict[str, Any] | None = None) -> None:
+    """Build `name` on the meta device (no memory, no weights): a bad timm model name or argument is a one-line
+    `ConfigError` before any worker starts."""
+    if name.startswith("timm:"):
+        with torch.device("meta"):
+            timm_backbone(name[5:], image_size, backbone_args or {})

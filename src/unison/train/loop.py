@@ -52,8 +52,9 @@ from unison.train.checkpoint import (
 from unison.train.checkpointer import Checkpointer
 from unison.train.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
 from unison.train.faults import FaultHook
-from unison.train.metrics import MetricsLogger
+from unison.train.metrics import MetricsLogger, progress_bar
 from unison.train.preemption import StopAgreement, preempted, save_failed_elsewhere
+from unison.train.runlog import RunLog
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.train.summary import Summary, peak_memory_mib
 
@@ -189,7 +190,9 @@ def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
     if reason and not cfg.resume and C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0 decides
         cfg.resume = str(run_dir)
         if C.rank() == 0:
-            print(f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}", file=sys.stderr, flush=True)
+            message = f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}"
+            print(message, file=sys.stderr, flush=True)
+            RunLog(run_dir).line(message)
 
 
 def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, agreement: StopAgreement, step: int,
@@ -247,20 +250,20 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
         describe_data(run)
 
     # ---- resume, or record the random-initialisation baseline
+    runlog = RunLog(run_dir, enabled=master)
     _resume_after_restart(cfg, run_dir)
     step, history = resume(run, cfg.resume) if cfg.resume else (0, {})
-    if history.get("random_init_knn_top1") is None:
+    runlog.line(start_line(run, world, step))
+    if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:   # never a trained encoder
         with watch.phase("eval", step):
             history["random_init_knn_top1"] = knn_top1(run)
+        if history["random_init_knn_top1"] is not None:
+            runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
 
-    logger = MetricsLogger(run_dir, enabled=master)
+    logger = MetricsLogger(run_dir, enabled=master, kind=cfg.logger, config=cfg.to_dict())
     on_exit.callback(logger.release)
-    progress = None
-    if master and cfg.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=run.total_steps, initial=step, desc=f"{cfg.method} x{world}", unit="step",
-                        mininterval=1.0, dynamic_ncols=True)
+    progress = progress_bar(run.total_steps, step, f"{cfg.method} x{world}") if master and cfg.progress else None
+    first_step = step + 1   # logged too, so the loss shows from the first step on
 
     # ---- the loop
     agreement = StopAgreement()   # preemption signals and failed saves, agreed by all ranks after every step
@@ -288,7 +291,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
 
         # ---- hooks: metrics, progress, evaluation, checkpoints
         epoch_done = step % run.steps_per_epoch == 0
-        if step % cfg.log_every == 0 or step == run.total_steps or epoch_done:
+        if step % cfg.log_every == 0 or step == run.total_steps or epoch_done or step == first_step:
             final_loss = float(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
             curve.append((step, final_loss))
             log_times.append(time.perf_counter() - t_start)
@@ -300,6 +303,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
                        data_wait=round(data_wait, 4))
             if progress is not None:
                 progress.set_postfix(loss=f"{final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}")
+            runlog.line(f"step {step}/{run.total_steps} (epoch {step / run.steps_per_epoch:.2f}): loss "
+                        f"{final_loss:.4f}, lr {lr:.4g}, {ips:.0f} img/s")
             if waits is not None:
                 waits.observe(step, data_wait)
         if progress is not None:
@@ -308,7 +313,10 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
         if (epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps
                 and run.data.knn is not None):
             with watch.phase("eval", step):
-                logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
+                acc = knn_top1(run)
+            logger.log(step=step, epoch=float(completed_epoch), knn_top1=acc)
+            if acc is not None:
+                runlog.line(f"epoch {completed_epoch}: kNN top-1 {acc:.4f}")
         due = step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else epoch_done
         if due and step < run.total_steps:
             with watch.phase("checkpoint", step):
@@ -325,6 +333,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
     with watch.phase("eval", step):
         history["knn_top1"] = knn_top1(run)
     logger.log(step=step, epoch=step / run.steps_per_epoch, knn_top1=history["knn_top1"])
+    if history["knn_top1"] is not None:
+        runlog.line(f"step {step}: kNN top-1 {history['knn_top1']:.4f}")
     with watch.phase("checkpoint", step):
         save_run_checkpoint(run, checkpointer, step, history)
         checkpointer.wait()
@@ -333,13 +343,23 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
         method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
         train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
-        final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history["random_init_knn_top1"],
+        final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history.get("random_init_knn_top1"),
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(run_dir),
-        loss_curve=curve, log_times_s=log_times,
+        loss_curve=curve, log_times_s=log_times, mean=run.resolved["mean"], std=run.resolved["std"],
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s]})   # per save, the final one last
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
-        logger.close()
+        logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
     return summary
+
+
+def start_line(run: Run, world: int, step: int) -> str:
+    """The first ``train.log`` line of a run (or of a resumed attempt): what runs, and the values it resolved to."""
+    r, cfg = run.resolved, run.cfg
+    where = f"resuming at step {step}" if step else "starting"
+    return (f"{cfg.method} x{world} workers on {cfg.data}, {where}: {run.total_steps} steps ({run.steps_per_epoch} per "
+            f"epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} px, {r['optimizer']} peak lr "
+            f"{r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation {r['augmentation']}; run dir "
+            f"{cfg.out}")

@@ -17,20 +17,12 @@ from unison.config import TrainConfig
 from unison.data.catalog import open_catalog
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, DataError
-from unison.methods import METHODS
 from unison.train.checkpoint import latest_checkpoint, load_checkpoint
+from unison.train.runlog import append_run_log
 
 
 def preflight(cfg: TrainConfig, launched: bool) -> None:
     """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on."""
-    defaults = METHODS[cfg.method].Params()
-    for name, value in cfg.method_params.items():  # unknown names were refused by validate()
-        default = getattr(defaults, name)
-        want = type(default)
-        accepted = (int, float) if want is float else want
-        if want in (bool, int, float, str) and ((type(value) is bool) != (want is bool)
-                                                or not isinstance(value, accepted)):
-            raise ConfigError(f"--param {name}={value!r} must be a {want.__name__} (default {default!r})")
     for flag, spec, subset in (("--data", cfg.data, cfg.subset), ("--val", cfg.val, cfg.val_subset)):
         if spec is None or spec in ("digits", "cifar10"):
             continue
@@ -47,8 +39,10 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         load_checkpoint(cfg.resume, expect_method=cfg.method)
     elif not launched and restart_reason() is None and latest_checkpoint(out):
-        print(f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
-              f"use --resume {out} (or --resume auto) to continue it", file=sys.stderr)
+        warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
+                   f"use --resume {out} (or --resume auto) to continue it")
+        print(warning, file=sys.stderr)
+        append_run_log(out, warning)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -26,6 +26,7 @@ this step, so what it proves is what users run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -149,11 +150,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None) -> SSLMethod:
-    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` picks
-    the ResNet stem of ``resnet18``/``resnet50`` (`unison.models.backbones`)."""
+    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
+    training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"], image_size)
+    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"], image_size or cfg.image_size,
+                                           backbone_args=cfg.backbone_args)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -213,7 +215,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
               resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
                         "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
-                        "data_mode": data.mode},
+                        "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
+                        "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
+                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
               data=data)
     register_checkpoint_state(run)
     return run
