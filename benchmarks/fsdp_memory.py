@@ -10,7 +10,7 @@ on every rank the bytes of the tensors it holds:
 * optimizer state: every tensor in the optimizer's state (ZeRO-1: only the owned parameters'),
   read after the step.
 
-Shared storage is counted once. Peak RSS (``ru_maxrss``) is printed too: it also holds the
+Shared storage is counted once. Peak RSS (``VmHWM``, Linux) is printed too: it also holds the
 activations, the full model every rank builds before sharding, and the interpreter.
 
     .venv/bin/python benchmarks/fsdp_memory.py --world-sizes 1 2 4        # ViT-B/16, AdamW, SimCLR
@@ -22,7 +22,6 @@ A markdown table goes to stdout (docs/benchmarks.md, "Full sharding").
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 
@@ -42,6 +41,14 @@ def _bytes(tensors) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
+
+
+def _peak_rss_mib() -> float:
+    """VmHWM: this process's peak resident set (ru_maxrss would carry the launcher's across exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _optimizer_bytes(optimizer) -> int:
@@ -66,8 +73,7 @@ def _work(args: dict) -> dict:
     cfg = TrainConfig(method=args["method"], data="synthetic", backbone=args["backbone"], optimizer=args["optimizer"],
                       batch_size=args["local_batch"] * world, epochs=1, max_steps=1, threads=args["threads"],
                       progress=False, channels_last=False,
-                      distributed=DistributedConfig(backend="gloo" if world > 1 else "local", world_size=world,
-                                                    shard=args["shard"]))
+                      distributed=DistributedConfig(backend="gloo", world_size=world, shard=args["shard"]))
     run = build_run(cfg, torch.device("cpu"),
                     train_set=synthetic_dataset(args["local_batch"] * world, args["image_size"], 0))
     params = list(run.method.parameters())
@@ -79,8 +85,7 @@ def _work(args: dict) -> dict:
     step_s = time.perf_counter() - started
     n_params = sum(p.numel() for p in params if p.requires_grad)   # global sizes (DTensor.numel is global)
     return {"rank": C.rank(), "params": _bytes(params), "grads": grads,
-            "optimizer": _optimizer_bytes(run.optimizer), "rss_mib": resource.getrusage(
-                resource.RUSAGE_SELF).ru_maxrss / 1024, "step_s": step_s, "trainable": n_params}
+            "optimizer": _optimizer_bytes(run.optimizer), "rss_mib": _peak_rss_mib(), "step_s": step_s, "trainable": n_params}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.world_sizes:
         for shard in args.shards:
             spec = {**vars(args), "shard": shard}
-            ranks = run_in_workers(_work, world, args=(spec,), backend="gloo" if world > 1 else "local",
-                                   timeout_s=1800, threads_per_worker=args.threads)
+            # always fresh worker processes (also at W=1, a gloo group of one), so each peak RSS is its own
+            ranks = run_in_workers(_work, world, args=(spec,), backend="gloo", timeout_s=1800,
+                                   threads_per_worker=args.threads)
             worst = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
             total = worst["params"] + worst["grads"] + worst["optimizer"]
             base = base if base is not None or world != 1 or shard != "none" else total

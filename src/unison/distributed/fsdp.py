@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -173,6 +174,10 @@ def apply_fsdp(method: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     fully_shard(method, reshard_after_forward=False, **kw)
     if register_fsdp_forward_method is not None and hasattr(method, "embed"):
         register_fsdp_forward_method(method, "embed")
+    # torch warns when a unit returns a view (a backbone's Flatten, a ViT's class token), in case the caller
+    # modifies it in place, which would skip FSDP's pre-backward hook. No method does (unison check --shard full
+    # compares every gradient with one process), so the warning is noise in every run.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     return method
 
 
