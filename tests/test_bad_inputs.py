@@ -36,6 +36,17 @@ def _png(path: Path, value: int) -> None:
     Image.new("RGB", (8, 8), (value, 255 - value, value // 2)).save(path)
 
 
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
 class _Evil:
     """Unpickling this runs os.mkdir(path): a stand-in for arbitrary code in a checkpoint."""
 
@@ -51,6 +62,13 @@ def paths(tmp_path_factory) -> dict[str, str]:
     """Bad files and folders, plus one real checkpointed run ({run}) made by a 2-step training at W=1."""
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "file.txt").write_text("not a folder\n")
+    _png(tmp / "listed" / "a.png", 30)                                  # a file list naming a missing file
+    (tmp / "list.txt").write_text(f"{tmp / 'listed' / 'a.png'}\n{tmp / 'gone.png'}\n")
+    (tmp / "shards").mkdir()                                            # shards: one without any image
+    _tar(tmp / "shards" / "a.tar", [("k/1.png", (tmp / "listed" / "a.png").read_bytes())])
+    _tar(tmp / "shards" / "b.tar", [("k/2.cls", b"0")])
+    _tar(tmp / "full.tar", [(f"k/{i}.png", (tmp / "listed" / "a.png").read_bytes()) for i in range(3)])
+    (tmp / "cut.tar").write_bytes((tmp / "full.tar").read_bytes()[:700])   # a truncated tar
     (tmp / "empty").mkdir()
     _png(tmp / "flat" / "a.png", 10)                                   # images but no class folders
     (tmp / "noimages" / "cat").mkdir(parents=True)
@@ -78,6 +96,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
     (y / "distributed_scalar.yaml").write_text("distributed: 5\n")
     (y / "nested_wrong_type.yaml").write_text("distributed:\n  timeout_s: soon\n")
     (y / "float_for_int.yaml").write_text("subset: 1.5\n")
+    (y / "world_size_at_top.yaml").write_text("world_size: 4\n")
+    (y / "epochs_under_distributed.yaml").write_text("distributed:\n  epochs: 3\n")
 
     run = tmp / "run"
     assert main(["train", *W1, "--checkpoint-every", "1", "--out", str(run)]) == 0
@@ -130,7 +150,7 @@ def _log(case_id: str, code: int, err: str, paths: dict[str, str]) -> str:
 # (id, argv, exit code, message fragment); {tmp}, {run}, {y} (YAML files), {c} (checkpoints) are filled in.
 CASES = [
     # --- command-line flags and configuration values (ConfigError, exit 2, before any worker)
-    ("unknown-method", ["--method", "mocov9"], 2, "method='mocov9' is unknown; use one of"),
+    ("unknown-method", ["--method", "mocov9"], 2, "method='mocov9' is unknown (did you mean 'moco'?); use one of"),
     ("batch-not-divisible-by-workers", ["--batch-size", "255"], 2,
      "batch_size=255 (global) cannot be split evenly over world_size=2; use a multiple of 2"),
     ("batch-not-divisible-by-3-workers", ["--world-size", "3", "--batch-size", "64"], 2,
@@ -151,12 +171,40 @@ CASES = [
     ("infinite-timeout", ["--timeout-s", "inf"], 2, "timeout_s=inf must be a finite number of seconds"),
     ("negative-watchdog", ["--watchdog-s", "-1"], 2,
      "distributed.watchdog_s=-1.0 must be a finite number of seconds >= 0 (0 = no watchdog)"),
-    ("unknown-method-param", ["--param", "temprature=0.1"], 2, "unknown parameter in method_params ['temprature']"),
+    ("unknown-method-param", ["--param", "temprature=0.1"], 2,
+     "unknown simclr parameter(s) 'temprature' (did you mean 'temperature'?)"),
     ("param-without-value", ["--param", "temperature"], 2, "must look like NAME=VALUE"),
     ("param-wrong-type", ["--param", "temperature=warm"], 2, "--param temperature='warm' must be a float"),
+    # --- issue 17: inputs that ended in a traceback or a cryptic message (all refused before any worker starts)
+    ("param-unclosed-bracket", ["--param", "temperature=[0.1"], 2,
+     "--param temperature='[0.1' is not a value (line 1, column 5: expected ',' or ']'"),
+    ("param-python-tag", ["--param", "x=!!python/object/apply:os.mkdir ['{tmp}/pwned_by_param']"], 2,
+     "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.mkdir'"),
+    ("param-negative-size", ["--param", "proj_dim=-5"], 2,
+     "SimCLR parameter proj_dim=-5 must be an integer >= 1 (--param proj_dim=VALUE)"),
+    ("param-zero-size", ["--param", "proj_dim=0"], 2, "SimCLR parameter proj_dim=0 must be an integer >= 1"),
+    ("param-zero-dino-out-dim", ["--method", "dino", "--param", "out_dim=0"], 2,
+     "DINO parameter out_dim=0 must be an integer >= 1"),
+    ("param-zero-temperature", ["--param", "temperature=0"], 2,
+     "SimCLR parameter temperature=0 must be a finite number > 0"),
+    ("param-momentum-above-1", ["--method", "byol", "--param", "momentum_base=1.5"], 2,
+     "BYOL parameter momentum_base=1.5 must be a number in [0, 1]"),
+    ("timeout-past-torch", ["--timeout-s", "1e15"], 2,
+     "distributed.timeout_s=1e+15 is past the longest timeout torch takes safely, 2147483 s"),
+    ("warmup-past-any-run", ["--warmup-epochs", "1e308"], 2, "warmup_epochs=1e+308 is past 1e9 epochs"),
+    ("seed-past-64-bits", ["--seed", "18446744073709551616"], 2,
+     "seed=18446744073709551616 must be in [0, 2**64-1]"),
+    ("epochs-past-1e9", ["--epochs", "1e12"], 2, "epochs=1000000000000 is past 1e9; to run by steps, give --max-steps"),
+    ("epochs-not-integral", ["--epochs", "1.5"], 2, "argument --epochs: invalid int value: '1.5'"),
+    ("backbone-arg-for-a-cnn", ["--backbone-arg", "drop_path_rate=0.1"], 2,
+     "--backbone-arg drop_path_rate is for timm backbones (--backbone timm:<name>); small_cnn takes none"),
     ("zero-knn-k", ["--knn-k", "0"], 2, "knn_k=0 must be an integer >= 1"),
     ("zero-knn-t", ["--knn-t", "0"], 2, "knn_t=0.0 must be > 0"),
     ("zero-grad-sync-every", ["--grad-sync-every", "0"], 2, "grad_sync_every=0 must be an integer >= 1"),
+    ("unknown-shard", ["--shard", "zero3"], 2, "argument --shard: invalid choice: 'zero3'"),
+    ("full-shard-with-compression", ["--shard", "full", "--grad-compression", "fp16"], 2,
+     "grad_compression='fp16' is a DDP communication hook, which --shard full (FSDP) does not have"),
+    ("full-shard-with-fp16", ["--shard", "full", "--amp", "fp16"], 2, "use --amp bf16"),
     ("zero-subset", ["--subset", "0"], 2, "subset=0 must be an integer >= 1"),
     ("zero-max-steps", ["--max-steps", "0"], 2, "max_steps=0 must be an integer >= 1"),
     ("zero-keep-checkpoints", ["--keep-checkpoints", "0"], 2, "keep_checkpoints=0 must be an integer >= 1"),
@@ -164,6 +212,10 @@ CASES = [
     ("negative-checkpoint-every", ["--checkpoint-every", "-1"], 2, "checkpoint_every and eval_every must be >= 0"),
     ("unknown-optimizer", ["--optimizer", "rmsprop"], 2, "optimizer='rmsprop' is unknown"),
     ("unknown-backbone", ["--backbone", "resnet999"], 2, "backbone='resnet999' is unknown"),
+    ("decode-gpu-without-cuda", ["--decode", "gpu"], 2, "--decode gpu decodes JPEGs on the GPU and this machine has no "
+                                                        "CUDA device; use --decode cpu"),
+    ("stream-the-digits", [*W1, "--data-mode", "stream", "--out", "{tmp}/o4"], 2, "--data digits is built in and "
+                                                                                  "always held in memory"),
     ("unknown-augmentation", ["--augmentation", "sepia"], 2, "augmentation='sepia' is unknown"),
     ("run-dir-is-a-file", ["--out", "{tmp}/file.txt/run"], 2, "cannot create the run directory"),
     # --- argparse (exit 2: usage line + one error line)
@@ -172,13 +224,19 @@ CASES = [
     ("unknown-flag", ["--epochz", "3"], 2, "unrecognized arguments: --epochz 3"),
     # --- YAML configuration files (exit 2)
     ("yaml-missing", ["--config", "{y}/nope.yaml"], 2, "nope.yaml does not exist"),
-    ("yaml-invalid-syntax", ["--config", "{y}/invalid.yaml"], 2, "invalid.yaml is not valid YAML"),
+    ("yaml-invalid-syntax", ["--config", "{y}/invalid.yaml"], 2,
+     "invalid.yaml is not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"),
     ("yaml-python-tag", ["--config", "{y}/python_tag.yaml"], 2,
      "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.mkdir'"),
-    ("yaml-unknown-key", ["--config", "{y}/unknown_key.yaml"], 2, "unknown option(s) epoch; known options are"),
+    ("yaml-unknown-key", ["--config", "{y}/unknown_key.yaml"], 2,
+     "unknown option(s) 'epoch' (did you mean 'epochs'?); known: amp,"),
+    ("yaml-distributed-key-at-top", ["--config", "{y}/world_size_at_top.yaml"], 2,
+     "option(s) world_size belong under 'distributed:' in a config file (distributed: {world_size: 4})"),
+    ("yaml-top-key-under-distributed", ["--config", "{y}/epochs_under_distributed.yaml"], 2,
+     "option(s) epochs belong at the top level of a config file, not under 'distributed:'"),
     ("yaml-not-a-mapping", ["--config", "{y}/list.yaml"], 2, "must hold a mapping of option names to values"),
     ("yaml-unknown-distributed-key", ["--config", "{y}/unknown_distributed.yaml"], 2,
-     "unknown distributed option(s) world_sise"),
+     "unknown distributed option(s) 'world_sise' (did you mean 'world_size'?)"),
     ("yaml-wrong-type", ["--config", "{y}/wrong_type.yaml"], 2, "wrong_type.yaml: epochs='ten' must be an int"),
     ("yaml-float-for-int", ["--config", "{y}/float_for_int.yaml"], 2, "float_for_int.yaml: subset=1.5 must be an int"),
     ("yaml-distributed-not-a-mapping", ["--config", "{y}/distributed_scalar.yaml"], 2,
@@ -187,9 +245,13 @@ CASES = [
      "distributed.timeout_s='soon' must be a float"),
     # --- data folders (DataError, exit 3; the pre-flight finds them before any worker starts)
     ("data-folder-missing", ["--data", "{tmp}/nope"], 3, "nope does not exist (expected an ImageFolder layout"),
-    ("data-is-a-file", ["--data", "{tmp}/file.txt"], 3, "file.txt is not a folder"),
+    ("data-is-a-file", ["--data", "{tmp}/file.txt"], 3, "file.txt: line 1:"),
+    ("data-list-missing-file", ["--data", "{tmp}/list.txt"], 3, "list.txt: line 2:"),
+    ("data-empty-shard", ["--data", "{tmp}/shards"], 3, "shards/b.tar holds no image samples"),
+    ("data-truncated-shard", ["--data", "{tmp}/cut.tar"], 3, "cut.tar is truncated"),
     ("data-folder-empty", ["--data", "{tmp}/empty"], 3, "empty is empty"),
-    ("data-no-class-folders", ["--data", "{tmp}/flat"], 3, "flat has no class subfolders"),
+    ("data-flat-folder-fewer-than-a-batch", ["--data", "{tmp}/flat"], 3,
+     "flat has 1 images, fewer than one global batch (256)"),
     ("data-no-image-files", ["--data", "{tmp}/noimages"], 3, "no image files (.jpg, .jpeg, .png, ...) in the class"),
     ("val-folder-missing", ["--val", "{tmp}/nope"], 3, "nope does not exist"),
     ("data-fewer-images-than-a-batch", ["--data", "{tmp}/small", "--batch-size", "64"], 3,
@@ -204,6 +266,11 @@ CASES = [
     ("every-image-corrupt", [*W1, "--data", "{tmp}/garbage", "--subset", "8", "--val", "{tmp}/small",
                              "--val-subset", "8", "--batch-size", "8", "--out", "{tmp}/o3"], 3,
      "no readable images in"),
+    # ... method and backbone that do not fit (found when the worker builds the method / draws the first masks)
+    ("token-method-without-vit", [*W1, "--method", "mae", "--backbone", "small_cnn", "--out", "{tmp}/o8"], 2,
+     "MAE needs a ViT backbone with patch tokens"),
+    ("ijepa-blocks-cover-the-image", [*W1, "--method", "ijepa", "--backbone", "vit_nano_p4", "--out", "{tmp}/o9"], 2,
+     "no context is left; use a backbone with smaller patches"),
     # --- checkpoints to resume (CheckpointError, exit 4)
     ("resume-path-missing", ["--resume", "{tmp}/nope"], 4, "nope does not exist; pass a checkpoint file or a run"),
     ("resume-dir-without-checkpoints", ["--resume", "{c}/no_checkpoints"], 4, "nothing to resume"),
@@ -228,6 +295,22 @@ CASES = [
 ENV_CASES = [
     ("launcher-rank-not-an-integer", {"RANK": "x", "WORLD_SIZE": "2"}, [*W1, "--out", "{tmp}/o8"], 2,
      "environment variable RANK='x' is not an integer"),
+    # --- issue 17: partial launcher variables (refused before start) and fewer processes than declared
+    ("mpi-rank-without-size", {"OMPI_COMM_WORLD_RANK": "0"}, [*TINY, "--out", "{tmp}/o11"], 2,
+     "environment variable OMPI_COMM_WORLD_RANK='0' is set but OMPI_COMM_WORLD_SIZE is not; mpirun sets both"),
+    ("pmi-rank-without-size", {"PMI_RANK": "0"}, [*TINY, "--out", "{tmp}/o12"], 2,
+     "environment variable PMI_RANK='0' is set but PMI_SIZE is not"),
+    ("torchrun-rank-without-world-size", {"RANK": "0"}, [*TINY, "--out", "{tmp}/o13"], 2,
+     "environment variable RANK='0' is set but WORLD_SIZE is not"),
+    ("mpi-size-2-one-process", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_PORT": "{port}"},
+     [*TINY, "--max-steps", "1", "--timeout-s", "2", "--out", "{tmp}/o14"], 1,
+     "only 1 of 2 processes joined the rendezvous at 127.0.0.1:{port} within 2 s; start all 2 processes"),
+    ("slurm-ntasks-2-one-process", {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_PORT": "{port}"},
+     [*TINY, "--max-steps", "1", "--timeout-s", "2", "--out", "{tmp}/o15"], 1,
+     "only 1 of 2 processes joined the rendezvous at 127.0.0.1:{port} within 2 s"),
+    ("world-size-disagrees-with-launcher", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                            "MASTER_PORT": "{port}"}, [*TINY, "--world-size", "4"], 2,
+     "--world-size 4 but mpirun started 2 worker processes; the launcher decides the world size"),
     ("fault-injection-malformed", {"UNISON_FAULT_INJECT": "rank=one"}, [*W1, "--out", "{tmp}/o9"], 2,
      "UNISON_FAULT_INJECT='rank=one' must look like"),
 ]
@@ -247,20 +330,35 @@ def test_bad_input(case_id, argv, code, fragment, paths, capfd):
 
 @pytest.mark.parametrize("case_id, env, argv, code, fragment", ENV_CASES, ids=[c[0] for c in ENV_CASES])
 def test_bad_environment(case_id, env, argv, code, fragment, paths, capfd, monkeypatch):
+    from unison.distributed.launch import find_free_port
+
+    filled = {**paths, "port": str(find_free_port())}
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    got, err = _run(_fill(argv, paths), capfd)
+        monkeypatch.setenv(k, v.format(**filled))
+    got, err = _run(_fill(argv, filled), capfd)
     line = _log(case_id, got, err, paths)
     assert got == code, err
-    assert fragment in line, line
+    assert fragment.format(**filled) in line, line
+
+
+def test_integral_numbers_in_scientific_notation_are_integers():
+    """``--epochs 1e9`` (run by steps) and ``epochs: 1e9`` in YAML are the integer 10**9; 1e-3 is a float."""
+    from unison.cli import parse_train_args
+
+    assert parse_train_args(["--epochs", "1e9", "--max-steps", "5"]).epochs == 10**9
+    assert parse_train_args(["--epochs", "1_000"]).epochs == 1000
+    cfg = parse_train_args(["--param", "temperature=1e-1", "--lr", "1e-3"])
+    assert cfg.method_params == {"temperature": 0.1} and cfg.lr == 0.001
 
 
 def test_untrusted_files_never_run_code(paths, capfd):
     """The YAML python tag and the pickled os.mkdir above were refused, not executed."""
-    for argv in (["--config", "{y}/python_tag.yaml"], ["--resume", "{c}/malicious.pt"]):
+    for argv in (["--config", "{y}/python_tag.yaml"], ["--resume", "{c}/malicious.pt"],
+                 ["--param", "x=!!python/object/apply:os.mkdir ['{tmp}/pwned_by_param']"]):
         assert _run(_fill(argv, paths), capfd)[0] in (2, 4)
     assert not (Path(paths["tmp"]) / "pwned_by_yaml").exists()
     assert not (Path(paths["tmp"]) / "pwned_by_checkpoint").exists()
+    assert not (Path(paths["tmp"]) / "pwned_by_param").exists()
 
 
 def test_diverged_run_keeps_its_last_checkpoint(paths, capfd):

@@ -160,3 +160,16 @@ def test_gpu1_preset_needs_one_gpu_for_the_lightly_comparison_only(monkeypatch):
     check_devices(cfg, ["lightly"])
     with pytest.raises(ConfigError, match="1 GPU"):
         check_devices(cfg, ["table"])
+
+
+def test_bench_data_runs_both_loaders_side_by_side(tmp_path, capsys):
+    from unison.cli import main
+
+    argv = ["bench", "data", "--out", str(tmp_path), "--data-images", "12", "--data-batch-size", "4",
+            "--data-batches", "1", "--data-repeats", "1", "--data-loader-workers", "1"]
+    assert main(argv) == 0
+    table = (tmp_path / "data.md").read_text()
+    assert "| torchvision |" in table and "| unison |" in table and "| unison loader, colour ops on the GPU |" in table
+    assert "unison bench data" in table and "load average" in table
+    rows = (tmp_path / "data.csv").read_text().splitlines()
+    assert rows[0].startswith("side,images_per_s") and len(rows) == 4   # + the loader without the colour ops

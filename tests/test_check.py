@@ -1,5 +1,7 @@
 """`unison check`: W=2 real processes vs 1 process on the global batch, and it can fail."""
 
+import pytest
+
 from unison.check import run_equivalence
 from unison.cli import main
 
@@ -64,3 +66,14 @@ def test_check_uses_the_recipe_optimizer_and_schedule():
     cfg = train_config_for(CheckSpec(method="vicreg"), world_size=2)
     assert resolve_recipe(cfg)["optimizer"] == "lars"
     assert cfg.precision == "float64" and cfg.warmup_epochs > 0 and cfg.max_steps == 4
+
+
+@pytest.mark.distributed
+def test_check_passes_on_streamed_images_of_many_sizes_and_modes(tmp_path, capsys):
+    from unison.data.generated import write_image_folder
+
+    write_image_folder(tmp_path / "train", 40, classes=2, sizes=(16, 64), seed=4)
+    assert main(["check", "--method", "simclr", "--steps", "3", "--image-size", "16",
+                 "--data", str(tmp_path / "train")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "streamed at 16 px" in out and "dtype=float64" in out

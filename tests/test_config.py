@@ -20,6 +20,9 @@ from unison.distributed.config import ConfigError, DistributedConfig
     ({"grad_compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank=0 must be >= 1"),
     ({"master_port": 70000}, "master_port=70000"),
     ({"timeout_s": 0}, "timeout_s=0 must be > 0"),
+    ({"shard": "zero3"}, "shard='zero3' is unknown"),
+    ({"shard": "full", "grad_compression": "fp16"}, "is a DDP communication hook"),
+    ({"shard": "full", "find_unused_parameters": True}, "find_unused_parameters is a DDP option"),
 ])
 def test_distributed_config_errors(kwargs, fragment):
     with pytest.raises(ConfigError) as info:
@@ -29,7 +32,7 @@ def test_distributed_config_errors(kwargs, fragment):
 
 
 def test_distributed_config_round_trip_and_unknown_keys():
-    cfg = DistributedConfig(backend="gloo", world_size=4, rank=3, grad_compression="powersgd", shard_optimizer=True)
+    cfg = DistributedConfig(backend="gloo", world_size=4, rank=3, grad_compression="powersgd", shard="optimizer")
     assert DistributedConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="unknown distributed option.*world_sise"):
         DistributedConfig.from_dict({"world_sise": 2})
@@ -43,6 +46,30 @@ def test_bf16_accepted_with_nccl_and_cuda():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
+    ({"amp": "fp16"}, "use --amp bf16"),
+    ({"method": "moco", "method_params": {"shuffle_bn": True}}, "MoCo shuffle_bn"),
+])
+def test_full_sharding_refuses_what_it_cannot_do(kwargs, fragment):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**kwargs, distributed=DistributedConfig(shard="full")).validate(cuda_available=False)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    TrainConfig(**kwargs).validate(cuda_available=False)   # fine without full sharding
+
+
+def test_shard_optimizer_flag_is_an_alias():
+    from unison.cli import build_train_config, make_parser
+
+    assert build_train_config(make_parser().parse_args(["train", "--shard-optimizer"])).distributed.shard == "optimizer"
+    assert build_train_config(make_parser().parse_args(["train", "--shard", "full"])).distributed.shard == "full"
+    # configs and checkpoints written before `shard` existed
+    assert DistributedConfig.from_dict({"shard_optimizer": True}).shard == "optimizer"
+    assert DistributedConfig.from_dict({"shard_optimizer": False, "shard": "full"}).shard == "full"
+    assert DistributedConfig(shard="optimizer").shard_optimizer and not DistributedConfig(shard="full").shard_optimizer
+    with pytest.raises(ConfigError, match="contradicts"):
+        DistributedConfig.from_dict({"shard_optimizer": True, "shard": "full"})
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
     ({"method": "mocov9"}, "method='mocov9' is unknown"),
     ({"batch_size": 255}, "cannot be split evenly over world_size=2"),
     ({"epochs": 0}, "epochs=0 must be an integer >= 1"),
@@ -51,7 +78,7 @@ def test_bf16_accepted_with_nccl_and_cuda():
     ({"amp": "fp8"}, "amp='fp8' is unknown"),
     ({"knn_k": 0}, "knn_k=0 must be"),
     ({"optimizer": "rmsprop"}, "optimizer='rmsprop' is unknown"),
-    ({"method_params": {"temprature": 0.1}}, "unknown parameter in method_params"),
+    ({"method_params": {"temprature": 0.1}}, "unknown simclr parameter(s) 'temprature' (did you mean"),
     ({"subset": 0}, "subset=0 must be an integer >= 1"),
 ])
 def test_train_config_errors(kwargs, fragment):
@@ -61,7 +88,7 @@ def test_train_config_errors(kwargs, fragment):
 
 
 def test_train_config_round_trip():
-    cfg = TrainConfig(method="simclr", epochs=3, distributed=DistributedConfig(world_size=4, shard_optimizer=True))
+    cfg = TrainConfig(method="simclr", epochs=3, distributed=DistributedConfig(world_size=4, shard="full"))
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="unknown option"):
         TrainConfig.from_dict({"epoch": 3})

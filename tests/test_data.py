@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unison.data import DataError, epoch_permutation, global_batches, load_dataset, sample_uniform
+from unison.data import DataError, builtin, epoch_permutation, global_batches, load_dataset, memory, sample_uniform
 from unison.data import datasets as D
 from unison.data import random as R
 
@@ -111,7 +111,7 @@ def test_digits_shapes_split_and_stats():
     assert int(train.images.max()) == 255 and torch.equal(train.images[:, 0], train.images[:, 2])
     assert train.mean == val.mean and 0.2 < train.mean[0] < 0.4 and 0.2 < train.std[0] < 0.45
     # Stratified: every class has ~20 % of its images in val.
-    _, all_labels = D._digits_all()
+    _, all_labels = builtin.digits_all()
     for c in range(10):
         n_c, n_val = int((all_labels == c).sum()), int((val.labels == c).sum())
         assert abs(n_val - 0.2 * n_c) <= 1
@@ -121,7 +121,7 @@ def test_digits_shapes_split_and_stats():
 
 def test_digits_train_and_val_partition_the_data():
     train, val = load_dataset("digits", "train"), load_dataset("digits", "val")
-    all_images, all_labels = D._digits_all()
+    all_images, all_labels = builtin.digits_all()
 
     def items(images, labels):
         return Counter((bytes(im.numpy().tobytes()), int(y)) for im, y in zip(images, labels))
@@ -216,10 +216,10 @@ def test_imagefolder_corrupt_skip_and_error(tmp_path):
     [
         (lambda p: None, "does not exist"),
         (lambda p: p.mkdir(), "is empty"),
-        (lambda p: (p.mkdir(), (p / "a.png").write_bytes(b"x")), "no class subfolders"),
+        (lambda p: (p.mkdir(), (p / "a.txt").write_text("x")), "no image files"),
         (lambda p: ((p / "cat").mkdir(parents=True), (p / "cat" / "a.txt").write_text("x")), "no image files"),
     ],
-    ids=["missing", "empty", "no-class-folders", "no-images"],
+    ids=["missing", "empty", "flat-without-images", "no-images"],
 )
 def test_imagefolder_errors_are_one_line(tmp_path, setup, message):
     path = tmp_path / "data"
@@ -240,7 +240,7 @@ def test_imagefolder_cache_hit_invalidation_and_location(tmp_path, monkeypatch):
     def no_decode(*a, **k):
         raise AssertionError("decoded although cached")
 
-    monkeypatch.setattr(D, "_decode_all", no_decode)
+    monkeypatch.setattr(memory, "decode_all", no_decode)
     again = load_dataset(str(folder))
     assert torch.equal(again.images, first.images) and torch.equal(again.labels, first.labels)
     # A subset from the full cache equals a subset decoded directly.

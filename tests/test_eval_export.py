@@ -13,10 +13,12 @@ from unison.models import build_backbone
 from unison.train.checkpoint import save_checkpoint
 
 
-def _checkpoint(run_dir, backbone: str) -> torch.nn.Module:
+def _checkpoint(run_dir, backbone: str, image_size: int | None = None) -> torch.nn.Module:
     """A freshly built SimCLR with non-trivial batch-norm statistics, saved as a unison checkpoint."""
+    from unison.models.backbones import resolve_backbone
+
     torch.manual_seed(0)
-    net, dim = build_backbone(backbone)
+    net, dim = build_backbone(backbone, image_size)
     cls = get_method("simclr")
     method = cls(net, dim, cls.Params())
     with torch.no_grad():  # eval-mode features then depend on every saved buffer, not just the weights
@@ -26,8 +28,11 @@ def _checkpoint(run_dir, backbone: str) -> torch.nn.Module:
                 m.running_var.uniform_(0.5, 1.5)
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.normal_(0, 0.1)
-    cfg = TrainConfig(backbone=backbone).to_dict()
-    save_checkpoint(run_dir, {"method": "simclr", "config": cfg, "model": method.state_dict()}, step=0)
+    cfg = TrainConfig(backbone=backbone, image_size=image_size).to_dict()
+    state = {"method": "simclr", "config": cfg, "model": method.state_dict()}
+    if image_size is not None:  # what a run records since the stem follows the image size
+        state["resolved"] = {"backbone": resolve_backbone(backbone, image_size), "image_size": image_size}
+    save_checkpoint(run_dir, state, step=0)
     return method.eval()
 
 
@@ -49,6 +54,22 @@ def test_export_resnet18_loads_into_torchvision_with_cifar_stem(tmp_path, capsys
     assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
     tv.fc = torch.nn.Identity()
     x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(tv.eval()(x), method.backbone(x))
+
+
+def test_export_resnet18_at_imagenet_size_loads_into_plain_torchvision(tmp_path, capsys):
+    import torchvision
+
+    method = _checkpoint(tmp_path / "run", "resnet18", image_size=96)
+    out = tmp_path / "r18.pt"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "resnet18_imagenet" in capsys.readouterr().out
+    tv = torchvision.models.resnet18()               # no stem surgery: torchvision's own ImageNet stem
+    missing, unexpected = tv.load_state_dict(torch.load(out, weights_only=True), strict=False)
+    assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
+    tv.fc = torch.nn.Identity()
+    x = torch.randn(2, 3, 96, 96)
     with torch.no_grad():
         assert torch.equal(tv.eval()(x), method.backbone(x))
 

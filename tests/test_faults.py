@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import children
 
 from unison.cli import main
 from unison.config import TrainConfig
@@ -33,24 +34,6 @@ STEPS = 8
 TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "512", "--val-subset", "100",
         "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
         "--log-every", "1"]  # see test_resuming_a_run_killed_before_its_first_metrics_row for why every step
-
-
-def _children() -> set[int]:
-    """Live child processes of this test process (multiprocessing's resource tracker excepted)."""
-    me, found = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-            found.add(int(entry))
-    return found
 
 
 def _fault_time(err: str) -> float:
@@ -121,7 +104,7 @@ def test_sigkilled_worker_ends_the_run_and_resuming_matches_an_uninterrupted_run
         kill_step = rng.randint(max(kill_step + 1, 2), 5 + round_)
         rank = rng.randrange(2)
         monkeypatch.setenv(FAULT, f"rank={rank},step={kill_step}")
-        before = _children()
+        before = children()
         capfd.readouterr()
         code = main(["train", *TINY, "--resume", "auto", "--out", str(run)])
         ended = time.time()
@@ -130,7 +113,7 @@ def test_sigkilled_worker_ends_the_run_and_resuming_matches_an_uninterrupted_run
         assert _error_line(err) == f"unison: error: worker rank {rank} failed: killed by SIGKILL"
         latency = ended - _fault_time(err)
         assert latency < 15, f"the run took {latency:.1f} s to end after the kill"
-        assert not _children() - before, "a worker process was left behind"
+        assert not children() - before, "a worker process was left behind"
         assert _load_intact(run)["step"] == kill_step // 2 * 2  # the last checkpoint before the kill
         report.append(f"round {round_}: killed rank {rank} at step {kill_step}, run ended {latency:.2f} s later")
     monkeypatch.delenv(FAULT)
@@ -149,7 +132,7 @@ def test_non_finite_loss_stops_the_run_with_step_rank_and_hint(tmp_path, capfd, 
         "unison: error: worker rank 1 failed: NonFiniteLossError: non-finite loss (nan) at step 3 on rank 1; "
         "lower --lr, set --grad-clip, or check the data (the last checkpoint is intact)")
     assert _load_intact(run)["step"] == 2
-    assert not _children()
+    assert not children()
 
 
 @pytest.mark.slow
@@ -166,7 +149,7 @@ def test_hung_worker_ends_the_run_after_the_collective_timeout(tmp_path, capfd, 
     assert line.endswith("(rank 1 did not fail but stopped responding)"), line
     latency = ended - _fault_time(err)
     assert timeout <= latency < timeout + 20, f"ended {latency:.1f} s after the hang, timeout {timeout} s"
-    assert not _children()
+    assert not children()
 
 
 def _consistent(seed_by_rank: bool) -> str:

@@ -126,9 +126,9 @@ def _moco_checks() -> dict:
     # ... and with shuffle_bn the key encoder normalises per rank, the query encoder globally.
     ddp = train(moco(queue_size=64, shuffle_bn=True), sync_bn=True)
     m = ddp.module
-    out["shuffle_key_bn_types"] = sorted({type(b).__name__ for b in m.key_backbone.modules()
+    out["shuffle_key_bn_types"] = sorted({type(b).__name__ for b in m.key_encoder.backbone.modules()
                                           if isinstance(b, nn.modules.batchnorm._BatchNorm)})
-    out["shuffle_key_running_mean"] = m.key_backbone[1].running_mean.clone()
+    out["shuffle_key_running_mean"] = m.key_encoder.backbone[1].running_mean.clone()
     out["shuffle_query_running_mean"] = m.backbone[1].running_mean.clone()
     out["shuffle_query_is_global"] = isinstance(m.backbone[1], GlobalBatchNorm)
     out["shuffle_note"] = m.exactness_note() or ""
@@ -138,7 +138,7 @@ def _moco_checks() -> dict:
     ddp = wrap_ddp(byol, DistributedConfig(world_size=WORLD), cpu)
     ddp(views(0))
     out["byol_online"] = torch.cat([p.detach().flatten() for p in byol.backbone.parameters()])
-    out["byol_target"] = torch.cat([p.detach().flatten() for p in byol.target_backbone.parameters()])
+    out["byol_target"] = torch.cat([p.detach().flatten() for p in byol.target.backbone.parameters()])
     return out
 
 

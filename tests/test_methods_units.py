@@ -11,7 +11,6 @@ import torch.nn as nn
 
 from unison.data.augment import PRESETS
 from unison.distributed.ddp import rank_local_state_names
-from unison.distributed.optim import OPTIMIZER_NAMES
 from unison.methods import (
     BYOL,
     DINO,
@@ -26,6 +25,7 @@ from unison.methods import (
     VICReg,
 )
 from unison.methods.dino import DINOHead
+from unison.optim import OPTIMIZER_NAMES
 
 SMALL = {
     "moco": dict(proj_hidden_dim=8, proj_dim=4, queue_size=32),
@@ -113,7 +113,7 @@ def test_moco_queue_and_pointer_survive_a_state_dict_round_trip():
     _train(model, "moco", steps=3)
     state = model.state_dict()
     assert {"queue", "queue_ptr", "step_count"} <= set(state)
-    assert any(k.startswith("key_backbone.") for k in state)
+    assert any(k.startswith("key_encoder.backbone.") for k in state)
     assert int(state["queue_ptr"]) == (3 * 2 * 8) % 32
     fresh = _build("moco", seed=1)
     assert not torch.equal(fresh.queue, model.queue)
@@ -125,7 +125,7 @@ def test_moco_queue_and_pointer_survive_a_state_dict_round_trip():
 def test_moco_rank_local_state():
     names = rank_local_state_names(_build("moco"))
     assert {"queue", "queue_ptr", "step_count"} <= set(names)
-    assert any(n.startswith("key_backbone.") for n in names) and any(n.startswith("key_projector.") for n in names)
+    assert any(n.startswith("key_encoder.backbone.") for n in names) and any(n.startswith("key_encoder.projector.") for n in names)
     assert not any(n.startswith(("backbone.", "projector.")) for n in names)
 
 
@@ -134,7 +134,7 @@ def test_moco_enqueues_the_keys_of_both_views_in_order():
     a, b = _views("moco")
     model([a, b])
     with torch.no_grad():
-        keys = [nn.functional.normalize(model.key_projector(model.key_backbone(v)), dim=1) for v in (a, b)]
+        keys = [nn.functional.normalize(model.key_encoder.projector(model.key_encoder.backbone(v)), dim=1) for v in (a, b)]
     torch.testing.assert_close(model.queue[:16], torch.cat(keys))
     assert int(model.queue_ptr) == 16
     asym = _build("moco", params=dict(queue_size=32, symmetric=False))
@@ -152,11 +152,11 @@ def test_moco_queue_size_error():
 
 def test_moco_key_encoder_follows_the_ema():
     model = _build("moco", params=dict(momentum=0.5))
-    before = [p.clone() for p in model.key_backbone.parameters()]
+    before = [p.clone() for p in model.key_encoder.backbone.parameters()]
     _train(model, "moco", steps=1)
-    for k0, k1, q in zip(before, model.key_backbone.parameters(), model.backbone.parameters()):
+    for k0, k1, q in zip(before, model.key_encoder.backbone.parameters(), model.backbone.parameters()):
         torch.testing.assert_close(k1, 0.5 * k0 + 0.5 * q)
-    assert not any(p.requires_grad for p in model.key_backbone.parameters())
+    assert not any(p.requires_grad for p in model.key_encoder.backbone.parameters())
 
 
 def test_exactness_notes():
@@ -186,10 +186,10 @@ def test_byol_and_dino_schedules():
 
 def test_byol_target_uses_the_scheduled_momentum():
     model = _build("byol", params=dict(momentum_base=0.9), steps_total=4)
-    before = [p.clone() for p in model.target_projector.parameters()]
+    before = [p.clone() for p in model.target.projector.parameters()]
     _train(model, "byol", steps=1)
     tau = 1 - 0.1 * (math.cos(0) + 1) / 2
-    for t0, t1, o in zip(before, model.target_projector.parameters(), model.projector.parameters()):
+    for t0, t1, o in zip(before, model.target.projector.parameters(), model.projector.parameters()):
         torch.testing.assert_close(t1, tau * t0 + (1 - tau) * o)
 
 

@@ -27,13 +27,18 @@ def train(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
 
     `isolated`: run even a single worker in a fresh process (benchmarks: each run's peak memory
     and thread settings are its own)."""
-    from unison.distributed.env import detect_launch_env
+    import dataclasses
+
+    from unison.distributed.env import apply_launch_env, detect_launch_env
     from unison.distributed.launch import launch
     from unison.train.loop import train_worker
     from unison.train.preflight import preflight
 
+    launch_env = detect_launch_env()
+    launched = launch_env is not None
+    if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
+        cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     cfg.validate()
-    launched = detect_launch_env() is not None
     preflight(cfg, launched=launched)
     if launched or (cfg.distributed.world_size == 1 and not isolated):
         return Summary.from_dict(train_worker(cfg.to_dict()))

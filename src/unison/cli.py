@@ -21,21 +21,42 @@ from typing import Any
 
 from unison.configutil import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.config import ConfigError, DistributedConfig
-from unison.errors import WatchdogTimeout
+from unison.errors import UnisonError, WatchdogTimeout
+from unison.train.runlog import append_run_log
 
 SUBCOMMAND_MODULES = ("unison.eval.commands", "unison.export", "unison.bench.commands")
 
 
-def _parse_params(items: list[str] | None) -> dict[str, Any]:
+def yaml_error(exc: Exception) -> str:
+    """A YAML error as one line with its position: "line 2, column 5: expected ',' or ']' (while parsing ...)"."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        problem += f" ({context} that starts at line {context_mark.line + 1})"
+    return where + " ".join(problem.split())
+
+
+def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[str, Any]:
+    """``NAME=VALUE`` items, each VALUE read as YAML (``0.2``, ``true``, ``[1, 2]``; never a Python object)."""
     import yaml
 
-    params: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
-            raise ConfigError(f"--param {item!r} must look like NAME=VALUE, e.g. --param temperature=0.2")
+            raise ConfigError(f"{flag} {item!r} must look like NAME=VALUE, e.g. {flag} {example}")
         key, value = item.split("=", 1)
-        params[key.strip()] = yaml.safe_load(value)
-    return params
+        try:
+            values[key.strip()] = yaml.safe_load(value)   # safe_load: a value never constructs Python objects
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{flag} {key.strip()}={value!r} is not a value ({yaml_error(exc)}); give a number, "
+                              f"true/false, a string or a [list], e.g. {flag} {example}") from None
+    return values
+
+
+def _parse_params(items: list[str] | None) -> dict[str, Any]:
+    return parse_assignments(items, "--param", "temperature=0.2")
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
@@ -47,11 +68,12 @@ def _load_yaml(path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text())  # safe_load: a config file never constructs Python objects
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"config file {path} is not valid YAML at {yaml_error(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of option names to values")
+        raise ConfigError(f"config file {path} must hold a mapping of option names to values "
+                          "(see examples/simclr_cifar10.yaml)")
     return data
 
 
@@ -83,6 +105,9 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:  # noqa: F821
     params = _parse_params(ns.param)
     if params:
         base["method_params"] = {**base.get("method_params", {}), **params}
+    backbone_args = parse_assignments(getattr(ns, "backbone_arg", None), "--backbone-arg", "drop_path_rate=0.1")
+    if backbone_args:
+        base["backbone_args"] = {**base.get("backbone_args", {}), **backbone_args}
     cfg = TrainConfig.from_dict(base)
     if resume:
         cfg.resume = resume
@@ -96,26 +121,24 @@ def parse_train_args(argv: list[str]) -> TrainConfig:  # noqa: F821
 
 
 def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
-    """Refuse a config-file value of the wrong type, naming the option (instead of a TypeError later)."""
+    """Refuse a config-file value of the wrong type, naming the option (instead of a TypeError later).
+
+    Numbers written as strings (``lr: 1e-3``, which YAML 1.1 reads as a string) are accepted where a number is due."""
     import typing
 
-    from unison.configutil import _base_type
+    from unison.configutil import article, base_type, coerce_fields, type_error
 
+    data = coerce_fields(cls, data)
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
-        if key not in hints or value is None:  # unknown keys: from_dict names them; None: the default
-            continue
-        typ = _base_type(hints[key])
-        typ = typing.get_origin(typ) or typ
-        if dataclasses.is_dataclass(typ):
+        typ = base_type(hints[key]) if key in hints else None
+        if dataclasses.is_dataclass(typ) and value is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}{key} must be a mapping of {key} options, got {value!r}")
             _check_config_types(value, typ, f"{where}{key}.")
-            continue
-        ok = isinstance(value, (int, float) if typ is float else typ) and (typ is bool or not isinstance(value, bool))
-        if not ok:
-            article = "an" if typ.__name__[0] in "aeiou" else "a"
-            raise ConfigError(f"{where}{key}={value!r} must be {article} {typ.__name__}")
+    bad = type_error(data, cls)
+    if bad:
+        raise ConfigError(f"{where}{bad[0]}={bad[1]!r} must be {article(bad[2])} {bad[2]}")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -134,6 +157,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg = build_train_config(ns)
     if cfg.resume == "auto":  # `resume: auto` in a YAML file: the file's options stand, weights come from --out
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
+    launch_env = detect_launch_env()
+    if launch_env is not None:
+        _check_world_size(ns, launch_env)
     started = time.perf_counter()
     with _stop_before_training():
         try:
@@ -141,10 +167,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             raise KeyboardInterrupt(_where_to_continue(cfg.out)) from None
         except WatchdogTimeout as exc:
+            if launch_env is None or launch_env.rank == 0:
+                append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
             raise WatchdogTimeout(f"{exc}; {_where_to_continue(cfg.out)}") from None
-    launch_env = detect_launch_env()
+        except UnisonError as exc:
+            if launch_env is None or launch_env.rank == 0:
+                append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
+            raise
     if launch_env is None or launch_env.rank == 0:   # under torchrun/srun/mpirun: rank 0 prints the result
-        print(summary.result_line(time.perf_counter() - started), flush=True)
+        line = summary.result_line(time.perf_counter() - started)
+        print(line, flush=True)
+        append_run_log(cfg.out, line)
     return 0
 
 
@@ -182,6 +215,30 @@ def _stop_before_training():
             signal.signal(sig, old)
 
 
+def _explicit_world_size(ns: argparse.Namespace) -> int | None:
+    """The world size the user asked for on the command line or in the config file (None: not asked)."""
+    if getattr(ns, "world_size", None) is not None:
+        return ns.world_size
+    if getattr(ns, "config", None):
+        dist = _load_yaml(ns.config).get("distributed") or {}
+        if isinstance(dist, dict) and dist.get("world_size") is not None:
+            from unison.configutil import coerce_value
+
+            return coerce_value(dist["world_size"], int)
+    return None
+
+
+def _check_world_size(ns: argparse.Namespace, launch_env: Any) -> None:
+    """Under torchrun/srun/mpirun the launcher decides the world size: refuse a different one asked for."""
+    asked = _explicit_world_size(ns)
+    if asked is not None and asked != launch_env.world_size:
+        launcher, start = {"torchrun": ("torchrun", f"torchrun --nproc-per-node {asked}"),
+                           "mpi": ("mpirun", f"mpirun -n {asked}"),
+                           "slurm": ("srun", f"srun -n {asked}")}[launch_env.source]
+        raise ConfigError(f"--world-size {asked} but {launcher} started {launch_env.world_size} worker processes; "
+                          f"the launcher decides the world size: drop --world-size, or start {asked} ({start})")
+
+
 def cmd_check(ns: argparse.Namespace) -> int:
     from unison.check import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence
     from unison.methods import METHODS
@@ -206,15 +263,25 @@ def make_parser() -> argparse.ArgumentParser:
     from unison.check import CheckSpec, CurveSpec
     from unison.config import TrainConfig
 
-    parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p_train = sub.add_parser("train", help="self-supervised pre-training (default: SimCLR on digits, 2 workers)")
-    p_train.add_argument("--config", metavar="FILE", help="YAML file of options (CLI flags override it)")
-    p_train.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")
-    add_dataclass_arguments(p_train, TrainConfig, skip=("method_params", "distributed"))
+    p_train = sub.add_parser("train", help="self-supervised pre-training (default: SimCLR on digits, 2 workers)",
+                             description="Self-supervised pre-training: W workers with B/W images each, exactly\n"
+                                         "equivalent to 1 worker with the global batch B.",
+                             epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_train.add_argument("--config", metavar="FILE",
+                         help="YAML file of options (CLI flags override it); see examples/simclr_cifar10.yaml")
+    p_train.add_argument("--param", action="append", metavar="NAME=VALUE",
+                         help="method hyper-parameter, repeatable (names and defaults below)")
+    p_train.add_argument("--backbone-arg", action="append", metavar="NAME=VALUE",
+                         help="setting of a timm backbone, repeatable, e.g. --backbone-arg drop_path_rate=0.1 "
+                              "(img_size follows --image-size when the model takes it)")
+    add_dataclass_arguments(p_train, TrainConfig, skip=("method_params", "distributed", "backbone_args"))
     add_dataclass_arguments(p_train, DistributedConfig, group_title="distributed", skip=("rank",))
+    p_train.add_argument("--shard-optimizer", dest="shard", action="store_const", const="optimizer",
+                         default=argparse.SUPPRESS, help="alias of --shard optimizer (ZeRO-1)")
     p_train.set_defaults(func=cmd_train)
 
     p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)")
@@ -235,6 +302,41 @@ def make_parser() -> argparse.ArgumentParser:
             continue
         mod.add_subcommand(sub)
     return parser
+
+
+def version_text() -> str:
+    import platform
+
+    import torch
+
+    from unison import __version__
+
+    return f"unison {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
+def train_epilog(width: int = 100) -> str:
+    """The lists `unison train --help` ends with: methods and their --param names, presets, backbones."""
+    import dataclasses
+    import textwrap
+
+    from unison.data.augment import PRESETS
+    from unison.methods import METHODS
+    from unison.models.backbones import BACKBONES
+
+    lines = ["methods (--method) and their hyper-parameters (--param NAME=VALUE; defaults shown):"]
+    for name in sorted(METHODS):
+        defaults = METHODS[name].Params()
+        params = " ".join(f"{f.name}={getattr(defaults, f.name)}" for f in dataclasses.fields(defaults))
+        lines += textwrap.wrap(params, width, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15)
+    lines.append("")
+    lines += textwrap.wrap(f"augmentation presets (--augmentation): {', '.join(sorted(PRESETS))}; default: the "
+                           "method's recipe (see README)", width)
+    lines += textwrap.wrap(f"backbones (--backbone): {', '.join(BACKBONES)}, timm:<model> (settings with "
+                           "--backbone-arg NAME=VALUE)", width)
+    lines += textwrap.wrap("A YAML file (--config) takes the same options by their field names (batch_size: 256), "
+                           "the distributed ones under 'distributed:', method hyper-parameters under "
+                           "'method_params:'; see examples/simclr_cifar10.yaml.", width)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,24 +19,49 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from unison.configutil import article, coerce_fields, coerce_instance, did_you_mean, type_error, unknown_keys_message
 from unison.distributed.config import ConfigError, DistributedConfig
 
 AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")
+DATA_MODES = ("auto", "memory", "stream")
+DECODERS = ("cpu", "gpu")
+LOGGERS = ("none", "csv", "tensorboard", "wandb")
+MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
+MAX_SEED = 2**64 - 1     # torch.manual_seed takes unsigned 64-bit seeds
 
 
 @dataclass
 class TrainConfig:
-    method: str = field(default="simclr", metadata={"help": "self-supervised method"})
+    method: str = field(default="simclr", metadata={"help": "self-supervised method (the list below)"})
     data: str = field(default="digits", metadata={
-        "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download) or an ImageFolder directory"})
+        "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download), an ImageFolder directory, "
+                "a folder of images (unlabelled), a file list (one path per line, optional label) or .tar shards "
+                "(x.tar, a folder of them, or train-{0000..0146}.tar)"})
     val: str | None = field(default=None, metadata={
-        "help": "held-out data for kNN: an ImageFolder directory; default: the held-out split of --data"})
+        "help": "labelled held-out data for kNN, in any --data layout; default: the held-out split of digits / "
+                "cifar10, and no kNN for other data"})
     subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N training images"})
     val_subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N held-out images"})
     on_corrupt: str = field(default="skip", metadata={"help": "corrupt image files: skip (with a count) or error",
                                                        "choices": ON_CORRUPT})
-    backbone: str = field(default="small_cnn", metadata={"help": "small_cnn | resnet18 | resnet50 | timm:<name>"})
+    data_mode: str = field(default="auto", metadata={
+        "help": "memory: decode all images once into memory (fastest; 3*H*W bytes per image on every worker); "
+                "stream: each worker decodes its share of every batch in loader processes (memory independent of "
+                "the data's size); auto: memory when the decoded training set fits 2 GiB, else stream",
+        "choices": DATA_MODES})
+    loader_workers: int | None = field(default=None, metadata={
+        "help": "loader processes per worker for streamed data (0: decode in the worker); default: the cores per "
+                "worker minus one, 1 to 8"})
+    decode: str = field(default="cpu", metadata={
+        "help": "where streamed JPEGs are decoded: cpu (loader processes, DCT-scaled) or gpu "
+                "(torchvision.io.decode_jpeg batched on the worker's GPU; needs CUDA)", "choices": DECODERS})
+    backbone: str | None = field(default=None, metadata={
+        "help": "small_cnn | resnet18 | resnet50 (stem by image size; _cifar / _imagenet pin it) | "
+                "vit_<nano|tiny|small|base>[_p4|_p2] | timm:<name>; default: the method's recipe (small_cnn; a "
+                "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
+    backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
     image_size: int | None = field(default=None, metadata={"help": "training crop size; default: the data's size"})
     epochs: int = field(default=30, metadata={"help": "training epochs"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size (split evenly over workers)"})
@@ -47,7 +72,8 @@ class TrainConfig:
     momentum: float = field(default=0.9, metadata={"help": "SGD/LARS momentum"})
     warmup_epochs: float = field(default=2.0, metadata={"help": "linear learning-rate warm-up, then cosine decay"})
     grad_clip: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this value"})
-    augmentation: str | None = field(default=None, metadata={"help": "augmentation preset; default: method recipe"})
+    augmentation: str | None = field(default=None, metadata={
+        "help": "augmentation preset (the list below); default: method recipe"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation, data order and augmentation"})
     out: str = field(default="runs/default", metadata={"help": "run directory (config, checkpoints, metrics, plot)"})
     resume: str | None = field(default=None, metadata={"help": "resume from this run directory or checkpoint file"})
@@ -59,6 +85,9 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata={"help": "kNN evaluation every N epochs (0 = only at the end)"})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
     knn_t: float = field(default=0.1, metadata={"help": "kNN temperature for similarity weighting"})
+    random_init_knn: bool = field(default=True, metadata={
+        "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "
+                "result line; --no-random-init-knn skips it)"})
     precision: str = field(default="float32", metadata={
         "help": "parameter/compute dtype: float32, or float64 for exactness and resume checks",
         "choices": ("float32", "float64")})
@@ -72,16 +101,30 @@ class TrainConfig:
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimiser steps (testing)"})
     log_every: int = field(default=10, metadata={"help": "log metrics every N optimiser steps"})
     progress: bool = field(default=True, metadata={"help": "progress bar on rank 0"})
+    logger: str = field(default="csv", metadata={
+        "help": "metrics logger: csv (metrics.csv + plot.png), tensorboard (also <out>/tensorboard; pip install "
+                "tensorboard), wandb (also Weights & Biases; pip install wandb; WANDB_PROJECT names the project), "
+                "none (no metrics files)", "choices": LOGGERS})
     method_params: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "method hyper-parameters (--param NAME=VALUE)"})
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
+        """Raise `ConfigError` with a one-line fix for any invalid value; return self.
+
+        Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
+        integral numbers in any notation (``1e9``) become ints where the option is an integer."""
         from unison.methods import METHODS
 
+        coerce_instance(self)
         self.distributed.validate(cuda_available)
         if self.method not in METHODS:
-            raise ConfigError(f"method={self.method!r} is unknown; use one of {', '.join(sorted(METHODS))}")
+            raise ConfigError(f"method={self.method!r} is unknown{did_you_mean(self.method, METHODS)}; "
+                              f"use one of {', '.join(sorted(METHODS))}")
+        bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, TrainConfig, (int, float, bool))
+        if bad:
+            name, value, typ = bad
+            raise ConfigError(f"{name}={value!r} must be {article(typ)} {typ}")
         for name in ("epochs", "batch_size", "keep_checkpoints", "knn_k", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -92,6 +135,11 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1 (or left unset)")
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("checkpoint_every and eval_every must be >= 0 (0 = once per epoch / at the end)")
+        if self.epochs > MAX_EPOCHS:
+            raise ConfigError(f"epochs={self.epochs} is past 1e9; to run by steps, give --max-steps "
+                              "(e.g. --epochs 1e9 --max-steps 100000)")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed={self.seed} must be in [0, 2**64-1] (torch's seeds are unsigned 64-bit)")
         w = self.distributed.world_size
         if self.batch_size % w:
             raise ConfigError(
@@ -105,32 +153,94 @@ class TrainConfig:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if not 0 <= self.warmup_epochs or not math.isfinite(self.warmup_epochs):
             raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} must be >= 0")
-        if self.knn_t <= 0:
+        if self.warmup_epochs > MAX_EPOCHS:
+            raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} is past 1e9 epochs; a warm-up "
+                              "longer than the run is cut at its end, so give at most the run's --epochs")
+        if not self.knn_t > 0 or not math.isfinite(self.knn_t):
             raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")
         if self.amp not in AMP_MODES:
             raise ConfigError(f"amp={self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.distributed.shard == "full" and self.amp == "fp16":
+            raise ConfigError("amp='fp16' needs a gradient scaler for sharded gradients, which --shard full does not "
+                              "have; use --amp bf16 (FSDP mixed precision: bf16 parameters, fp32 reduction)")
+        if self.distributed.shard == "full" and self.method == "moco" and self.method_params.get("shuffle_bn"):
+            raise ConfigError("MoCo shuffle_bn swaps the key encoder's batch-norm layers during training, which "
+                              "--shard full cannot follow; use --shard none or drop --param shuffle_bn=true")
         if self.precision not in ("float32", "float64"):
             raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
+        self._validate_data(cuda_available)
+        self._validate_names()
+        self._validate_method_params(METHODS[self.method])
+        return self
+
+    def _validate_names(self) -> None:
+        """Backbone (and its arguments), augmentation, optimizer and logger: known, and installed where optional."""
+        import importlib.util
+
         from unison.data.augment import PRESETS
+        from unison.methods import METHODS
         from unison.models.backbones import BACKBONES
 
+        if self.backbone is None:   # the method's recipe names it: what the workers, checkpoints and summary see
+            self.backbone = METHODS[self.method].recipe.for_data(self.data).backbone
         if self.backbone not in BACKBONES and not self.backbone.startswith("timm:"):
-            raise ConfigError(f"backbone={self.backbone!r} is unknown; use one of {', '.join(BACKBONES)} or timm:<name>")
+            raise ConfigError(f"backbone={self.backbone!r} is unknown{did_you_mean(self.backbone, BACKBONES)}; "
+                              f"use one of {', '.join(BACKBONES)} or timm:<name>")
+        if self.backbone_args and not self.backbone.startswith("timm:"):
+            raise ConfigError(f"--backbone-arg {', '.join(self.backbone_args)} is for timm backbones "
+                              f"(--backbone timm:<name>); {self.backbone} takes none")
+        if self.backbone.startswith("timm:"):
+            from unison.models.backbones import check_backbone
+
+            check_backbone(self.backbone, self.image_size, self.backbone_args)
         if self.augmentation is not None and self.augmentation not in PRESETS:
-            raise ConfigError(f"augmentation={self.augmentation!r} is unknown; use one of {', '.join(sorted(PRESETS))}")
+            raise ConfigError(f"augmentation={self.augmentation!r} is unknown{did_you_mean(self.augmentation, PRESETS)};"
+                              f" use one of {', '.join(sorted(PRESETS))}")
         if self.optimizer is not None and self.optimizer not in ("sgd", "lars", "adam", "adamw"):
             raise ConfigError(f"optimizer={self.optimizer!r} is unknown; use sgd, lars, adam or adamw")
-        cls = METHODS[self.method]
-        try:
-            cls.Params(**self.method_params)
-        except TypeError:
-            known = ", ".join(f.name for f in dataclasses.fields(cls.Params))
-            raise ConfigError(
-                f"unknown parameter in method_params {sorted(self.method_params)} for {self.method}; "
-                f"known: {known}") from None
-        return self
+        if self.logger not in LOGGERS:
+            raise ConfigError(f"logger={self.logger!r} is unknown; use one of {', '.join(LOGGERS)}")
+        package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(self.logger)
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--logger {self.logger} needs the {package} package: pip install 'unison[{package}]' "
+                              "(or use --logger csv)")
+
+    def _validate_method_params(self, method_cls: Any) -> None:
+        """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`)."""
+        params_cls = method_cls.Params
+        fields = {f.name: f for f in dataclasses.fields(params_cls)}
+        unknown = sorted(set(self.method_params) - set(fields))
+        if unknown:
+            raise ConfigError(f"{unknown_keys_message(unknown, fields, f'{self.method} parameter')} "
+                              "(--param NAME=VALUE)")
+        self.method_params = coerce_fields(params_cls, self.method_params)
+        bad = type_error(self.method_params, params_cls)
+        if bad:
+            name, value, typ = bad
+            default = getattr(params_cls(), name)
+            raise ConfigError(f"--param {name}={value!r} must be {article(typ)} {typ} (default {default!r})")
+        params_cls(**self.method_params)   # the ranges: a one-line ConfigError from check_params
+
+    def _validate_data(self, cuda_available: bool | None) -> None:
+        if self.data_mode not in DATA_MODES:
+            raise ConfigError(f"data_mode={self.data_mode!r} is unknown; use auto, memory or stream")
+        if self.decode not in DECODERS:
+            raise ConfigError(f"decode={self.decode!r} is unknown; use cpu or gpu")
+        lw = self.loader_workers
+        if lw is not None and (not isinstance(lw, int) or isinstance(lw, bool) or lw < 0):
+            raise ConfigError(f"loader_workers={lw!r} must be an integer >= 0 (0: decode in the worker itself)")
+        if self.decode == "gpu":
+            if cuda_available is None:
+                import torch
+
+                cuda_available = torch.cuda.is_available()
+            if not cuda_available:
+                raise ConfigError("--decode gpu decodes JPEGs on the GPU and this machine has no CUDA device; "
+                                  "use --decode cpu")
+            if self.data_mode == "memory":
+                raise ConfigError("--decode gpu decodes streamed batches; use --data-mode stream (or auto)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,9 +251,16 @@ class TrainConfig:
             raise ConfigError(f"a configuration must be a mapping of option names to values, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
+        dist_names = {f.name for f in dataclasses.fields(DistributedConfig)}
+        misplaced = [k for k in unknown if k in dist_names]
+        if misplaced:
+            example = ", ".join(f"{k}: {data[k]!r}" for k in misplaced)
+            raise ConfigError(f"option(s) {', '.join(misplaced)} belong under 'distributed:' in a config file "
+                              f"(distributed: {{{example}}}); on the command line: "
+                              f"{' '.join('--' + k.replace('_', '-') for k in misplaced)}")
         if unknown:
-            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known options are {', '.join(sorted(known))}")
-        data = dict(data)
+            raise ConfigError(unknown_keys_message(unknown, known))
+        data = coerce_fields(cls, data)
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")

@@ -6,11 +6,15 @@ in the user's code later). The file holds the backbone's own ``state_dict()`` �
 only, keys exactly as the backbone module names them (``conv1.weight``,
 ``layer1.0.bn1.running_mean``, ...; no ``backbone.`` prefix, no heads, no momentum
 encoder: for BYOL/MoCo/DINO the *online* backbone is exported) — as ``torch.save`` (.pt)
-or safetensors (``pip install safetensors``; not a dependency of unison).
+or safetensors (``pip install safetensors``; not a dependency of unison). Beside it,
+``<name>.json`` records what the backbone expects as input — the image size and the
+training set's per-channel mean/std (``x = (pixels / 255 - mean) / std``) — with the
+method, backbone and step; a safetensors file carries the same in its metadata.
 
-The CIFAR ResNets are torchvision's with a 3x3 stride-1 ``conv1``, no max-pool and no
-``fc``, so the export loads into torchvision after the same stem surgery, with only
-``fc.*`` missing::
+ResNets trained above 64 px (``resnet18_imagenet``) are torchvision's without ``fc``: the export
+loads into ``torchvision.models.resnet18()`` as is, with only ``fc.*`` missing. The CIFAR ResNets
+(``resnet18_cifar``, what ``resnet18`` is at 64 px and below) have a 3x3 stride-1 ``conv1`` and no
+max-pool, so the export loads into torchvision after the same stem surgery::
 
     unison export --checkpoint runs/cifar --out r18.pt
 
@@ -42,9 +46,9 @@ FORMATS = ("pt", "safetensors")
 @dataclass
 class ExportOptions:
     checkpoint: str | None = field(default=None, metadata={
-        "help": "run directory (its latest checkpoint) or checkpoint file; required", "metavar": "RUN_DIR_OR_FILE"})
+        "help": "run directory (its latest checkpoint) or checkpoint file; required", "required": True, "metavar": "RUN_DIR_OR_FILE"})
     out: str | None = field(default=None, metadata={"help": "file to write, e.g. backbone.pt; required",
-                                                     "metavar": "FILE"})
+                                                     "required": True, "metavar": "FILE"})
     format: str | None = field(default=None, metadata={
         "help": "pt (torch.save) or safetensors; default: safetensors if FILE ends in .safetensors, else pt",
         "choices": FORMATS})
@@ -57,13 +61,19 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
     """
     from unison.config import TrainConfig
+    from unison.models.backbones import resolve_backbone
     from unison.train.checkpoint import check_compatible, load_checkpoint
     from unison.train.step import build_method
 
     ckpt = load_checkpoint(checkpoint, map_location=device)
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
+    # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
+    # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
+    pinned = (ckpt.get("resolved") or {}).get("backbone")
+    cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
-        method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device))
+        method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
+                              image_size=preprocessing(cfg, ckpt)["image_size"])
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
     check_compatible(method, ckpt["model"])
@@ -104,6 +114,7 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str | Path, fmt: str |
             save_file(state, str(tmp), metadata=metadata)
         else:
             torch.save(state, tmp)
+        os.chmod(tmp, 0o666 & ~_umask())   # safetensors writes 0600; an export is shared like any file (0644)
         os.replace(tmp, out)  # a reader never sees a half-written file
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -111,24 +122,57 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str | Path, fmt: str |
     return out
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def preprocessing(cfg: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What a user of the exported backbone must feed it: image size and the training set's mean/std.
+
+    From the checkpoint's resolved values; a checkpoint written before they were recorded has the
+    configured image size only (mean/std None)."""
+    resolved = ckpt.get("resolved") or {}
+    return {"image_size": resolved.get("image_size", cfg.image_size), "mean": resolved.get("mean"),
+            "std": resolved.get("std")}
+
+
 def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = None) -> dict[str, Any]:
-    """Export the backbone of `checkpoint` to `out`; return a description (path, format, counts, backbone)."""
+    """Export the backbone of `checkpoint` to `out`, with its preprocessing in ``<out stem>.json`` (and, for
+    safetensors, in the file's metadata); return a description (path, format, counts, backbone, preprocessing)."""
+    import json
+
+    from unison import __version__
+
     method, cfg, ckpt = load_method(checkpoint)
     state = backbone_state_dict(method)
     fmt = _resolve_format(Path(out), fmt)
-    meta = {"unison": "backbone", "method": str(ckpt["method"]), "backbone": cfg.backbone, "step": str(ckpt["step"])}
+    info = {"unison": "backbone", "unison_version": __version__, "method": str(ckpt["method"]),
+            "backbone": cfg.backbone, "backbone_args": dict(cfg.backbone_args), "step": int(ckpt["step"]),
+            "feature_dim": int(method.feature_dim), **preprocessing(cfg, ckpt)}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}   # safetensors: strings only
     path = write_state_dict(state, out, fmt, metadata=meta)  # metadata: safetensors only (.pt is tensors only)
+    sidecar = path.with_suffix(".json")
+    sidecar.write_text(json.dumps({**info, "file": path.name, "format": fmt}, indent=2) + "\n")
     n_params = sum(p.numel() for p in method.backbone.parameters())
-    return {**meta, "path": str(path), "format": fmt, "tensors": len(state), "parameters": n_params}
+    return {**info, "path": str(path), "sidecar": str(sidecar), "format": fmt, "tensors": len(state),
+            "parameters": n_params}
 
 
 def _load_hint(backbone: str) -> str:
-    if backbone in ("resnet18", "resnet50"):
-        return (f"load into torchvision.models.{backbone}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
+    if backbone.endswith("_imagenet"):
+        return f"load into torchvision.models.{backbone[:-9]}() with strict=False (only fc.* is missing)"
+    if backbone.endswith("_cifar"):
+        return (f"load into torchvision.models.{backbone[:-6]}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
                 "maxpool = Identity(), with strict=False (only fc.* is missing)")
     if backbone.startswith("timm:"):
         return f"load into timm.create_model({backbone[5:]!r}, num_classes=0)"
     return f"load into unison.models.build_backbone({backbone!r})[0]"
+
+
+def _fmt3(values: list[float]) -> str:
+    return "(" + ", ".join(f"{v:.4f}" for v in values) + ")"
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
@@ -143,9 +187,11 @@ def cmd_export(ns: argparse.Namespace) -> int:
         info = export_backbone(opts.checkpoint, opts.out, opts.format)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    norm = (f"normalise with mean {_fmt3(info['mean'])}, std {_fmt3(info['std'])}" if info["mean"] is not None
+            else "mean/std not recorded in this checkpoint")
     print(f"exported the {info['backbone']} backbone of {info['method']} (step {info['step']}; {info['tensors']} "
           f"tensors, {info['parameters'] / 1e6:.2f}M parameters) to {info['path']} ({info['format']}); "
-          f"{_load_hint(info['backbone'])}")
+          f"{_load_hint(info['backbone'])}; inputs {info['image_size']} px, {norm} (also in {info['sidecar']})")
     return 0
 
 

@@ -1,7 +1,8 @@
-"""`unison bench [table|comm|lightly|scaling|all]`: the CLI of the benchmarks.
+"""`unison bench table|comm|lightly|scaling|all`: the CLI of the benchmarks.
 
-Options are generated from `BenchConfig` (``--preset cpu|gpu`` picks the preset, every
-other flag overrides one field of it). Each part prints its table and writes markdown and
+Options are generated from `BenchConfig` (``--preset cpu|gpu|gpu1`` picks the preset, every
+other flag overrides one field of it); each part offers the options it reads
+(`PART_OPTIONS`, ``unison bench lightly --help``), ``all`` every option. Each part prints its table and writes markdown and
 CSV (the table also a PNG) into ``--out`` (default ``runs/bench/<preset>``); ``all`` runs
 the four parts and also writes ``report.md``, the sections one after another.
 """
@@ -41,20 +42,49 @@ _WHAT = {
     "lightly": ("Side by side with Lightly SSL",
                 "SimCLR, same backbone type, data, global batch, steps, optimizer and schedule; one training process "
                 "per side (Lightly's with its DataLoader workers); kNN of both encoders by the same code."),
+    "data": ("Data loading at 224 px",
+             "Images/s of SimCLR's two 224 px views from a JPEG folder: unison's streaming loader against "
+             "torchvision's ImageFolder + Lightly's SimCLRTransform, the same number of DataLoader workers."),
     "scaling": ("Scaling on this machine",
                 "The same global batch and number of steps on 1 worker and on W workers, one thread each; "
                 "throughput ratio in images/s of the training loop."),
 }
 
 
+# The options each part reads (the others keep the preset's value); `all` takes every option.
+_COMMON = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run")
+_DATA = ("data", "val", "subset", "val_subset", "knn_k")
+PART_OPTIONS = {
+    "table": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args"),
+    "comm": (*_COMMON, "methods", "batch_size", "workers", "backend", "comm_steps"),
+    "lightly": (*_COMMON, *_DATA, "epochs", "batch_size", "backend", "train_args", "lightly_steps",
+                "lightly_loader_workers", "lightly_threads", "peak_tflops"),
+    "scaling": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args",
+                "scaling_steps"),
+    "data": (*_COMMON, "data_folder", "data_images", "data_batch_size", "data_batches", "data_loader_workers",
+             "data_repeats", "data_threads"),
+}
+LIGHTLY_EXTRA = "pip install 'unison[bench]'"
+
+
 def add_subcommand(subparsers: Any) -> None:
+    import dataclasses
+
     p = subparsers.add_parser("bench", help="benchmarks: distributed table, communication, Lightly, scaling",
-                              description=__doc__.splitlines()[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("part", nargs="?", default="table", choices=PARTS,
-                   help="table (default), comm, lightly, scaling, or all of them")
-    add_dataclass_arguments(p, BenchConfig)
-    p.set_defaults(func=cmd_bench)
+                              description=__doc__.splitlines()[0] + " Each part has its own options: "
+                                          "unison bench PART --help.")
+    parts = p.add_subparsers(dest="part", required=True, metavar="PART")
+    all_fields = tuple(f.name for f in dataclasses.fields(BenchConfig))
+    for part in PARTS:
+        title, what = _WHAT.get(part, ("All parts", "table, comm, lightly and scaling, one after another, and a "
+                                                     "report.md of their sections."))
+        if part in ("lightly", "all"):
+            what += (f" The Lightly side needs Lightly SSL ({LIGHTLY_EXTRA}); without it `bench lightly` stops "
+                     "with that hint and `bench all` reports the side as not measured.")
+        sp = parts.add_parser(part, help=title.lower(), description=f"{title}: {what}")
+        options = PART_OPTIONS.get(part, all_fields)
+        add_dataclass_arguments(sp, BenchConfig, skip=tuple(f for f in all_fields if f not in options))
+        sp.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -64,6 +94,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         _print_plan(cfg, parts)
         return 0
     check_devices(cfg, parts)
+    _check_lightly(parts)
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     machine = describe_machine(machine_info())
@@ -81,6 +112,21 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     if ns.part == "all":
         (out / "report.md").write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
     return 0
+
+
+def _check_lightly(parts: list[str]) -> None:
+    """`bench lightly` without Lightly SSL installed stops with the install hint; `bench all` says so up front."""
+    from .lightly_compare import lightly_available
+
+    if "lightly" not in parts:
+        return
+    why_not = lightly_available()
+    if why_not is None:
+        return
+    if parts == ["lightly"]:
+        raise ConfigError(f"bench lightly needs Lightly SSL, which does not import ({why_not})")
+    print(f"unison bench: warning: Lightly SSL does not import ({why_not}); the Lightly side will be reported "
+          "as not measured", file=sys.stderr, flush=True)
 
 
 def check_devices(cfg: BenchConfig, parts: list[str]) -> None:
@@ -107,6 +153,13 @@ def _run_part(part: str, cfg: BenchConfig, out: Path, machine: str) -> str:
     start_load = format_load(loadavg())
     if part == "comm":
         return _run_comm(cfg, out, machine, start_load)
+    if part == "data":
+        from .data_loader import measure as measure_data
+        from .data_loader import write as write_data
+
+        rows = measure_data(cfg, out)
+        return write_data(rows, out, _header(part, cfg, machine, f"at start {start_load}; before each run: "
+                                             "the last column"))["md"].read_text()
     data = data_or_skip(cfg)
     if isinstance(data, str):
         msg = f"unison bench: {part} skipped: {data}"
@@ -174,6 +227,9 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
             print("unison " + shlex.join(argv))
             print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
                   f"{cfg.lightly_steps} steps of {cfg.batch_size}")
+        elif part == "data":
+            print(f"# data: {cfg.data_batches} batches of {cfg.data_batch_size} at 224 px, "
+                  f"{cfg.data_loader_workers} loader workers per side, {cfg.data_folder or 'generated JPEGs'}")
         elif part == "comm":
             for s in default_specs(cfg.method_list):
                 print(f"# comm: {s.method}, {s.label}, compression {s.compression}: {cfg.workers} workers, "

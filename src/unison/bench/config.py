@@ -4,7 +4,7 @@ Presets (`PRESETS`): ``cpu`` is the dataclass default and fits a 2-core machine 
 a class-balanced CIFAR-10 subset, 2 gloo workers of 1 thread each, SimCLR and MoCo);
 ``gpu`` is Lightly's distributed-table protocol (ResNet-18, CIFAR-10, global batch 512,
 kNN k=200, 4 NCCL workers, 100 epochs by default). Command-line flags override the chosen
-preset field by field, so ``unison bench --preset gpu --epochs 200`` is the 200-epoch table.
+preset field by field, so ``unison bench table --preset gpu --epochs 200`` is the 200-epoch table.
 
 Why the CPU rows pin one thread per worker: a worker stands for one device, as a GPU does
 in Lightly's table, so "1 worker" gets one core and "2 workers" get two.
@@ -28,7 +28,7 @@ from typing import Any
 
 from unison.distributed.config import ConfigError
 
-PARTS = ("table", "comm", "lightly", "scaling", "all")
+PARTS = ("table", "comm", "lightly", "scaling", "data", "all")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -52,7 +52,7 @@ class BenchConfig:
     epochs: int = field(default=2, metadata={"help": "epochs per table run"})
     batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size, the same for every configuration"})
     workers: int = field(default=2, metadata={"help": "W, the number of workers of the multi-worker rows"})
-    threads: int | None = field(default=1, metadata={"help": "torch threads per worker (default: cores / workers)"})
+    threads: int | None = field(default=1, metadata={"help": "torch threads per worker (unset: cores / workers)"})
     backend: str = field(default="auto", metadata={"help": "process-group backend of the multi-worker runs",
                                                    "choices": ("auto", "gloo", "nccl")})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's protocol: 200)"})
@@ -63,14 +63,24 @@ class BenchConfig:
     lightly_loader_workers: int = field(default=2, metadata={
         "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
     lightly_threads: int | None = field(default=None, metadata={
-        "help": "torch threads of the training process on each side of the Lightly comparison (default: all cores)"})
+        "help": "torch threads of the training process on each side of the Lightly comparison (unset: all cores)"})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
                 "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
     scaling_steps: int = field(default=30, metadata={"help": "optimiser steps of each scaling run"})
+    data_folder: str | None = field(default=None, metadata={
+        "help": "bench data: an ImageFolder of JPEGs (default: ImageNet-like images generated under --out)"})
+    data_images: int = field(default=512, metadata={"help": "bench data: number of generated images"})
+    data_loader_workers: int = field(default=2, metadata={
+        "help": "bench data: DataLoader worker processes, the same on both sides"})
+    data_batch_size: int = field(default=64, metadata={"help": "bench data: images per batch"})
+    data_batches: int = field(default=10, metadata={"help": "bench data: timed batches per run (after 2 warm-up)"})
+    data_repeats: int = field(default=2, metadata={"help": "bench data: runs per side, alternating; the best counts"})
+    data_threads: int = field(default=1, metadata={
+        "help": "bench data: torch threads of the training process (unison's colour ops run there)"})
     train_args: str = field(default="", metadata={
         "help": "extra 'unison train' flags for every run, e.g. \"--amp bf16 --channels-last\""})
-    out: str | None = field(default=None, metadata={"help": "output directory (default: runs/bench/<preset>)"})
+    out: str | None = field(default=None, metadata={"help": "output directory (unset: runs/bench/<preset>)"})
     max_load: float | None = field(default=None, metadata={
         "help": "before each measurement wait until the 1-minute load average is at most this"})
     load_wait_s: float = field(default=900.0, metadata={
@@ -85,13 +95,16 @@ class BenchConfig:
                 raise ConfigError(f"bench: method {m!r} is unknown; use some of {', '.join(sorted(METHODS))}")
         if not self.method_list:
             raise ConfigError("bench: --methods is empty; give e.g. simclr,moco")
-        for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "lightly_steps", "scaling_steps"):
+        for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "lightly_steps", "scaling_steps",
+                     "data_images", "data_batch_size", "data_batches", "data_repeats", "data_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench: {name}={getattr(self, name)} must be >= 1")
         if self.workers < 2:
             raise ConfigError("bench: --workers must be >= 2 (the table compares 1 worker with W workers)")
         if self.batch_size % self.workers:
             raise ConfigError(f"bench: batch_size={self.batch_size} must be divisible by workers={self.workers}")
+        if self.data_loader_workers < 0:
+            raise ConfigError(f"bench: data_loader_workers={self.data_loader_workers} must be >= 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"bench: --peak-tflops={self.peak_tflops} must be a positive number of TFLOPS")
         if self.comm_steps < 3:
@@ -151,8 +164,9 @@ def data_or_skip(cfg: BenchConfig) -> tuple[str, str | None] | str:
     val = resolve_data(cfg.val) if cfg.val is not None else None
     missing = [p for p, r in ((cfg.data, train), (cfg.val, val)) if p is not None and r is None]
     if missing:
-        return (f"data folder(s) {', '.join(missing)} not found (tried the working directory and {REPO_ROOT}); "
-                "pass --data/--val (e.g. --data cifar10 to download CIFAR-10)")
+        tried = "the working directory" + (f" and {REPO_ROOT}" if (REPO_ROOT / "pyproject.toml").exists() else "")
+        return (f"data folder(s) {', '.join(missing)} not found (tried {tried}); pass --data/--val: ImageFolder "
+                "directories, or --data cifar10 --val cifar10 to download CIFAR-10")
     assert train is not None
     return train, val
 

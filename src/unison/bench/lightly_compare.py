@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unison.config import TrainConfig
+
 from .config import BenchConfig, format_load, loadavg, wait_for_load
 from .report import fmt_duration, markdown_table, write_csv
 from .table import BenchError, RunSpec, load_pair, run_train, train_argv
@@ -44,7 +46,7 @@ def lightly_available() -> str | None:
         from lightly.models.modules import SimCLRProjectionHead  # noqa: F401
         from lightly.transforms import SimCLRTransform  # noqa: F401
     except Exception as exc:  # ImportError, or a broken dependency
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (pip install lightly)"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; pip install 'unison[bench]'"
     return None
 
 
@@ -74,10 +76,10 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     from torch.utils.data import DataLoader
 
     from unison.data import eval_transform, load_dataset
-    from unison.distributed.optim import build_optimizer
     from unison.eval.knn import knn_accuracy
     from unison.methods import SimCLR
     from unison.models import build_backbone
+    from unison.optim import build_optimizer
     from unison.train.step import Schedule
     from unison.train.summary import peak_memory_mib
 
@@ -229,10 +231,13 @@ def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, image_size: int, de
 
 
 def _first_logged_interval(summary: dict[str, Any]) -> tuple[int, float]:
-    """(step, seconds) at unison's first log: the warm-up interval left out of the steady rate."""
+    """(step, seconds) at unison's first regular log (step ``log_every``; the loop also logs step 1, for the
+    progress bar): the warm-up interval left out of the steady rate."""
     if not summary["loss_curve"]:
         raise BenchError("the unison side logged no step")
-    return int(summary["loss_curve"][0][0]), float(summary["log_times_s"][0])
+    log_every = TrainConfig().log_every   # train_argv leaves --log-every at its default
+    i = next((i for i, (step, _) in enumerate(summary["loss_curve"]) if step >= log_every), 0)
+    return int(summary["loss_curve"][i][0]), float(summary["log_times_s"][i])
 
 
 def _version(dist: str) -> str:

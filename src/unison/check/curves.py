@@ -118,7 +118,7 @@ class CurvesReport:
 
 
 def run_curves(method: str = "simclr", steps: int = 200, world_sizes: tuple[int, ...] = (1, 2), *,
-               batch_size: int = 64, precision: str = "float64", seed: int = 0, backbone: str = "small_cnn",
+               batch_size: int = 64, precision: str = "float64", seed: int = 0, backbone: str | None = None,
                data: str = "digits", method_params: dict[str, Any] | None = None, sync_batchnorm: bool = True,
                gather_distributed: bool = True, shared_queue: bool = True,
                tolerance: tuple[float, float] | None = None,

@@ -45,15 +45,22 @@ class CheckSpec:
     steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
     local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})
     image_size: int = field(default=16, metadata={"help": "image size of the synthetic data"})
-    backbone: str = field(default="small_cnn", metadata={"help": "backbone"})
+    backbone: str | None = field(default=None, metadata={
+        "help": "backbone; default: the method's recipe (small_cnn, or a ViT for the methods that need one)"})
     dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
                                                      "choices": tuple(TOLERANCE)})
     sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})
     gather_distributed: bool = field(default=True, metadata={"help": "global-batch losses", "flag": "gather"})
     shared_queue: bool = field(default=True, metadata={"help": "MoCo-style queues shared by all workers"})
+    shard: str = field(default="none", metadata={
+        "help": "sharding of the distributed run: none (DDP) | optimizer (ZeRO-1) | full (FSDP2); the reference "
+                "process is never sharded", "choices": ("none", "optimizer", "full")})
     seed: int = field(default=0, metadata={"help": "seed"})
     lr: float | None = field(default=None, metadata={
         "help": "base learning rate per 256 images; default: the method's recipe, as in unison train"})
+    data: str | None = field(default=None, metadata={
+        "help": "check on these images instead of synthetic ones: a folder, file list or tar shards, streamed "
+                "(each worker decodes its slice of every batch in a loader process) at --image-size"})
     method_params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,7 +84,9 @@ class CheckReport:
         lines = [
             f"unison check: method={s.method} world_size={s.world_size} steps={s.steps} "
             f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
-            f"gather={s.gather_distributed} shared_queue={s.shared_queue} (the training step of unison train)",
+            f"gather={s.gather_distributed} shared_queue={s.shared_queue} shard={s.shard} "
+            "(the training step of unison train)"
+            + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
             f"  max relative difference, parameters : {self.max_rel_state:.3e}   ({self.worst.get('state', '-')})",
@@ -91,17 +100,21 @@ class CheckReport:
 
 
 def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: F821
-    """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches."""
+    """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches (synthetic
+    images), or `spec.steps` global batches of `spec.data`, streamed."""
     from unison.config import TrainConfig
     from unison.distributed.config import DistributedConfig
 
+    streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
+                "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     return TrainConfig(
-        method=spec.method, data="synthetic", backbone=spec.backbone, epochs=1, max_steps=spec.steps,
+        method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
         threads=1, progress=False, method_params=dict(spec.method_params),
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
-                                      shared_queue=spec.shared_queue))
+                                      shared_queue=spec.shared_queue,
+                                      shard=spec.shard if world_size > 1 else "none"))
 
 
 def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:  # noqa: F821
@@ -115,12 +128,13 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
     """Worker body (also run in-process for the single-worker reference): the production step's
     losses, gradients and states, step by step."""
     from unison.distributed import collectives as C
+    from unison.distributed.dtensor import full_tensor
     from unison.train.step import batches, build_run, forward_backward, optimizer_step
 
     spec = CheckSpec(**spec_dict)
     torch.set_num_threads(1)
     cfg = train_config_for(spec, C.world_size())
-    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_images(spec))
+    run = build_run(cfg, torch.device("cpu"), train_set=None if spec.data else synthetic_images(spec))
     losses, grads, states = [], [], []
     loss_sum = torch.zeros((), dtype=run.dtype)
     for batch in batches(run):
@@ -128,9 +142,11 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
         if batch.micro < run.accumulate - 1:
             continue
         losses.append(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
-        grads.append({n: p.grad.detach().clone() for n, p in run.method.named_parameters() if p.grad is not None})
+        # full_tensor: sharded (FSDP) gradients and parameters gathered whole (a collective; plain ones as they are)
+        grads.append({n: full_tensor(p.grad).detach().clone() for n, p in run.method.named_parameters()
+                      if p.grad is not None})
         optimizer_step(run, batch.step)
-        states.append({k: v.detach().clone() for k, v in run.method.state_dict().items()})
+        states.append({k: full_tensor(v).detach().clone() for k, v in run.method.state_dict().items()})
     # Every rank must hold the same state; per-rank queues (shared_queue off) differ by design.
     final = {k: v for k, v in states[-1].items() if spec.shared_queue or "queue" not in k}
     gathered = C.all_gather_object(final) if C.world_size() > 1 else [final]

@@ -1,6 +1,6 @@
-"""In-memory datasets, counter-based randomness and batched per-sample view augmentation.
+"""Data: in-memory datasets, streamed catalogs, counter-based randomness and batched per-sample views.
 
-Typical training-loop use::
+Typical training-loop use (what `unison.train.step.build_run` does through `build_batch_source`)::
 
     from unison.data import ViewAugmenter, global_batches, load_dataset
     ds = load_dataset("digits").to(device)
@@ -8,6 +8,11 @@ Typical training-loop use::
     for batch in global_batches(len(ds), global_batch=256, epoch=epoch, seed=seed):
         idx = batch[local_slice(len(batch))].to(device)   # this rank's share
         views = aug(ds.images[idx], idx, epoch=epoch, seed=seed)
+
+Modules: `datasets` (in-memory sets and `load_dataset`), `builtin` (digits, CIFAR-10),
+`catalog` / `shards` (folders, file lists, tar shards), `memory` (decoding a catalog into
+memory, the cache), `subsets`, `random`, `augment`, `decode` (CPU crops of encoded images),
+`stream` (the streaming `BatchSource`), `batches` (the in-memory one), `source` (which one).
 """
 
 from .augment import PRESETS, ViewAugmenter, eval_transform

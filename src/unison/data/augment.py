@@ -13,6 +13,10 @@ parameters but from a stateful generator (world-size dependent) and is not a
 dependency. Each op below is a few tensor ops over the whole batch; there are no
 per-sample Python loops.
 
+Streamed data (`unison.data.stream`): step 1 is done on the CPU by the loader processes
+(`unison.data.decode`: the same crop and flip draws, `crop_fractions`, applied to the image at
+its original size with PIL's antialiased resize), and `finish` runs steps 2-7 on the crops.
+
 Pipeline of one view (fixed order; torchvision randomises the jitter order):
 
 1. random resized crop + horizontal flip (+ optional rotation) as ONE affine
@@ -130,6 +134,11 @@ PRESETS: dict[str, dict] = {
 }
 # Multi-crop (SwAV / DINO) on the digits: the digits' colour ops, 2 global + 4 local 8x8 crops.
 PRESETS["digits_multicrop"] = {**PRESETS["digits"], "n_local": 4, "local_crop_scale": (0.2, 0.5)}
+# MAE / I-JEPA (He et al., 2022; Assran et al., 2023): ONE view, random resized crop and flip, no colour ops
+# (masking is the pretext task). On the digits: their crop and rotation, no flip.
+PRESETS["crop"] = {**_COMMON, "n_global": 1, "crop_scale": (0.2, 1.0), "jitter_p": 0.0, "grayscale_p": 0.0,
+                   "blur_p": 0.0}
+PRESETS["digits_crop"] = {**PRESETS["digits"], "n_global": 1, "jitter_p": 0.0}
 
 _N_ATTEMPTS = 10
 # Column layout of the per-view uniforms (fixed, so switching an op off leaves the others' draws unchanged).
@@ -195,28 +204,47 @@ class ViewAugmenter:
             raise ValueError(f"expected indices [{images.shape[0]}], got {tuple(indices.shape)}")
         x = images.float().mul_(1 / 255) if images.dtype == torch.uint8 else images.float()
         idx = indices.to(device=images.device, dtype=torch.int64)
-        p = self.params
         views = []
         for v, size in enumerate(self.view_sizes):
-            u = sample_uniform(seed, epoch, idx, stream=v, count=_N_COLS).double()
-            scale = p["crop_scale"] if v < p["n_global"] else p["local_crop_scale"]
-            y = self._crop(x, u, size, scale)
-            y = self._colour(y, u)
-            if self.blur_p[v] > 0:
-                y = self._blur(y, u, self.blur_p[v])
-            if self.solarize_p[v] > 0:  # threshold above 1 = off for that sample
-                t = torch.where(u[:, _C_SOL] < self.solarize_p[v], p["solarize_threshold"], 2.0)
-                y = torch.where(y >= _col(t, y.dtype), 1 - y, y, out=y)
-            if p["noise_std"] > 0:
-                y = self._noise(y, idx, epoch, seed, v)
-            views.append(self._normalise(y))
+            u = self.uniforms(idx, epoch, seed, v)
+            y = self._crop(x, u, size, v)
+            views.append(self._appearance(y, u, idx, epoch, seed, v))
         return views
 
-    # -- ops ---------------------------------------------------------------------------------------
-    def _crop(self, x: torch.Tensor, u: torch.Tensor, size: int, scale: Sequence[float]) -> torch.Tensor:
+    @torch.no_grad()
+    def finish(self, crops: Sequence[torch.Tensor], indices: torch.Tensor, epoch: int, seed: int) -> list[torch.Tensor]:
+        """The views from crops made elsewhere: `crops[v]` is view v of every sample, uint8 [B, 3, s_v, s_v],
+        cropped (and flipped) by `crop_fractions` of the same uniforms (the streaming loader's CPU crops).
+        Runs steps 2-7 of the pipeline, with the same per-sample draws as `__call__`."""
+        if len(crops) != self.num_views:
+            raise ValueError(f"expected {self.num_views} crops per sample, got {len(crops)}")
+        idx = indices.to(device=crops[0].device, dtype=torch.int64)
+        views = []
+        for v, c in enumerate(crops):
+            if c.ndim != 4 or c.shape[1:] != (3, self.view_sizes[v], self.view_sizes[v]) or c.shape[0] != len(idx):
+                raise ValueError(f"view {v}: expected crops [{len(idx)}, 3, {self.view_sizes[v]}, "
+                                 f"{self.view_sizes[v]}], got {tuple(c.shape)}")
+            y = c.float().mul_(1 / 255) if c.dtype == torch.uint8 else c.float()
+            views.append(self._appearance(y, self.uniforms(idx, epoch, seed, v), idx, epoch, seed, v))
+        return views
+
+    @staticmethod
+    def uniforms(indices: torch.Tensor, epoch: int, seed: int, view: int) -> torch.Tensor:
+        """float64 [B, columns]: every random number view `view` of these samples uses (stream = view)."""
+        return sample_uniform(seed, epoch, indices, stream=view, count=_N_COLS).double()
+
+    def crop_scale(self, view: int) -> tuple[float, float]:
         p = self.params
-        B, _, H, W = x.shape
-        lo, hi = scale
+        return tuple(p["crop_scale"] if view < p["n_global"] else p["local_crop_scale"])
+
+    def crop_fractions(self, u: torch.Tensor, view: int, H, W) -> tuple[torch.Tensor, ...]:
+        """(box width, box height, centre x, centre y) as fractions of W / H, and the flip flag, per sample.
+
+        `H`, `W`: the image size, numbers or float64 [B, 1] (images of different sizes). The box is the
+        first of 10 attempts that fits, as torchvision's RandomResizedCrop, else the whole image.
+        """
+        p = self.params
+        lo, hi = self.crop_scale(view)
         area = lo + (hi - lo) * u[:, _C_SCALE : _C_SCALE + _N_ATTEMPTS]  # fraction of H*W
         lr_lo, lr_hi = math.log(p["crop_ratio"][0]), math.log(p["crop_ratio"][1])
         ratio = torch.exp(lr_lo + (lr_hi - lr_lo) * u[:, _C_RATIO : _C_RATIO + _N_ATTEMPTS])
@@ -230,6 +258,27 @@ class ViewAugmenter:
         bh = torch.where(any_ok, bh.gather(1, first)[:, 0], one)
         cx = (1 - bw) * u[:, _C_X] + bw / 2  # box centre in [0, 1]
         cy = (1 - bh) * u[:, _C_Y] + bh / 2
+        return bw, bh, cx, cy, u[:, _C_FLIP] < p["flip_p"]
+
+    def _appearance(self, y: torch.Tensor, u: torch.Tensor, idx: torch.Tensor, epoch: int, seed: int,
+                    v: int) -> torch.Tensor:
+        """Steps 2-7 on the float crops of view v (in place where possible): colour ... normalisation."""
+        p = self.params
+        y = self._colour(y, u)
+        if self.blur_p[v] > 0:
+            y = self._blur(y, u, self.blur_p[v])
+        if self.solarize_p[v] > 0:  # threshold above 1 = off for that sample
+            t = torch.where(u[:, _C_SOL] < self.solarize_p[v], p["solarize_threshold"], 2.0)
+            y = torch.where(y >= _col(t, y.dtype), 1 - y, y, out=y)
+        if p["noise_std"] > 0:
+            y = self._noise(y, idx, epoch, seed, v)
+        return self._normalise(y)
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def _crop(self, x: torch.Tensor, u: torch.Tensor, size: int, view: int) -> torch.Tensor:
+        p = self.params
+        B, _, H, W = x.shape
+        bw, bh, cx, cy, _ = self.crop_fractions(u, view, H, W)
         sx = torch.where(u[:, _C_FLIP] < p["flip_p"], -bw, bw)  # negative x scale = horizontal flip
         if p["rotation"] > 0:
             ang = torch.deg2rad(p["rotation"] * (2 * u[:, _C_ROT] - 1))
@@ -289,15 +338,20 @@ class ViewAugmenter:
         r = min(math.ceil(3 * hi), H - 1, W - 1)  # reflect padding needs r < size
         if r < 1:
             return x
-        sigma = lo + (hi - lo) * u[:, _C_SIGMA]
+        # Only the samples drawn for blurring are blurred (the others would get the delta kernel, an exact
+        # identity): about half the work at blur_p 0.5, and every sample's result is unchanged.
+        rows = (u[:, _C_BLUR] < prob).nonzero()[:, 0]
+        if rows.numel() == 0:
+            return x
+        every = rows.numel() == x.shape[0]
+        sub, su = (x, u) if every else (x[rows], u[rows])
+        sigma = lo + (hi - lo) * su[:, _C_SIGMA]
         k = torch.arange(-r, r + 1, device=u.device, dtype=torch.float64)
         w = torch.exp(-(k[None] ** 2) / (2 * sigma[:, None] ** 2))
-        w = w / w.sum(1, keepdim=True)
-        delta = (k == 0).to(w.dtype).expand_as(w)
-        w = torch.where((u[:, _C_BLUR] < prob)[:, None], w, delta).to(x.dtype)  # delta kernel = exact identity
+        w = (w / w.sum(1, keepdim=True)).to(x.dtype)
         w = w[:, :, None, None, None]  # [B, taps, 1, 1, 1]
         # Separable blur as weighted sums of shifted slices: per-sample kernels, batch-independent results.
-        xp = F.pad(x, (r, r, 0, 0), mode="reflect")
+        xp = F.pad(sub, (r, r, 0, 0), mode="reflect")
         y = xp[..., :, 0:W] * w[:, 0]
         for i in range(1, 2 * r + 1):
             y.addcmul_(xp[..., :, i : i + W], w[:, i])
@@ -305,7 +359,10 @@ class ViewAugmenter:
         out = yp[..., 0:H, :] * w[:, 0]
         for i in range(1, 2 * r + 1):
             out.addcmul_(yp[..., i : i + H, :], w[:, i])
-        return out
+        if every:
+            return out
+        x[rows] = out
+        return x
 
     def _noise(self, x: torch.Tensor, idx: torch.Tensor, epoch: int, seed: int, v: int) -> torch.Tensor:
         B, C, H, W = x.shape

@@ -6,7 +6,7 @@ any process is started so that a bad value is a one-line error, never a hang.
 
 Example::
 
-    cfg = DistributedConfig(backend="gloo", world_size=2, grad_compression="fp16")
+    cfg = DistributedConfig(backend="gloo", world_size=2, grad_compression="fp16", shard="optimizer")
     cfg.validate()
     DistributedConfig.from_dict(cfg.to_dict()) == cfg   # True
 """
@@ -22,6 +22,11 @@ from unison.errors import ConfigError
 
 BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+SHARDING = ("none", "optimizer", "full")
+# The longest collective timeout accepted: 2**31 ms (24.8 days). torch's C++ timeouts overflow far beyond it
+# (measured with torch 2.14: gloo refuses 1e13 s, the TCP store 9.3e9 s, timedelta 1e15 s), so this cap leaves
+# every backend and torch version a wide margin; no real collective waits for weeks.
+MAX_TIMEOUT_S = 2**31 / 1000
 
 
 
@@ -53,8 +58,18 @@ class DistributedConfig:
         default=False, metadata={"help": "DDP find_unused_parameters (needed only when some parameters get no gradient)"})
     shared_queue: bool = field(
         default=True, metadata={"help": "MoCo-style queues are shared: every rank enqueues the gathered global batch"})
-    shard_optimizer: bool = field(
-        default=False, metadata={"help": "shard optimizer state across ranks (ZeRO-1); consolidated in checkpoints"})
+    shard: str = field(
+        default="none",
+        metadata={"help": "none (DDP: every rank holds everything) | optimizer (DDP + ZeRO-1: optimizer state sharded; "
+                          "alias --shard-optimizer) | full (FSDP2: parameters, gradients and optimizer state sharded, "
+                          "per backbone block and head; checkpoints via torch.distributed.checkpoint)",
+                  "choices": SHARDING})
+    reshard_after_forward: bool = field(
+        default=True, metadata={"help": "--shard full: free each block's gathered parameters after its forward and "
+                                        "gather them again for the backward (less memory, one more all-gather)"})
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute each backbone block's activations in the backward instead of "
+                                         "keeping them (blocks without batch norm; less memory, ~1/3 more compute)"})
     master_addr: str = field(default="127.0.0.1", metadata={"help": "rendezvous address (loopback unless given)"})
     master_port: int = field(default=0, metadata={"help": "rendezvous port (0 = pick a free one)"})
     timeout_s: float = field(
@@ -62,6 +77,11 @@ class DistributedConfig:
     watchdog_s: float = field(
         default=180.0, metadata={"help": "end the run when no rank has made progress (data, step, collective, "
                                          "checkpoint) for this many seconds; 0 = off"})
+
+    @property
+    def shard_optimizer(self) -> bool:
+        """ZeRO-1 (``shard == "optimizer"``); the name of the option before ``shard`` existed."""
+        return self.shard == "optimizer"
 
     # ------------------------------------------------------------------ helpers
     def resolved_backend(self, cuda_available: bool | None = None) -> str:
@@ -91,6 +111,13 @@ class DistributedConfig:
 
     def validate(self, cuda_available: bool | None = None) -> DistributedConfig:
         """Raise `ConfigError` with a one-line fix for any invalid combination; return self."""
+        from unison.configutil import article, coerce_instance, type_error
+
+        coerce_instance(self)
+        bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, DistributedConfig,
+                         (int, float, bool))
+        if bad:
+            raise ConfigError(f"distributed.{bad[0]}={bad[1]!r} must be {article(bad[2])} {bad[2]}")
         if cuda_available is None:
             import torch
 
@@ -127,10 +154,13 @@ class DistributedConfig:
                 raise ConfigError(
                     f"distributed.powersgd_start_iter={self.powersgd_start_iter} must be >= 2 "
                     "(PowerSGD with error feedback needs a few uncompressed steps first)")
+        self._validate_sharding()
         if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
             raise ConfigError(f"distributed.master_port={self.master_port!r} must be in [0, 65535] (0 = pick a free port)")
         if not self.master_addr:
             raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool):
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a number of seconds")
         if not self.timeout_s > 0:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be > 0 seconds")
         if not math.isfinite(self.timeout_s):
@@ -138,7 +168,22 @@ class DistributedConfig:
         if not (isinstance(self.watchdog_s, (int, float)) and math.isfinite(self.watchdog_s) and self.watchdog_s >= 0):
             raise ConfigError(f"distributed.watchdog_s={self.watchdog_s!r} must be a finite number of seconds >= 0 "
                               "(0 = no watchdog)")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s:g} is past the longest timeout torch takes "
+                              f"safely, {int(MAX_TIMEOUT_S)} s (24.8 days); give a smaller --timeout-s")
         return self
+
+    def _validate_sharding(self) -> None:
+        if self.shard not in SHARDING:
+            raise ConfigError(f"distributed.shard={self.shard!r} is unknown; use one of {', '.join(SHARDING)}")
+        if self.shard != "full":
+            return
+        if self.grad_compression != "none":
+            raise ConfigError(f"distributed.grad_compression={self.grad_compression!r} is a DDP communication hook, "
+                              "which --shard full (FSDP) does not have; use --grad-compression none or --shard none")
+        if self.find_unused_parameters:
+            raise ConfigError("distributed.find_unused_parameters is a DDP option; --shard full (FSDP) needs every "
+                              "rank to use the same parameters: drop --find-unused-parameters or use --shard none")
 
     # ---------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -146,9 +191,24 @@ class DistributedConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DistributedConfig:
+        from unison.configutil import coerce_fields, unknown_keys_message
+
         known = {f.name for f in dataclasses.fields(cls)}
+        data = dict(data)
+        if "shard_optimizer" in data:   # configs and checkpoints written before `shard` existed
+            legacy = data.pop("shard_optimizer")
+            if legacy and data.get("shard", "optimizer") != "optimizer":
+                raise ConfigError(f"distributed.shard_optimizer=true contradicts distributed.shard={data['shard']!r}; "
+                                  "give only shard")
+            if legacy:
+                data["shard"] = "optimizer"
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(
-                f"unknown distributed option(s) {', '.join(unknown)}; known options are {', '.join(sorted(known))}")
-        return cls(**data)
+            from unison.config import TrainConfig
+
+            top = [k for k in unknown if k in {f.name for f in dataclasses.fields(TrainConfig)}]
+            if top:
+                raise ConfigError(f"option(s) {', '.join(top)} belong at the top level of a config file, "
+                                  "not under 'distributed:'")
+            raise ConfigError(unknown_keys_message(unknown, known, "distributed option"))
+        return cls(**coerce_fields(cls, data))

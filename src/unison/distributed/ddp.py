@@ -122,9 +122,15 @@ def comm_hook_checkpoint_state(ddp: nn.Module):
 
 
 def grad_sync_context(model: nn.Module, micro_step: int, grad_sync_every: int):
-    """`no_sync()` unless this micro-batch is the last of its accumulation window."""
-    if isinstance(model, DDP) and grad_sync_every > 1 and (micro_step + 1) % grad_sync_every != 0:
-        return model.no_sync()
+    """`no_sync()` unless this micro-batch is the last of its accumulation window (FSDP: its equivalent)."""
+    last = (micro_step + 1) % grad_sync_every == 0
+    if grad_sync_every > 1 and not last:
+        if isinstance(model, DDP):
+            return model.no_sync()
+        from .fsdp import gradient_sync, is_fsdp
+
+        if is_fsdp(model):
+            return gradient_sync(model, enabled=False)
     return contextlib.nullcontext()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from unison.errors import WorkerError
 
 from .config import ConfigError, DistributedConfig
 
@@ -45,9 +48,23 @@ def _int(environ: dict[str, str], key: str) -> int:
         raise ConfigError(f"environment variable {key}={environ[key]!r} is not an integer") from None
 
 
+# A launcher sets the rank and the size together; one without the other is a broken launch, refused before start.
+# (SLURM is not listed: a batch script has SLURM_PROCID=0 without SLURM_NTASKS, and salloc the reverse.)
+_RANK_AND_SIZE = (("RANK", "WORLD_SIZE", "torchrun"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun"),
+                  ("PMI_RANK", "PMI_SIZE", "mpirun (MPICH, Intel MPI)"))
+
+
 def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv | None:
-    """The launcher's view of this process, or None when no launcher variables are set."""
+    """The launcher's view of this process, or None when no launcher variables are set.
+
+    Raises `ConfigError` when a launcher's rank variable is set without its size (``OMPI_COMM_WORLD_RANK``
+    without ``OMPI_COMM_WORLD_SIZE``) or a variable is not an integer."""
     env = dict(os.environ if environ is None else environ)
+    for rank_var, size_var, launcher in _RANK_AND_SIZE:
+        if rank_var in env and size_var not in env:
+            raise ConfigError(f"environment variable {rank_var}={env[rank_var]!r} is set but {size_var} is not; "
+                              f"{launcher} sets both: start the workers with it, or unset {rank_var} to let "
+                              "unison start them")
     addr = env.get("MASTER_ADDR")
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -110,8 +127,11 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
         return device
     if not cfg.master_port:
         raise ConfigError("no rendezvous port: set MASTER_PORT (torchrun/unison set it) or --master-port")
-    dist.init_process_group(comm, store=_rendezvous_store(cfg, timeout), rank=cfg.rank,
-                            world_size=cfg.world_size, timeout=timeout)
+    try:
+        store = _rendezvous_store(cfg, timeout)
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:   # not all processes joined in time
+        raise WorkerError(_rendezvous_failure(cfg, str(exc))) from None
+    dist.init_process_group(comm, store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=timeout)
     return device
 
 
@@ -134,6 +154,20 @@ def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) 
     store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     return dist.PrefixStore(f"unison/{run_id}/attempt_{restart_count()}", store)
+
+
+def _rendezvous_failure(cfg: DistributedConfig, error: str) -> str:
+    """One line for a rendezvous that timed out: who joined, where, and what to start."""
+    where = f"{cfg.master_addr}:{cfg.master_port}"
+    if cfg.rank == 0:
+        joined = re.search(r"(\d+)/(\d+) clients joined", error)
+        count = f"only {joined.group(1)} of {cfg.world_size}" if joined else f"not all {cfg.world_size}"
+        return (f"{count} processes joined the rendezvous at {where} within {cfg.timeout_s:g} s; start all "
+                f"{cfg.world_size} processes (e.g. mpirun -n {cfg.world_size}, srun -n {cfg.world_size}, torchrun "
+                f"--nproc-per-node {cfg.world_size}), or let unison start them (unset the launcher's variables and "
+                "pass --world-size)")
+    return (f"rank {cfg.rank} could not reach the rendezvous at {where} (served by rank 0) within "
+            f"{cfg.timeout_s:g} s; start rank 0 too, and check MASTER_ADDR/MASTER_PORT")
 
 
 def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> dist.Store:

@@ -39,7 +39,7 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class EvalOptions:
     checkpoint: str | None = field(default=None, metadata={
-        "help": "run directory (its latest checkpoint) or checkpoint file; required", "metavar": "RUN_DIR_OR_FILE"})
+        "help": "run directory (its latest checkpoint) or checkpoint file; required", "required": True, "metavar": "RUN_DIR_OR_FILE"})
     data: str | None = field(default=None, metadata={
         "help": "reference/training data ('digits', 'cifar10' or an ImageFolder directory); default: the run's"})
     val: str | None = field(default=None, metadata={

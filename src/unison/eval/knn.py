@@ -16,7 +16,9 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +34,28 @@ def _shard(n: int) -> slice:
 
 @torch.no_grad()
 def embed_all(encode: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
-              transform: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 512) -> torch.Tensor:
-    """L2-normalised features of `images` (uint8), computed in batches."""
-    feats = [F.normalize(encode(transform(images[i:i + batch_size])).float(), dim=1)
+              transform: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 512, *, calls: int = 0,
+              filler: torch.Tensor | None = None) -> torch.Tensor:
+    """L2-normalised features of `images` (uint8), computed in batches. `images` may also be lazily decoded
+    (`unison.data.source.LazyImages`: ``decode(start, stop)`` gives the uint8 batch).
+
+    `calls` > number of batches: `encode` is called on `filler` (discarded) until it has run `calls`
+    times. A sharded (FSDP) encoder gathers its parameters in every call, a collective, so every rank
+    must call it equally often even when the ranks' shares of the images differ in size."""
+    lazy: Any = None if isinstance(images, torch.Tensor) else images
+    feats = [F.normalize(encode(transform(lazy.decode(i, i + batch_size) if lazy else images[i:i + batch_size]))
+                         .float(), dim=1)
              for i in range(0, images.shape[0], batch_size)]
+    for _ in range(len(feats), calls):
+        fill: Any = filler if filler is not None else images[:1]
+        encode(transform(fill if isinstance(fill, torch.Tensor) else fill.decode()))
     return torch.cat(feats) if feats else torch.empty(0)
+
+
+def _calls(n: int, batch_size: int) -> int:
+    """encode calls of the rank with the largest share of n images (rank 0)."""
+    largest_share = math.ceil(n / world_size())
+    return math.ceil(largest_share / batch_size)
 
 
 @torch.no_grad()
@@ -61,10 +80,12 @@ def knn_accuracy(encode: Callable[[torch.Tensor], torch.Tensor], ref_images: tor
                  t: float = 0.1, batch_size: int = 512) -> float:
     """Top-1 kNN accuracy; every rank must call it (collective). Returns the same value on all ranks."""
     ref_part = _shard(ref_images.shape[0])
-    bank = gather_no_grad(embed_all(encode, ref_images[ref_part], transform, batch_size), uneven=True)
+    bank = gather_no_grad(embed_all(encode, ref_images[ref_part], transform, batch_size,
+                                    calls=_calls(ref_images.shape[0], batch_size), filler=ref_images[:1]), uneven=True)
     bank_labels = gather_no_grad(ref_labels[ref_part].to(bank.device), uneven=True)
     q_part = _shard(query_images.shape[0])
-    query = embed_all(encode, query_images[q_part], transform, batch_size)
+    query = embed_all(encode, query_images[q_part], transform, batch_size,
+                      calls=_calls(query_images.shape[0], batch_size), filler=query_images[:1])
     correct = torch.zeros(2, dtype=torch.float64, device=bank.device)
     if query.shape[0]:
         pred = knn_predict(query, bank, bank_labels, num_classes, k, t)

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from .barlowtwins import BarlowTwins, BarlowTwinsParams
-from .base import Recipe, SSLMethod
+from .base import Recipe, SampleKeys, SSLMethod
 from .byol import BYOL, BYOLParams
 from .dino import DINO, DINOParams
+from .ibot import IBOT, IBOTParams
+from .ijepa import IJEPA, IJEPAParams
+from .lejepa import LeJEPA, LeJEPAParams
+from .mae import MAE, MAEParams
 from .moco import MoCo, MoCoParams
+from .mocov3 import MoCoV3, MoCoV3Params
 from .simclr import SimCLR, SimCLRParams
 from .simsiam import SimSiam, SimSiamParams
 from .swav import SwAV, SwAVParams
+from .teacher import MomentumTeacher
 from .vicreg import VICReg, VICRegParams
 
 METHODS: dict[str, type[SSLMethod]] = {
@@ -21,6 +27,11 @@ METHODS: dict[str, type[SSLMethod]] = {
     "swav": SwAV,
     "vicreg": VICReg,
     "dino": DINO,
+    "mae": MAE,
+    "ibot": IBOT,
+    "ijepa": IJEPA,
+    "lejepa": LeJEPA,
+    "mocov3": MoCoV3,
 }
 
 
@@ -31,6 +42,7 @@ def get_method(name: str) -> type[SSLMethod]:
         raise ValueError(f"unknown method {name!r}; use one of {', '.join(sorted(METHODS))}") from None
 
 
-__all__ = ["BYOL", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams", "METHODS", "MoCo",
-           "MoCoParams", "Recipe", "SSLMethod", "SimCLR", "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV",
-           "SwAVParams", "VICReg", "VICRegParams", "get_method"]
+__all__ = ["BYOL", "IBOT", "IJEPA", "MAE", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams",
+           "IBOTParams", "IJEPAParams", "LeJEPA", "LeJEPAParams", "MAEParams", "METHODS", "MoCo", "MoCoParams",
+           "MoCoV3", "MoCoV3Params", "MomentumTeacher", "Recipe", "SSLMethod", "SampleKeys", "SimCLR",
+           "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV", "SwAVParams", "VICReg", "VICRegParams", "get_method"]

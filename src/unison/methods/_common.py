@@ -1,4 +1,4 @@
-"""Helpers shared by the methods: momentum (EMA) networks, schedules, multi-crop forwards.
+"""Helpers shared by the methods: momentum (EMA) networks, schedules, multi-crop forwards, ViT checks.
 
 * `momentum_copy(module)`: a frozen deep copy (``requires_grad=False``), the usual teacher /
   key encoder. Mark it with `mark_rank_local_state` so DDP never re-broadcasts it.
@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 
 from unison.distributed.collectives import broadcast_, world_size
+from unison.distributed.dtensor import is_sharded
+from unison.models.vit import ViT
 
 _SYNCED_ATTR = "_unison_rank_local_synced"
 
@@ -62,13 +64,17 @@ def cosine_momentum(base: float, step: int, total: int, final: float = 1.0) -> f
 
 
 def broadcast_once(owner: nn.Module, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
-    """On the first call for `owner`, overwrite every tensor of `tensors()` with rank 0's copy."""
+    """On the first call for `owner`, overwrite every tensor of `tensors()` with rank 0's copy.
+
+    Sharded (FSDP) parameters are skipped: each rank holds a different slice, and
+    `unison.distributed.fsdp.apply_fsdp` broadcast them from rank 0 before sharding."""
     if owner.__dict__.get(_SYNCED_ATTR, False):
         return
     owner.__dict__[_SYNCED_ATTR] = True
     if world_size() > 1:
         for t in tensors():
-            broadcast_(t.data)
+            if not is_sharded(t):
+                broadcast_(t.data)
 
 
 def module_state(*modules: nn.Module) -> list[torch.Tensor]:
@@ -113,3 +119,16 @@ def check_multicrop(views: list[torch.Tensor], method: str) -> int:
         raise ValueError(f"{method}: the two global views differ in shape: "
                          f"{tuple(views[0].shape)} vs {tuple(views[1].shape)}")
     return n
+
+
+def require_vit(backbone: nn.Module, method: str) -> ViT:
+    """`backbone` as a `unison.models.vit.ViT` (typed), or a ValueError naming the ViT backbones."""
+    if not isinstance(backbone, ViT):
+        raise ValueError(f"{method} needs a ViT backbone with patch tokens (--backbone vit_tiny_p4, vit_nano_p2, "
+                         f"vit_small, ...), got {type(backbone).__name__}")
+    return backbone
+
+
+def mean_patch_embedding(vit: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The mean of a ViT's output patch tokens (the class token left out), [B, D]."""
+    return require_vit(vit, "mean_patch_embedding").forward_tokens(x)[:, 1:].mean(dim=1)

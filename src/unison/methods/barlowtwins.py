@@ -34,6 +34,7 @@ from unison.models import mlp
 
 from ._common import two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
 
 
 @dataclass
@@ -42,6 +43,9 @@ class BarlowTwinsParams:
     proj_dim: int = 512             # paper: 8192 (reduced for CPU)
     proj_layers: int = 3
     lambda_offdiag: float = 5e-3    # paper; ~1/d is an alternative for small d
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "proj_layers"), non_negative=("lambda_offdiag",))
 
 
 class BarlowTwins(SSLMethod):

@@ -17,7 +17,8 @@ and of the rank it lands on.
 
 Each method declares a dataclass of hyper-parameters (published defaults) and the
 recipe it was tuned with (optimizer, base learning rate per 256 images, weight decay,
-augmentation preset).
+augmentation preset, and the backbone `unison train` and `unison check` use when none is
+given: ``small_cnn``, or a ViT for the methods that need patch tokens).
 """
 
 from __future__ import annotations
@@ -35,16 +36,17 @@ class Recipe:
     base_lr: float = 0.06          # per 256 images (scaled linearly with the global batch)
     weight_decay: float = 5e-4
     augmentation: str = "simclr"   # preset in unison.data.augment
+    backbone: str = "small_cnn"    # used when --backbone is not given (a ViT for the masked-image methods)
     # Overrides of the fields above for the embedded digits default, a 150-step schedule on which
     # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
     embedded: dict[str, Any] = field(default_factory=dict)
 
     def for_data(self, data: str) -> Recipe:
         """The recipe for `data`: on the embedded digits, their own augmentation (grey, not
-        mirror-symmetric; multi-crop kept for multi-crop methods) and the `embedded` overrides."""
+        mirror-symmetric; multi-crop and single-crop kept as such) and the `embedded` overrides."""
         if data != "digits":
             return self
-        preset = "digits_multicrop" if self.augmentation == "multicrop" else "digits"
+        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop"}.get(self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 
@@ -65,6 +67,10 @@ class SSLMethod(nn.Module):
     needs_sample_keys: ClassVar[bool] = False
     # Why a run at W workers may differ from one process on the global batch (None = exact).
     inexact_reason: ClassVar[str | None] = None
+    # Children whose parameters forward() reads directly (not through their own forward), e.g.
+    # F.linear(z, self.prototypes.weight): under --shard full they stay in the method's own FSDP unit,
+    # which gathers them for the method's forward.
+    unsharded_children: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: Any, *, gather_distributed: bool = True,
                  shared_queue: bool = True, steps_total: int = 1):

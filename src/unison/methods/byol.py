@@ -18,9 +18,9 @@ take the same SGD steps. BYOL augmentations.
 
 Distributed semantics: no cross-sample term in the loss (each rank returns the mean over
 its local samples); exact under DDP when batch norm is synchronised (SyncBN), which also
-makes the target's batch statistics global. The target network and the step counter are
-rank-local state (never broadcast by DDP); rank 0's target is copied to every rank once,
-on the first forward. The gather setting does not apply.
+makes the target's batch statistics global. The target network (a `MomentumTeacher`) and the step
+counter are rank-local state (never broadcast by DDP); rank 0's target is copied to every
+rank once, on the first forward. The gather setting does not apply.
 
 Example::
 
@@ -40,8 +40,10 @@ from unison.distributed.ddp import mark_rank_local_state
 from unison.losses import BYOLLoss
 from unison.models import mlp
 
-from ._common import broadcast_once, cosine_momentum, ema_update_, module_state, momentum_copy, two_views
+from ._common import cosine_momentum, two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
+from .teacher import MomentumTeacher
 
 
 @dataclass
@@ -50,6 +52,9 @@ class BYOLParams:
     proj_dim: int = 256
     pred_hidden_dim: int = 1024
     momentum_base: float = 0.99     # tau_base for CIFAR (paper, ImageNet: 0.996)
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "pred_hidden_dim"), unit_interval=("momentum_base",))
 
 
 class BYOL(SSLMethod):
@@ -62,15 +67,10 @@ class BYOL(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: BYOLParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if not 0 <= params.momentum_base <= 1:
-            raise ValueError(f"BYOL momentum_base must be in [0, 1], got {params.momentum_base}")
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2)
         self.predictor = mlp(params.proj_dim, params.pred_hidden_dim, params.proj_dim, 2)
-        self.target_backbone = momentum_copy(self.backbone)
-        self.target_projector = momentum_copy(self.projector)
+        self.target = MomentumTeacher(backbone=self.backbone, projector=self.projector)
         self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
-        mark_rank_local_state(self.target_backbone)
-        mark_rank_local_state(self.target_projector)
         mark_rank_local_state(self, ["step_count"])
         self.loss_fn = BYOLLoss()
 
@@ -80,19 +80,17 @@ class BYOL(SSLMethod):
 
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
         a, b = two_views(views, "BYOL")
-        broadcast_once(self, lambda: module_state(self.target_backbone, self.target_projector))
+        self.target.sync_once()
         p_a = self.predictor(self.projector(self.backbone(a)))
         p_b = self.predictor(self.projector(self.backbone(b)))
         with torch.no_grad():
-            z_a = self.target_projector(self.target_backbone(a))
-            z_b = self.target_projector(self.target_backbone(b))
+            z_a = self.target.projector(self.target.backbone(a))
+            z_b = self.target.projector(self.target.backbone(b))
         return self.loss_fn(p_a, p_b, z_a, z_b)
 
     @torch.no_grad()
     def on_after_step(self, step: int) -> None:
-        tau = self.momentum(step)
-        ema_update_(self.target_backbone, self.backbone, tau)
-        ema_update_(self.target_projector, self.projector, tau)
+        self.target.update(self, self.momentum(step))
         self.step_count.fill_(step + 1)
 
     def exactness_note(self) -> str | None:

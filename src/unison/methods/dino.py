@@ -22,8 +22,9 @@ the trainer's ``grad_clip``), the weight-decay schedule.
 Distributed semantics: the loss is a mean over local samples and crop pairs; the centre
 is updated after the loss with the *old* centre, from the all-reduced teacher mean over the
 global batch, identically on every rank (see `unison.losses.dino`). Exact with gather on
-and SyncBN. Teacher, centre and step counter are rank-local state (never broadcast by DDP,
-saved in checkpoints); rank 0's teacher is copied to every rank once, on the first forward.
+and SyncBN. Teacher (a `MomentumTeacher`), centre and step counter are rank-local state (never broadcast
+by DDP, saved in checkpoints); rank 0's teacher is copied to every rank once, on the first
+forward (the centre starts at zero on every rank).
 
 Example::
 
@@ -43,16 +44,10 @@ import torch.nn.functional as F
 from unison.distributed.ddp import mark_rank_local_state
 from unison.losses import DINOLoss
 
-from ._common import (
-    broadcast_once,
-    check_multicrop,
-    cosine_momentum,
-    ema_update_,
-    module_state,
-    momentum_copy,
-    multicrop_features,
-)
+from ._common import check_multicrop, cosine_momentum, multicrop_features
 from .base import Recipe, SSLMethod
+from .params import check_params
+from .teacher import MomentumTeacher
 
 
 class DINOHead(nn.Module):
@@ -99,6 +94,11 @@ class DINOParams:
     teacher_temp_warmup_fraction: float = 0.1   # share of steps_total (official: 30 of 100-300 epochs)
     center_momentum: float = 0.9
 
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "out_dim", "head_layers"),
+                     positive=("student_temp", "teacher_temp", "warmup_teacher_temp"),
+                     unit_interval=("momentum_base", "teacher_temp_warmup_fraction", "center_momentum"))
+
 
 class DINO(SSLMethod):
     name = "dino"
@@ -107,15 +107,10 @@ class DINO(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DINOParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if not 0 <= params.momentum_base <= 1:
-            raise ValueError(f"DINO momentum_base must be in [0, 1], got {params.momentum_base}")
         self.head = DINOHead(feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
                              params.head_layers, params.head_batch_norm)
-        self.teacher_backbone = momentum_copy(self.backbone)
-        self.teacher_head = momentum_copy(self.head)
+        self.teacher = MomentumTeacher(backbone=self.backbone, head=self.head)
         self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
-        mark_rank_local_state(self.teacher_backbone)
-        mark_rank_local_state(self.teacher_head)
         mark_rank_local_state(self, ["step_count"])
         self.loss_fn = DINOLoss(params.out_dim, params.student_temp, params.center_momentum,
                                 gather_distributed=self.gather_distributed)
@@ -132,17 +127,15 @@ class DINO(SSLMethod):
 
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
         n = check_multicrop(views, "DINO")
-        broadcast_once(self, lambda: module_state(self.teacher_backbone, self.teacher_head, self.loss_fn))
+        self.teacher.sync_once()
         with torch.no_grad():
-            teacher = self.teacher_head(self.teacher_backbone(torch.cat(views[:2]))).split(n)
+            teacher = self.teacher.head(self.teacher.backbone(torch.cat(views[:2]))).split(n)
         student = self.head(multicrop_features(self.backbone, views)).split(n)
         return self.loss_fn(list(student), list(teacher), self.teacher_temp(int(self.step_count)))
 
     @torch.no_grad()
     def on_after_step(self, step: int) -> None:
-        m = self.momentum(step)
-        ema_update_(self.teacher_backbone, self.backbone, m)
-        ema_update_(self.teacher_head, self.head, m)
+        self.teacher.update(self, self.momentum(step))
         self.step_count.fill_(step + 1)
 
     def exactness_note(self) -> str | None:

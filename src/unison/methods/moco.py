@@ -29,9 +29,9 @@ Distributed semantics
 * ``shared_queue=False``: each rank enqueues only its own keys (per-rank queues, no
   communication); each rank's queries see a different set of negatives: not equivalent
   to one process.
-* The key encoder, queue, pointer and step counter are marked rank-local state, so DDP
-  never broadcasts them (a broadcast would replace per-rank queues by rank 0's). They are
-  persistent buffers/parameters, so they are saved in ``state_dict()`` checkpoints. On the
+* The key encoder (a `MomentumTeacher`), queue, pointer and step counter are marked
+  rank-local state, so DDP never broadcasts them (a broadcast would replace per-rank queues
+  by rank 0's). They are persistent buffers/parameters, so they are saved in ``state_dict()`` checkpoints. On the
   first forward, rank 0's key encoder (and shared queue) are copied to all ranks once.
 * ``shuffle_bn=True``: MoCo's shuffle BN. The key inputs of all ranks are gathered, permuted
   with a permutation that is the same on every rank (seeded by ``shuffle_seed``, the step
@@ -62,8 +62,10 @@ from unison.distributed.sync_batchnorm import GlobalBatchNorm
 from unison.losses import MoCoLoss
 from unison.models import mlp
 
-from ._common import broadcast_once, ema_update_, module_state, momentum_copy, two_views
+from ._common import broadcast_once, two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
+from .teacher import MomentumTeacher
 
 
 @dataclass
@@ -76,6 +78,10 @@ class MoCoParams:
     symmetric: bool = True          # both views as queries, loss averaged
     shuffle_bn: bool = False        # shuffle BN for the key encoder (per-rank BN; not exact)
     shuffle_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("queue_size", "proj_hidden_dim", "proj_dim"), counts=("shuffle_seed",), positive=("temperature",),
+                     unit_interval=("momentum",))
 
 
 class _LocalBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -128,18 +134,11 @@ class MoCo(SSLMethod):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: MoCoParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if params.queue_size < 1:
-            raise ValueError(f"MoCo queue_size must be >= 1, got {params.queue_size}")
-        if not 0 <= params.momentum <= 1:
-            raise ValueError(f"MoCo momentum must be in [0, 1], got {params.momentum}")
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2, batch_norm=False)
-        self.key_backbone = momentum_copy(self.backbone)
-        self.key_projector = momentum_copy(self.projector)
+        self.key_encoder = MomentumTeacher(backbone=self.backbone, projector=self.projector)
         self.register_buffer("queue", F.normalize(torch.randn(params.queue_size, params.proj_dim), dim=1))
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
-        mark_rank_local_state(self.key_backbone)
-        mark_rank_local_state(self.key_projector)
         mark_rank_local_state(self, ["queue", "queue_ptr", "step_count"])
         self.loss_fn = MoCoLoss(params.temperature)
 
@@ -164,7 +163,7 @@ class MoCo(SSLMethod):
             f"{'global' if self.shared_queue else 'local'} batch divides {k}")
 
     def _key_encoder(self, x: torch.Tensor) -> torch.Tensor:
-        return self.key_projector(self.key_backbone(x))
+        return self.key_encoder.projector(self.key_encoder.backbone(x))
 
     @torch.no_grad()
     def _keys(self, x: torch.Tensor, view: int) -> torch.Tensor:
@@ -187,10 +186,9 @@ class MoCo(SSLMethod):
         self.queue_ptr.fill_((ptr + m) % self.params.queue_size)
 
     def _sync_once(self) -> None:
-        def state() -> list[torch.Tensor]:
-            out = module_state(self.key_backbone, self.key_projector)
-            return out + [self.queue, self.queue_ptr] if self.shared_queue else out
-        broadcast_once(self, state)
+        self.key_encoder.sync_once()
+        if self.shared_queue:
+            broadcast_once(self, lambda: [self.queue, self.queue_ptr])
 
     # ------------------------------------------------------------------ interface
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
@@ -198,8 +196,7 @@ class MoCo(SSLMethod):
         self._check_queue_size(a.shape[0])
         self._sync_once()
         if self.params.shuffle_bn:
-            _localize_batchnorm(self.key_backbone)
-            _localize_batchnorm(self.key_projector)
+            _localize_batchnorm(self.key_encoder)
         queue = self.queue.clone()                       # negatives as before this step's enqueue
         q_a = self.projector(self.backbone(a))
         k_b = self._keys(b, 1)
@@ -217,8 +214,7 @@ class MoCo(SSLMethod):
 
     @torch.no_grad()
     def on_after_step(self, step: int) -> None:
-        ema_update_(self.key_backbone, self.backbone, self.params.momentum)
-        ema_update_(self.key_projector, self.projector, self.params.momentum)
+        self.key_encoder.update(self, self.params.momentum)
         self.step_count.fill_(step + 1)
 
     def exactness_note(self) -> str | None:

@@ -23,6 +23,7 @@ from unison.losses import NTXentLoss
 from unison.models import mlp
 
 from .base import Recipe, SSLMethod
+from .params import check_params
 
 
 @dataclass
@@ -30,6 +31,9 @@ class SimCLRParams:
     temperature: float = 0.5       # CIFAR-10 setting of the SimCLR paper and Lightly's benchmark
     proj_hidden_dim: int = 512
     proj_dim: int = 128
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim"), positive=("temperature",))
 
 
 class SimCLR(SSLMethod):

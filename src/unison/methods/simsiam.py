@@ -36,6 +36,7 @@ from unison.models import mlp
 
 from ._common import two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SimSiamParams:
     proj_dim: int = 512             # paper: 2048 (reduced for CPU)
     pred_hidden_dim: int = 128      # bottleneck, proj_dim / 4 as in the paper
     proj_layers: int = 2            # 2 for CIFAR (paper), 3 for ImageNet
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "pred_hidden_dim", "proj_layers"))
 
 
 class SimSiam(SSLMethod):

@@ -39,6 +39,9 @@ Distributed semantics
   Q / W rows (official SwAV). Together these are the same Q rows as one process, so a run
   is still exact; but a checkpoint written by one rank holds only that rank's rows, so a
   resumed run starts every rank from the same rows (duplicates) until the queue refills.
+* ``--shard full``: the prototypes stay in the method's own FSDP unit (gathered for its forward);
+  they are re-normalised after every optimiser step too, on the stored rows, since the forward's
+  in-place normalisation only reaches the gathered copy.
 * The queue, its fill counter and the step counter are rank-local state (DDP never
   broadcasts them) and persistent (saved in checkpoints).
 
@@ -59,11 +62,13 @@ import torch.nn.functional as F
 
 from unison.distributed.collectives import gather_no_grad, local_slice, world_size
 from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.dtensor import assign_full_, local_view
 from unison.losses import SwAVLoss
 from unison.models import mlp
 
 from ._common import check_multicrop, multicrop_features
 from .base import Recipe, SSLMethod
+from .params import check_params
 
 
 @dataclass
@@ -79,16 +84,20 @@ class SwAVParams:
     queue_start_step: int = 0
     freeze_prototypes_steps: int = 0
 
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "n_prototypes", "sinkhorn_iterations"),
+                     counts=("queue_length", "queue_start_step", "freeze_prototypes_steps"),
+                     positive=("temperature", "sinkhorn_epsilon"))
+
 
 class SwAV(SSLMethod):
     name = "swav"
+    unsharded_children = ("prototypes",)   # forward reads prototypes.weight itself
     Params = SwAVParams
     recipe = Recipe(optimizer="adam", base_lr=1e-3 * 2, weight_decay=1e-6, augmentation="multicrop")
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: SwAVParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        if params.queue_length < 0:
-            raise ValueError(f"SwAV queue_length must be >= 0, got {params.queue_length}")
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2)
         self.prototypes = nn.Linear(params.proj_dim, params.n_prototypes, bias=False)
         self._normalize_prototypes()
@@ -103,9 +112,18 @@ class SwAV(SSLMethod):
                                 gather_distributed=self.gather_distributed, float64=params.sinkhorn_float64)
         self._frozen_weight: torch.Tensor | None = None
 
+    def _apply(self, fn, *args, **kwargs):
+        # After a dtype/device change (.to(float64)), normalise in the new precision, so the stored rows are
+        # unit vectors to that precision before the first forward (which under --shard full normalises only
+        # the gathered copy of the prototypes).
+        out = super()._apply(fn, *args, **kwargs)
+        self._normalize_prototypes()
+        return out
+
     @torch.no_grad()
     def _normalize_prototypes(self) -> None:
-        w = self.prototypes.weight
+        # Rows are normalised one by one, and FSDP shards whole rows (dim 0): the local slice suffices.
+        w = local_view(self.prototypes.weight)
         w.copy_(F.normalize(w, dim=1))
 
     # ------------------------------------------------------------------ queue
@@ -166,8 +184,11 @@ class SwAV(SSLMethod):
     @torch.no_grad()
     def on_after_step(self, step: int) -> None:
         if self._frozen_weight is not None:
-            self.prototypes.weight.copy_(self._frozen_weight)
+            assign_full_(self.prototypes.weight, self._frozen_weight)
             self._frozen_weight = None
+        # Also here, not only at the start of the forward: under --shard full the forward normalises the
+        # gathered copy, which is discarded, while the optimizer updates the stored shards.
+        self._normalize_prototypes()
         self.step_count.fill_(step + 1)
 
     def exactness_note(self) -> str | None:

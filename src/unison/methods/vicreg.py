@@ -32,6 +32,7 @@ from unison.models import mlp
 
 from ._common import two_views
 from .base import Recipe, SSLMethod
+from .params import check_params
 
 
 @dataclass
@@ -44,6 +45,10 @@ class VICRegParams:
     cov_weight: float = 1.0         # nu
     gamma: float = 1.0
     eps: float = 1e-4
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "proj_layers"), non_negative=("sim_weight", "var_weight", "cov_weight"),
+                     positive=("gamma", "eps"))
 
 
 class VICReg(SSLMethod):

@@ -2,5 +2,6 @@
 
 from .backbones import BACKBONES, build_backbone
 from .heads import mlp
+from .vit import VIT_BACKBONES, ViT
 
-__all__ = ["BACKBONES", "build_backbone", "mlp"]
+__all__ = ["BACKBONES", "VIT_BACKBONES", "ViT", "build_backbone", "mlp"]

@@ -1,20 +1,49 @@
-"""Encoders: a small CNN for CPU runs, CIFAR-variant ResNets from torchvision, timm models if installed.
+"""Encoders: a small CNN for CPU runs, torchvision ResNets with the stem the image size needs, ViTs, timm models.
 
-`build_backbone(name)` returns ``(module, feature_dim)``; the module maps images
-[B, 3, H, W] to features [B, feature_dim] (no classifier).
+`build_backbone(name, image_size=None)` returns ``(module, feature_dim)``; the module maps
+images [B, 3, H, W] to features [B, feature_dim] (no classifier).
 
 * ``small_cnn``: 4 conv-BN-ReLU blocks and global average pooling; trains in seconds on CPU.
-* ``resnet18`` / ``resnet50``: torchvision's models with the CIFAR stem (3x3 conv, stride 1,
-  no max-pool), as in Lightly's and solo-learn's CIFAR benchmarks; ``fc`` is removed, so
-  `unison export` writes a state dict that loads into ``torchvision.models.resnet18`` with
-  the same stem (``strict=False`` for the missing ``fc``).
-* ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``).
+* ``resnet18`` / ``resnet50``: torchvision's ResNets, ``fc`` removed. The stem follows the image
+  size, as in solo-learn (and what a user of either field expects of the plain name):
+
+  - above `CIFAR_STEM_MAX_SIZE` (64 px): torchvision's standard ImageNet stem (7x7 conv stride 2,
+    3x3 max-pool): the model is exactly ``torchvision.models.resnet18()``;
+  - at 64 px and below, or when no size is known: the CIFAR stem (3x3 conv stride 1, no max-pool),
+    as in Lightly's and solo-learn's CIFAR benchmarks (at 32 px the ImageNet stem leaves 1x1 maps
+    after layer 4; at 224 px the CIFAR stem costs about 16x the FLOPs of the standard one).
+
+  ``resnet18_cifar`` / ``resnet50_cifar`` and ``resnet18_imagenet`` / ``resnet50_imagenet`` pin the
+  stem whatever the size. `resolve_backbone` gives the pinned name a run used (recorded in the
+  checkpoint, so `unison export` / `unison eval` rebuild the same stem). The export loads into
+  torchvision as is (ImageNet stem) or after the same stem surgery (CIFAR stem), ``fc.*`` missing.
+* ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p4`` (4 px patches, 32 px images) and
+  ``..._p2`` (2 px patches, 16 px images): Vision Transformers with token-level access for
+  the masked-image methods (`unison.models.vit`).
+* ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``), with the
+  run's ``--backbone-arg NAME=VALUE`` settings and ``img_size`` = the training crop size when the
+  model takes one (`timm_backbone`).
+
+Example::
+
+    net, dim = build_backbone("resnet50", image_size=224)   # torchvision's resnet50 without fc, dim 2048
+    resolve_backbone("resnet18", 32)                         # "resnet18_cifar"
 """
 
 from __future__ import annotations
 
+import difflib
+from typing import Any
+
 import torch
 import torch.nn as nn
+
+from .vit import VIT_BACKBONES, build_vit
+
+CIFAR_STEM_MAX_SIZE = 64
+RESNETS = ("resnet18", "resnet50")
+PINNED_RESNETS = tuple(f"{r}_{stem}" for r in RESNETS for stem in ("cifar", "imagenet"))
+BACKBONES = ("small_cnn", *RESNETS, *PINNED_RESNETS, *VIT_BACKBONES)
 
 
 class SmallCNN(nn.Module):
@@ -33,31 +62,85 @@ class SmallCNN(nn.Module):
         return self.features(x)
 
 
-def cifar_resnet(name: str) -> tuple[nn.Module, int]:
+def resolve_backbone(name: str, image_size: int | None) -> str:
+    """The pinned name of `name` at `image_size`: ``resnet18`` -> ``resnet18_cifar`` or ``resnet18_imagenet``."""
+    if name in RESNETS:
+        stem = "imagenet" if image_size is not None and image_size > CIFAR_STEM_MAX_SIZE else "cifar"
+        return f"{name}_{stem}"
+    return name
+
+
+def resnet(name: str) -> tuple[nn.Module, int]:
+    """A pinned ResNet (``resnet18_cifar``, ``resnet50_imagenet``, ...) without ``fc``."""
     import torchvision
 
-    model = getattr(torchvision.models, name)(weights=None)
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
+    arch, stem = name.rsplit("_", 1)
+    model = getattr(torchvision.models, arch)(weights=None)
+    if stem == "cifar":
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
     dim = model.fc.in_features
     model.fc = nn.Identity()
     return model, dim
 
 
-def build_backbone(name: str) -> tuple[nn.Module, int]:
+def build_backbone(name: str, image_size: int | None = None, *,
+                   backbone_args: dict[str, Any] | None = None) -> tuple[nn.Module, int]:
+    """`image_size` picks the ResNet stem and reaches timm models; `backbone_args` reach timm models only."""
+    name = resolve_backbone(name, image_size)
     if name == "small_cnn":
-        m = SmallCNN()
-        return m, m.feature_dim
-    if name in ("resnet18", "resnet50"):
-        return cifar_resnet(name)
+        cnn = SmallCNN()
+        return cnn, cnn.feature_dim
+    if name in PINNED_RESNETS:
+        return resnet(name)
+    if name in VIT_BACKBONES:
+        vit = build_vit(name)
+        return vit, vit.feature_dim
     if name.startswith("timm:"):
-        try:
-            import timm
-        except ImportError:
-            raise ValueError(f"backbone {name!r} needs timm: pip install timm") from None
-        m = timm.create_model(name[5:], pretrained=False, num_classes=0)
-        return m, m.num_features
+        return timm_backbone(name[5:], image_size, backbone_args or {})
     raise ValueError(f"unknown backbone {name!r}; use one of {', '.join(BACKBONES)} or timm:<model>")
 
 
+def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> tuple[nn.Module, int]:
+    """``timm.create_model(model, num_classes=0, **args)``, with ``img_size=image_size`` when the model takes an
+    image size and `args` does not set one (ViTs, Swin, ...: their patch grid and position embeddings follow it).
+
+    `args` are the run's ``--backbone-arg NAME=VALUE`` (``drop_path_rate``, ``patch_size``, ...). An unknown
+    model or an argument the model does not take is a one-line `ConfigError`."""
+    from unison.errors import ConfigError
+
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError(f"backbone 'timm:{model}' needs timm: pip install timm") from None
+    if not timm.is_model(model):
+        close = difflib.get_close_matches(model, timm.list_models(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"timm has no model {model!r}{hint}; see timm.list_models()")
+    kwargs = {"pretrained": False, "num_classes": 0, **args}
+    try:
+        if image_size is not None and "img_size" not in args:
+            try:
+                m = timm.create_model(model, img_size=image_size, **kwargs)
+                return m, int(m.num_features)
+            except TypeError as exc:
+                if "img_size" not in str(exc):   # the model takes no image size (CNNs): build it without
+                    raise
+        m = timm.create_model(model, **kwargs)
+    except (TypeError, ValueError, AssertionError) as exc:
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no --backbone-arg"
+        raise ConfigError(f"timm model {model!r} cannot be built with {given}"
+                          f"{f' and img_size={image_size}' if image_size else ''}: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return m, int(m.num_features)
+
+
 BACKBONES = ("small_cnn", "resnet18", "resnet50")
+
+
+def check_backbone(name: str, image_size: int | None = None, backbone_args: dict[str, Any] | None = None) -> None:
+    """Build `name` on the meta device (no memory, no weights): a bad timm model name or argument is a one-line
+    `ConfigError` before any worker starts."""
+    if name.startswith("timm:"):
+        with torch.device("meta"):
+            timm_backbone(name[5:], image_size, backbone_args or {})

@@ -3,6 +3,7 @@
 Layout of a run directory::
 
     RUN_DIR/checkpoints/step_00001200.pt   # complete checkpoints, one per saved step
+    RUN_DIR/checkpoints/step_00001300.dcp/ # ... of a --shard full run: a directory (`dcp_checkpoint`)
     RUN_DIR/checkpoints/latest             # text file naming the most recently saved one
 
 Guarantees
@@ -63,7 +64,7 @@ VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 
-_STEP_RE = re.compile(r"step_(\d{8,})\.pt")
+_STEP_RE = re.compile(r"step_(\d{8,})\.(?:pt|dcp)")   # .dcp: a directory (sharded runs, dcp_checkpoint.py)
 _TMP_RE = re.compile(r"\.(?:step_\d{8,}\.pt|latest)\.\d+\.[0-9a-f]+\.tmp")
 _ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
 
@@ -92,7 +93,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         entries = list(ckpt_dir.iterdir())
     except OSError:  # missing directory = no checkpoints
         return []
-    found = [p for p in entries if _STEP_RE.fullmatch(p.name) and p.is_file()]
+    found = [p for p in entries if _STEP_RE.fullmatch(p.name) and (p.is_dir() if p.suffix == ".dcp" else p.is_file())]
     return sorted(found, key=lambda p: (_step_of(p), p.name))
 
 
@@ -108,7 +109,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     except (OSError, UnicodeDecodeError):
         name = ""
     # fullmatch also rules out path tricks such as "../x.pt" in a hand-edited pointer.
-    if _STEP_RE.fullmatch(name) and (ckpt_dir / name).is_file():
+    if _STEP_RE.fullmatch(name) and (ckpt_dir / name).exists():
         return ckpt_dir / name
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
@@ -247,7 +248,12 @@ def _prune(ckpt_dir: Path, keep: int, written: Path) -> None:
     others = _newest_first([p for p in list_checkpoints(ckpt_dir) if p.name != written.name], _step_of(written))
     for p in others[keep - 1:]:
         try:
-            p.unlink()
+            if p.is_dir():
+                from .dcp_checkpoint import remove_checkpoint_dir
+
+                remove_checkpoint_dir(p)
+            else:
+                p.unlink()
         except FileNotFoundError:
             pass
         except OSError as e:  # a failed prune must not fail a save that succeeded
@@ -335,6 +341,10 @@ def _starts_with(path: Path, prefix: bytes) -> bool:
 
 
 def _load_file(path: Path, map_location: Any) -> Any:
+    if path.is_dir():   # a sharded run's checkpoint (torch.distributed.checkpoint)
+        from .dcp_checkpoint import load_consolidated
+
+        return load_consolidated(path, map_location)
     try:
         if path.stat().st_size == 0:
             raise _CorruptCheckpoint(f"checkpoint {path} is empty (0 bytes); use an earlier checkpoint")
@@ -396,7 +406,7 @@ def load_checkpoint(path: str | Path, *, expect_method: str | None = None, map_l
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; pass a checkpoint file or a run directory")
-    if not path.is_dir():
+    if not path.is_dir() or _STEP_RE.fullmatch(path.name):
         ckpt = _load_file(path, map_location)
         _check_header(ckpt, path, expect_method)
         return ckpt

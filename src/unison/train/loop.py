@@ -50,9 +50,11 @@ from unison.train.checkpoint import (
     restore_rng_state,
 )
 from unison.train.checkpointer import Checkpointer
+from unison.train.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
 from unison.train.faults import FaultHook
-from unison.train.metrics import MetricsLogger
+from unison.train.metrics import MetricsLogger, progress_bar
 from unison.train.preemption import StopAgreement, preempted, save_failed_elsewhere
+from unison.train.runlog import RunLog
 from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.train.summary import Summary, peak_memory_mib
 
@@ -97,24 +99,64 @@ def consistent_config(cfg: TrainConfig) -> None:
                       "start every worker with the same options")
 
 
-def knn_top1(run: Run) -> float:
-    """Weighted kNN top-1 of the encoder: training set as reference, held-out set as queries."""
-    assert run.val_set is not None, "kNN needs a held-out set"
+def knn_top1(run: Run) -> float | None:
+    """Weighted kNN top-1 of the encoder on the run's kNN sets (training images as reference, held-out
+    images as queries); None when there are none (`run.data.knn_skipped` says why)."""
+    knn = run.data.knn
+    if knn is None:
+        return None
     was_training = run.method.training
     run.method.eval()
     with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
-        acc = knn_accuracy(run.method.embed, run.train_set.images, run.train_set.labels, run.val_set.images,
-                           run.val_set.labels, run.to_eval, len(run.train_set.classes), k=run.cfg.knn_k,
-                           t=run.cfg.knn_t)
+        acc = knn_accuracy(run.method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
+                           run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t)
     run.method.train(was_training)
     return acc
+
+
+def describe_data(run: Run) -> None:
+    """One line on rank 0 for what is not the in-memory default: streamed data, and a skipped kNN."""
+    d = run.data
+    if d.mode == "stream":
+        src: Any = d.source   # StreamingBatches
+        print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "
+              f"{src.loader_workers} loader process(es) per worker, decode on {src.decode_on}", file=sys.stderr,
+              flush=True)
+    if d.knn_skipped:
+        print(f"unison: kNN evaluation skipped: {d.knn_skipped}", file=sys.stderr, flush=True)
+
+
+class DataWaitWarning:
+    """Warn once when the step waits for data more than `SHARE` of a logging window (the first excepted:
+    loader processes are still starting), with what to change."""
+
+    SHARE = 0.25
+
+    def __init__(self, run: Run):
+        self.run, self.windows, self.warned = run, 0, False
+
+    def observe(self, step: int, share: float) -> None:
+        self.windows += 1
+        if self.warned or self.windows == 1 or share <= self.SHARE:
+            return
+        self.warned = True
+        d = self.run.data
+        advice = (f"raise --loader-workers (now {getattr(d.source, 'loader_workers', 0)}) or use --decode gpu"
+                  if d.mode == "stream" else "the in-memory augmentation is the bottleneck (see unison bench)")
+        print(f"unison: warning: the training step waited for data {share:.0%} of the time up to step {step} "
+              f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
 
 
 def save_run_checkpoint(run: Run, checkpointer: Checkpointer, step: int, history: dict[str, Any]) -> None:
     """Every rank takes part (sharded optimizer state, RNG states and per-rank extra state are collected);
     rank 0 writes, in the background when the checkpointer is asynchronous (it waits for a snapshot only).
-    How long the step loop was held up is appended to ``checkpointer.wait_s``."""
+    How long the step loop was held up is appended to ``checkpointer.wait_s``. Under ``--shard full`` every
+    rank writes its own shards with torch.distributed.checkpoint (synchronously)."""
     started = time.perf_counter()
+    if run.cfg.distributed.shard == "full":
+        save_sharded(run, checkpointer.run_dir, step, history)
+        checkpointer.wait_s.append(time.perf_counter() - started)
+        return
     optim_state = run.optimizer.state_dict()   # collective when sharded: every rank calls it
     rng_states = C.all_gather_object(pack_rng_state())
     extra = run.extra_state.collect()          # GradScaler, PowerSGD error feedback, ... (may be collective)
@@ -129,6 +171,8 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer, step: int, history
 
 def resume(run: Run, path: str) -> tuple[int, dict[str, Any]]:
     """Load model, optimizer, extra state and (at the same world size) RNG state; return (step, history)."""
+    if resumes_sharded(run, path):   # a sharded run, or a sharded run's checkpoint: any world size, any --shard
+        return resume_sharded(run, path)
     ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
     check_compatible(run.method, ckpt["model"])
     run.method.load_state_dict(ckpt["model"])
@@ -146,7 +190,9 @@ def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
     if reason and not cfg.resume and C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0 decides
         cfg.resume = str(run_dir)
         if C.rank() == 0:
-            print(f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}", file=sys.stderr, flush=True)
+            message = f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}"
+            print(message, file=sys.stderr, flush=True)
+            RunLog(run_dir).line(message)
 
 
 def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, agreement: StopAgreement, step: int,
@@ -201,28 +247,30 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+        describe_data(run)
 
     # ---- resume, or record the random-initialisation baseline
+    runlog = RunLog(run_dir, enabled=master)
     _resume_after_restart(cfg, run_dir)
     step, history = resume(run, cfg.resume) if cfg.resume else (0, {})
-    if history.get("random_init_knn_top1") is None:
+    runlog.line(start_line(run, world, step))
+    if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:   # never a trained encoder
         with watch.phase("eval", step):
             history["random_init_knn_top1"] = knn_top1(run)
+        if history["random_init_knn_top1"] is not None:
+            runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
 
-    logger = MetricsLogger(run_dir, enabled=master)
+    logger = MetricsLogger(run_dir, enabled=master, kind=cfg.logger, config=cfg.to_dict())
     on_exit.callback(logger.release)
-    progress = None
-    if master and cfg.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=run.total_steps, initial=step, desc=f"{cfg.method} x{world}", unit="step",
-                        mininterval=1.0, dynamic_ncols=True)
+    progress = progress_bar(run.total_steps, step, f"{cfg.method} x{world}") if master and cfg.progress else None
+    first_step = step + 1   # logged too, so the loss shows from the first step on
 
     # ---- the loop
     agreement = StopAgreement()   # preemption signals and failed saves, agreed by all ranks after every step
     run.method.train()
     t_start = time.perf_counter()
-    t_log, images_since_log, wait_s = time.perf_counter(), 0, 0.0
+    t_log, images_since_log, wait_s, wait_since_log = time.perf_counter(), 0, 0.0, 0.0
+    waits = DataWaitWarning(run) if master else None
     final_loss = float("nan")
     curve: list[tuple[int, float]] = []   # (step, loss) of every logged step, for `Summary.loss_curve`
     log_times: list[float] = []
@@ -233,6 +281,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
             poison = faults.before_step(batch.step)
             loss_sum.zero_()
         wait_s += batch.wait_s
+        wait_since_log += batch.wait_s
         loss_sum += forward_backward(run, batch, poison=poison)
         if batch.micro < run.accumulate - 1:
             continue
@@ -242,22 +291,32 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
 
         # ---- hooks: metrics, progress, evaluation, checkpoints
         epoch_done = step % run.steps_per_epoch == 0
-        if step % cfg.log_every == 0 or step == run.total_steps or epoch_done:
+        if step % cfg.log_every == 0 or step == run.total_steps or epoch_done or step == first_step:
             final_loss = float(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
             curve.append((step, final_loss))
             log_times.append(time.perf_counter() - t_start)
             now = time.perf_counter()
             ips = images_since_log / max(now - t_log, 1e-9)
-            t_log, images_since_log = now, 0
-            logger.log(step=step, epoch=step / run.steps_per_epoch, loss=final_loss, lr=lr, images_per_s=ips)
+            data_wait = min(1.0, wait_since_log / max(now - t_log, 1e-9))   # this rank's share of the window
+            t_log, images_since_log, wait_since_log = now, 0, 0.0
+            logger.log(step=step, epoch=step / run.steps_per_epoch, loss=final_loss, lr=lr, images_per_s=ips,
+                       data_wait=round(data_wait, 4))
             if progress is not None:
-                progress.set_postfix(loss=f"{final_loss:.4f}", img_s=f"{ips:.0f}")
+                progress.set_postfix(loss=f"{final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}")
+            runlog.line(f"step {step}/{run.total_steps} (epoch {step / run.steps_per_epoch:.2f}): loss "
+                        f"{final_loss:.4f}, lr {lr:.4g}, {ips:.0f} img/s")
+            if waits is not None:
+                waits.observe(step, data_wait)
         if progress is not None:
             progress.update(1)
         completed_epoch = step // run.steps_per_epoch
-        if epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps:
+        if (epoch_done and cfg.eval_every and completed_epoch % cfg.eval_every == 0 and step < run.total_steps
+                and run.data.knn is not None):
             with watch.phase("eval", step):
-                logger.log(step=step, epoch=float(completed_epoch), knn_top1=knn_top1(run))
+                acc = knn_top1(run)
+            logger.log(step=step, epoch=float(completed_epoch), knn_top1=acc)
+            if acc is not None:
+                runlog.line(f"epoch {completed_epoch}: kNN top-1 {acc:.4f}")
         due = step % cfg.checkpoint_every == 0 if cfg.checkpoint_every else epoch_done
         if due and step < run.total_steps:
             with watch.phase("checkpoint", step):
@@ -274,21 +333,33 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
     with watch.phase("eval", step):
         history["knn_top1"] = knn_top1(run)
     logger.log(step=step, epoch=step / run.steps_per_epoch, knn_top1=history["knn_top1"])
+    if history["knn_top1"] is not None:
+        runlog.line(f"step {step}: kNN top-1 {history['knn_top1']:.4f}")
     with watch.phase("checkpoint", step):
         save_run_checkpoint(run, checkpointer, step, history)
         checkpointer.wait()
     watch.enter("done", step)
     summary = Summary(
-        method=cfg.method, backbone=cfg.backbone, data=cfg.data, world_size=world, steps=step,
+        method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=world, steps=step,
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
-        train_images=len(run.train_set), val_images=len(run.val_set) if run.val_set is not None else 0,
-        final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history["random_init_knn_top1"],
+        train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
+        final_loss=final_loss, knn_top1=history["knn_top1"], random_init_knn_top1=history.get("random_init_knn_top1"),
         train_time_s=train_time, data_wait_fraction=wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(run_dir),
-        loss_curve=curve, log_times_s=log_times,
+        loss_curve=curve, log_times_s=log_times, mean=run.resolved["mean"], std=run.resolved["std"],
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s]})   # per save, the final one last
     if master:
         (run_dir / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
-        logger.close()
+        logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
     return summary
+
+
+def start_line(run: Run, world: int, step: int) -> str:
+    """The first ``train.log`` line of a run (or of a resumed attempt): what runs, and the values it resolved to."""
+    r, cfg = run.resolved, run.cfg
+    where = f"resuming at step {step}" if step else "starting"
+    return (f"{cfg.method} x{world} workers on {cfg.data}, {where}: {run.total_steps} steps ({run.steps_per_epoch} per "
+            f"epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} px, {r['optimizer']} peak lr "
+            f"{r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation {r['augmentation']}; run dir "
+            f"{cfg.out}")

@@ -1,42 +1,73 @@
-"""Run metrics: a CSV file, TensorBoard when installed, and a PNG plot at the end (rank 0 only).
+"""Run metrics on rank 0: a CSV file and a PNG plot, optionally TensorBoard or Weights & Biases (``--logger``).
 
-``metrics.csv`` has one row per logged event with columns step, epoch, loss, lr,
-images_per_s, knn_top1 (empty where not measured). ``plot.png`` shows the training loss
-and the kNN accuracy against epochs.
+``--logger`` (`TrainConfig.logger`):
+
+* ``csv`` (default): ``metrics.csv``, one row per logged event with columns step, epoch, loss,
+  lr, images_per_s, knn_top1, data_wait (the share of the logging window the step waited for
+  data, on rank 0; empty where not measured), and ``plot.png`` at the end: the
+  training loss and the kNN accuracy against epochs, with the random-initialisation kNN as a
+  dashed line.
+* ``tensorboard``: the same, plus event files in ``<run dir>/tensorboard``
+  (``pip install tensorboard``; ``tensorboard --logdir runs``).
+* ``wandb``: the same, plus a Weights & Biases run (``pip install wandb``; the project is
+  ``$WANDB_PROJECT`` or ``unison``, the run name the run directory's name, the configuration
+  the run's). wandb is imported only when asked for.
+* ``none``: no metrics files (``summary.json``, ``config.json`` and ``train.log`` are still written).
+
+A resumed run appends to ``metrics.csv``; a file with an older header is rewritten with the current
+columns (earlier rows keep their values, new columns empty).
 """
 
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1")
+COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, run_dir: str | Path, enabled: bool = True, kind: str = "csv",
+                 config: dict[str, Any] | None = None):
+        self.enabled = enabled and kind != "none"
         self.run_dir = Path(run_dir)
         self.rows: list[dict[str, Any]] = []
-        self._tb = None
-        if not enabled:
+        self._tb: Any = None
+        self._wandb: Any = None
+        if not self.enabled:
             return
         self.path = self.run_dir / "metrics.csv"
         if self.path.exists():  # resumed run: keep the earlier rows
             with open(self.path, newline="") as f:
+                reader = csv.DictReader(f)
                 self.rows = [{k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
-                             for row in csv.DictReader(f)]
+                             for row in reader]
+                header = tuple(reader.fieldnames or ())
+            if header and header != COLUMNS:  # written by another unison version: one header for all rows
+                self._rewrite()
         self._file = open(self.path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
         if self._file.tell() == 0:  # a resumed run whose file holds only the header must not get a second one
             self._writer.writeheader()
-        try:
+        if kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        except ImportError:  # tensorboard is optional: pip install 'unison[tensorboard]'
-            self._tb = None
+        elif kind == "wandb":
+            import wandb
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "unison"), name=self.run_dir.name,
+                                     dir=str(self.run_dir), config=config or {}, resume="allow")
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows({k: ("" if row.get(k) is None else row.get(k)) for k in COLUMNS} for row in self.rows)
+        tmp.replace(self.path)
 
     def log(self, **values: Any) -> None:
         if not self.enabled:
@@ -45,10 +76,12 @@ class MetricsLogger:
         self.rows.append(row)
         self._writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
         self._file.flush()
+        scalars = {k: v for k, v in values.items() if k not in ("step", "epoch") and v is not None}
         if self._tb is not None:
-            for k, v in values.items():
-                if k not in ("step", "epoch") and v is not None:
-                    self._tb.add_scalar(k, v, int(values["step"]))
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, int(values["step"]))
+        if self._wandb is not None:
+            self._wandb.log({**scalars, "epoch": values.get("epoch")}, step=int(values["step"]))
 
     def release(self) -> None:
         """Close the files without drawing the plot (a run that failed); safe after `close`."""
@@ -57,16 +90,37 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.close()
 
-    def close(self) -> None:
+    def close(self, random_init_knn_top1: float | None = None) -> None:
         if not self.enabled:
             return
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-        plot_metrics(self.rows, self.run_dir / "plot.png")
+        if self._wandb is not None:
+            self._wandb.finish()
+        plot_metrics(self.rows, self.run_dir / "plot.png", random_init_knn_top1)
 
 
-def plot_metrics(rows: list[dict[str, Any]], path: str | Path) -> Path:
+def progress_bar(total: int, initial: int, desc: str) -> Any:
+    """tqdm's bar on rank 0, guarded by a thread lock instead of tqdm's default multiprocessing lock.
+
+    Why: tqdm's default lock holds a multiprocessing semaphore, registered with the resource tracker the
+    launcher shares with its workers; a worker ends with ``os._exit`` (`unison.distributed.env.exit_worker`),
+    which never releases it, so every run ended with "resource_tracker: There appear to be 1 leaked semaphore
+    objects". One process draws the bar, so a thread lock is all it needs."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", mininterval=1.0, dynamic_ncols=True)
+
+
+FEW_POINTS = 30   # up to this many points, each is drawn with a marker (a run of one logged step is one dot)
+
+
+def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None) -> Any:
+    """The figure of ``plot.png``: training loss and kNN accuracy against epochs, the random-init kNN dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,14 +130,34 @@ def plot_metrics(rows: list[dict[str, Any]], path: str | Path) -> Path:
     knn = [(r["epoch"], r["knn_top1"]) for r in rows if r.get("knn_top1") is not None]
     fig, (ax_loss, ax_knn) = plt.subplots(1, 2, figsize=(10, 3.8))
     if loss:
-        ax_loss.plot(*zip(*loss), color="tab:blue")
+        ax_loss.plot(*zip(*loss), color="tab:blue", marker="o" if len(loss) <= FEW_POINTS else None, markersize=4)
     ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
     if knn:
-        ax_knn.plot(*zip(*knn), marker="o", color="tab:green")
+        ax_knn.plot(*zip(*knn), marker="o", color="tab:green", label="trained encoder")
+    if random_init_knn_top1 is not None:
+        ax_knn.axhline(random_init_knn_top1, color="tab:gray", linestyle="--",
+                       label=f"random init ({random_init_knn_top1:.3f})")
+    values = [v for _, v in knn] + ([random_init_knn_top1] if random_init_knn_top1 is not None else [])
+    if values:   # accuracies: a range around the values, inside [0, 1], so one point is not a flat empty axis
+        low, high = min(values), max(values)
+        pad = max(0.02, 0.15 * (high - low))
+        ax_knn.set_ylim(max(0.0, low - pad), min(1.0, high + pad))
+        ax_knn.legend(loc="best", fontsize="small")
+    epochs = [e for e, _ in loss + knn]
+    if epochs:
+        for ax in (ax_loss, ax_knn):   # both panels on the run's epoch range (the baseline spans it)
+            ax.set_xlim(0.0, max(epochs) * 1.05 or 1.0)
     ax_knn.set(xlabel="epoch", ylabel="kNN top-1", title="kNN accuracy (held-out)")
     for ax in (ax_loss, ax_knn):
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(rows: list[dict[str, Any]], path: str | Path, random_init_knn_top1: float | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(rows, random_init_knn_top1)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)

@@ -1,7 +1,7 @@
 """Checks in the launching process of what would otherwise fail in every worker after start-up.
 
 `preflight(cfg)` runs before any worker starts (`unison.train` calls it): method-parameter
-types, data folders (layout, image count against subset and batch), the checkpoint to
+types, data (folder, file list or shards: layout, image count against subset and batch), the checkpoint to
 resume (exists, intact, safe, same method) and the run directory. Image decoding and
 model shapes are checked by the workers, whose errors still reach the user as one line
 naming the rank.
@@ -14,41 +14,35 @@ import warnings
 from pathlib import Path
 
 from unison.config import TrainConfig
-from unison.data.datasets import scan_folder
+from unison.data.catalog import open_catalog
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, DataError
-from unison.methods import METHODS
 from unison.train.checkpoint import latest_checkpoint, load_checkpoint
+from unison.train.runlog import append_run_log
 
 
 def preflight(cfg: TrainConfig, launched: bool) -> None:
     """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on."""
-    defaults = METHODS[cfg.method].Params()
-    for name, value in cfg.method_params.items():  # unknown names were refused by validate()
-        default = getattr(defaults, name)
-        want = type(default)
-        accepted = (int, float) if want is float else want
-        if want in (bool, int, float, str) and ((type(value) is bool) != (want is bool)
-                                                or not isinstance(value, accepted)):
-            raise ConfigError(f"--param {name}={value!r} must be a {want.__name__} (default {default!r})")
     for flag, spec, subset in (("--data", cfg.data, cfg.subset), ("--val", cfg.val, cfg.val_subset)):
         if spec is None or spec in ("digits", "cifar10"):
             continue
         with warnings.catch_warnings():  # the workers repeat the scan and its warnings
             warnings.simplefilter("ignore")
-            files = scan_folder(Path(spec).expanduser().resolve())
-        if subset is not None and subset > len(files):
-            raise DataError(f"{flag} {spec} has {len(files)} images, fewer than --subset/--val-subset {subset}; "
+            n = len(open_catalog(spec))
+        if subset is not None and subset > n:
+            raise DataError(f"{flag} {spec} has {n} images, fewer than --subset/--val-subset {subset}; "
                             "lower it or leave it unset")
-        if flag == "--data" and min(len(files), subset or len(files)) < cfg.batch_size:
-            raise DataError(f"{flag} {spec} has {min(len(files), subset or len(files))} images, fewer than one "
+        if flag == "--data" and min(n, subset or n) < cfg.batch_size:
+            raise DataError(f"{flag} {spec} has {min(n, subset or n)} images, fewer than one "
                             f"global batch ({cfg.batch_size}); lower --batch-size")
     out = Path(cfg.out)
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         load_checkpoint(cfg.resume, expect_method=cfg.method)
     elif not launched and restart_reason() is None and latest_checkpoint(out):
-        print(f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
-              f"use --resume {out} (or --resume auto) to continue it", file=sys.stderr)
+        warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
+                   f"use --resume {out} (or --resume auto) to continue it")
+        print(warning, file=sys.stderr)
+        append_run_log(out, warning)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

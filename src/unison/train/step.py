@@ -9,8 +9,10 @@
 Everything that decides what a step computes lives here and nowhere else:
 
 * the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
-  (`convert_sync_batchnorm`) -> channels_last -> DDP (`wrap_ddp`: comm hooks, rank-local
-  state) -> optional ``torch.compile``; every rank is seeded identically before the build;
+  (`convert_sync_batchnorm`) -> channels_last -> optional activation checkpointing -> DDP
+  (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
+  every backbone block and head sharded; ``Run.ddp`` is then the sharded method itself) ->
+  optional ``torch.compile``; every rank is seeded identically before the build;
 * the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
   with the global batch (x accumulation), optionally ZeRO-1 sharded;
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
@@ -24,6 +26,7 @@ this step, so what it proves is what users run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -36,16 +39,20 @@ import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
-from unison.data.batches import BatchSource, InMemoryBatches
-from unison.data.datasets import ImageTensorDataset, load_dataset
+from unison.data.batches import BatchSource
+from unison.data.datasets import ImageTensorDataset
+from unison.data.source import TrainData, build_batch_source
 from unison.distributed import collectives as C
 from unison.distributed.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
-from unison.distributed.optim import ShardedOptimizer, build_optimizer
+from unison.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
+from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
-from unison.errors import ConfigError, DataError, NonFiniteLossError
+from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
+from unison.models.backbones import resolve_backbone
+from unison.optim import build_optimizer, constructor_args
 from unison.train.extra_state import ExtraState
 
 
@@ -83,13 +90,13 @@ class Run:
     cfg: TrainConfig
     device: torch.device
     dtype: torch.dtype
-    train_set: ImageTensorDataset
+    train_set: ImageTensorDataset | None     # the decoded sets of in-memory data (None when streamed)
     val_set: ImageTensorDataset | None
     image_size: int
     augment: ViewAugmenter
     source: BatchSource
     method: SSLMethod              # the bare method (parameters, state, embed)
-    ddp: nn.Module                 # the method wrapped for data parallelism
+    ddp: nn.Module                 # the method wrapped for data parallelism (DDP, or FSDP: the method itself)
     forward: nn.Module             # what a step calls: `ddp`, or `torch.compile(ddp)`
     trainable: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -99,6 +106,7 @@ class Run:
     global_batch: int
     accumulate: int                # micro-batches per optimiser step (grad_sync_every)
     steps_per_epoch: int
+    data: TrainData                # the data side: source, mode, normalisation, kNN sets (`build_batch_source`)
     resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
     extra_state: ExtraState = field(default_factory=ExtraState)   # checkpointed beyond model/optimizer
 
@@ -108,15 +116,16 @@ class Run:
 
     def to_eval(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> the evaluation input of this run (centre resize, training-set normalisation)."""
-        x = eval_transform(images, self.image_size, self.train_set.mean, self.train_set.std).to(self.dtype)
+        x = eval_transform(images, self.image_size, self.data.mean, self.data.std).to(self.dtype)
         return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else x
 
 
 def resolve_recipe(cfg: TrainConfig) -> dict[str, Any]:
-    """The optimizer, base learning rate, weight decay and augmentation a run uses: the method's recipe
-    for `cfg.data`, overridden by whatever `cfg` sets."""
+    """The optimizer, base learning rate, weight decay, augmentation and backbone a run uses: the method's
+    recipe for `cfg.data`, overridden by whatever `cfg` sets."""
     recipe = get_method(cfg.method).recipe.for_data(cfg.data)
-    return {"optimizer": cfg.optimizer or recipe.optimizer,
+    return {"backbone": cfg.backbone or recipe.backbone,
+            "optimizer": cfg.optimizer or recipe.optimizer,
             "lr": cfg.lr if cfg.lr is not None else recipe.base_lr,
             "weight_decay": cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
             "augmentation": cfg.augmentation or recipe.augmentation}
@@ -139,18 +148,14 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def load_train_data(cfg: TrainConfig, device: torch.device) -> tuple[ImageTensorDataset, ImageTensorDataset]:
-    """The training set and the held-out set for kNN, decoded into memory on `device`."""
-    train_set = load_dataset(cfg.data, "train", subset=cfg.subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
-    val_set = load_dataset(cfg.val or cfg.data, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
-    return train_set.to(device), val_set.to(device)
-
-
-def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device) -> SSLMethod:
-    """backbone -> method with its hyper-parameters, seeded identically on every rank."""
+def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
+                 image_size: int | None = None) -> SSLMethod:
+    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
+    training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(cfg.backbone)
+    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"], image_size or cfg.image_size,
+                                           backbone_args=cfg.backbone_args)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -166,31 +171,29 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
     `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
     initialised (one process: backend local)."""
-    if train_set is None:
-        train_set, val_set = load_train_data(cfg, device)
     resolved = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
-    image_size = cfg.image_size or train_set.image_size
-
+    data = build_batch_source(cfg, device, resolved["augmentation"], train_set=train_set, val_set=val_set)
+    image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
-    if len(train_set) < global_batch:
-        raise DataError(f"the training set has {len(train_set)} images, fewer than one global batch "
-                        f"({global_batch}); lower --batch-size")
-    augment = ViewAugmenter(resolved["augmentation"], image_size, train_set.mean, train_set.std)
-    source = InMemoryBatches(train_set, augment, global_batch, cfg.seed)
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
 
     # ---- model: SyncBN, memory format, DDP
-    method = build_method(cfg, total_steps, dtype, device)
+    method = build_method(cfg, total_steps, dtype, device, image_size)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
+    if cfg.distributed.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
+        ddp = apply_fsdp(model, cfg, device)
+    else:
+        ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = unwrap(ddp)
     forward = torch.compile(ddp) if cfg.compile else ddp
 
@@ -199,17 +202,23 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     trainable = [p for p in method.parameters() if p.requires_grad]
     optimizer = build_optimizer(resolved["optimizer"], trainable, lr=peak_lr, weight_decay=resolved["weight_decay"],
                                 momentum=cfg.momentum)
-    if cfg.distributed.shard_optimizer:
-        optimizer = ShardedOptimizer(trainable, type(optimizer), **optimizer.defaults)
+    if cfg.distributed.shard == "optimizer":
+        optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
-    run = Run(cfg=cfg, device=device, dtype=dtype, train_set=train_set, val_set=val_set, image_size=image_size,
+    run = Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
+              image_size=image_size,
               augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
               optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
               schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-              resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps})
+              resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
+                        "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
+                        "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
+                        "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
+                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
+              data=data)
     register_checkpoint_state(run)
     return run
 

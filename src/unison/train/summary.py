@@ -37,6 +37,8 @@ class Summary:
     out: str                           # the run directory
     loss_curve: list[tuple[int, float]] = field(default_factory=list)   # (step, loss) of every logged step
     log_times_s: list[float] = field(default_factory=list)   # seconds since the loop started, at each logged step
+    mean: list[float] = field(default_factory=list)   # per-channel normalisation of the inputs (training set's)
+    std: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

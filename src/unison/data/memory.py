@@ -1,0 +1,235 @@
+"""Decode a whole catalog (folder, file list or shards) into one uint8 tensor, with an on-disk cache.
+
+The in-memory path for data that fits (CIFAR-scale): every image decoded once into
+``images`` uint8 ``[N, 3, H, W]``, which training moves to the device and augments there.
+
+* Decoding uses `torchvision.io.decode_image` (JPEG/PNG/WebP/GIF), with PIL as the
+  fallback for other formats, in a thread pool; images are converted to RGB.
+* All images must share one size: images of another size are resized (bilinear,
+  antialiased) to the size of the first image in sample order, with one warning.
+  Data of many sizes belongs on the streaming path (``--data-mode stream``).
+* Unreadable images: ``on_corrupt="skip"`` drops them with one warning (count and
+  first paths); ``on_corrupt="error"`` raises `DataError` naming the file.
+* Full loads are cached as a tensor file under ``$UNISON_CACHE_DIR`` (default
+  ``~/.cache/unison``), keyed by the location and every file's name, size and mtime,
+  so changed data is decoded again. ``UNISON_NO_CACHE=1`` disables it. The cache is
+  never written inside the data folder.
+* ``subset=n`` picks n files class-balanced (`balanced_subset`), determined by ``seed``
+  and the file list only; a subset load decodes only the chosen files.
+* mean / std: per-channel statistics of the returned images (`channel_stats`).
+
+Example::
+
+    ds = load_catalog(open_catalog("../shared/data/cifar10/train"), subset=5000, on_corrupt="skip", seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from unison.errors import DataError
+
+from .catalog import Catalog
+
+if TYPE_CHECKING:
+    from .datasets import ImageTensorDataset
+
+from .subsets import balanced_subset, channel_stats
+
+__all__ = ["cache_dir", "decode_all", "decode_bytes", "load_catalog"]
+
+_CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("UNISON_CACHE_DIR") or Path.home() / ".cache" / "unison").expanduser()
+
+
+def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: int) -> ImageTensorDataset:
+    """Every image of `catalog` (or a class-balanced `subset`) decoded into memory; see the module docstring."""
+    from .datasets import ImageTensorDataset
+
+    labels = torch.from_numpy(catalog.labels)
+    n = len(catalog)
+    stats = catalog.file_stats()
+    cache_path = _cache_file(catalog, stats)
+    sel = balanced_subset(labels, subset, seed) if subset is not None else None
+    cached = _read_cache(cache_path)
+    if cached is not None:
+        images, rows, errors, resized = cached["images"], cached["rows"], cached["errors"], cached["resized"]
+    else:
+        size = _reference_size(catalog)
+        todo = list(range(n)) if sel is None else sel.tolist()
+        images, rows, errors, resized = decode_all(catalog, todo, size)
+        if sel is None:
+            _write_cache(cache_path, dict(images=images, rows=rows, errors=errors, resized=resized))
+        else:  # rows are relative to the subset: express them over all files
+            full = torch.full((n,), -1, dtype=torch.int64)
+            full[sel] = rows
+            rows = full
+    if sel is None:
+        sel = torch.arange(n)
+    if errors and sel.numel() < n:  # report only the chosen files' errors
+        chosen = set(sel.tolist())
+        errors = [e for e in errors if e[0] in chosen]
+    if errors:
+        if on_corrupt == "error":
+            i, msg = errors[0]
+            raise DataError(f"cannot read image {catalog.describe(i)} ({msg}); fix or remove it, or pass "
+                            "on_corrupt='skip'")
+        shown = ", ".join(catalog.describe(i) for i, _ in errors[:3])
+        more = f" and {len(errors) - 3} more" if len(errors) > 3 else ""
+        warnings.warn(f"skipped {len(errors)} unreadable image(s): {shown}{more}", stacklevel=3)
+    if resized:
+        h, w = images.shape[-2:]
+        warnings.warn(f"{catalog.location}: resized {resized} image(s) to {h}x{w}, the size of the first image",
+                      stacklevel=3)
+    r = rows[sel]
+    keep = r >= 0
+    if not bool(keep.any()):
+        raise DataError(f"no readable images in {catalog.location}")
+    if sel.numel() == n and bool(keep.all()):
+        # A cache hit is memory-mapped: copy, so the dataset does not depend on the cache file.
+        out = images.clone() if cached is not None else images
+    else:
+        out = images[r[keep]].contiguous()
+    mean, std = channel_stats(out)
+    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name)
+
+
+def decode_bytes(data: bytes) -> torch.Tensor:
+    """uint8 [3, H, W] RGB; raises on unreadable data."""
+    decoder = _tv_decoder()
+    if decoder is not None:
+        try:  # fast path (libjpeg-turbo / libpng, releases the GIL; about 2x PIL on small JPEGs)
+            img = decoder[0](torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=decoder[1].RGB)
+            if img.dtype != torch.uint8 and img.element_size() == 2:  # 16-bit PNG (torchvision >= 0.21)
+                img = (img.to(torch.int32) >> 8).to(torch.uint8)
+            if img.dtype == torch.uint8 and img.ndim == 3 and img.shape[0] == 3:
+                return img
+        except Exception:
+            pass
+    import numpy as np
+    from PIL import Image  # other formats (BMP, TIFF, PPM, ...); raises on corrupt data
+
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = im.convert("RGB")
+    return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous()
+
+
+def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, list, int]:
+    """Decode samples `todo` into uint8 [n_ok, 3, H, W]; returns (images, row per sample or -1, errors, n_resized).
+
+    errors: sorted (sample index, message) of the unreadable ones.
+    """
+    n = len(todo)
+    out = torch.empty((n, 3, *size), dtype=torch.uint8)
+    ok = torch.zeros(n, dtype=torch.bool)
+
+    def work(lo: int, hi: int) -> tuple[list[tuple[int, str]], int]:
+        errors, resized = [], 0
+        for k in range(lo, hi):
+            try:
+                img = decode_bytes(catalog.read(todo[k]))
+            except Exception as e:
+                errors.append((todo[k], f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+                continue
+            if tuple(img.shape[1:]) != size:
+                x = F.interpolate(img[None].float(), size=size, mode="bilinear", antialias=True, align_corners=False)
+                img = x[0].round().clamp(0, 255).to(torch.uint8)
+                resized += 1
+            out[k] = img  # disjoint rows per task: no lock needed
+            ok[k] = True
+        return errors, resized
+
+    chunk = 256  # per-task overhead matters for tiny JPEGs
+    with warnings.catch_warnings(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        # torchvision >= 0.29 emits a DeprecationWarning per decode call (TorchCodec migration).
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")
+        results = list(pool.map(lambda lo: work(lo, min(lo + chunk, n)), range(0, n, chunk)))
+    errors = sorted(e for errs, _ in results for e in errs)
+    resized = sum(r for _, r in results)
+    rows = torch.full((n,), -1, dtype=torch.int64)
+    rows[ok] = torch.arange(int(ok.sum()))
+    images = out if bool(ok.all()) else out[ok].contiguous()
+    return images, rows, errors, resized
+
+
+def _tv_decoder():
+    """torchvision's decoder, imported on first use: importing torchvision costs seconds per process."""
+    global _TV_DECODER
+    if _TV_DECODER is None:
+        try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL remains the fallback once it is gone
+            from torchvision.io import ImageReadMode, decode_image
+
+            _TV_DECODER = (decode_image, ImageReadMode)
+        except ImportError:  # pragma: no cover
+            _TV_DECODER = False
+    return _TV_DECODER or None
+
+
+_TV_DECODER = None
+
+
+def _reference_size(catalog: Catalog) -> tuple[int, int]:
+    """(H, W) of the first sample whose header reads, in sample order (subset-independent)."""
+    from PIL import Image
+
+    for i in range(len(catalog)):
+        try:
+            with Image.open(io.BytesIO(catalog.read(i))) as im:
+                w, h = im.size
+            return h, w
+        except Exception:
+            continue
+    raise DataError(f"no readable images in {catalog.location} (every file failed to open)")
+
+
+def _cache_file(catalog: Catalog, stats: list) -> Path | None:
+    if os.environ.get("UNISON_NO_CACHE", "") not in ("", "0"):
+        return None
+    cache = cache_dir().resolve()
+    root, folder = catalog.location, catalog.base
+    if cache == folder or folder in cache.parents:
+        return None  # never write into the data folder
+    if catalog.kind == "folder":  # the key of unison <= 0.1's folder cache: existing caches stay valid
+        key = [_CACHE_VERSION, str(root), catalog.names.tolist(), stats]
+    else:
+        key = [_CACHE_VERSION, catalog.kind, str(root), catalog.shards, catalog.names.tolist(), stats]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
+    return cache / "images" / f"{root.parent.name}-{root.name}-{digest}.pt"
+
+
+def _read_cache(path: Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = torch.load(path, weights_only=True, mmap=True)
+        if set(data) != {"images", "rows", "errors", "resized"}:
+            return None
+        data["errors"] = [(int(i), str(m)) for i, m in data["errors"]]
+        return data
+    except Exception:  # truncated / from another version: decode again
+        return None
+
+
+def _write_cache(path: Path | None, data: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(data, tmp)
+        os.replace(tmp, path)  # atomic: concurrent ranks never read a partial file
+    except OSError as e:
+        warnings.warn(f"could not write the image cache {path}: {e}", stacklevel=3)

@@ -1,0 +1,281 @@
+"""Which `BatchSource` a run reads, and the evaluation data beside it: `build_batch_source(cfg, ...)`.
+
+``--data-mode`` (``TrainConfig.data_mode``):
+
+* ``memory``: decode everything once into one uint8 tensor on the device (`InMemoryBatches`):
+  the fastest path, bit-for-bit today's for the digits and CIFAR. Costs 3 x H x W bytes per
+  image on every rank (CIFAR-10: 150 MiB), plus one decode of the data (cached on disk).
+* ``stream``: each rank decodes its slice of each batch in loader worker processes
+  (`StreamingBatches`). Costs CPU per step instead of memory: per rank, the packed index (about
+  8 bytes + the path per image) and the decoded jobs in flight; nothing grows with the data.
+* ``auto`` (default): ``memory`` when the decoded training set fits `MEMORY_BUDGET` (2 GiB per
+  rank, counted at the first image's size, the size the memory path stores every image at) and
+  `SIZE_PROBES` evenly spaced images all have that size (the memory path would resize the others
+  to it, distorting them), else ``stream``. ``digits`` and ``cifar10`` are always in memory;
+  ``--decode gpu`` streams.
+
+Image size: ``--image-size``, else the data's size (memory), else the first image's shorter
+side, at most 224 (stream). Normalisation: the memory path's per-channel statistics of all
+images; streamed: of `STATS_IMAGES` evenly spaced images at the training size.
+
+kNN evaluation needs labelled held-out data, and never scores training images:
+
+* ``digits`` / ``cifar10``: their held-out split, as before;
+* otherwise the ``--val`` data (same classes as the training data); without ``--val``, or when
+  either side has no labels, kNN is skipped and `TrainData.knn_skipped` says why;
+* streamed: the reference set is a class-balanced subset of at most `KNN_REFERENCE` (5,000)
+  training images and the queries at most `KNN_QUERIES` (2,000) held-out images (or
+  ``--val-subset``), decoded at the training size (shorter side resized, centre square) each time
+  kNN runs, in chunks: memory holds the features, never the images.
+
+Example::
+
+    data = build_batch_source(cfg, device, "simclr")
+    for epoch, indices, views in data.source.iter_from(0):
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.errors import ConfigError, DataError
+
+from .augment import ViewAugmenter
+from .batches import BatchSource, InMemoryBatches
+from .catalog import Catalog, open_catalog
+from .datasets import BUILTIN, ImageTensorDataset, load_dataset
+from .decode import decode_centre, open_image
+from .memory import load_catalog
+from .subsets import balanced_subset, channel_stats
+
+__all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
+           "build_batch_source", "choose_mode"]
+
+MEMORY_BUDGET = 2 * 2**30
+KNN_REFERENCE = 5_000
+KNN_QUERIES = 2_000
+STATS_IMAGES = 256
+SIZE_PROBES = 16
+STREAM_MAX_DEFAULT_SIZE = 224
+
+
+@dataclass
+class KnnSets:
+    """Reference and query images (uint8 tensors, or `LazyImages`) with their labels, on the device."""
+
+    reference: Any
+    reference_labels: torch.Tensor
+    queries: Any
+    query_labels: torch.Tensor
+    num_classes: int
+
+
+@dataclass
+class TrainData:
+    """What `build_batch_source` hands the training step."""
+
+    source: BatchSource
+    augment: ViewAugmenter
+    mode: str                                  # "memory" or "stream"
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    num_images: int                            # training images (after --subset)
+    train_set: ImageTensorDataset | None       # the decoded sets (memory mode)
+    val_set: ImageTensorDataset | None
+    knn: KnnSets | None
+    knn_skipped: str | None                    # why there is no kNN evaluation, when there is none
+
+
+class LazyImages:
+    """Images of a catalog decoded on demand at ``size`` (shorter side resized, centre square).
+
+    ``images[a:b]`` is another `LazyImages`; ``images.decode(a, b)`` the uint8 ``[b-a, 3, size, size]``
+    tensor on `device`, decoded in a thread pool (PIL releases the GIL while decoding and resizing).
+    """
+
+    def __init__(self, catalog: Catalog, indices: np.ndarray, size: int, device: torch.device, on_corrupt: str):
+        self.catalog, self.indices, self.size, self.device, self.on_corrupt = catalog, indices, size, device, on_corrupt
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.indices), 3, self.size, self.size)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, part: slice) -> LazyImages:
+        return LazyImages(self.catalog, self.indices[part], self.size, self.device, self.on_corrupt)
+
+    def decode(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        chosen = self.indices[start:stop]
+        out = np.zeros((len(chosen), self.size, self.size, 3), dtype=np.uint8)
+
+        def one(k: int) -> str | None:
+            try:
+                out[k] = decode_centre(self.catalog.read(int(chosen[k])), self.size)
+                return None
+            except Exception as e:  # kNN sets: an unreadable image stays black (counted, named once)
+                return f"{self.catalog.describe(int(chosen[k]))} ({type(e).__name__}: {e})".splitlines()[0]
+
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            errors = [e for e in pool.map(one, range(len(chosen))) if e]
+        if errors and self.on_corrupt == "error":
+            raise DataError(f"cannot read image {errors[0]}; fix or remove it, or pass --on-corrupt skip")
+        if errors:
+            warnings.warn(f"kNN: {len(errors)} unreadable image(s) left black, e.g. {errors[0]}", stacklevel=2)
+        return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous().to(self.device)
+
+
+def choose_mode(cfg: Any, catalog: Catalog | None, n: int) -> str:
+    """"memory" or "stream" for `cfg.data` (see the module docstring)."""
+    if catalog is None:  # digits / cifar10
+        if cfg.data_mode == "stream" or cfg.decode == "gpu":
+            raise ConfigError(f"--data {cfg.data} is built in and always held in memory; --data-mode stream and "
+                              "--decode gpu are for folders, file lists and shards")
+        return "memory"
+    if cfg.decode == "gpu":
+        if cfg.data_mode == "memory":
+            raise ConfigError("--decode gpu decodes streamed batches; it does not combine with --data-mode memory")
+        return "stream"
+    if cfg.data_mode != "auto":
+        return cfg.data_mode
+    h, w = _first_size(catalog)
+    if n * 3 * h * w > MEMORY_BUDGET:
+        return "stream"
+    probes = np.linspace(0, len(catalog) - 1, min(len(catalog), SIZE_PROBES)).round().astype(np.int64)
+    return "memory" if all(_size_or_none(catalog, int(i)) in ((h, w), None) for i in probes) else "stream"
+
+
+def build_batch_source(cfg: Any, device: torch.device, augmentation: str, *,
+                       train_set: ImageTensorDataset | None = None,
+                       val_set: ImageTensorDataset | None = None) -> TrainData:
+    """The `BatchSource` of `cfg.data` (or of the given in-memory `train_set`), its augmenter and kNN sets."""
+    catalog = None
+    if train_set is None and cfg.data not in BUILTIN:
+        catalog = open_catalog(cfg.data)
+        n = len(catalog)
+        if cfg.subset is not None and cfg.subset > n:
+            raise DataError(f"--data {cfg.data} has {n} images, fewer than --subset {cfg.subset}")
+    mode = "memory" if train_set is not None else choose_mode(cfg, catalog, cfg.subset or (len(catalog) if catalog
+                                                                                             else 0))
+    if mode == "memory":
+        return _memory(cfg, device, augmentation, catalog, train_set, val_set)
+    assert catalog is not None
+    return _stream(cfg, device, augmentation, catalog)
+
+
+def _memory(cfg: Any, device: torch.device, augmentation: str, catalog: Catalog | None,
+            train_set: ImageTensorDataset | None, val_set: ImageTensorDataset | None) -> TrainData:
+    knn_skipped = None
+    if train_set is None:
+        if catalog is None:
+            train_set = load_dataset(cfg.data, "train", subset=cfg.subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
+        else:
+            train_set = load_catalog(catalog, cfg.subset, cfg.on_corrupt, cfg.seed)
+        val_set, knn_skipped = _memory_val(cfg, train_set)
+        train_set, val_set = train_set.to(device), val_set.to(device) if val_set is not None else None
+    elif val_set is None:
+        knn_skipped = "no held-out data was given"
+    if len(train_set) < cfg.batch_size:
+        raise DataError(f"the training set has {len(train_set)} images, fewer than one global batch "
+                        f"({cfg.batch_size}); lower --batch-size")
+    image_size = cfg.image_size or train_set.image_size
+    augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std)
+    knn = None
+    if val_set is not None:
+        knn = KnnSets(train_set.images, train_set.labels, val_set.images, val_set.labels, len(train_set.classes))
+    return TrainData(InMemoryBatches(train_set, augment, cfg.batch_size, cfg.seed), augment, "memory", image_size,
+                     train_set.mean, train_set.std, len(train_set), train_set, val_set, knn, knn_skipped)
+
+
+def _memory_val(cfg: Any, train_set: ImageTensorDataset) -> tuple[ImageTensorDataset | None, str | None]:
+    """The held-out set for kNN of in-memory training data, or None and the reason."""
+    if cfg.data in BUILTIN and cfg.val is None:
+        return load_dataset(cfg.data, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed), None
+    if not train_set.labelled:
+        return None, f"the training data {cfg.data} has no labels"
+    if cfg.val is None:
+        return None, "no --val held-out data was given (kNN never scores the training images)"
+    val = load_dataset(cfg.val, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
+    return _check_val_labels(cfg, train_set.classes, val.classes, val)
+
+
+def _check_val_labels(cfg: Any, train_classes: list[str], val_classes: list[str], val: Any) -> tuple[Any, str | None]:
+    if not val_classes:
+        return None, f"the held-out data {cfg.val} has no labels"
+    if val_classes != train_classes:
+        raise DataError(f"--val {cfg.val} has classes {val_classes[:4]}... but --data {cfg.data} has "
+                        f"{train_classes[:4]}...; give held-out data labelled like the training data")
+    return val, None
+
+
+def _stream(cfg: Any, device: torch.device, augmentation: str, catalog: Catalog) -> TrainData:
+    from .stream import StreamingBatches, default_loader_workers
+
+    positions = None
+    if cfg.subset is not None:
+        positions = balanced_subset(torch.from_numpy(catalog.labels), cfg.subset, cfg.seed).numpy()
+    n = len(positions) if positions is not None else len(catalog)
+    image_size = cfg.image_size or min(STREAM_MAX_DEFAULT_SIZE, min(_first_size(catalog)))
+    pick = positions if positions is not None else np.arange(len(catalog))
+    sample = pick[np.linspace(0, n - 1, min(n, STATS_IMAGES)).round().astype(np.int64)]
+    stats_images = LazyImages(catalog, sample, image_size, torch.device("cpu"), "skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mean, std = channel_stats(stats_images.decode())
+    augment = ViewAugmenter(augmentation, image_size, mean, std)
+    workers = cfg.loader_workers if cfg.loader_workers is not None else default_loader_workers(
+        cfg.distributed.world_size)
+    source = StreamingBatches(catalog, augment, cfg.batch_size, cfg.seed, device=device, loader_workers=workers,
+                              on_corrupt=cfg.on_corrupt, positions=positions, decode=cfg.decode)
+    knn, knn_skipped = _stream_knn(cfg, catalog, pick, image_size, device)
+    return TrainData(source, augment, "stream", image_size, mean, std, n, None, None, knn, knn_skipped)
+
+
+def _stream_knn(cfg: Any, catalog: Catalog, pick: np.ndarray, size: int,
+                device: torch.device) -> tuple[KnnSets | None, str | None]:
+    if not catalog.labelled:
+        return None, f"the training data {cfg.data} has no labels"
+    if cfg.val is None:
+        return None, "no --val held-out data was given (kNN never scores the training images)"
+    val = open_catalog(cfg.val) if cfg.val not in BUILTIN else None
+    if val is None:
+        return None, f"--val {cfg.val} is a built-in set; give held-out data in the training data's layout"
+    checked, why = _check_val_labels(cfg, catalog.classes, val.classes, val)
+    if checked is None:
+        return None, why
+    labels = torch.from_numpy(catalog.labels[pick])
+    ref = pick[balanced_subset(labels, min(len(pick), KNN_REFERENCE), cfg.seed).numpy()]
+    n_query = min(len(val), cfg.val_subset or KNN_QUERIES)
+    query = balanced_subset(torch.from_numpy(val.labels), n_query, cfg.seed).numpy()
+    return KnnSets(LazyImages(catalog, ref, size, device, cfg.on_corrupt),
+                   torch.from_numpy(catalog.labels[ref]).to(device),
+                   LazyImages(val, query, size, device, cfg.on_corrupt),
+                   torch.from_numpy(val.labels[query]).to(device), len(catalog.classes)), None
+
+
+def _size_or_none(catalog: Catalog, i: int) -> tuple[int, int] | None:
+    """(H, W) of sample i from its header, None if unreadable."""
+    try:
+        w, h = open_image(catalog.read(i)).size
+        return h, w
+    except Exception:
+        return None
+
+
+def _first_size(catalog: Catalog) -> tuple[int, int]:
+    """(H, W) of the first sample whose header reads."""
+    for i in range(min(len(catalog), 100)):
+        size = _size_or_none(catalog, i)
+        if size is not None:
+            return size
+    raise DataError(f"no readable images in {catalog.location} (the first {min(len(catalog), 100)} failed to open)")

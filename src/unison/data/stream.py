@@ -1,0 +1,166 @@
+"""The streaming `BatchSource`: each rank reads and decodes only its own slice of every global batch.
+
+For data that does not fit in memory (ImageNet-scale folders, file lists, tar shards).
+The global order is the in-memory path's: epoch e's global batches are
+``global_batches(n, B, e, seed)``; rank r takes its contiguous slice (`local_slice`).
+That slice — ``(epoch, [sample indices])``, one *job* — is what the loader decodes:
+
+* a `torch.utils.data.DataLoader` over this rank's jobs (``batch_size=None``: one job is
+  one batch) with ``loader_workers`` worker processes, each job decoded whole by one
+  worker (`CropDecoder`: read, header, crop boxes on the original size, DCT-scaled JPEG
+  decode, antialiased resize, flip), ``prefetch`` jobs per worker in flight, pinned
+  host memory when training on CUDA. The job stream is infinite (epoch after epoch), so
+  the workers live for the whole run (``persistent_workers`` semantics without re-iterating);
+* on the training device, `ViewAugmenter.finish` runs colour jitter, grayscale, blur,
+  solarisation and normalisation batched, with the same per-sample draws (when the training
+  device is the CPU, the loader processes run it on their job, in parallel: the training
+  process would otherwise do it alone, on as many cores as it has threads).
+
+Why the views do not depend on the world size or the number of loader workers: every
+random number of a sample is `sample_uniform(seed, epoch, index, stream=view)`; which
+process decodes a job changes nothing; the DataLoader returns jobs in order. Each sample is
+read once per epoch, by the rank whose slice holds it (tested by counting reads).
+
+Memory per rank does not grow with the data set: the catalog is a packed index (bytes per
+sample, shared copy-on-write with the workers), the epoch order one int64 per sample, and
+in flight are at most ``loader_workers * prefetch`` decoded jobs of ``B / W`` samples.
+
+``decode="gpu"``: the workers only read the bytes; the training process decodes JPEGs
+batched with ``torchvision.io.decode_jpeg(device="cuda")`` and crops, resizes and flips on
+the GPU (`unison.data.gpu_decode`); views then differ from the CPU path's (another decoder
+and resize) but are just as world-size invariant.
+
+Example::
+
+    source = StreamingBatches(open_catalog("/data/in1k/train"), augmenter, global_batch=1024, seed=0,
+                              device=torch.device("cuda"), loader_workers=8)
+    for epoch, indices, views in source.iter_from(0):
+        ...
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from unison.distributed.collectives import local_slice
+from unison.errors import DataError
+
+from .augment import ViewAugmenter
+from .catalog import Catalog
+from .decode import CropDecoder
+from .random import global_batches
+
+__all__ = ["StreamingBatches", "default_loader_workers"]
+
+_SKIP_REPORTS = 3  # unreadable files named individually; after that, a count now and then
+
+
+def default_loader_workers(world_size_on_node: int) -> int:
+    """Loader processes per rank when not given: the cores left per rank after the rank itself, 1 to 8."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // max(1, world_size_on_node) - 1))
+
+
+class _RankJobs:
+    """This rank's jobs ``(epoch, [indices])`` from global batch `start` on, forever."""
+
+    def __init__(self, n: int, global_batch: int, seed: int, start: int, rows: slice):
+        self.n, self.global_batch, self.seed, self.start, self.rows = n, global_batch, seed, start, rows
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        per_epoch = self.n // self.global_batch
+        epoch, first = divmod(self.start, per_epoch)
+        while True:
+            for batch in global_batches(self.n, self.global_batch, epoch, self.seed)[first:]:
+                yield epoch, batch[self.rows].tolist()
+            epoch, first = epoch + 1, 0
+
+
+class _JobDataset(torch.utils.data.Dataset):
+    """A map-style dataset whose "index" is a job: `DataLoader(sampler=jobs, batch_size=None)` decodes whole jobs."""
+
+    def __init__(self, decode: Any):
+        self.decode = decode
+
+    def __getitem__(self, job: tuple[int, list[int]]) -> dict[str, Any]:
+        return self.decode(job)
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class StreamingBatches:
+    """`BatchSource` over a `Catalog`, decoded by loader worker processes; see the module docstring."""
+
+    def __init__(self, catalog: Catalog, augment: ViewAugmenter, global_batch: int, seed: int, *,
+                 device: torch.device, loader_workers: int = 0, on_corrupt: str = "skip",
+                 positions: np.ndarray | None = None, decode: str = "cpu", prefetch: int = 2):
+        n = len(positions) if positions is not None else len(catalog)
+        if n < global_batch:
+            raise DataError(f"{catalog.location} has {n} images, fewer than one global batch ({global_batch}); "
+                            "lower --batch-size")
+        if augment.params["rotation"] > 0:
+            raise DataError(f"the augmentation preset {augment.preset!r} rotates, which streamed data does not "
+                            "support; use --data-mode memory or another preset")
+        self.catalog, self.augment, self.global_batch, self.seed = catalog, augment, global_batch, seed
+        self.device, self.loader_workers, self.prefetch, self.decode_on = device, loader_workers, prefetch, decode
+        self.n = n
+        self.batches_per_epoch = n // global_batch
+        self.rows = local_slice(global_batch)
+        if decode == "gpu":
+            from .gpu_decode import BytesReader, GpuCropper
+
+            self.decoder: Any = BytesReader(catalog, seed, on_corrupt, positions)
+            self.gpu: Any = GpuCropper(augment, seed, device)
+        else:
+            # On the CPU the colour ops run in the loader processes too (in parallel); on a GPU, batched there.
+            self.decoder = CropDecoder(catalog, augment, seed, on_corrupt, positions, finish=device.type == "cpu")
+            self.gpu = None
+        self.skipped: dict[str, str] = {}
+
+    def loader(self, batch_number: int) -> torch.utils.data.DataLoader:
+        """The DataLoader of this rank's jobs from global batch `batch_number` on (what `iter_from` reads)."""
+        jobs = _RankJobs(self.n, self.global_batch, self.seed, batch_number, self.rows)
+        workers = self.loader_workers
+        return torch.utils.data.DataLoader(
+            _JobDataset(self.decoder), sampler=jobs, batch_size=None, collate_fn=_as_is, num_workers=workers,
+            pin_memory=self.device.type == "cuda", prefetch_factor=self.prefetch if workers else None,
+            persistent_workers=workers > 0)
+
+    def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
+        for out in self.loader(batch_number):
+            if out["error"] is not None:
+                where, why = out["error"]
+                raise DataError(f"cannot read image {where} ({why}); fix or remove it, or pass --on-corrupt skip")
+            self._report(out["skipped"])
+            epoch = int(out["epoch"])
+            indices = out["indices"].to(self.device, non_blocking=True)
+            if "views" in out:  # finished in the loader process (training on the CPU)
+                yield epoch, indices, out["views"]
+                continue
+            if self.gpu is not None:
+                crops = self.gpu(out, indices)
+            else:
+                crops = [c.to(self.device, non_blocking=True) for c in out["crops"]]
+            yield epoch, indices, self.augment.finish(crops, indices, epoch, self.seed)
+
+    def _report(self, skipped: list[tuple[str, str]]) -> None:
+        """Name the first few unreadable files (each once); then a count every 100 more."""
+        for where, why in skipped:
+            if where in self.skipped:
+                continue
+            self.skipped[where] = why
+            k = len(self.skipped)
+            if k <= _SKIP_REPORTS:
+                print(f"unison: warning: skipped unreadable image {where} ({why}); its views come from the next "
+                      "readable image (--on-corrupt skip)", file=sys.stderr, flush=True)
+            elif k % 100 == _SKIP_REPORTS + 1 or k == _SKIP_REPORTS + 1:
+                print(f"unison: warning: {k} unreadable images skipped so far", file=sys.stderr, flush=True)

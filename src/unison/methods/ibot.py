@@ -1,0 +1,165 @@
+"""iBOT / DINOv2-style (Zhou et al., 2022; Oquab et al., 2024): DINO on class tokens, masked-patch distillation, KoLeo.
+
+    masks:    per sample and global crop, m = round(mask_ratio * N) random patches (`random_masking`)
+    student:  ViT f on the global crops with the masked patches replaced by a learned mask
+              token, and on the local crops; DINO head h on the class tokens and on the
+              output patch tokens at the masked positions
+    teacher:  f', h' (EMA of f, h, no gradient) on the unmasked global crops
+    loss   =  cls_weight * L_cls + patch_weight * L_patch + koleo_weight * sum_i KoLeo(f(global crop i) class token)
+              L_cls, L_patch: `unison.losses.IBOTLoss` (centring as iBOT, or Sinkhorn-Knopp as DINOv2)
+    f', h' <- m f', h' + (1 - m) f, h,  m = 1 - (1 - 0.996) (cos(pi step / steps_total) + 1) / 2
+    tau_t: linear warm-up 0.04 -> 0.07 over the first ``teacher_temp_warmup_fraction`` of the steps
+
+Masks: a fixed number of random patches per crop (iBOT's "rand" shape with a fixed ratio;
+its default block-shaped masks with a ratio drawn per image, and DINOv2's masking of half
+of the images, give every image a different count, which would make shapes depend on the
+batch). The head is shared between class and patch tokens (DINOv2's default).
+
+Defaults: iBOT's ViT head (3 layers, no batch norm, GELU, bottleneck 256) with width 512 and
+1024 prototypes (official: 2048 / 8192 for iBOT, 65536 for DINOv2; reduced for CPU), mask
+ratio 0.3, teacher momentum 0.996, temperatures 0.04 -> 0.07 / 0.1, centre momentum 0.9,
+loss weights 1 / 1 and KoLeo 0.1 (DINOv2); AdamW, lr 5e-4 per 256 images, weight decay 0.04
+(official; the weight-decay schedule, last-layer freezing and layer-wise decay are not
+implemented); multi-crop augmentations.
+
+Distributed semantics: masks depend on (seed, epoch, sample index, crop) only; centres and
+Sinkhorn use the global batch (`unison.losses.ibot`); KoLeo searches each feature's nearest
+neighbour in the GLOBAL batch through `all_gather_with_grad` (`unison.losses.koleo`; DINOv2
+searches per GPU); every term is a mean over local samples. Exact with gather on. Teacher,
+centres and the step counter are rank-local state (never broadcast by DDP, saved in
+checkpoints); rank 0's teacher is copied to every rank on the first forward.
+
+Example::
+
+    backbone, dim = build_backbone("vit_tiny_p4")
+    model = IBOT(backbone, dim, IBOTParams(), steps_total=10_000)
+    loss = model([global_a, global_b, *local_crops], keys=SampleKeys(seed, epoch, indices))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from unison.distributed.ddp import mark_rank_local_state
+from unison.errors import ConfigError
+from unison.losses import IBOTLoss, KoLeoLoss
+from unison.losses.ibot import CENTERINGS
+
+from ._common import check_multicrop, cosine_momentum, multicrop_features, require_vit
+from .base import Recipe, SampleKeys, SSLMethod
+from .dino import DINOHead
+from .masking import random_masking
+from .params import check_params
+from .teacher import MomentumTeacher
+
+MASK_STREAM = 0x1B07_0000     # + global crop index: counter-based RNG stream of iBOT's masks
+
+
+@dataclass
+class IBOTParams:
+    hidden_dim: int = 512                # official: 2048 (reduced for CPU)
+    bottleneck_dim: int = 256
+    out_dim: int = 1024                  # official: 8192 (iBOT), 65536 (DINOv2)
+    head_layers: int = 3
+    head_batch_norm: bool = False        # official ViT heads: no batch norm
+    mask_ratio: float = 0.3              # iBOT pred_ratio
+    momentum_base: float = 0.996
+    student_temp: float = 0.1
+    teacher_temp: float = 0.07
+    warmup_teacher_temp: float = 0.04
+    teacher_temp_warmup_fraction: float = 0.1
+    center_momentum: float = 0.9
+    centering: str = "centre"            # "centre" (iBOT) or "sinkhorn" (DINOv2)
+    cls_weight: float = 1.0
+    patch_weight: float = 1.0
+    koleo_weight: float = 0.1            # DINOv2 (iBOT: no KoLeo, 0)
+
+    def __post_init__(self) -> None:
+        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "out_dim", "head_layers"),
+                     positive=("student_temp", "teacher_temp", "warmup_teacher_temp"),
+                     non_negative=("cls_weight", "patch_weight", "koleo_weight"),
+                     unit_interval=("mask_ratio", "momentum_base", "teacher_temp_warmup_fraction", "center_momentum"))
+        if self.centering not in CENTERINGS:
+            raise ConfigError(f"IBOT parameter centering={self.centering!r} must be one of {', '.join(CENTERINGS)} "
+                              "(--param centering=VALUE)")
+
+
+class IBOT(SSLMethod):
+    step_count: torch.Tensor
+    name = "ibot"
+    Params = IBOTParams
+    needs_sample_keys = True
+    recipe = Recipe(optimizer="adamw", base_lr=5e-4, weight_decay=0.04, augmentation="multicrop",
+                    backbone="vit_tiny_p4", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, params: IBOTParams, **kw):
+        super().__init__(backbone, feature_dim, params, **kw)
+        require_vit(backbone, "iBOT")
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, feature_dim))
+        self.head = DINOHead(feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
+                             params.head_layers, params.head_batch_norm)
+        self.teacher = MomentumTeacher(backbone=self.backbone, head=self.head)
+        self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
+        mark_rank_local_state(self, ["step_count"])
+        self.loss_fn = IBOTLoss(params.out_dim, params.student_temp, params.center_momentum, params.centering,
+                                gather_distributed=self.gather_distributed)
+        self.koleo = KoLeoLoss(gather_distributed=self.gather_distributed)
+
+    def momentum(self, step: int) -> float:
+        return cosine_momentum(self.params.momentum_base, step, self.steps_total)
+
+    def teacher_temp(self, step: int) -> float:
+        p = self.params
+        warmup = round(p.teacher_temp_warmup_fraction * self.steps_total)
+        if warmup <= 0 or step >= warmup:
+            return p.teacher_temp
+        return p.warmup_teacher_temp + (p.teacher_temp - p.warmup_teacher_temp) * step / warmup
+
+    def forward(self, views: list[torch.Tensor], keys: SampleKeys | None = None) -> torch.Tensor:
+        if keys is None:
+            raise ValueError("iBOT draws its masks per sample: call it with keys=SampleKeys(seed, epoch, indices)")
+        n = check_multicrop(views, "iBOT")
+        p = self.params
+        vit, teacher_vit = require_vit(self.backbone, "iBOT"), require_vit(self.teacher.backbone, "iBOT")
+        grid = vit.grid_size(views[0].shape[-1])
+        n_patches = grid * grid
+        n_masked = round(p.mask_ratio * n_patches)
+        if not 1 <= n_masked <= n_patches:
+            raise ConfigError(f"iBOT mask_ratio={p.mask_ratio} masks {n_masked} of {n_patches} patches; mask at least one "
+                              "(--param mask_ratio=VALUE)")
+        masked = torch.cat([random_masking(keys, MASK_STREAM + i, n_patches, n_masked, views[0].device)[1]
+                            for i in range(2)])                                        # [2n, m]
+        is_masked = torch.zeros(2 * n, n_patches, dtype=torch.bool, device=masked.device).scatter_(1, masked, True)
+        at_masked = masked.unsqueeze(-1).expand(-1, -1, self.feature_dim)
+
+        self.teacher.sync_once()
+        globals_ = torch.cat(views[:2])
+        with torch.no_grad():
+            t = teacher_vit.forward_tokens(globals_)
+            t_cls = self.teacher.head(t[:, 0]).split(n)
+            t_patch = self.teacher.head(t[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, n_masked, -1)
+        s = vit.forward_tokens(globals_, mask=is_masked, mask_token=self.mask_token)
+        s_global_cls = s[:, 0]
+        s_cls = [s_global_cls] + ([multicrop_features(self.backbone, views[2:])] if len(views) > 2 else [])
+        s_cls_out = self.head(torch.cat(s_cls)).split(n)
+        s_patch = self.head(s[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, n_masked, -1)
+
+        loss_cls, loss_patch = self.loss_fn(list(s_cls_out), list(t_cls), list(s_patch.split(n)),
+                                            list(t_patch.split(n)), self.teacher_temp(int(self.step_count)))
+        loss = p.cls_weight * loss_cls + p.patch_weight * loss_patch
+        if p.koleo_weight > 0:
+            loss = loss + p.koleo_weight * sum(self.koleo(c) for c in s_global_cls.split(n))
+        return loss
+
+    @torch.no_grad()
+    def on_after_step(self, step: int) -> None:
+        self.teacher.update(self, self.momentum(step))
+        self.step_count.fill_(step + 1)
+
+    def exactness_note(self) -> str | None:
+        if not self.gather_distributed:
+            return "gather is off: centres, Sinkhorn and KoLeo's neighbours use each rank's local batch"
+        return None

@@ -1,0 +1,155 @@
+"""Vision Transformers for the ViT-era methods (MAE, iBOT, I-JEPA, LeJEPA, MoCo v3), built from timm's parts.
+
+`ViT` takes the patch embedding, class token, positional embedding, transformer blocks and
+final norm of a timm ``VisionTransformer`` and exposes what masked-image methods need,
+which timm's ``forward`` does not:
+
+* ``patch_tokens(x)``: the patch embeddings with their positional embedding, [B, N, D];
+* ``forward_tokens(x, keep=None, mask=None, mask_token=None)``: the encoder on all patches, on
+  a per-sample subset ``keep`` [B, n] of patch indices (MAE, I-JEPA context), or with the
+  patches where ``mask`` [B, N] is True replaced by ``mask_token`` (iBOT); returns the
+  normalised tokens [B, 1 + n, D], class token first;
+* ``forward(x)``: the pooled feature [B, D] (the class token, or the mean of the patch tokens
+  with ``pool="mean"``); this is what kNN evaluation and `unison export` use.
+
+``blocks`` is an ``nn.ModuleList`` of timm ``Block`` modules, one per layer, so that a
+sharding wrapper can wrap each block separately. Images of another size than ``img_size``
+(multi-crop local views) get a bicubically resampled positional embedding (as
+``timm.layers.resample_abs_pos_embed``, in the parameter's precision); the size must be a
+multiple of the patch size.
+The parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``pos_embed``,
+``blocks.0.attn.qkv.weight``, ``norm.weight``), so an exported state dict loads into
+``timm.create_model("vit_tiny_patch16_224", num_classes=0, img_size=..., patch_size=...)``.
+
+Why timm (a dependency, ``timm>=1.0``): its ``Block`` (fused attention through
+``F.scaled_dot_product_attention``), ``PatchEmbed`` and ViT initialisation are the reference
+implementations that MAE, DINOv2, I-JEPA and MoCo v3 build on; only the token-level
+forward above is written here.
+
+Sizes (`VIT_SIZES`; embedding dim / depth / heads): ``nano`` 128/6/4 (1.2 M parameters, for
+CPU runs), ``tiny`` 192/12/3, ``small`` 384/12/6, ``base`` 768/12/12 (DeiT / ViT).
+Backbone names (`VIT_BACKBONES`): ``vit_<size>`` has 16 px patches on 224 px images;
+``vit_<size>_p4`` 4 px patches on 32 px images (CIFAR: 8 x 8 patches); ``vit_<size>_p2``
+2 px patches on 16 px images (the embedded digits: 8 x 8 patches).
+
+Example::
+
+    vit = build_vit("vit_tiny_p4")                   # 32 px images, 64 patches of 4 x 4
+    feats = vit(images)                              # [B, 192] class token
+    tokens = vit.forward_tokens(images, keep=idx)    # [B, 1 + idx.shape[1], 192]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
+    "nano": (128, 6, 4),
+    "tiny": (192, 12, 3),
+    "small": (384, 12, 6),
+    "base": (768, 12, 12),
+}
+_PATCHES = {"": (16, 224), "_p4": (4, 32), "_p2": (2, 16)}   # name suffix -> (patch size, image size)
+VIT_BACKBONES: tuple[str, ...] = tuple(f"vit_{size}{suffix}" for size in VIT_SIZES for suffix in _PATCHES)
+
+
+class ViT(nn.Module):
+    """A timm Vision Transformer with token-level access; see the module docstring."""
+
+    def __init__(self, img_size: int = 224, patch_size: int = 16, embed_dim: int = 192, depth: int = 12,
+                 num_heads: int = 3, mlp_ratio: float = 4.0, pool: str = "cls"):
+        super().__init__()
+        from timm.models.vision_transformer import VisionTransformer
+
+        if pool not in ("cls", "mean"):
+            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+        if img_size % patch_size:
+            raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
+        vit = VisionTransformer(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
+                                num_heads=num_heads, mlp_ratio=mlp_ratio, num_classes=0, global_pool="token")
+        assert vit.cls_token is not None and vit.pos_embed is not None
+        self.patch_embed = vit.patch_embed
+        self.cls_token: nn.Parameter = vit.cls_token
+        self.pos_embed: nn.Parameter = vit.pos_embed        # [1, 1 + grid * grid, D], class position first
+        self.blocks = nn.ModuleList(vit.blocks)
+        self.norm = vit.norm
+        self.patch_size, self.embed_dim, self.pool = patch_size, embed_dim, pool
+        self.grid = img_size // patch_size
+        self.feature_dim = embed_dim
+
+    def num_patches(self, image_size: int) -> int:
+        return self.grid_size(image_size) ** 2
+
+    def grid_size(self, image_size: int) -> int:
+        if image_size % self.patch_size:
+            raise ValueError(f"image size {image_size} is not a multiple of the patch size {self.patch_size}")
+        return image_size // self.patch_size
+
+    def _pos_embed(self, grid: int) -> torch.Tensor:
+        """[1, 1 + grid * grid, D]: the positional embedding, patch part resampled bicubically (antialiased) to
+        `grid` as timm's ``resample_abs_pos_embed``, but in the parameter's own precision (timm's computes in
+        float32, which would cost a float64 exactness check its digits)."""
+        if grid == self.grid:
+            return self.pos_embed
+        cls_pos, patch_pos = self.pos_embed[:, :1], self.pos_embed[:, 1:]
+        work = torch.float32 if patch_pos.dtype in (torch.float16, torch.bfloat16) else patch_pos.dtype
+        img = patch_pos.to(work).reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2)
+        img = F.interpolate(img, size=(grid, grid), mode="bicubic", antialias=True)
+        return torch.cat([cls_pos, img.permute(0, 2, 3, 1).reshape(1, grid * grid, -1).to(patch_pos.dtype)], dim=1)
+
+    def patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch embeddings plus positional embedding, [B, N, D] (no class token)."""
+        if x.shape[-1] != x.shape[-2]:
+            raise ValueError(f"ViT expects square images, got {tuple(x.shape[-2:])}")
+        grid = self.grid_size(x.shape[-1])
+        t = self.patch_embed.proj(x).flatten(2).transpose(1, 2)      # [B, N, D], row-major patches
+        t = self.patch_embed.norm(t)
+        return t + self._pos_embed(grid)[:, 1:]
+
+    def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised output tokens [B, 1 + n, D] (class token first) of the patches `keep` (default all);
+        patches where `mask` is True are replaced by `mask_token` (plus their positional embedding).
+
+        Goes through ``self(...)`` so that wrappers hooked on the forward (FSDP2's parameter gathering under
+        ``--shard full``) run for token access too."""
+        return self(x, tokens=True, keep=keep, mask=mask, mask_token=mask_token)
+
+    def _tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """See `forward_tokens`."""
+        t = self.patch_tokens(x)
+        if mask is not None:
+            if mask_token is None:
+                raise ValueError("forward_tokens: a mask needs a mask_token")
+            grid = self.grid_size(x.shape[-1])
+            filler = mask_token.to(t.dtype) + self._pos_embed(grid)[:, 1:]
+            t = torch.where(mask.unsqueeze(-1), filler, t)
+        if keep is not None:
+            t = t.gather(1, keep.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(t.shape[0], -1, -1)
+        t = torch.cat([cls, t], dim=1)
+        for block in self.blocks:
+            t = block(t)
+        return self.norm(t)
+
+    def forward(self, x: torch.Tensor, *, tokens: bool = False, keep: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled feature [B, D] (class token or patch mean); with ``tokens=True`` every output token."""
+        t = self._tokens(x, keep, mask, mask_token)
+        if tokens:
+            return t
+        return t[:, 0] if self.pool == "cls" else t[:, 1:].mean(dim=1)
+
+
+def build_vit(name: str) -> ViT:
+    """A `ViT` from a name of `VIT_BACKBONES` (``vit_tiny``, ``vit_nano_p2``, ...)."""
+    if name not in VIT_BACKBONES:
+        raise ValueError(f"unknown ViT {name!r}; use one of {', '.join(VIT_BACKBONES)}")
+    body = name[len("vit_"):]
+    size, _, suffix = body.partition("_")
+    patch, img = _PATCHES["_" + suffix if suffix else ""]
+    dim, depth, heads = VIT_SIZES[size]
+    return ViT(img_size=img, patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads)
