@@ -169,6 +169,8 @@ CASES = [
     ("empty-master-addr", ["--master-addr", ""], 2, "master_addr is empty"),
     ("zero-timeout", ["--timeout-s", "0"], 2, "timeout_s=0.0 must be > 0 seconds"),
     ("infinite-timeout", ["--timeout-s", "inf"], 2, "timeout_s=inf must be a finite number of seconds"),
+    ("negative-watchdog", ["--watchdog-s", "-1"], 2,
+     "distributed.watchdog_s=-1.0 must be a finite number of seconds >= 0 (0 = no watchdog)"),
     ("unknown-method-param", ["--param", "temprature=0.1"], 2,
      "unknown simclr parameter(s) 'temprature' (did you mean 'temperature'?)"),
     ("param-without-value", ["--param", "temperature"], 2, "must look like NAME=VALUE"),

@@ -163,7 +163,9 @@ class _ForwardStopSignals:
     """While active (main thread only): SIGTERM/SIGUSR1 to the launcher go on to every live worker."""
 
     def __init__(self, procs: list[mp.Process]) -> None:
-        self.procs, self.received, self._previous = procs, None, {}
+        self.procs = procs
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _ForwardStopSignals:
         if threading.current_thread() is threading.main_thread():

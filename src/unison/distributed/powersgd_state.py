@@ -146,11 +146,11 @@ class CheckpointablePowerSGD:
              self._warm) = saved
 
     def state_dict(self) -> dict[str, Any]:
-        name, keys, pos, has_gauss, cached = self.state.rng.get_state(legacy=True)
+        name, keys, pos, has_gauss, cached = self.state.rng.get_state(legacy=True)   # type: ignore[misc]
         return {"iter": int(self.state.iter), "next_stats_report": int(self.state.next_stats_report),
                 "total_numel_before_compression": int(self.state.total_numel_before_compression),
                 "total_numel_after_compression": int(self.state.total_numel_after_compression),
-                "rng": {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                "rng": {"bit_generator": str(name), "keys": torch.as_tensor(keys, dtype=torch.int64), "pos": int(pos),
                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
                 "parameters": self._per_parameter()}
 

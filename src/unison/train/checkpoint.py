@@ -200,7 +200,8 @@ class _CheckedWriter:
         pass
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None], on_write: Callable[[int], None] | None = None) -> None:
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object],
+                  on_write: Callable[[int], None] | None = None) -> None:
     """Write via a temporary sibling, fsync, rename onto `path`, fsync the directory."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # os.open (not mkstemp) so the file gets the usual umask-derived mode, not 0600.

@@ -260,8 +260,7 @@ def save_sharded(run: Run, run_dir: Path, step: int, history: dict[str, Any]) ->
             ckpt_io._atomic_write(ckpt_dir / ckpt_io.LATEST, lambda f: f.write(final.name.encode() + b"\n"))
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write checkpoint {final} ({e.strerror or e}); "
-                                  "the previous checkpoint is intact") from e
+            raise CheckpointError(ckpt_io.write_failure_message(final, ckpt_io.latest_checkpoint(run_dir), e)) from e
         ckpt_io._prune(ckpt_dir, run.cfg.keep_checkpoints, final)
     C.barrier()
     return final

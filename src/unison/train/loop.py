@@ -212,6 +212,8 @@ def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, agree
         if not saved_now:
             save_run_checkpoint(run, checkpointer, step, history)
         path = checkpointer.wait()         # the preemption checkpoint is complete before anyone exits
+        if path is None and C.rank() == 0:   # --shard full: written by every rank through DCP
+            path = latest_checkpoint(checkpointer.run_dir)
         C.barrier()
     raise preempted(decision, step, run.total_steps, str(path) if path is not None else None)
 

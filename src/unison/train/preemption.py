@@ -59,7 +59,7 @@ class StopAgreement:
     """
 
     def __init__(self) -> None:
-        self._group = None
+        self._group: Any = None   # None: the default group (gloo already)
         if C.is_distributed() and C.world_size() > 1 and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")   # collective: every rank builds it at the same point
         self._pending: tuple[Any, torch.Tensor] | None = None
