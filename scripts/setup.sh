@@ -10,7 +10,6 @@ fi
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1 2>&1 | grep -v "^WARNING: Location" || true
 fi
-if ! .venv/bin/python -c "import unison, pytest, sklearn" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-fi
+# Every time: a no-op when nothing changed, and it picks up dependencies added to pyproject.toml since.
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, torchvision, unison, pytest" || { echo "setup failed: see the pip output above" >&2; exit 1; }

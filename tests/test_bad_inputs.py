@@ -150,7 +150,7 @@ def _log(case_id: str, code: int, err: str, paths: dict[str, str]) -> str:
 # (id, argv, exit code, message fragment); {tmp}, {run}, {y} (YAML files), {c} (checkpoints) are filled in.
 CASES = [
     # --- command-line flags and configuration values (ConfigError, exit 2, before any worker)
-    ("unknown-method", ["--method", "mocov9"], 2, "method='mocov9' is unknown (did you mean 'moco'?); use one of"),
+    ("unknown-method", ["--method", "mocov9"], 2, "method='mocov9' is unknown (did you mean 'mocov3'?); use one of"),
     ("batch-not-divisible-by-workers", ["--batch-size", "255"], 2,
      "batch_size=255 (global) cannot be split evenly over world_size=2; use a multiple of 2"),
     ("batch-not-divisible-by-3-workers", ["--world-size", "3", "--batch-size", "64"], 2,

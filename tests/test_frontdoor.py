@@ -1,8 +1,9 @@
 """The front door as a new user meets it (issue 15): each defect and friction, checked as the user would.
 
 Defects 1, 3-6 and 8 (2 and 7 are tested beside the data and the signal handling) and the frictions
-9-16 and 18. One real 2-worker run (`two_workers`, a subprocess, as a user starts it) is shared by
-the checks that read its output; torchrun is started for real.
+9-16 (18: `test_cifar10_download_failure_is_a_clear_error` in tests/test_data.py). One real 2-worker
+run (`two_workers`, a subprocess, as a user starts it) is shared by the checks that read its output;
+torchrun is started for real.
 """
 
 from __future__ import annotations
@@ -276,18 +277,3 @@ def test_16_train_log_records_an_error_of_a_started_run(tmp_path, capsys):
     assert main(["train", *W1, "--lr", "1e30", "--max-steps", "4", "--out", str(out)]) == 5
     assert "unison: error: non-finite loss" in (out / "train.log").read_text().splitlines()[-1]
 
-
-def test_18_data_errors_name_no_repository_paths(monkeypatch, tmp_path):
-    import torchvision.datasets
-
-    from unison.data.datasets import load_dataset
-    from unison.errors import DataError
-
-    def offline(*args, **kwargs):
-        raise RuntimeError("network unreachable")
-
-    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
-    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path))
-    with pytest.raises(DataError) as info:
-        load_dataset("cifar10", "train")
-    assert "../shared" not in str(info.value) and "ImageFolder" in str(info.value)

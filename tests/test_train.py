@@ -46,3 +46,17 @@ def test_checkpoint_at_world_size_2_resumes_at_world_size_1(tmp_path):
             assert float((resumed[k] - v).abs().max()) / scale < 1e-9, k
         else:
             assert torch.equal(resumed[k], v), k
+
+
+def test_unison_train_stays_callable_after_the_train_package_is_imported(tmp_path):
+    """`unison.train(cfg)` is the API even once `unison.train.*` modules are imported (they bind the name)."""
+    import unison
+    import unison.train.loop  # noqa: F401  (binds unison.train to the package)
+    from unison.config import TrainConfig
+    from unison.distributed.config import DistributedConfig
+
+    cfg = TrainConfig(max_steps=2, batch_size=64, subset=256, val_subset=64, knn_k=5, progress=False,
+                      out=str(tmp_path / "run"), distributed=DistributedConfig(world_size=1))
+    first = unison.train(cfg)
+    second = unison.train(cfg)
+    assert first.steps == second.steps == 2 and first.knn_top1 == second.knn_top1

@@ -87,8 +87,8 @@ def load_cifar10(split: str, root: str | None, cache_dir: Path) -> ImageTensorDa
     except Exception as e:  # no network, proxy, disk full...: say what to do instead
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(
-            f"could not download CIFAR-10 to {path} ({msg}); without network use a local ImageFolder copy, "
-            "e.g. --data ../shared/data/cifar10/train"
+            f"could not download CIFAR-10 to {path} ({msg}); without network use a local copy as an ImageFolder "
+            "(--data DIR with DIR/<class>/<image> files, --val the same for the held-out images)"
         ) from e
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
     labels = torch.as_tensor(ds.targets, dtype=torch.int64)

@@ -55,7 +55,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -149,7 +149,7 @@ def apply_fsdp(method: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
                 p.data = p.data.contiguous()
     _broadcast_from_rank0(method)
     policy = mixed_precision_policy(cfg.amp, device)
-    kw = {"mp_policy": policy} if policy is not None else {}
+    kw: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
     reshard = cfg.distributed.reshard_after_forward
 
     def shard(module: nn.Module) -> None:
@@ -191,11 +191,12 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     if enabled or not is_fsdp(model):
         yield
         return
-    model.set_requires_gradient_sync(False)
+    fsdp_model: Any = model
+    fsdp_model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        fsdp_model.set_requires_gradient_sync(True)
 
 
 # ------------------------------------------------------------------ activation checkpointing

@@ -135,9 +135,6 @@ def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> t
     return m, int(m.num_features)
 
 
-BACKBONES = ("small_cnn", "resnet18", "resnet50")
-
-
 def check_backbone(name: str, image_size: int | None = None, backbone_args: dict[str, Any] | None = None) -> None:
     """Build `name` on the meta device (no memory, no weights): a bad timm model name or argument is a one-line
     `ConfigError` before any worker starts."""

@@ -84,6 +84,7 @@ class LARS(Optimizer):
     @staticmethod
     def _update(p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """This rank's part of g (+ weight decay when adapted), as a plain tensor."""
+        assert p.grad is not None   # the caller passes parameters with gradients only
         if p.grad.is_sparse:
             raise TypeError("LARS does not support sparse gradients")
         g = local_view(p.grad)

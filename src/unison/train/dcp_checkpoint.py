@@ -257,7 +257,10 @@ def save_sharded(run: Run, run_dir: Path, step: int, history: dict[str, Any]) ->
                 remove_checkpoint_dir(final)
             os.replace(tmp, final)
             ckpt_io._fsync_dir(ckpt_dir)
-            ckpt_io._atomic_write(ckpt_dir / ckpt_io.LATEST, lambda f: f.write(final.name.encode() + b"\n"))
+            def point_latest(f: Any) -> None:
+                f.write(final.name.encode() + b"\n")
+
+            ckpt_io._atomic_write(ckpt_dir / ckpt_io.LATEST, point_latest)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(ckpt_io.write_failure_message(final, ckpt_io.latest_checkpoint(run_dir), e)) from e
@@ -297,6 +300,8 @@ def resume_sharded(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     header = ckpt_io._load_file(directory / HEADER, "cpu")
     ckpt_io._check_header(header, directory, run.cfg.method)
     optimizer = _optimizer_twin(run) if isinstance(run.optimizer, ShardedOptimizer) else run.optimizer
+    model_state: Any
+    optim_state: Any
     model_state, optim_state = get_state_dict(run.method, optimizer)
     expected = set(model_state)
     keys = read_metadata_safely(directory).state_dict_metadata
@@ -305,7 +310,7 @@ def resume_sharded(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     with_state = {k.split(".", 2)[2] for k in keys if k.startswith("optimizer.state.")}
     optim_state["state"] = {fqn: s for fqn, s in optim_state["state"].items()
                             if any(f"{fqn}.{name}" in with_state for name in s)}
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     saved = {k[len("model."):] for k in keys if k.startswith("model.")}
     if saved != expected:
         missing, unexpected = sorted(expected - saved), sorted(saved - expected)
@@ -330,7 +335,7 @@ def _resume_full_from_pt(run: Run, path: Path) -> tuple[int, dict[str, Any]]:
     # .pt optimizer states are keyed by position in the trainable parameters; DCP's by parameter name.
     names = [n for n, p in run.method.named_parameters() if p.requires_grad]
     optim = ckpt["optimizer"]
-    by_name = {"state": {names[i]: s for i, s in optim["state"].items()},
+    by_name: Any = {"state": {names[i]: s for i, s in optim["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}
     set_optimizer_state_dict(run.method, run.optimizer, by_name,
                              options=StateDictOptions(full_state_dict=True, strict=False))   # as above

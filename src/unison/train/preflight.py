@@ -1,8 +1,9 @@
 """Checks in the launching process of what would otherwise fail in every worker after start-up.
 
-`preflight(cfg)` runs before any worker starts (`unison.train` calls it): method-parameter
-types, data (folder, file list or shards: layout, image count against subset and batch), the checkpoint to
-resume (exists, intact, safe, same method) and the run directory. Image decoding and
+`preflight(cfg)` runs before any worker starts (`unison.train` calls it, after `TrainConfig.validate`,
+which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
+against subset and batch), the checkpoint to resume (exists, intact, safe, same method) and the run
+directory. Image decoding and
 model shapes are checked by the workers, whose errors still reach the user as one line
 naming the rank.
 """
