@@ -114,7 +114,10 @@ def test_sigkilled_worker_ends_the_run_and_resuming_matches_an_uninterrupted_run
         latency = ended - _fault_time(err)
         assert latency < 15, f"the run took {latency:.1f} s to end after the kill"
         assert not children() - before, "a worker process was left behind"
-        assert _load_intact(run)["step"] == kill_step // 2 * 2  # the last checkpoint before the kill
+        # The last checkpoint before the kill. Checkpoints are written in the background: when rank 0 (the writer)
+        # is killed right after a save began, that save is lost and the one before it is the last complete one.
+        last = kill_step // 2 * 2
+        assert _load_intact(run)["step"] in ({last} if rank == 1 else {last, last - 2})
         report.append(f"round {round_}: killed rank {rank} at step {kill_step}, run ended {latency:.2f} s later")
     monkeypatch.delenv(FAULT)
     assert main(["train", *TINY, "--resume", "auto", "--out", str(run)]) == 0

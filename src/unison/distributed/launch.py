@@ -6,7 +6,7 @@ set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
 worker code path is identical under unison, torchrun, SLURM and mpirun.
 
 Failure policy: the parent polls its children. When one exits non-zero or is killed,
-the others are ended (SIGINT, then SIGKILL after a grace period) and `WorkerFailure` is
+the others are ended (SIGTERM, then SIGKILL after a grace period; SIGINT after a Ctrl-C) and `WorkerFailure` is
 raised naming the first failing rank and its cause (the worker's exception, sent back
 through its pipe, or the signal that killed it); its exit code is that of the worker's own
 `UnisonError` (`unison.errors`). On success `launch` returns each rank's return value, sent
@@ -225,6 +225,7 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
     results: dict[int, Any] = {}
     errors: dict[int, dict[str, Any]] = {}
+    teardown = signal.SIGTERM
     try:
         with _ForwardStopSignals(procs):
             for r in range(cfg.world_size):
@@ -238,10 +239,13 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
                 procs.append(p)
             conns = [read for read, _ in pipes]
             return _supervise(procs, conns, results, errors, heartbeats, cfg, poll_s, settle_s)
+    except KeyboardInterrupt:
+        teardown = signal.SIGINT   # Ctrl-C: the workers end at once, aborting an unfinished save
+        raise
     finally:
         for read, _ in pipes:
             read.close()
-        _terminate_all(procs, grace_s)
+        _terminate_all(procs, grace_s, teardown)
 
 
 def _supervise(procs: list[mp.Process], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],
@@ -296,13 +300,17 @@ def _receive_results(conns: list[Any], results: dict[int, Any], errors: dict[int
             results[r] = None
 
 
-def _terminate_all(procs: list[mp.Process], grace_s: float) -> None:
-    """End every live worker: SIGINT (KeyboardInterrupt: an unfinished save removes its temporary file), SIGKILL
-    after `grace_s`. SIGTERM would ask for a preemption checkpoint, which is not what a failed run needs."""
+def _terminate_all(procs: list[mp.Process], grace_s: float, sig: int = signal.SIGTERM) -> None:
+    """End every live worker with `sig`, SIGKILL after `grace_s`.
+
+    After a failure: SIGTERM, a stop request; a survivor cannot write a new checkpoint without its peers, so it
+    fails at its next collective and on its way out lets a checkpoint still being written in the background
+    complete. After Ctrl-C: SIGINT (KeyboardInterrupt: an unfinished save is aborted and its file removed).
+    """
     for p in procs:
         if p.is_alive() and p.pid is not None:
             try:
-                os.kill(p.pid, signal.SIGINT)
+                os.kill(p.pid, sig)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + grace_s
