@@ -16,10 +16,14 @@ exception with a one-line message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unison.config import TrainConfig
 from unison.train.summary import Summary
+
+if TYPE_CHECKING:   # for annotations only: the check and eval packages are imported when first used
+    from unison.check.steps import CheckReport
+    from unison.eval.commands import EvalOptions
 
 
 def train(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
@@ -46,14 +50,14 @@ def train(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
     return Summary.from_dict(results[0])
 
 
-def check(method: str = "simclr", world_size: int = 2, **options: Any) -> CheckReport:  # noqa: F821
+def check(method: str = "simclr", world_size: int = 2, **options: Any) -> CheckReport:
     """`unison check`: the production step at `world_size` workers against one process on the global batch."""
     from unison.check import run_equivalence
 
     return run_equivalence(method, world_size, **options)
 
 
-def evaluate(options: EvalOptions) -> dict[str, Any]:  # noqa: F821
+def evaluate(options: EvalOptions) -> dict[str, Any]:
     """`unison eval`: kNN and linear probe of a checkpoint's backbone."""
     from unison.eval.commands import evaluate_checkpoint
 

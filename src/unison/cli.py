@@ -17,12 +17,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unison.configutil import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.config import ConfigError, DistributedConfig
 from unison.errors import UnisonError, WatchdogTimeout
 from unison.train.runlog import append_run_log
+
+if TYPE_CHECKING:   # annotations only: the commands import what they run when called (fast --help)
+    from unison.check import CheckReport, CurvesReport
+    from unison.config import TrainConfig
 
 SUBCOMMAND_MODULES = ("unison.eval.commands", "unison.export", "unison.bench.commands")
 
@@ -84,7 +88,7 @@ def _resume_base(resume: str) -> dict[str, Any]:
     return dict(ckpt["config"])
 
 
-def build_train_config(ns: argparse.Namespace) -> TrainConfig:  # noqa: F821
+def build_train_config(ns: argparse.Namespace) -> TrainConfig:
     from unison.config import TrainConfig
 
     base: dict[str, Any] = {}
@@ -114,7 +118,7 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:  # noqa: F821
     return cfg.validate()
 
 
-def parse_train_args(argv: list[str]) -> TrainConfig:  # noqa: F821
+def parse_train_args(argv: list[str]) -> TrainConfig:
     """The `TrainConfig` that ``unison train ARGV`` would run (flags, ``--config``, ``--param``, ``--resume``)."""
     ns = make_parser().parse_args(["train", *argv])
     return build_train_config(ns)
@@ -132,7 +136,7 @@ def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         typ = base_type(hints[key]) if key in hints else None
-        if dataclasses.is_dataclass(typ) and value is not None:
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ) and value is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}{key} must be a mapping of {key} options, got {value!r}")
             _check_config_types(value, typ, f"{where}{key}.")
@@ -250,6 +254,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     params = _parse_params(ns.param)
     ok = True
     for m in methods:
+        report: CheckReport | CurvesReport
         if curve.get("run"):  # whole `unison train` runs at 1 and W workers, loss curves compared
             report = run_curves_for_check(m, spec, curve, params)
         else:
@@ -371,8 +376,9 @@ def _run(ns: argparse.Namespace) -> int:
         # traceback (so does everything with UNISON_DEBUG=1, plus the failed worker's own traceback).
         code = _exit_code(exc)
         if code is None or os.environ.get("UNISON_DEBUG", "") not in ("", "0"):
-            if getattr(exc, "traceback", ""):
-                print(exc.traceback, file=sys.stderr)
+            worker_traceback = getattr(exc, "traceback", "")   # set by WorkerError: the failed worker's
+            if worker_traceback:
+                print(worker_traceback, file=sys.stderr)
             raise
         text = " ".join(str(exc).split()) or type(exc).__name__
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""

@@ -34,11 +34,15 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unison.distributed.config import ConfigError
+
+if TYPE_CHECKING:   # annotations only: the functions import the training stack when called
+    from unison.config import TrainConfig
+    from unison.methods.base import SSLMethod
 
 FORMATS = ("pt", "safetensors")
 
@@ -54,7 +58,7 @@ class ExportOptions:
         "choices": FORMATS})
 
 
-def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, Any, dict]:
+def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[SSLMethod, TrainConfig, dict]:
     """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
 
     Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
@@ -81,7 +85,7 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     return method.eval(), cfg, ckpt
 
 
-def backbone_state_dict(method: torch.nn.Module) -> dict[str, torch.Tensor]:
+def backbone_state_dict(method: SSLMethod) -> dict[str, torch.Tensor]:
     """The backbone's own state dict as independent, contiguous CPU tensors (no shared storage)."""
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in method.backbone.state_dict().items()}
 

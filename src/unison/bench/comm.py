@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ class GradTaggingMeter(CommMeter):
 
 
 def _called_from_comm_hook(depth: int = 8) -> bool:
-    frame = sys._getframe(2)   # skip _payload and CommMeter's wrapper
+    frame: FrameType | None = sys._getframe(2)   # skip _payload and CommMeter's wrapper
     for _ in range(depth):
         if frame is None:
             return False

@@ -29,7 +29,7 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from unison.config import TrainConfig
 
@@ -73,7 +73,7 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     from lightly.loss import NTXentLoss
     from lightly.models.modules import SimCLRProjectionHead
     from lightly.transforms import SimCLRTransform
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Dataset
 
     from unison.data import eval_transform, load_dataset
     from unison.eval.knn import knn_accuracy
@@ -90,9 +90,11 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     val = load_dataset(p["val"] or p["data"], "val", subset=p["val_subset"], seed=p["seed"])
     transform = SimCLRTransform(input_size=train.image_size, cj_strength=0.5, gaussian_blur=0.0,
                                 normalize={"mean": list(train.mean), "std": list(train.std)})
-    loader = DataLoader(_PILImages(train.images, train.labels, transform), batch_size=p["batch_size"], shuffle=True,
-                        drop_last=True, num_workers=p["loader_workers"], pin_memory=device.type == "cuda",
-                        generator=torch.Generator().manual_seed(p["seed"]))
+    # A map-style dataset (__getitem__ + __len__) is all DataLoader needs; its stubs ask for a Dataset subclass.
+    images = cast("Dataset[Any]", _PILImages(train.images, train.labels, transform))
+    loader: DataLoader[Any] = DataLoader(images, batch_size=p["batch_size"], shuffle=True, drop_last=True,
+                                         num_workers=p["loader_workers"], pin_memory=device.type == "cuda",
+                                         generator=torch.Generator().manual_seed(p["seed"]))
 
     class LightlySimCLR(nn.Module):   # as in Lightly's SimCLR example
         def __init__(self, backbone: nn.Module, dim: int):

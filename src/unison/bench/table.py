@@ -211,8 +211,9 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path, header: str = "", tit
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / "table.md", "csv": out_dir / "table.csv", "png": out_dir / "table.png"}
     kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), None)
-    mem_note = {"peak_rss": "peak resident set size (VmHWM) of each worker process, the largest over workers",
-                "cuda_max_allocated": "torch.cuda.max_memory_allocated of each worker, the largest over workers"}
+    mem_note: dict[str | None, str] = {
+        "peak_rss": "peak resident set size (VmHWM) of each worker process, the largest over workers",
+        "cuda_max_allocated": "torch.cuda.max_memory_allocated of each worker, the largest over workers"}
     notes = ("\nTime: the training loop (`train_time_s`); Wall: the whole `unison train` process (start-up, data "
              "loading, kNN before and after). Speed-up: time of the 1-worker row / time of the row. Load after a run "
              "includes the run's own workers. "

@@ -29,11 +29,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .compare import max_rel_difference
+
+if TYPE_CHECKING:   # annotations only; the functions below import them when called
+    from unison.config import TrainConfig
+    from unison.data.datasets import ImageTensorDataset
 
 TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
 
@@ -99,7 +103,7 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: F821
+def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
     """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches (synthetic
     images), or `spec.steps` global batches of `spec.data`, streamed."""
     from unison.config import TrainConfig
@@ -117,7 +121,7 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:  # noqa: 
                                       shard=spec.shard if world_size > 1 else "none"))
 
 
-def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:  # noqa: F821
+def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:
     """steps x global batch random uint8 images (a pure function of the seed): one epoch of the check."""
     from unison.data.synthetic import synthetic_dataset
 

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ def _nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(o) for o in obj)
     return 0
+
+
+_Meter = TypeVar("_Meter", bound="CommMeter")   # `with Subclass() as m` gives the subclass
 
 
 class CommMeter:
@@ -55,7 +58,7 @@ class CommMeter:
             return _nbytes(args[1] if len(args) > 1 else None)
         return _nbytes(args[0] if args else kwargs.get("tensor"))
 
-    def __enter__(self) -> CommMeter:
+    def __enter__(self: _Meter) -> _Meter:
         for name in _WRAPPED:
             original = getattr(dist, name, None)
             if original is None:

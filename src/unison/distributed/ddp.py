@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,10 +97,11 @@ def wrap_ddp(model: nn.Module, cfg: DistributedConfig, device: torch.device, *, 
     # torch >= 2.12 renamed the per-forward buffer broadcast; rank-local state is ignored either way.
     buffer_flag = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                    else "broadcast_buffers")
+    buffer_kwargs: dict[str, Any] = {buffer_flag: not cfg.sync_batchnorm}
     ddp = DDP(
         model,
         device_ids=[device] if device.type == "cuda" else None,
-        **{buffer_flag: not cfg.sync_batchnorm},
+        **buffer_kwargs,
         find_unused_parameters=cfg.find_unused_parameters,
         bucket_cap_mb=bucket_cap_mb,
     )

@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from unison.errors import Preempted, WatchdogTimeout, WorkerError, exit_code_of
@@ -137,7 +138,7 @@ def _is_comm_error(cause: str) -> bool:
                                     "Timed out", "timed out", "Timeout"))
 
 
-def _first_failure(procs: list[mp.Process], errors: dict[int, dict[str, Any]]) -> WorkerFailure | None:
+def _first_failure(procs: list[BaseProcess], errors: dict[int, dict[str, Any]]) -> WorkerFailure | None:
     """The most likely root cause among the workers that have failed so far.
 
     A peer that lost its partner fails too, with a communication error; prefer a worker
@@ -162,7 +163,7 @@ def _first_failure(procs: list[mp.Process], errors: dict[int, dict[str, Any]]) -
 class _ForwardStopSignals:
     """While active (main thread only): SIGTERM/SIGUSR1 to the launcher go on to every live worker."""
 
-    def __init__(self, procs: list[mp.Process]) -> None:
+    def __init__(self, procs: list[BaseProcess]) -> None:
         self.procs = procs
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
@@ -190,7 +191,7 @@ class _ForwardStopSignals:
             signal.signal(sig, old)
 
 
-def _check_watchdog(procs: list[mp.Process], heartbeats: Any, limit_s: float) -> WatchdogTimeout | None:
+def _check_watchdog(procs: list[BaseProcess], heartbeats: Any, limit_s: float) -> WatchdogTimeout | None:
     """`WatchdogTimeout` when no worker has made progress for `limit_s` seconds (the workers are then killed)."""
     if limit_s <= 0:
         return None
@@ -221,7 +222,7 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     ctx = mp.get_context("spawn")
     heartbeats = watchdog.new_table(ctx, cfg.world_size)
-    procs: list[mp.Process] = []
+    procs: list[BaseProcess] = []
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
     results: dict[int, Any] = {}
     errors: dict[int, dict[str, Any]] = {}
@@ -248,7 +249,7 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
         _terminate_all(procs, grace_s, teardown)
 
 
-def _supervise(procs: list[mp.Process], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],
+def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],
                heartbeats: Any, cfg: DistributedConfig, poll_s: float, settle_s: float) -> list[Any]:
     """Poll the workers until all have finished or one failed; return the results or raise the failure."""
     failure: WorkerFailure | None = None
@@ -300,7 +301,7 @@ def _receive_results(conns: list[Any], results: dict[int, Any], errors: dict[int
             results[r] = None
 
 
-def _terminate_all(procs: list[mp.Process], grace_s: float, sig: int = signal.SIGTERM) -> None:
+def _terminate_all(procs: list[BaseProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
     """End every live worker with `sig`, SIGKILL after `grace_s`.
 
     After a failure: SIGTERM, a stop request; a survivor cannot write a new checkpoint without its peers, so it

@@ -29,11 +29,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedOptimizer"]
 
@@ -125,6 +128,10 @@ class ShardedOptimizer(Optimizer):
         return f"ShardedOptimizer(rank={self._rank}, world_size={self._world_size}, {self._optimizer!r})"
 
     # ---- ZeRO-1
+    def _zero(self) -> ZeroRedundancyOptimizer:
+        """The wrapped optimizer as the ZeroRedundancyOptimizer it is when ``self._sharded``."""
+        return cast("ZeroRedundancyOptimizer", self._optimizer)
+
     @property
     def sharding(self) -> dict[str, Any]:
         """Which parameters (indices into the flattened param groups) each rank owns.
@@ -134,7 +141,8 @@ class ShardedOptimizer(Optimizer):
         """
         params = _params_of(self.param_groups)
         if self._sharded:
-            to_rank = self._optimizer._param_to_rank  # private but stable since torch 1.8; no public query
+            # Private but stable since torch 1.8 (no public query); torch's .pyi stub omits this property.
+            to_rank = self._zero()._param_to_rank  # type: ignore[attr-defined]
             owner = [to_rank[p] for p in params]
         else:
             owner = [0] * len(params)
@@ -149,7 +157,7 @@ class ShardedOptimizer(Optimizer):
         """The full (consolidated) optimizer state on rank 0, ``{}`` on the others. Collective."""
         if not self._sharded:
             return self._optimizer.state_dict()
-        self._optimizer.consolidate_state_dict(to=0)
+        self._zero().consolidate_state_dict(to=0)
         return self._optimizer.state_dict() if self._rank == 0 else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -167,4 +175,4 @@ class ShardedOptimizer(Optimizer):
         """Bytes of optimizer-state tensors held by this rank."""
         if not self._sharded:
             return _state_bytes(self._optimizer.state)
-        return _state_bytes(self._optimizer.optim.state, self._optimizer.state)
+        return _state_bytes(self._zero().optim.state, self._optimizer.state)

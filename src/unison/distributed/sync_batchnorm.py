@@ -64,12 +64,15 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         mean, var, total = _global_statistics(x)
 
         if self.training and self.track_running_stats:
+            running_mean, running_var, tracked = self.running_mean, self.running_var, self.num_batches_tracked
+            # _BatchNorm registers all three buffers whenever track_running_stats is True.
+            assert running_mean is not None and running_var is not None and tracked is not None
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum)
+                tracked.add_(1)
+                momentum = (1.0 / float(tracked) if self.momentum is None else self.momentum)
                 unbiased = var * (total / (total - 1)) if total > 1 else var
-                self.running_mean.mul_(1 - momentum).add_(momentum * mean.to(self.running_mean.dtype))
-                self.running_var.mul_(1 - momentum).add_(momentum * unbiased.to(self.running_var.dtype))
+                running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
+                running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
 
         weight = self.weight.to(x.dtype) if self.affine else None
         bias = self.bias.to(x.dtype) if self.affine else None

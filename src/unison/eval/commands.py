@@ -113,6 +113,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     from unison.export import load_method
 
     opts.validate()
+    assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
     device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if opts.threads:

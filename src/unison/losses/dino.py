@@ -39,6 +39,8 @@ from unison.distributed.ddp import mark_rank_local_state
 
 
 class DINOLoss(nn.Module):
+    center: torch.Tensor   # buffer (rank-local running centre of the teacher outputs)
+
     def __init__(self, out_dim: int, student_temp: float = 0.1, center_momentum: float = 0.9,
                  gather_distributed: bool = True):
         super().__init__()

@@ -45,7 +45,7 @@ def momentum_copy(module: nn.Module) -> nn.Module:
 @torch.no_grad()
 def ema_update_(target: nn.Module, online: nn.Module, momentum: float) -> None:
     """target <- momentum * target + (1 - momentum) * online, parameter by parameter."""
-    t = list(target.parameters())
+    t: list[torch.Tensor] = list(target.parameters())
     o = [p.detach() for p in online.parameters()]
     if len(t) != len(o):
         raise RuntimeError(f"momentum network has {len(t)} parameters, online network {len(o)}")

@@ -65,6 +65,8 @@ class BYOL(SSLMethod):
     recipe = Recipe(optimizer="sgd", base_lr=0.06, weight_decay=1e-3, augmentation="byol",
                     embedded={"optimizer": "adam", "base_lr": 2e-3, "weight_decay": 1e-6})
 
+    step_count: torch.Tensor   # buffer: optimiser steps taken
+
     def __init__(self, backbone: nn.Module, feature_dim: int, params: BYOLParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2)

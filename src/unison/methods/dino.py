@@ -105,6 +105,8 @@ class DINO(SSLMethod):
     Params = DINOParams
     recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="multicrop")
 
+    step_count: torch.Tensor   # buffer: optimiser steps taken
+
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DINOParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
         self.head = DINOHead(feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,

@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ def _localize_batchnorm(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def shuffled_forward(encoder: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
+def shuffled_forward(encoder: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, seed: int) -> torch.Tensor:
     """encoder(x) computed on a permutation of the global batch (shuffle BN), returned in x's order.
 
     Gathers x from every rank, permutes it with a permutation drawn from `seed` (identical
@@ -131,6 +132,10 @@ class MoCo(SSLMethod):
     name = "moco"
     Params = MoCoParams
     recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="simclr")
+
+    queue: torch.Tensor        # buffers: negative keys [K, d], next write position, optimiser steps taken
+    queue_ptr: torch.Tensor
+    step_count: torch.Tensor
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: MoCoParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -96,6 +96,10 @@ class SwAV(SSLMethod):
     Params = SwAVParams
     recipe = Recipe(optimizer="adam", base_lr=1e-3 * 2, weight_decay=1e-6, augmentation="multicrop")
 
+    step_count: torch.Tensor   # buffers: optimiser steps taken; queue [2, Q, d] and rows filled (queue_length > 0)
+    queue: torch.Tensor
+    queue_filled: torch.Tensor
+
     def __init__(self, backbone: nn.Module, feature_dim: int, params: SwAVParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
         self.projector = mlp(feature_dim, params.proj_hidden_dim, params.proj_dim, 2)

@@ -33,7 +33,7 @@ Example::
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -122,7 +122,7 @@ def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> t
         if image_size is not None and "img_size" not in args:
             try:
                 m = timm.create_model(model, img_size=image_size, **kwargs)
-                return m, int(m.num_features)
+                return m, _num_features(m)
             except TypeError as exc:
                 if "img_size" not in str(exc):   # the model takes no image size (CNNs): build it without
                     raise
@@ -132,7 +132,12 @@ def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> t
         raise ConfigError(f"timm model {model!r} cannot be built with {given}"
                           f"{f' and img_size={image_size}' if image_size else ''}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    return m, int(m.num_features)
+    return m, _num_features(m)
+
+
+def _num_features(model: nn.Module) -> int:
+    """A timm model's embedding width: a plain int attribute that nn.Module's stubs type as Tensor | Module."""
+    return int(cast(int, model.num_features))
 
 
 def check_backbone(name: str, image_size: int | None = None, backbone_args: dict[str, Any] | None = None) -> None:

@@ -489,9 +489,11 @@ def pack_rng_state() -> dict:
     try:
         import numpy as np
     except ImportError:
-        np = None
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        pass
+    else:
+        legacy_state = np.random.get_state(legacy=True)
+        assert isinstance(legacy_state, tuple)   # legacy=True: the global MT19937's (name, keys, pos, gauss, cached)
+        name, keys, pos, has_gauss, cached = legacy_state
         state["numpy"] = {"bit_generator": str(name), "state": torch.from_numpy(keys.astype(np.int64)),
                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     if torch.cuda.is_available():
@@ -517,8 +519,8 @@ def restore_rng_state(d: dict) -> None:
             try:
                 import numpy as np
             except ImportError:
-                np = None
-            if np is not None:
+                pass
+            else:
                 n = d["numpy"]
                 keys = n["state"].cpu().numpy().astype(np.uint32)
                 np.random.set_state((n["bit_generator"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))

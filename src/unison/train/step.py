@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -194,8 +194,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         ddp = apply_fsdp(model, cfg, device)
     else:
         ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
-    method = unwrap(ddp)
-    forward = torch.compile(ddp) if cfg.compile else ddp
+    method = cast(SSLMethod, unwrap(ddp))   # the method itself (DDP's .module, or the FSDP-sharded method)
+    # torch.compile of a Module returns an OptimizedModule (an nn.Module); its stubs say only Callable.
+    forward = cast(nn.Module, torch.compile(ddp)) if cfg.compile else ddp
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
     peak_lr = resolved["lr"] * global_batch * accumulate / 256
