@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests benchmarks    # lint (configured in pyproject.toml)
+.venv/bin/mypy                               # types (configured in pyproject.toml)
 exec .venv/bin/python -m pytest -q "$@"
