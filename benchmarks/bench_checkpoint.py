@@ -19,8 +19,8 @@ from pathlib import Path
 
 from unison.api import train
 from unison.config import TrainConfig
-from unison.distributed.config import DistributedConfig
-from unison.train.checkpoint import latest_checkpoint
+from unison.config.distributed import DistributedConfig
+from unison.training.checkpoint import latest_checkpoint
 
 
 def run(asynchronous: bool, args: argparse.Namespace, out: Path) -> dict:

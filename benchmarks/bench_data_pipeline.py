@@ -125,10 +125,10 @@ def _train_step_rate(args, make_views, sync, device) -> float:
 
 
 def _time_train_step(args, views: list[torch.Tensor], device_name: str) -> float:
-    """The production step (`unison.train.step`) of one worker, timed on fixed views."""
+    """The production step (`unison.training.step`) of one worker, timed on fixed views."""
+    from unison.config.distributed import DistributedConfig
     from unison.data.synthetic import synthetic_dataset
-    from unison.distributed.config import DistributedConfig
-    from unison.train.step import Batch, build_run, forward_backward, optimizer_step
+    from unison.training.step import Batch, build_run, forward_backward, optimizer_step
 
     device = torch.device(device_name)
     iters = max(3, args.iters // 5)

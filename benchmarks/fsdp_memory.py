@@ -1,6 +1,6 @@
 """Memory per rank under --shard none | optimizer | full: parameters, gradients and optimizer state, measured.
 
-Builds the step of `unison train` with `unison.train.step.build_run` (the same function the loop
+Builds the step of `unison train` with `unison.training.step.build_run` (the same function the loop
 and `unison check` use: DDP, DDP + ZeRO-1, or FSDP2 via `apply_fsdp`) in W real gloo workers on
 synthetic images, runs one optimiser step with `forward_backward` / `optimizer_step`, and counts
 on every rank the bytes of the tensors it holds:
@@ -52,7 +52,7 @@ def _peak_rss_mib() -> float:
 
 
 def _optimizer_bytes(optimizer) -> int:
-    from unison.distributed.optim import ShardedOptimizer
+    from unison.parallel.zero import ShardedOptimizer
 
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.local_state_bytes()   # the owned parameters' state only
@@ -63,10 +63,10 @@ def _work(args: dict) -> dict:
     import torch
 
     from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
     from unison.data.synthetic import synthetic_dataset
     from unison.distributed import collectives as C
-    from unison.distributed.config import DistributedConfig
-    from unison.train.step import batches, build_run, forward_backward, optimizer_step
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
     torch.set_num_threads(args["threads"])
     world = C.world_size()

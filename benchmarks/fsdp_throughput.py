@@ -2,7 +2,7 @@
 
 Each round launches W gloo workers twice, once per setting, alternating (none, full, none, full,
 ...), so both see the same machine load; every launch builds the step of `unison train` with
-`unison.train.step.build_run` (DDP, or FSDP2 via `apply_fsdp`) on synthetic images and times
+`unison.training.step.build_run` (DDP, or FSDP2 via `apply_fsdp`) on synthetic images and times
 `--steps` optimiser steps (`forward_backward` + `optimizer_step`, data included) after
 `--warmup` steps. Per round the ratio full / none of the images per second; the median over
 rounds is the figure. Also the CPU time of a step summed over the ranks (``process_time``, gloo's
@@ -31,10 +31,10 @@ def _work(args: dict) -> dict:
     import torch
 
     from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
     from unison.data.synthetic import synthetic_dataset
     from unison.distributed import collectives as C
-    from unison.distributed.config import DistributedConfig
-    from unison.train.step import batches, build_run, forward_backward, optimizer_step
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
     torch.set_num_threads(args["threads"])
     world = C.world_size()

@@ -1,6 +1,6 @@
 """Where a training step's time goes: per-phase milliseconds and torch.profiler's top operators, per rank.
 
-Builds the step of `unison train` with `unison.train.step.build_run` (the same function the
+Builds the step of `unison train` with `unison.training.step.build_run` (the same function the
 loop and `unison check` use) in W real gloo workers with one torch thread each (W=1: one
 process), times the data (slice + augmentation), forward + backward and the optimizer step
 over `--steps` steps, then
@@ -27,9 +27,9 @@ from unison.distributed.testing import run_in_workers
 def _work(args: argparse.Namespace) -> dict:
     import torch
 
+    from unison.config.distributed import DistributedConfig
     from unison.distributed import collectives as C
-    from unison.distributed.config import DistributedConfig
-    from unison.train.step import batches, build_run, forward_backward, optimizer_step
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
     torch.set_num_threads(args.threads)
     world = C.world_size()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from unison.config import TrainConfig
-from unison.distributed.config import DistributedConfig
+from unison.config.distributed import DistributedConfig
 
 
 def folder(root: Path, n: int, seed: int) -> Path:

@@ -9,8 +9,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from unison.check import assert_states_close
-from unison.train.checkpoint import load_checkpoint
+from unison.equivalence import assert_states_close
+from unison.training.checkpoint import load_checkpoint
 
 FAULT = "UNISON_FAULT_INJECT"
 STEPS = 8

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from unison.cli import main
-from unison.train.checkpoint import load_checkpoint
+from unison.training.checkpoint import load_checkpoint
 
 TINY = ["--no-progress", "--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5"]
 W1 = ["--world-size", "1", "--max-steps", "2", *TINY]

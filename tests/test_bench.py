@@ -9,7 +9,7 @@ from unison.bench.comm import CommSpec, run_comm_report, write_comm
 from unison.bench.config import PRESETS, BenchConfig, config_from_overrides, data_or_skip
 from unison.bench.lightly_compare import write_lightly
 from unison.bench.table import add_speedups, write_table
-from unison.distributed.config import ConfigError
+from unison.errors import ConfigError
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 import pytest
 
-from unison.check import run_equivalence
 from unison.cli import main
+from unison.equivalence import run_equivalence
 
 
 def test_simclr_exact_with_syncbn_and_gather():
@@ -25,9 +25,9 @@ def test_check_fails_without_syncbn_or_gather(capsys):
 # A change to the production step must make `unison check` fail: the check runs that step, not a copy.
 def _record_with_per_rank_lr(spec_dict):
     """The production step with a per-rank learning rate (rank r steps with (1 + r) x the schedule's lr)."""
-    from unison.check import record_steps
     from unison.distributed import collectives as C
-    from unison.train import step
+    from unison.equivalence import record_steps
+    from unison.training import step
 
     original = step.Schedule.lr
     step.Schedule.lr = lambda self, s: original(self, s) * (1 + C.rank())
@@ -39,9 +39,9 @@ def _record_with_per_rank_lr(spec_dict):
 
 def _record_with_world_dependent_schedule(spec_dict):
     """The production step with a schedule that wrongly depends on the world size (warm-up W times longer)."""
-    from unison.check import record_steps
     from unison.distributed import collectives as C
-    from unison.train import step
+    from unison.equivalence import record_steps
+    from unison.training import step
 
     original = step.Schedule.lr
     step.Schedule.lr = lambda self, s: original(self, s // C.world_size())
@@ -60,11 +60,11 @@ def test_check_fails_when_the_production_step_changes():
 
 def test_check_uses_the_recipe_optimizer_and_schedule():
     """The check's configuration is unison train's: recipe optimizer (LARS for VICReg), warm-up, precision."""
-    from unison.check import CheckSpec, train_config_for
-    from unison.train.step import resolve_recipe
+    from unison.equivalence import CheckSpec, train_config_for
+    from unison.training.resolve import resolve_recipe
 
     cfg = train_config_for(CheckSpec(method="vicreg"), world_size=2)
-    assert resolve_recipe(cfg)["optimizer"] == "lars"
+    assert resolve_recipe(cfg).optimizer == "lars"
     assert cfg.precision == "float64" and cfg.warmup_epochs > 0 and cfg.max_steps == 4
 
 

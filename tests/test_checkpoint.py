@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.train.checkpoint import (
+from unison.training.checkpoint import (
     CheckpointError,
     check_compatible,
     latest_checkpoint,
@@ -262,7 +262,7 @@ def test_disk_full_while_updating_latest_rolls_back(tmp_path, monkeypatch):
 # (16 MB each, so most of the time is spent writing and fsyncing) until the test SIGKILLs it.
 _WRITER = """
 import os, sys, torch
-from unison.train.checkpoint import save_checkpoint
+from unison.training.checkpoint import save_checkpoint
 run_dir, payload = sys.argv[1], torch.empty(4_000_000)
 while line := sys.stdin.readline():
     step = int(line)

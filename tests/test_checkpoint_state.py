@@ -12,11 +12,11 @@ import warnings
 import pytest
 import torch
 
-from unison.check import assert_states_close
+from unison.equivalence import assert_states_close
 from unison.errors import CheckpointError
-from unison.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from unison.train.checkpointer import Checkpointer, snapshot
-from unison.train.extra_state import ExtraState
+from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from unison.training.checkpointer import Checkpointer, snapshot
+from unison.training.extra_state import ExtraState
 
 
 def _state(step: int, payload: torch.Tensor | None = None, **extra) -> dict:

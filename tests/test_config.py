@@ -3,7 +3,8 @@
 import pytest
 
 from unison.config import TrainConfig
-from unison.distributed.config import ConfigError, DistributedConfig
+from unison.config.distributed import DistributedConfig
+from unison.errors import ConfigError
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -82,8 +83,11 @@ def test_shard_optimizer_flag_is_an_alias():
     ({"subset": 0}, "subset=0 must be an integer >= 1"),
 ])
 def test_train_config_errors(kwargs, fragment):
+    """`validate_run`: the fields (`TrainConfig.validate`) and the names of the layers above (method, params)."""
+    from unison.training.resolve import validate_run
+
     with pytest.raises(ConfigError) as info:
-        TrainConfig(**kwargs).validate(cuda_available=False)
+        validate_run(TrainConfig(**kwargs), cuda_available=False)
     assert fragment in str(info.value)
 
 

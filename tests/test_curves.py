@@ -1,8 +1,9 @@
 """World-size invariance of whole `unison train` runs: W=1 and W=2 loss curves agree step by step."""
 
-import unison.check
-from unison.check import CURVE_TOLERANCE, CurvesReport, run_curves
+import unison.equivalence
+
 from unison.cli import main
+from unison.equivalence import CURVE_TOLERANCE, CurvesReport, run_curves
 
 
 def test_w1_and_w2_training_runs_have_the_same_loss_curve(tmp_path):
@@ -34,7 +35,7 @@ def test_check_run_flag_routes_to_run_curves(monkeypatch, capsys):
         seen.update(method=method, check=check, curve=curve)
         return _report([0.0, 0.0], "float64")
 
-    monkeypatch.setattr(unison.check, "run_curves_for_check", fake)
+    monkeypatch.setattr(unison.equivalence, "run_curves_for_check", fake)
     assert main(["check", "--run", "--run-steps", "7", "--world-size", "4", "--seed", "3"]) == 0
     assert seen["method"] == "simclr" and seen["curve"]["run_steps"] == 7
     assert seen["check"]["world_size"] == 4 and seen["check"]["seed"] == 3

@@ -12,9 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from unison.data import DataError, builtin, epoch_permutation, global_batches, load_dataset, memory, sample_uniform
+from unison.data import builtin, epoch_permutation, global_batches, load_dataset, memory, sample_uniform
 from unison.data import datasets as D
 from unison.data import random as R
+from unison.errors import DataError
 
 CIFAR = Path(__file__).resolve().parents[1].parent / "shared/data/cifar10"
 
@@ -39,7 +40,7 @@ def _reference_hash(key: int, index: int, col: int) -> int:
 
 def test_hash_matches_uint64_reference():
     idx = torch.tensor([0, 1, 7, 2**31 + 5, 2**40 + 3, 2**62 + 11])
-    key = R._key(123, 4, 5)
+    key = R.combine_key(123, 4, 5)
     h = R.hash64(key, idx, 3)
     for a, i in enumerate(idx.tolist()):
         for c in range(3):

@@ -13,7 +13,7 @@ from unison.config import TrainConfig
 from unison.data import source as S
 from unison.data.generated import write_image_folder
 from unison.errors import ConfigError
-from unison.train.metrics import MetricsLogger
+from unison.training.metrics import MetricsLogger
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TINY = ["--world-size", "1", "--batch-size", "16", "--epochs", "1", "--no-progress", "--knn-k", "5",
@@ -125,7 +125,7 @@ def test_resnet_stem_follows_the_image_size():
 def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
     from types import SimpleNamespace
 
-    from unison.train.loop import DataWaitWarning
+    from unison.training.loop import DataWaitWarning
 
     run = SimpleNamespace(data=SimpleNamespace(mode="stream", source=SimpleNamespace(loader_workers=2)))
     waits = DataWaitWarning(run)

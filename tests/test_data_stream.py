@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from unison.data import DataError, ViewAugmenter, global_batches
+from unison.data import ViewAugmenter, global_batches
 from unison.data.catalog import Catalog, open_catalog
 from unison.data.decode import CropDecoder
 from unison.data.generated import write_file_list, write_image_folder, write_shards
 from unison.data.stream import StreamingBatches
 from unison.distributed.testing import run_in_workers
+from unison.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -3,11 +3,12 @@
 import torch
 import torch.nn as nn
 
+from unison.config.distributed import DistributedConfig
 from unison.distributed import collectives as C
 from unison.distributed.comm_meter import CommMeter
-from unison.distributed.config import DistributedConfig
-from unison.distributed.ddp import grad_sync_context, mark_rank_local_state, wrap_ddp
+from unison.distributed.tagging import mark_rank_local_state
 from unison.distributed.testing import run_in_workers
+from unison.parallel.ddp import grad_sync_context, wrap_ddp
 
 D = 32
 G = torch.Generator().manual_seed(1)

@@ -10,7 +10,7 @@ from unison.config import TrainConfig
 from unison.eval.linear import linear_probe
 from unison.methods import get_method
 from unison.models import build_backbone
-from unison.train.checkpoint import save_checkpoint
+from unison.training.checkpoint import save_checkpoint
 
 
 def _checkpoint(run_dir, backbone: str, image_size: int | None = None) -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """Faults with real worker processes: a dying or hung worker ends the whole run, promptly, with one line.
 
 Faults are injected with ``UNISON_FAULT_INJECT="rank=R,step=S[,kind=kill|nan|hang|raise]"``, a
-testing-only hook of the training loop (see `unison.train.faults`): rank R SIGKILLs
+testing-only hook of the training loop (see `unison.training.faults`): rank R SIGKILLs
 itself (or poisons its loss, or hangs) when it is about to run step S. Runs are tiny (digits subset,
 batch 64, 8 steps, float64) so that "resumed == uninterrupted" can be checked at 1e-9.
 """
@@ -24,10 +24,10 @@ from fault_helpers import children
 
 from unison.cli import main
 from unison.config import TrainConfig
-from unison.distributed.config import DistributedConfig
+from unison.config.distributed import DistributedConfig
 from unison.distributed.launch import WorkerFailure
 from unison.distributed.testing import run_in_workers
-from unison.train.checkpoint import load_checkpoint
+from unison.training.checkpoint import load_checkpoint
 
 FAULT = "UNISON_FAULT_INJECT"
 STEPS = 8
@@ -157,7 +157,7 @@ def test_hung_worker_ends_the_run_after_the_collective_timeout(tmp_path, capfd, 
 
 def _consistent(seed_by_rank: bool) -> str:
     from unison.distributed import collectives as C
-    from unison.train.loop import consistent_config
+    from unison.training.loop import consistent_config
 
     cfg = TrainConfig(seed=C.rank() if seed_by_rank else 0, distributed=DistributedConfig(world_size=2))
     consistent_config(cfg)
@@ -194,7 +194,7 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_by_itself(reference, tm
 
 
 def test_resuming_a_run_killed_before_its_first_metrics_row(tmp_path):
-    from unison.train.metrics import MetricsLogger
+    from unison.training.metrics import MetricsLogger
 
     for _ in range(3):  # each attempt fails before logging a row; its header reaches the disk at exit
         MetricsLogger(tmp_path, enabled=True)._file.close()

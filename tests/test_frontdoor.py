@@ -73,7 +73,7 @@ def test_4_export_carries_its_preprocessing_and_a_normal_file_mode(two_workers, 
     pytest.importorskip("safetensors")
     from safetensors import safe_open
 
-    from unison.train.checkpoint import load_checkpoint
+    from unison.training.checkpoint import load_checkpoint
 
     out, _ = two_workers
     resolved = json.loads((out / "config.json").read_text())["resolved"]
@@ -114,7 +114,7 @@ def test_5_torchrun_prints_the_result_once_and_refuses_another_world_size(tmp_pa
 
 
 def test_6_plot_of_a_short_run_shows_its_points_and_the_baseline():
-    from unison.train.metrics import metrics_figure
+    from unison.training.metrics import metrics_figure
 
     rows = [{"step": 2, "epoch": 0.5, "loss": 4.2, "knn_top1": None},
             {"step": 2, "epoch": 0.5, "loss": None, "knn_top1": 0.81}]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from unison.check import run_equivalence
 from unison.distributed import collectives as C
 from unison.distributed.testing import run_in_workers
+from unison.equivalence import run_equivalence
 from unison.methods import METHODS
 from unison.optim import OPTIMIZER_NAMES, build_optimizer
 
@@ -60,7 +60,7 @@ def _loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _train_sharded(name: str) -> dict[str, torch.Tensor]:
     from unison.distributed.dtensor import full_tensor
-    from unison.distributed.fsdp import fully_shard
+    from unison.parallel.fsdp import fully_shard
 
     net = _net()
     for layer in (net[0], net[2]):
@@ -123,9 +123,9 @@ def test_lars_shard_norms_would_be_caught():
 # ------------------------------------------------------------------ gradient accumulation
 def test_gradient_accumulation_under_full_sharding_matches_ddp(tmp_path):
     """--grad-sync-every 2: FSDP's set_requires_gradient_sync(False) == DDP's no_sync (the same maths)."""
-    from unison.check import assert_states_close
     from unison.cli import main
-    from unison.train.checkpoint import load_checkpoint
+    from unison.equivalence import assert_states_close
+    from unison.training.checkpoint import load_checkpoint
 
     common = ["train", "--method", "byol", "--batch-size", "32", "--subset", "256", "--val-subset", "32",
               "--knn-k", "5", "--no-progress", "--precision", "float64", "--max-steps", "2", "--grad-sync-every",
@@ -139,8 +139,8 @@ def test_gradient_accumulation_under_full_sharding_matches_ddp(tmp_path):
 
 # ------------------------------------------------------------------ blocks and activation checkpointing
 def test_backbone_blocks_found_generically():
-    from unison.distributed.fsdp import backbone_blocks
     from unison.models import build_backbone
+    from unison.parallel.fsdp import backbone_blocks
 
     pytest.importorskip("timm")
     cnn, _ = build_backbone("small_cnn")
@@ -152,9 +152,9 @@ def test_backbone_blocks_found_generically():
 
 def _grads_with_and_without_checkpointing(backbone: str, image_size: int) -> list[dict[str, torch.Tensor]]:
     from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
     from unison.data.synthetic import synthetic_dataset
-    from unison.distributed.config import DistributedConfig
-    from unison.train.step import batches, build_run, forward_backward
+    from unison.training.step import batches, build_run, forward_backward
 
     out = []
     for ac in (False, True):

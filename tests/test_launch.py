@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from unison.config.distributed import DistributedConfig
 from unison.distributed import collectives as C
-from unison.distributed.config import DistributedConfig
 from unison.distributed.env import detect_launch_env, init_distributed, shutdown_distributed
 from unison.distributed.launch import WorkerFailure, launch
 
@@ -91,7 +91,7 @@ def test_env_detection_for_launchers():
     assert (p.rank, p.world_size, p.source) == (1, 2, "mpi")
     s = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1"})
     assert (s.rank, s.world_size, s.local_rank, s.source) == (5, 6, 1, "slurm")
-    from unison.distributed.config import ConfigError
+    from unison.errors import ConfigError
 
     with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         detect_launch_env({"RANK": "x", "WORLD_SIZE": "2"})

@@ -231,7 +231,7 @@ def test_dino_loss_and_centre_update():
 
 
 def test_dino_centre_is_persistent_and_rank_local():
-    from unison.distributed.ddp import rank_local_state_names
+    from unison.distributed.tagging import rank_local_state_names
 
     loss_fn = DINOLoss(8)
     assert "center" in loss_fn.state_dict()

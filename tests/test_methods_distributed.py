@@ -1,6 +1,6 @@
 """Every method at W=2 (real gloo processes, DDP, SyncBN, gather) equals one process on the global batch.
 
-The runs use `unison.check.record_steps`, i.e. exactly what `unison train` does: the
+The runs use `unison.equivalence.record_steps`, i.e. exactly what `unison train` does: the
 method built from one seed, `convert_sync_batchnorm`, `wrap_ddp`, SGD with momentum, views
 from the method's augmentation preset with DIFFERENT data on each rank, float64, 3 steps
 (EMAs, queues, centres, schedules and prototype freezing are exercised). All methods run
@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from unison.check import max_rel_difference
 from unison.distributed.testing import run_in_workers
+from unison.equivalence import max_rel_difference
 
 WORLD = 2
 LOCAL_BATCH = 8
@@ -50,7 +50,7 @@ CASES: dict[str, tuple[str, dict, bool]] = {
 
 
 def _specs(world: int) -> dict[str, dict]:
-    from unison.check import CheckSpec
+    from unison.equivalence import CheckSpec
 
     out = {}
     for key, (method, params, shared) in CASES.items():
@@ -70,12 +70,12 @@ def _tiny_backbone() -> nn.Module:
 
 
 def _moco_checks() -> dict:
+    from unison.config.distributed import DistributedConfig
     from unison.distributed import collectives as C
-    from unison.distributed.config import DistributedConfig
-    from unison.distributed.ddp import wrap_ddp
     from unison.distributed.sync_batchnorm import GlobalBatchNorm, convert_sync_batchnorm
     from unison.methods import BYOL, BYOLParams, MoCo, MoCoParams
     from unison.methods.moco import shuffled_forward
+    from unison.parallel.ddp import wrap_ddp
 
     cpu = torch.device("cpu")
     rows = C.local_slice(LOCAL_BATCH * WORLD)
@@ -143,7 +143,7 @@ def _moco_checks() -> dict:
 
 
 def _distributed_worker(specs: dict[str, dict]) -> dict:
-    from unison.check import record_steps
+    from unison.equivalence import record_steps
 
     out = {key: record_steps(spec) for key, spec in specs.items()}
     out["_moco"] = _moco_checks()
@@ -151,7 +151,7 @@ def _distributed_worker(specs: dict[str, dict]) -> dict:
 
 
 def _reference_worker(specs: dict[str, dict]) -> dict:
-    from unison.check import record_steps
+    from unison.equivalence import record_steps
 
     return {key: record_steps(spec) for key, spec in specs.items()}
 

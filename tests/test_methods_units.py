@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from unison.data.augment import PRESETS
-from unison.distributed.ddp import rank_local_state_names
+from unison.distributed.tagging import rank_local_state_names
 from unison.methods import (
     BYOL,
     DINO,

@@ -7,12 +7,12 @@ import torch
 import torch.nn as nn
 
 from unison.config import TrainConfig
-from unison.distributed.ddp import rank_local_state_names
+from unison.distributed.tagging import rank_local_state_names
 from unison.errors import ConfigError
 from unison.methods import METHODS, MomentumTeacher, SampleKeys
 from unison.methods.masking import block_masking, random_masking
 from unison.models import VIT_BACKBONES, ViT, build_backbone
-from unison.train.step import resolve_recipe
+from unison.training.resolve import resolve_recipe, validate_run
 
 VIT_METHODS = ("mae", "ibot", "ijepa", "lejepa", "mocov3")
 SMALL = {
@@ -227,10 +227,10 @@ def test_mae_mask_count_must_leave_a_visible_patch():
 
 # ------------------------------------------------------------------------------ default backbone
 def test_the_recipe_names_the_default_backbone():
-    assert TrainConfig(method="simclr").validate().backbone == "small_cnn"
+    assert validate_run(TrainConfig(method="simclr")).backbone == "small_cnn"
     for name in VIT_METHODS:
-        chosen = TrainConfig(method=name).validate().backbone                 # embedded digits default
+        chosen = validate_run(TrainConfig(method=name)).backbone                 # embedded digits default
         assert chosen in VIT_BACKBONES and chosen == METHODS[name].recipe.for_data("digits").backbone
-        assert resolve_recipe(TrainConfig(method=name, data="synthetic"))["backbone"] == METHODS[name].recipe.backbone
-    assert TrainConfig(method="mae", backbone="vit_tiny").validate().backbone == "vit_tiny"     # the user's wins
-    assert resolve_recipe(TrainConfig(method="mae", backbone="vit_small"))["backbone"] == "vit_small"
+        assert resolve_recipe(TrainConfig(method=name, data="synthetic")).backbone == METHODS[name].recipe.backbone
+    assert validate_run(TrainConfig(method="mae", backbone="vit_tiny")).backbone == "vit_tiny"     # the user's wins
+    assert resolve_recipe(TrainConfig(method="mae", backbone="vit_small")).backbone == "vit_small"

@@ -1,7 +1,7 @@
 """The ViT-era methods at W=2 (real gloo processes) equal one process on the global batch.
 
 One 2-process launch runs, for MAE, iBOT (centring and Sinkhorn), I-JEPA, LeJEPA and MoCo v3,
-`unison.check.record_steps` — the production step of `unison train` (method, DDP, the
+`unison.equivalence.record_steps` — the production step of `unison train` (method, DDP, the
 recipe's AdamW and schedule, float64) on DIFFERENT data per rank, a tiny ViT
 (``vit_nano_p4`` on 16 px images: 16 patches) and 3 steps, so masks, EMA teachers, centres
 and step-dependent SIGReg directions are exercised. The references run in one process.
@@ -23,8 +23,8 @@ import dataclasses
 import pytest
 import torch
 
-from unison.check import max_rel_difference
 from unison.distributed.testing import run_in_workers
+from unison.equivalence import max_rel_difference
 
 WORLD = 2
 LOCAL_BATCH = 4
@@ -45,7 +45,7 @@ GLOBAL_INDICES = torch.tensor([31, 4, 17, 99, 2, 56, 8, 1000])
 
 
 def _specs(world: int) -> dict[str, dict]:
-    from unison.check import CheckSpec
+    from unison.equivalence import CheckSpec
 
     out = {}
     for key, (method, params) in CASES.items():
@@ -84,7 +84,7 @@ def _loss_gradients() -> dict[str, torch.Tensor]:
 
 
 def _distributed_worker(specs: dict[str, dict]) -> dict:
-    from unison.check import record_steps
+    from unison.equivalence import record_steps
 
     out = {key: record_steps(spec) for key, spec in specs.items()}
     out["_masks"], out["_grads"] = _masks(), _loss_gradients()
@@ -92,7 +92,7 @@ def _distributed_worker(specs: dict[str, dict]) -> dict:
 
 
 def _reference_worker(specs: dict[str, dict]) -> dict:
-    from unison.check import record_steps
+    from unison.equivalence import record_steps
 
     out = {key: record_steps(spec) for key, spec in specs.items()}
     out["_masks"], out["_grads"] = _masks(), _loss_gradients()

@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from unison.distributed import collectives as C
-from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.testing import run_in_workers
 from unison.optim import LARS, build_optimizer
+from unison.parallel.zero import ShardedOptimizer
 
 DIM = 6
 _g = torch.Generator().manual_seed(123)

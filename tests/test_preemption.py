@@ -2,7 +2,7 @@
 its step, write a checkpoint and exit 75; ``--resume auto`` continues exactly; a second signal during the save, a
 kill during an asynchronous save and Ctrl-C never damage the last good checkpoint; SLURM requeues resume by themselves.
 
-Signals are sent by the testing-only ``UNISON_FAULT_INJECT`` hook (`unison.train.faults`) at a chosen step, from
+Signals are sent by the testing-only ``UNISON_FAULT_INJECT`` hook (`unison.training.faults`) at a chosen step, from
 inside the worker (to itself or to its launcher), so each round is reproducible. Runs are tiny and float64, so
 "resumed == uninterrupted" is checked at 1e-9.
 """
@@ -36,7 +36,7 @@ from fault_helpers import (
 
 from unison.cli import main
 from unison.errors import PREEMPTED_EXIT_CODE
-from unison.train.checkpoint import load_checkpoint
+from unison.training.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

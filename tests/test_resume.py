@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from unison.check import assert_states_close
 from unison.cli import main
-from unison.train.checkpoint import load_checkpoint
+from unison.equivalence import assert_states_close
+from unison.training.checkpoint import load_checkpoint
 
 FAULT = "UNISON_FAULT_INJECT"
 TINY = ["--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5", "--no-progress",

@@ -5,7 +5,7 @@ import json
 import torch
 
 from unison.cli import main
-from unison.train.checkpoint import load_checkpoint
+from unison.training.checkpoint import load_checkpoint
 
 SMALL = ["--batch-size", "64", "--epochs", "1", "--no-progress", "--knn-k", "20"]
 
@@ -48,15 +48,17 @@ def test_checkpoint_at_world_size_2_resumes_at_world_size_1(tmp_path):
             assert torch.equal(resumed[k], v), k
 
 
-def test_unison_train_stays_callable_after_the_train_package_is_imported(tmp_path):
-    """`unison.train(cfg)` is the API even once `unison.train.*` modules are imported (they bind the name)."""
+def test_unison_train_and_check_stay_callable_after_their_packages_are_imported(tmp_path):
+    """`unison.train(cfg)` is the API even once the training package is imported (it is named ``training``)."""
     import unison
-    import unison.train.loop  # noqa: F401  (binds unison.train to the package)
+    import unison.equivalence.steps  # noqa: F401
+    import unison.training.loop  # noqa: F401
     from unison.config import TrainConfig
-    from unison.distributed.config import DistributedConfig
+    from unison.config.distributed import DistributedConfig
 
     cfg = TrainConfig(max_steps=2, batch_size=64, subset=256, val_subset=64, knn_k=5, progress=False,
                       out=str(tmp_path / "run"), distributed=DistributedConfig(world_size=1))
     first = unison.train(cfg)
     second = unison.train(cfg)
     assert first.steps == second.steps == 2 and first.knn_top1 == second.knn_top1
+    assert callable(unison.check) and callable(unison.evaluate)

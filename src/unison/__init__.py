@@ -6,7 +6,7 @@ API (`unison.api`); they are imported on first use, so ``import unison`` stays l
 
 from typing import Any
 
-__version__ = "0.1.0"
+from unison.version import __version__
 
 __all__ = ["__version__", "check", "evaluate", "train"]
 

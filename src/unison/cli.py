@@ -19,16 +19,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unison.configutil import add_dataclass_arguments, overrides_from_namespace
-from unison.distributed.config import ConfigError, DistributedConfig
-from unison.errors import UnisonError, WatchdogTimeout
-from unison.train.runlog import append_run_log
+from unison.config.distributed import DistributedConfig
+from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
+from unison.errors import ConfigError, UnisonError, WatchdogTimeout
+from unison.training.resolve import validate_run
+from unison.training.runlog import append_run_log
 
 if TYPE_CHECKING:   # annotations only: the commands import what they run when called (fast --help)
-    from unison.check import CheckReport, CurvesReport
     from unison.config import TrainConfig
+    from unison.equivalence import CheckReport, CurvesReport
 
-SUBCOMMAND_MODULES = ("unison.eval.commands", "unison.export", "unison.bench.commands")
+SUBCOMMAND_MODULES = ("unison.evaluation", "unison.export", "unison.bench.commands")
 
 
 def yaml_error(exc: Exception) -> str:
@@ -82,7 +83,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def _resume_base(resume: str) -> dict[str, Any]:
-    from unison.train.checkpoint import load_checkpoint
+    from unison.training.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(resume)
     return dict(ckpt["config"])
@@ -115,7 +116,7 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig.from_dict(base)
     if resume:
         cfg.resume = resume
-    return cfg.validate()
+    return validate_run(cfg)
 
 
 def parse_train_args(argv: list[str]) -> TrainConfig:
@@ -130,7 +131,7 @@ def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
     Numbers written as strings (``lr: 1e-3``, which YAML 1.1 reads as a string) are accepted where a number is due."""
     import typing
 
-    from unison.configutil import article, base_type, coerce_fields, type_error
+    from unison.config.fields import article, base_type, coerce_fields, type_error
 
     data = coerce_fields(cls, data)
     hints = typing.get_type_hints(cls)
@@ -148,7 +149,7 @@ def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
 def cmd_train(ns: argparse.Namespace) -> int:
     from unison.api import train
     from unison.distributed.env import detect_launch_env
-    from unison.train.checkpoint import latest_checkpoint
+    from unison.training.checkpoint import latest_checkpoint
 
     if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
         from unison.config import TrainConfig
@@ -187,7 +188,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _where_to_continue(out: str) -> str:
     """Where the last complete checkpoint of run directory `out` is, and how to continue from it."""
-    from unison.train.checkpoint import latest_checkpoint
+    from unison.training.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out)
     if last is None:
@@ -226,7 +227,7 @@ def _explicit_world_size(ns: argparse.Namespace) -> int | None:
     if getattr(ns, "config", None):
         dist = _load_yaml(ns.config).get("distributed") or {}
         if isinstance(dist, dict) and dist.get("world_size") is not None:
-            from unison.configutil import coerce_value
+            from unison.config.fields import coerce_value
 
             return coerce_value(dist["world_size"], int)
     return None
@@ -244,7 +245,7 @@ def _check_world_size(ns: argparse.Namespace, launch_env: Any) -> None:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
-    from unison.check import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence
+    from unison.equivalence import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence
     from unison.methods import METHODS
 
     spec = overrides_from_namespace(ns, CheckSpec)
@@ -265,8 +266,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from unison.check import CheckSpec, CurveSpec
     from unison.config import TrainConfig
+    from unison.equivalence import CheckSpec, CurveSpec
 
     parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=version_text())
@@ -314,7 +315,7 @@ def version_text() -> str:
 
     import torch
 
-    from unison import __version__
+    from unison.version import __version__
 
     return f"unison {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 

@@ -24,7 +24,7 @@ max-pool, so the export loads into torchvision after the same stem surgery::
     missing, unexpected = m.load_state_dict(torch.load("r18.pt"), strict=False)  # missing: fc.weight, fc.bias
     m.fc = torch.nn.Identity()                                                    # features, as in unison
 
-`load_method` (checkpoint -> method with its weights) is shared with ``unison eval``.
+`unison.training.load.load_method` (checkpoint -> method with its weights) is shared with ``unison eval``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unison.distributed.config import ConfigError
+from unison.errors import ConfigError
+from unison.training.load import load_method, preprocessing
 
 if TYPE_CHECKING:   # annotations only: the functions import the training stack when called
-    from unison.config import TrainConfig
     from unison.methods.base import SSLMethod
 
 FORMATS = ("pt", "safetensors")
@@ -56,33 +56,6 @@ class ExportOptions:
     format: str | None = field(default=None, metadata={
         "help": "pt (torch.save) or safetensors; default: safetensors if FILE ends in .safetensors, else pt",
         "choices": FORMATS})
-
-
-def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[SSLMethod, TrainConfig, dict]:
-    """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
-
-    Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
-    used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
-    """
-    from unison.config import TrainConfig
-    from unison.models.backbones import resolve_backbone
-    from unison.train.checkpoint import check_compatible, load_checkpoint
-    from unison.train.step import build_method
-
-    ckpt = load_checkpoint(checkpoint, map_location=device)
-    cfg = TrainConfig.from_dict(dict(ckpt["config"]))
-    # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
-    # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
-    pinned = (ckpt.get("resolved") or {}).get("backbone")
-    cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
-    try:  # the method as the training step built it; steps_total only shapes training-time schedules
-        method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
-                              image_size=preprocessing(cfg, ckpt)["image_size"])
-    except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
-        raise ConfigError(str(e)) from None
-    check_compatible(method, ckpt["model"])
-    method.load_state_dict(ckpt["model"])
-    return method.eval(), cfg, ckpt
 
 
 def backbone_state_dict(method: SSLMethod) -> dict[str, torch.Tensor]:
@@ -132,22 +105,12 @@ def _umask() -> int:
     return mask
 
 
-def preprocessing(cfg: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
-    """What a user of the exported backbone must feed it: image size and the training set's mean/std.
-
-    From the checkpoint's resolved values; a checkpoint written before they were recorded has the
-    configured image size only (mean/std None)."""
-    resolved = ckpt.get("resolved") or {}
-    return {"image_size": resolved.get("image_size", cfg.image_size), "mean": resolved.get("mean"),
-            "std": resolved.get("std")}
-
-
 def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = None) -> dict[str, Any]:
     """Export the backbone of `checkpoint` to `out`, with its preprocessing in ``<out stem>.json`` (and, for
     safetensors, in the file's metadata); return a description (path, format, counts, backbone, preprocessing)."""
     import json
 
-    from unison import __version__
+    from unison.version import __version__
 
     method, cfg, ckpt = load_method(checkpoint)
     state = backbone_state_dict(method)
@@ -180,8 +143,8 @@ def _fmt3(values: list[float]) -> str:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from unison.configutil import overrides_from_namespace
-    from unison.train.checkpoint import CheckpointError
+    from unison.config.fields import overrides_from_namespace
+    from unison.errors import CheckpointError
 
     opts = ExportOptions(**overrides_from_namespace(ns, ExportOptions))
     if not opts.checkpoint or not opts.out:
@@ -200,7 +163,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    from unison.configutil import add_dataclass_arguments
+    from unison.config.fields import add_dataclass_arguments
 
     p = sub.add_parser("export", help="write the trained backbone as a plain state dict (.pt or safetensors)",
                        description=__doc__.splitlines()[0])

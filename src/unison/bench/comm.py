@@ -1,7 +1,7 @@
 """Communication report: bytes each worker hands to collectives per step, counted, against the ideal.
 
 W real workers (gloo on CPU, NCCL on GPU) build each configuration with the production
-step (`unison.train.step.build_run(..., metered_comm=True)`: backbone, method, SyncBN,
+step (`unison.training.step.build_run(..., metered_comm=True)`: backbone, method, SyncBN,
 DDP, the method's recipe optimizer) and run a few steps on synthetic images inside `CommMeter`. ``metered=True`` gives
 DDP the Python all-reduce hook, so gradient buckets go through ``dist.all_reduce`` and are
 counted like everything else.
@@ -100,14 +100,14 @@ def comm_worker(specs: list[dict[str, Any]], backbone_name: str, global_batch: i
                 backend: str) -> list[dict[str, Any]]:
     """Run in every worker (see `unison.distributed.testing.run_in_workers`): per-spec, per-step counted bytes.
 
-    Each configuration is the production step (`unison.train.step.build_run` with a metered DDP) on
+    Each configuration is the production step (`unison.training.step.build_run` with a metered DDP) on
     synthetic images: every rank trains on its own slice of each global batch."""
     from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
     from unison.data.synthetic import synthetic_dataset
     from unison.distributed import collectives as C
-    from unison.distributed.config import DistributedConfig
-    from unison.distributed.ddp import rank_local_state_names
-    from unison.train.step import batches, build_run, forward_backward, optimizer_step
+    from unison.distributed.tagging import rank_local_state_names
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
     world = C.world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

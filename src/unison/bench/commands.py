@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unison.configutil import add_dataclass_arguments, overrides_from_namespace
-from unison.distributed.config import ConfigError
+from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
 from unison.distributed.launch import WorkerFailure
+from unison.errors import ConfigError
 
 from .config import (
     PARTS,

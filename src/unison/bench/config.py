@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unison.distributed.config import ConfigError
+from unison.errors import ConfigError
 
 PARTS = ("table", "comm", "lightly", "scaling", "data", "all")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)

@@ -52,12 +52,12 @@ def bf16_peak_tflops(device_name: str | None) -> float | None:
 def training_step_flops(method: str, backbone: str, batch: int, image_size: int) -> int:
     """Matrix FLOPs of one forward + backward of `method` on `backbone` at global batch `batch`.
 
-    The model is the production one (`unison.train.step.build_method`: backbone, method and its
+    The model is the production one (`unison.training.step.build_method`: backbone, method and its
     default hyper-parameters), built on the meta device; two views at `image_size`."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from unison.config import TrainConfig
-    from unison.train.step import build_method
+    from unison.training.step import build_method
 
     cfg = TrainConfig(method=method, backbone=backbone)
     with torch.device("meta"):

@@ -80,8 +80,8 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     from unison.methods import SimCLR
     from unison.models import build_backbone
     from unison.optim import build_optimizer
-    from unison.train.step import Schedule
-    from unison.train.summary import peak_memory_mib
+    from unison.training.step import Schedule
+    from unison.training.summary import peak_memory_mib
 
     torch.set_num_threads(p["threads"])
     torch.manual_seed(p["seed"])

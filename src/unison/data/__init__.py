@@ -1,6 +1,6 @@
 """Data: in-memory datasets, streamed catalogs, counter-based randomness and batched per-sample views.
 
-Typical training-loop use (what `unison.train.step.build_run` does through `build_batch_source`)::
+Typical training-loop use (what `unison.training.step.build_run` does through `build_batch_source`)::
 
     from unison.data import ViewAugmenter, global_batches, load_dataset
     ds = load_dataset("digits").to(device)
@@ -15,13 +15,13 @@ memory, the cache), `subsets`, `random`, `augment`, `decode` (CPU crops of encod
 `stream` (the streaming `BatchSource`), `batches` (the in-memory one), `source` (which one).
 """
 
+from unison.rng import epoch_permutation, global_batches, sample_normal, sample_uniform
+
 from .augment import PRESETS, ViewAugmenter, eval_transform
-from .datasets import DataError, ImageTensorDataset, load_dataset
-from .random import epoch_permutation, global_batches, sample_normal, sample_uniform
+from .datasets import ImageTensorDataset, load_dataset
 
 __all__ = [
     "PRESETS",
-    "DataError",
     "ImageTensorDataset",
     "ViewAugmenter",
     "epoch_permutation",

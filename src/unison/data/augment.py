@@ -83,7 +83,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .random import sample_normal, sample_uniform
+from unison.rng import sample_normal, sample_uniform
 
 __all__ = ["PRESETS", "ViewAugmenter", "eval_transform"]
 

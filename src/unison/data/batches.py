@@ -3,7 +3,7 @@
 The global order is a function of (seed, epoch) alone: epoch e's global batches are
 ``global_batches(n, B, e, seed)`` on every rank, and rank r takes its contiguous share
 (`local_slice`). A sample's views are a function of (seed, epoch, sample index) alone
-(`unison.data.random`), so what a sample looks like never depends on the world size,
+(`unison.rng`), so what a sample looks like never depends on the world size,
 the rank it lands on, or how many loader workers decode it.
 
 `InMemoryBatches` is the source for data decoded once into one uint8 tensor on the
@@ -26,10 +26,10 @@ from typing import Protocol
 import torch
 
 from unison.distributed.collectives import local_slice
+from unison.rng import global_batches
 
 from .augment import ViewAugmenter
 from .datasets import ImageTensorDataset
-from .random import global_batches
 
 
 class BatchSource(Protocol):

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from unison.errors import DataError
-
-from .random import _key, hash64
+from unison.rng import combine_key, hash64
 
 if TYPE_CHECKING:
     from .datasets import ImageTensorDataset
@@ -65,7 +64,7 @@ def digits_all() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _stratified_val_mask(labels: torch.Tensor, frac: float) -> torch.Tensor:
     """round(frac * n_c) random samples of every class c, fixed by _SPLIT_SEED."""
-    keys = hash64(_key(_SPLIT_SEED), torch.arange(labels.shape[0]), 1)[:, 0]
+    keys = hash64(combine_key(_SPLIT_SEED), torch.arange(labels.shape[0]), 1)[:, 0]
     mask = torch.zeros(labels.shape[0], dtype=torch.bool)
     for c in labels.unique().tolist():  # 10 classes: a loop over classes, not samples
         members = (labels == c).nonzero()[:, 0]

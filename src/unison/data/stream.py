@@ -49,11 +49,11 @@ import torch
 
 from unison.distributed.collectives import local_slice
 from unison.errors import DataError
+from unison.rng import global_batches
 
 from .augment import ViewAugmenter
 from .catalog import Catalog
 from .decode import CropDecoder
-from .random import global_batches
 
 __all__ = ["StreamingBatches", "default_loader_workers"]
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from unison.errors import DataError
-
-from .random import _key, hash64
+from unison.rng import combine_key, hash64
 
 __all__ = ["balanced_subset", "channel_stats"]
 
@@ -35,7 +34,7 @@ def balanced_subset(labels: torch.Tensor, n: int, seed: int) -> torch.Tensor:
         raise DataError(f"subset={n} is larger than the dataset ({N} images)")
     labels = labels.cpu()
     labels = labels - int(labels.min()) if N and int(labels.min()) < 0 else labels
-    order = torch.argsort(hash64(_key(seed, _SUBSET_STREAM), torch.arange(N), 1)[:, 0], stable=True)
+    order = torch.argsort(hash64(combine_key(seed, _SUBSET_STREAM), torch.arange(N), 1)[:, 0], stable=True)
     lab = labels[order]
     by_class = torch.argsort(lab, stable=True)  # random order within each class
     counts = torch.bincount(lab)
@@ -43,7 +42,7 @@ def balanced_subset(labels: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     rank = torch.empty(N, dtype=torch.int64)
     rank[by_class] = torch.arange(N) - starts[lab[by_class]]  # position within its class
     n_cls = counts.numel()
-    cls_order = torch.argsort(hash64(_key(seed, _SUBSET_STREAM, 1), torch.arange(n_cls), 1)[:, 0], stable=True)
+    cls_order = torch.argsort(hash64(combine_key(seed, _SUBSET_STREAM, 1), torch.arange(n_cls), 1)[:, 0], stable=True)
     cls_pos = torch.empty(n_cls, dtype=torch.int64)
     cls_pos[cls_order] = torch.arange(n_cls)  # which classes get the remainder
     # Round-robin over classes: the k-th image of every class before the (k+1)-th of any.

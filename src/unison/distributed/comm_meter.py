@@ -5,7 +5,7 @@ all_gather_into_tensor, broadcast, reduce_scatter_tensor and DDP's coalesced buf
 broadcast) for the duration of a ``with`` block and adds up ``numel * element_size`` of
 every tensor this process contributes. DDP's built-in gradient all-reduce runs in C++
 and is invisible to Python, so while metering, DDP is given the equivalent Python
-`allreduce_hook` (see `unison.distributed.ddp.wrap_ddp`), which calls `dist.all_reduce`
+`allreduce_hook` (see `unison.parallel.ddp.wrap_ddp`), which calls `dist.all_reduce`
 on each gradient bucket: every gradient byte is then counted.
 
 The figure is the payload per worker per call; a ring all-reduce moves about

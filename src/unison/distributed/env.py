@@ -26,9 +26,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from unison.errors import WorkerError
-
-from .config import ConfigError, DistributedConfig
+from unison.config.distributed import DistributedConfig
+from unison.errors import ConfigError, WorkerError
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,10 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from unison.config.distributed import DistributedConfig
 from unison.errors import Preempted, WatchdogTimeout, WorkerError, exit_code_of
 
 from . import watchdog
-from .config import DistributedConfig
 from .env import exit_worker
 from .signals import STOP_SIGNALS, install_stop_handlers
 

@@ -6,7 +6,7 @@ Kubernetes sends SIGTERM at pod eviction, torchrun forwards the signal it receiv
 workers. Python's default for SIGTERM is to die at once, losing every step since the last
 checkpoint. `install_stop_handlers()` replaces it with a handler that only records the
 request; the training loop finishes its current step, agrees with the other ranks, writes a
-checkpoint and exits with `unison.errors.PREEMPTED_EXIT_CODE` (`unison.train.preemption`).
+checkpoint and exits with `unison.errors.PREEMPTED_EXIT_CODE` (`unison.training.preemption`).
 
 A second signal during the save is recorded and otherwise ignored, so the save completes (a
 kill that follows still leaves the previous checkpoint intact: saves are atomic). SIGINT

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .config import DistributedConfig
+from unison.config.distributed import DistributedConfig
+
 from .env import detect_launch_env, init_distributed, shutdown_distributed
 from .launch import launch
 

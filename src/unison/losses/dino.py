@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from unison.distributed.collectives import all_reduce_no_grad, world_size
-from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.tagging import mark_rank_local_state
 
 
 class DINOLoss(nn.Module):

@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from unison.data.random import sample_normal
 from unison.distributed.collectives import all_reduce_with_grad, world_size
+from unison.rng import sample_normal
 
 _DIRECTION_STREAM = 0x51_6E_E6   # counter-based RNG stream of the SIGReg directions
 

@@ -67,7 +67,7 @@ def broadcast_once(owner: nn.Module, tensors: Callable[[], Iterable[torch.Tensor
     """On the first call for `owner`, overwrite every tensor of `tensors()` with rank 0's copy.
 
     Sharded (FSDP) parameters are skipped: each rank holds a different slice, and
-    `unison.distributed.fsdp.apply_fsdp` broadcast them from rank 0 before sharding."""
+    `unison.parallel.fsdp.apply_fsdp` broadcast them from rank 0 before sharding."""
     if owner.__dict__.get(_SYNCED_ATTR, False):
         return
     owner.__dict__[_SYNCED_ATTR] = True

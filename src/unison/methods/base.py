@@ -12,7 +12,7 @@ that is not trained by gradient (momentum encoders, queues, centres) is declared
 ``embed(x)`` returns backbone features for evaluation. A method that draws per-sample
 randomness in its forward (masks of MAE, iBOT, I-JEPA) sets ``needs_sample_keys = True``
 and is called as ``forward(views, keys=SampleKeys(seed, epoch, indices))``: drawing from
-`unison.data.random` with these keys makes a sample's masks independent of the world size
+`unison.rng` with these keys makes a sample's masks independent of the world size
 and of the rank it lands on.
 
 Each method declares a dataclass of hyper-parameters (published defaults) and the

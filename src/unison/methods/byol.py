@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.tagging import mark_rank_local_state
 from unison.losses import BYOLLoss
 from unison.models import mlp
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.tagging import mark_rank_local_state
 from unison.errors import ConfigError
 from unison.losses import IBOTLoss, KoLeoLoss
 from unison.losses.ibot import CENTERINGS

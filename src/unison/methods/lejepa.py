@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.tagging import mark_rank_local_state
 from unison.errors import ConfigError
 from unison.losses import LeJEPALoss, sigreg_directions
 from unison.models import mlp

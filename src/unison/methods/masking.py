@@ -1,6 +1,6 @@
 """Per-sample patch masks for MAE, iBOT and I-JEPA, drawn from (seed, epoch, sample index) only.
 
-Every draw goes through `unison.data.random.sample_uniform(seed, epoch, indices, stream,
+Every draw goes through `unison.rng.sample_uniform(seed, epoch, indices, stream,
 count)`, a pure function of its coordinates, so the mask of a sample is the same whatever
 the world size, the rank it lands on and the other samples of its batch: a W-worker run
 masks exactly as one process on the global batch does. Patches are numbered row-major on
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from unison.data.random import sample_uniform
+from unison.rng import sample_uniform
 
 from .base import SampleKeys
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.tagging import mark_rank_local_state
 from unison.losses import MoCoV3Loss
 from unison.models import mlp
 from unison.models.vit import ViT

@@ -61,8 +61,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from unison.distributed.collectives import gather_no_grad, local_slice, world_size
-from unison.distributed.ddp import mark_rank_local_state
 from unison.distributed.dtensor import assign_full_, local_view
+from unison.distributed.tagging import mark_rank_local_state
 from unison.losses import SwAVLoss
 from unison.models import mlp
 

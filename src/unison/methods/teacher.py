@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from unison.distributed.ddp import mark_rank_local_state
+from unison.distributed.tagging import mark_rank_local_state
 
 from ._common import broadcast_once, ema_update_, module_state, momentum_copy
 

@@ -1,6 +1,6 @@
 """Full sharding with FSDP2 (``--shard full``): parameters, gradients and optimizer state split over the ranks.
 
-`build_run` calls `apply_fsdp(method, cfg, device)` instead of `wrap_ddp` (torchtitan style: small
+`build_run` calls `apply_fsdp(method, device, amp=..., reshard_after_forward=...)` instead of `wrap_ddp` (torchtitan style: small
 functions that apply one kind of parallelism to a built model, in place):
 
 * **Units.** ``fully_shard`` is applied bottom-up: to every block of every backbone (the
@@ -43,7 +43,7 @@ torch >= 2.6 exposes FSDP2 as ``torch.distributed.fsdp``; torch 2.4/2.5 as
 
 Example::
 
-    method = apply_fsdp(method, cfg, device)              # in place; returns the method
+    method = apply_fsdp(method, device, amp=..., reshard_after_forward=...)              # in place; returns the method
     optimizer = build_optimizer("lars", method.parameters(), lr=0.3, weight_decay=1e-6)
     with gradient_sync(method, enabled=is_last_micro_batch):
         method(views).backward()
@@ -55,14 +55,14 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from .collectives import broadcast_, world_size
-from .ddp import rank_local_state_names
+from unison.distributed.collectives import broadcast_, world_size
+from unison.distributed.tagging import rank_local_state_names
 
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -76,9 +76,6 @@ except ImportError:  # torch 2.4 / 2.5
         from torch.distributed._composable.fsdp import register_fsdp_forward_method  # type: ignore
     except ImportError:
         register_fsdp_forward_method = None  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    from unison.config import TrainConfig
 
 __all__ = ["FSDPModule", "apply_activation_checkpointing", "apply_fsdp", "backbone_blocks", "gradient_sync",
            "is_fsdp"]
@@ -140,17 +137,21 @@ def mixed_precision_policy(amp: str, device: torch.device) -> MixedPrecisionPoli
     return None
 
 
-def apply_fsdp(method: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Shard `method` (SyncBN already converted, on `device`) in place per ``cfg.distributed``; returns it."""
+def apply_fsdp(method: nn.Module, device: torch.device, *, amp: str = "none",
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard `method` (SyncBN already converted, on `device`) in place, per block; returns it.
+
+    `amp` (none | bf16 | fp16) picks FSDP's mixed-precision policy; `reshard_after_forward` frees the gathered
+    parameters after each unit's forward (ZeRO-3) or keeps them to the backward (ZeRO-2)."""
     unsharded = set(getattr(method, "unsharded_children", ()))
     with torch.no_grad():   # FSDP2 shards contiguous parameters only (not channels_last conv weights);
         for p in method.parameters():   # channels_last activations still run as such
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
     _broadcast_from_rank0(method)
-    policy = mixed_precision_policy(cfg.amp, device)
+    policy = mixed_precision_policy(amp, device)
     kw: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
-    reshard = cfg.distributed.reshard_after_forward
+    reshard = reshard_after_forward
 
     def shard(module: nn.Module) -> None:
         fully_shard(module, reshard_after_forward=reshard or _frozen(module), **kw)

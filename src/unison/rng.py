@@ -70,7 +70,7 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
-def _key(*parts: int) -> int:
+def combine_key(*parts: int) -> int:
     """Fold integer coordinates into one 64-bit key (exact, order-sensitive)."""
     h = 0x5EED_0F_0E15_0A  # arbitrary non-zero start
     for p in parts:
@@ -95,7 +95,7 @@ def sample_uniform(seed: int, epoch: int, indices: torch.Tensor, stream: int, co
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    bits = hash64(_key(seed, epoch, stream), indices, count)
+    bits = hash64(combine_key(seed, epoch, stream), indices, count)
     return _srl(bits, 40).to(torch.float32) * (2.0**-24)
 
 
@@ -109,7 +109,7 @@ def sample_normal(seed: int, epoch: int, indices: torch.Tensor, stream: int, cou
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     pairs = (count + 1) // 2
-    key = hash64(_key(seed, epoch, stream), indices, 1)  # [B, 1]
+    key = hash64(combine_key(seed, epoch, stream), indices, 1)  # [B, 1]
     steps = torch.arange(1, pairs + 1, dtype=torch.int64, device=key.device) * _signed(_GOLDEN)
     bits = _mix(key + steps[None])  # splitmix64: state_k = key + k * golden, output mix(state_k)
     u1 = (_srl(bits, 40) + 1).to(torch.float64) * (2.0**-24)  # (0, 1]: finite log
@@ -126,7 +126,7 @@ def epoch_permutation(n: int, epoch: int, seed: int) -> torch.Tensor:
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    keys = hash64(_key(seed, epoch, _PERM_STREAM), torch.arange(n, dtype=torch.int64), 1)[:, 0]
+    keys = hash64(combine_key(seed, epoch, _PERM_STREAM), torch.arange(n, dtype=torch.int64), 1)[:, 0]
     return torch.argsort(keys, stable=True)  # stable: ties (vanishingly rare) still deterministic
 
 

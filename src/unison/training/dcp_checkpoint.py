@@ -67,7 +67,7 @@ from unison.optim import constructor_args
 from . import checkpoint as ckpt_io
 
 if TYPE_CHECKING:
-    from unison.train.step import Run
+    from unison.training.step import Run
 
 SUFFIX = ".dcp"
 HEADER = "unison.pt"
@@ -291,7 +291,7 @@ def resume_sharded(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     * DCP checkpoint: DCP reads every rank's part (its shards, or the full tensors of an unsharded run).
     * ``.pt`` checkpoint into a ``--shard full`` run: full tensors, each rank keeps its shards.
     """
-    from unison.distributed.optim import ShardedOptimizer
+    from unison.parallel.zero import ShardedOptimizer
 
     path = Path(path)
     directory = path if is_sharded_checkpoint(path) else ckpt_io.latest_checkpoint(path) or path

@@ -1,6 +1,6 @@
 """`unison check`: prove that W workers train exactly like one worker on the global batch.
 
-The production step (`unison.train.step`: the method with its hyper-parameters, SyncBN,
+The production step (`unison.training.step`: the method with its hyper-parameters, SyncBN,
 DDP, the recipe's optimizer, the learning-rate schedule, the precision) is built and run
 for a few optimiser steps
 
@@ -107,7 +107,7 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
     """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches (synthetic
     images), or `spec.steps` global batches of `spec.data`, streamed."""
     from unison.config import TrainConfig
-    from unison.distributed.config import DistributedConfig
+    from unison.config.distributed import DistributedConfig
 
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
@@ -133,7 +133,7 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
     losses, gradients and states, step by step."""
     from unison.distributed import collectives as C
     from unison.distributed.dtensor import full_tensor
-    from unison.train.step import batches, build_run, forward_backward, optimizer_step
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
     spec = CheckSpec(**spec_dict)
     torch.set_num_threads(1)

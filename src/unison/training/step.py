@@ -43,9 +43,6 @@ from unison.data.batches import BatchSource
 from unison.data.datasets import ImageTensorDataset
 from unison.data.source import TrainData, build_batch_source
 from unison.distributed import collectives as C
-from unison.distributed.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
-from unison.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
-from unison.distributed.optim import ShardedOptimizer
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
@@ -53,7 +50,11 @@ from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
-from unison.train.extra_state import ExtraState
+from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
+from unison.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
+from unison.parallel.zero import ShardedOptimizer
+from unison.training.extra_state import ExtraState
+from unison.training.resolve import resolve_recipe
 
 
 @dataclass(frozen=True)
@@ -120,17 +121,6 @@ class Run:
         return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else x
 
 
-def resolve_recipe(cfg: TrainConfig) -> dict[str, Any]:
-    """The optimizer, base learning rate, weight decay, augmentation and backbone a run uses: the method's
-    recipe for `cfg.data`, overridden by whatever `cfg` sets."""
-    recipe = get_method(cfg.method).recipe.for_data(cfg.data)
-    return {"backbone": cfg.backbone or recipe.backbone,
-            "optimizer": cfg.optimizer or recipe.optimizer,
-            "lr": cfg.lr if cfg.lr is not None else recipe.base_lr,
-            "weight_decay": cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
-            "augmentation": cfg.augmentation or recipe.augmentation}
-
-
 def seed_everything(seed: int, deterministic: bool) -> None:
     """Seed every generator the build uses, identically on every rank (same initialisation everywhere)."""
     import random
@@ -149,16 +139,16 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
-                 image_size: int | None = None) -> SSLMethod:
+                 image_size: int | None = None, backbone: str | None = None) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    backbone, feature_dim = build_backbone(resolve_recipe(cfg)["backbone"], image_size or cfg.image_size,
-                                           backbone_args=cfg.backbone_args)
+    encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
+                                          backbone_args=cfg.backbone_args)
     try:
         params = method_cls.Params(**cfg.method_params)
-        method = method_cls(backbone, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
+        method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
                             shared_queue=cfg.distributed.shared_queue, steps_total=total_steps)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
@@ -171,9 +161,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
     `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
     initialised (one process: backend local)."""
-    resolved = resolve_recipe(cfg)
+    recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
-    data = build_batch_source(cfg, device, resolved["augmentation"], train_set=train_set, val_set=val_set)
+    data = build_batch_source(cfg, device, recipe.augmentation, train_set=train_set, val_set=val_set)
     image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
@@ -182,7 +172,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         total_steps = min(total_steps, cfg.max_steps)
 
     # ---- model: SyncBN, memory format, DDP
-    method = build_method(cfg, total_steps, dtype, device, image_size)
+    method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
@@ -191,7 +181,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if cfg.distributed.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
-        ddp = apply_fsdp(model, cfg, device)
+        ddp = apply_fsdp(model, device, amp=cfg.amp,
+                         reshard_after_forward=cfg.distributed.reshard_after_forward)
     else:
         ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = cast(SSLMethod, unwrap(ddp))   # the method itself (DDP's .module, or the FSDP-sharded method)
@@ -199,9 +190,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     forward = cast(nn.Module, torch.compile(ddp)) if cfg.compile else ddp
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
-    peak_lr = resolved["lr"] * global_batch * accumulate / 256
+    peak_lr = recipe.lr * global_batch * accumulate / 256
     trainable = [p for p in method.parameters() if p.requires_grad]
-    optimizer = build_optimizer(resolved["optimizer"], trainable, lr=peak_lr, weight_decay=resolved["weight_decay"],
+    optimizer = build_optimizer(recipe.optimizer, trainable, lr=peak_lr, weight_decay=recipe.weight_decay,
                                 momentum=cfg.momentum)
     if cfg.distributed.shard == "optimizer":
         optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
@@ -214,8 +205,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
               optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
               schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-              resolved={**resolved, "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
-                        "backbone": resolve_backbone(resolved["backbone"], image_size), "image_size": image_size,
+              resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
+                        "backbone": resolve_backbone(recipe.backbone, image_size), "image_size": image_size,
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
                         "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},

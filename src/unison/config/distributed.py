@@ -1,7 +1,7 @@
 """`DistributedConfig`: one object that describes how a run is distributed.
 
 It is a plain dataclass: defaults live here and nowhere else, the CLI flags are
-generated from its fields (see `unison.configutil`), and `validate()` runs before
+generated from its fields (see `unison.config.fields`), and `validate()` runs before
 any process is started so that a bad value is a one-line error, never a hang.
 
 Example::
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from unison.config.fields import article, coerce_fields, coerce_instance, type_error, unknown_keys_message
 from unison.errors import ConfigError
 
 BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
@@ -111,8 +113,6 @@ class DistributedConfig:
 
     def validate(self, cuda_available: bool | None = None) -> DistributedConfig:
         """Raise `ConfigError` with a one-line fix for any invalid combination; return self."""
-        from unison.configutil import article, coerce_instance, type_error
-
         coerce_instance(self)
         bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, DistributedConfig,
                          (int, float, bool))
@@ -190,8 +190,8 @@ class DistributedConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DistributedConfig:
-        from unison.configutil import coerce_fields, unknown_keys_message
+    def from_dict(cls, data: dict[str, Any], top_level_names: Collection[str] = ()) -> DistributedConfig:
+        """`top_level_names`: the options of the enclosing configuration, named if given here by mistake."""
 
         known = {f.name for f in dataclasses.fields(cls)}
         data = dict(data)
@@ -204,9 +204,7 @@ class DistributedConfig:
                 data["shard"] = "optimizer"
         unknown = sorted(set(data) - known)
         if unknown:
-            from unison.config import TrainConfig
-
-            top = [k for k in unknown if k in {f.name for f in dataclasses.fields(TrainConfig)}]
+            top = [k for k in unknown if k in top_level_names]
             if top:
                 raise ConfigError(f"option(s) {', '.join(top)} belong at the top level of a config file, "
                                   "not under 'distributed:'")

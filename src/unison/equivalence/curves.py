@@ -1,6 +1,6 @@
 """`unison check --run`: whole `unison train` runs at 1 and W workers, loss curves compared step by step.
 
-The step check (`unison.check.steps`) compares gradients and parameters of a few steps.
+The step check (`unison.equivalence.steps`) compares gradients and parameters of a few steps.
 This one trains the real thing — `unison.train` (data, augmentation, learning-rate
 schedule, SyncBN, DDP, logging) on the embedded digits data — at 1 worker and at W workers
 with the same seed and global batch, logging the loss at every step, and requires the two
@@ -131,11 +131,11 @@ def run_curves(method: str = "simclr", steps: int = 200, world_sizes: tuple[int,
     """
     import tempfile
 
-    from unison.api import train
     from unison.config import TrainConfig
-    from unison.distributed.config import DistributedConfig
+    from unison.config.distributed import DistributedConfig
     from unison.errors import ConfigError, WorkerError
     from unison.methods import METHODS
+    from unison.training.run import run_training as train
 
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; use one of {', '.join(sorted(METHODS))}")

@@ -15,18 +15,21 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from unison.configutil import article, coerce_fields, coerce_instance, did_you_mean, type_error, unknown_keys_message
-from unison.distributed.config import ConfigError, DistributedConfig
+from unison.config.distributed import DistributedConfig
+from unison.config.fields import article, coerce_fields, coerce_instance, type_error, unknown_keys_message
+from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")
 DATA_MODES = ("auto", "memory", "stream")
 DECODERS = ("cpu", "gpu")
 LOGGERS = ("none", "csv", "tensorboard", "wandb")
+OPTIMIZERS = ("sgd", "lars", "adam", "adamw")
 MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
 MAX_SEED = 2**64 - 1     # torch.manual_seed takes unsigned 64-bit seeds
 
@@ -110,17 +113,14 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
-        """Raise `ConfigError` with a one-line fix for any invalid value; return self.
+        """Raise `ConfigError` with a one-line fix for any invalid field; return self. The names that only the layers
+        above know (method, its parameters, backbone, augmentation) are checked by
+        `unison.training.resolve.validate_run`, which calls this first.
 
         Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
-        from unison.methods import METHODS
-
         coerce_instance(self)
         self.distributed.validate(cuda_available)
-        if self.method not in METHODS:
-            raise ConfigError(f"method={self.method!r} is unknown{did_you_mean(self.method, METHODS)}; "
-                              f"use one of {', '.join(sorted(METHODS))}")
         bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, TrainConfig, (int, float, bool))
         if bad:
             name, value, typ = bad
@@ -171,34 +171,13 @@ class TrainConfig:
         if self.on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
         self._validate_data(cuda_available)
-        self._validate_names()
-        self._validate_method_params(METHODS[self.method])
+        self._validate_choices()
         return self
 
-    def _validate_names(self) -> None:
-        """Backbone (and its arguments), augmentation, optimizer and logger: known, and installed where optional."""
-        import importlib.util
-
-        from unison.data.augment import PRESETS
-        from unison.methods import METHODS
-        from unison.models.backbones import BACKBONES
-
-        if self.backbone is None:   # the method's recipe names it: what the workers, checkpoints and summary see
-            self.backbone = METHODS[self.method].recipe.for_data(self.data).backbone
-        if self.backbone not in BACKBONES and not self.backbone.startswith("timm:"):
-            raise ConfigError(f"backbone={self.backbone!r} is unknown{did_you_mean(self.backbone, BACKBONES)}; "
-                              f"use one of {', '.join(BACKBONES)} or timm:<name>")
-        if self.backbone_args and not self.backbone.startswith("timm:"):
-            raise ConfigError(f"--backbone-arg {', '.join(self.backbone_args)} is for timm backbones "
-                              f"(--backbone timm:<name>); {self.backbone} takes none")
-        if self.backbone.startswith("timm:"):
-            from unison.models.backbones import check_backbone
-
-            check_backbone(self.backbone, self.image_size, self.backbone_args)
-        if self.augmentation is not None and self.augmentation not in PRESETS:
-            raise ConfigError(f"augmentation={self.augmentation!r} is unknown{did_you_mean(self.augmentation, PRESETS)};"
-                              f" use one of {', '.join(sorted(PRESETS))}")
-        if self.optimizer is not None and self.optimizer not in ("sgd", "lars", "adam", "adamw"):
+    def _validate_choices(self) -> None:
+        """The options whose choices this layer knows; methods, backbones and augmentation presets are the layers
+        above's, checked by `unison.training.resolve.validate_run`."""
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={self.optimizer!r} is unknown; use sgd, lars, adam or adamw")
         if self.logger not in LOGGERS:
             raise ConfigError(f"logger={self.logger!r} is unknown; use one of {', '.join(LOGGERS)}")
@@ -207,21 +186,7 @@ class TrainConfig:
             raise ConfigError(f"--logger {self.logger} needs the {package} package: pip install 'unison[{package}]' "
                               "(or use --logger csv)")
 
-    def _validate_method_params(self, method_cls: Any) -> None:
-        """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`)."""
-        params_cls = method_cls.Params
-        fields = {f.name: f for f in dataclasses.fields(params_cls)}
-        unknown = sorted(set(self.method_params) - set(fields))
-        if unknown:
-            raise ConfigError(f"{unknown_keys_message(unknown, fields, f'{self.method} parameter')} "
-                              "(--param NAME=VALUE)")
-        self.method_params = coerce_fields(params_cls, self.method_params)
-        bad = type_error(self.method_params, params_cls)
-        if bad:
-            name, value, typ = bad
-            default = getattr(params_cls(), name)
-            raise ConfigError(f"--param {name}={value!r} must be {article(typ)} {typ} (default {default!r})")
-        params_cls(**self.method_params)   # the ranges: a one-line ConfigError from check_params
+
 
     def _validate_data(self, cuda_available: bool | None) -> None:
         if self.data_mode not in DATA_MODES:
@@ -264,4 +229,4 @@ class TrainConfig:
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
-        return cls(**data, distributed=DistributedConfig.from_dict(dist))
+        return cls(**data, distributed=DistributedConfig.from_dict(dist, top_level_names=known))

@@ -10,9 +10,9 @@ docs/reliability.md reports).
 
 Why a thread of our own and not ``torch.distributed.checkpoint.async_save``: DCP writes a
 directory of shards in its own format; unison's checkpoint is one ``weights_only`` file with a
-header (`unison.train.checkpoint`). The write releases the GIL while it copies bytes to the
+header (`unison.training.checkpoint`). The write releases the GIL while it copies bytes to the
 file, so training goes on beside it. Sharded (FSDP2) state can use DCP's ``async_save`` behind
-`unison.train.extra_state`.
+`unison.training.extra_state`.
 
 Failures: an error of the background save (disk full, read-only or failing filesystem) is kept
 and raised by `raise_if_failed()` (the loop polls it after every step, through the stop
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from unison.train.checkpoint import latest_checkpoint, save_checkpoint
+from unison.training.checkpoint import latest_checkpoint, save_checkpoint
 
 
 class SaveAborted(BaseException):

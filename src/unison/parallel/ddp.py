@@ -8,7 +8,7 @@
 * Gradient compression through DDP comm hooks: ``fp16`` (any backend), ``bf16`` (CUDA+NCCL
   only; refused by config validation elsewhere), ``powersgd`` (rank ``powersgd_rank``,
   error feedback, warm start, ``start_powerSGD_iter = powersgd_start_iter``; 1-D tensors go
-  uncompressed; its state is checkpointed by parameter, `unison.distributed.powersgd_state`).
+  uncompressed; its state is checkpointed by parameter, `unison.parallel.powersgd_state`).
 * State that must never be re-broadcast — queues, DINO centres, momentum encoders — is
   declared with `mark_rank_local_state(module, ...)` and excluded from DDP by fully
   qualified name. With SyncBN the running statistics are already identical on every rank,
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,32 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import DistributedConfig
+from unison.config.distributed import DistributedConfig
+from unison.distributed.tagging import rank_local_state_names
 
-_STATE_ATTR = "_unison_rank_local_state"
 _HOOK_STATE_ATTR = "_unison_comm_hook_state"
-
-
-def mark_rank_local_state(module: nn.Module, names: Iterable[str] | None = None) -> None:
-    """Exclude `module`'s buffers/parameters `names` (all of them if None) from DDP's broadcasts.
-
-    Use it for queues, centres and momentum encoders: DDP would otherwise overwrite them
-    with rank 0's copy before every forward (field notes, section 4).
-    """
-    if names is None:
-        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-    existing = set(getattr(module, _STATE_ATTR, ()))
-    existing.update(names)
-    setattr(module, _STATE_ATTR, existing)
-
-
-def rank_local_state_names(model: nn.Module) -> list[str]:
-    """Fully qualified names of everything marked with `mark_rank_local_state`."""
-    out: list[str] = []
-    for prefix, mod in model.named_modules():
-        for name in sorted(getattr(mod, _STATE_ATTR, ())):
-            out.append(f"{prefix}.{name}" if prefix else name)
-    return out
 
 
 def comm_hook_for(cfg: DistributedConfig, metered: bool = False):

@@ -18,8 +18,8 @@ from unison.config import TrainConfig
 from unison.data.catalog import open_catalog
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, DataError
-from unison.train.checkpoint import latest_checkpoint, load_checkpoint
-from unison.train.runlog import append_run_log
+from unison.training.checkpoint import latest_checkpoint, load_checkpoint
+from unison.training.runlog import append_run_log
 
 
 def preflight(cfg: TrainConfig, launched: bool) -> None:

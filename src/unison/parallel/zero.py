@@ -13,7 +13,7 @@ an unsharded ``optimizer_class`` state dict, which loads into a `ShardedOptimize
 world size or into a plain optimizer; the other ranks get ``{}``.
 
 To shard parameters and gradients as well, use ``--shard full`` (FSDP2,
-`unison.distributed.fsdp`). Gradient averaging without DDP and local SGD are not part of the
+`unison.parallel.fsdp`). Gradient averaging without DDP and local SGD are not part of the
 training step: use DDP, and torch's ``PostLocalSGDOptimizer``
 (``torch.distributed.optim``) for local SGD.
 

@@ -1,7 +1,7 @@
 """The training loop: every worker runs `train_worker`, top to bottom.
 
 1. Join the process group (unison's launcher, torchrun, SLURM or mpirun set the variables).
-2. Build the step (`unison.train.step.build_run`): data, augmentation, method, SyncBN, DDP,
+2. Build the step (`unison.training.step.build_run`): data, augmentation, method, SyncBN, DDP,
    optimizer, schedule — the same step `unison check` proves exact.
 3. Resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker or
    SLURM requeued the job), or record the random-initialisation kNN baseline.
@@ -9,7 +9,7 @@
    `optimizer_step`. Around the step, the hooks: metrics and progress, kNN evaluation every
    few epochs, checkpoints (rank 0 writes, in the background: `Checkpointer`; sharded optimizer
    state consolidated first; `Run.extra_state` carried), and the stop agreement (preemption
-   signals, a failed save: `unison.train.preemption`).
+   signals, a failed save: `unison.training.preemption`).
 5. At the end: kNN evaluation, the last checkpoint, `summary.json`, and the `Summary`
    returned to the caller (rank 0's is what `unison.train` returns).
 
@@ -42,21 +42,21 @@ from unison.distributed.signals import install_stop_handlers, restore_default_ha
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
 from unison.eval.knn import knn_accuracy
-from unison.train.checkpoint import (
+from unison.training.checkpoint import (
     check_compatible,
     latest_checkpoint,
     load_checkpoint,
     pack_rng_state,
     restore_rng_state,
 )
-from unison.train.checkpointer import Checkpointer
-from unison.train.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
-from unison.train.faults import FaultHook
-from unison.train.metrics import MetricsLogger, progress_bar
-from unison.train.preemption import StopAgreement, preempted, save_failed_elsewhere
-from unison.train.runlog import RunLog
-from unison.train.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
-from unison.train.summary import Summary, peak_memory_mib
+from unison.training.checkpointer import Checkpointer
+from unison.training.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
+from unison.training.faults import FaultHook
+from unison.training.metrics import MetricsLogger, progress_bar
+from unison.training.preemption import StopAgreement, preempted, save_failed_elsewhere
+from unison.training.runlog import RunLog
+from unison.training.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
+from unison.training.summary import Summary, peak_memory_mib
 
 
 def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +221,7 @@ def stop_after_step(run: Run, checkpointer: Checkpointer, watch: Watchdog, agree
 def train(cfg: TrainConfig, device: torch.device) -> Summary:
     """Train on this rank (the process group is initialised); every rank returns the same `Summary`."""
     rank = C.rank()
-    install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.train.preemption)
+    install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
     watch = Watchdog(rank, cfg.distributed.watchdog_s)
     faults = FaultHook(rank)   # testing only (UNISON_FAULT_INJECT); does nothing otherwise
     checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,

@@ -1,6 +1,6 @@
 """`unison eval`: kNN and linear-probe top-1 of a trained checkpoint, in one process.
 
-The method is rebuilt from the checkpoint's stored configuration (`unison.export.load_method`),
+The method is rebuilt from the checkpoint's stored configuration (`unison.training.load.load_method`),
 the training and held-out data default to the run's own (same subsets, same seed, same
 normalisation statistics), every image is embedded **once** with the eval transform, and
 both protocols run on those features:
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from unison.distributed.config import ConfigError
+from unison.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -110,7 +110,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     from unison.data.augment import eval_transform
     from unison.data.datasets import load_dataset
     from unison.eval.linear import extract_features, linear_probe
-    from unison.export import load_method
+    from unison.training.load import load_method
 
     opts.validate()
     assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
@@ -167,9 +167,8 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from unison.configutil import overrides_from_namespace
-    from unison.data.datasets import DataError
-    from unison.train.checkpoint import CheckpointError
+    from unison.config.fields import overrides_from_namespace
+    from unison.errors import CheckpointError, DataError
 
     opts = EvalOptions(**overrides_from_namespace(ns, EvalOptions))
     try:
@@ -193,7 +192,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    from unison.configutil import add_dataclass_arguments
+    from unison.config.fields import add_dataclass_arguments
 
     p = sub.add_parser("eval", help="kNN and linear-probe top-1 of a checkpoint (one process)",
                        description=__doc__.splitlines()[0])

@@ -1,0 +1,55 @@
+"""Load a trained method from a checkpoint, rebuilt as the training step built it: what `unison eval` and
+`unison export` start from.
+
+Example::
+
+    method, cfg, ckpt = load_method("runs/default", device="cpu")
+    features = method.backbone(images)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unison.config import TrainConfig
+from unison.errors import ConfigError
+from unison.methods.base import SSLMethod
+from unison.models.backbones import resolve_backbone
+
+from .checkpoint import check_compatible, load_checkpoint
+from .step import build_method
+
+
+def preprocessing(cfg: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What a user of the exported backbone must feed it: image size and the training set's mean/std.
+
+    From the checkpoint's resolved values; a checkpoint written before they were recorded has the
+    configured image size only (mean/std None)."""
+    resolved = ckpt.get("resolved") or {}
+    return {"image_size": resolved.get("image_size", cfg.image_size), "mean": resolved.get("mean"),
+            "std": resolved.get("std")}
+
+
+def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[SSLMethod, TrainConfig, dict]:
+    """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
+
+    Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
+    used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
+    """
+    ckpt = load_checkpoint(checkpoint, map_location=device)
+    cfg = TrainConfig.from_dict(dict(ckpt["config"]))
+    # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
+    # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
+    pinned = (ckpt.get("resolved") or {}).get("backbone")
+    cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
+    try:  # the method as the training step built it; steps_total only shapes training-time schedules
+        method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
+                              image_size=preprocessing(cfg, ckpt)["image_size"])
+    except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
+        raise ConfigError(str(e)) from None
+    check_compatible(method, ckpt["model"])
+    method.load_state_dict(ckpt["model"])
+    return method.eval(), cfg, ckpt

@@ -1,0 +1,96 @@
+"""Resolve a run's recipe once, and validate the names that only the layers below this one know.
+
+`TrainConfig.validate` (layer 0) checks every field on its own; the method, its hyper-parameters, the backbone and
+the augmentation preset are names of the registries in `unison.methods`, `unison.models` and `unison.data`, so
+they are checked here, where those layers are visible. `validate_run` is the whole check of a configuration,
+before any worker starts (the API, the CLI and `unison check` call it); `resolve_recipe` is the one place the
+method's recipe meets what the user set.
+
+Example::
+
+    cfg = validate_run(TrainConfig(method="byol", data="/data/photos"))
+    recipe = resolve_recipe(cfg)    # ResolvedRecipe(backbone='small_cnn', optimizer='sgd', lr=0.06, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from unison.config import TrainConfig
+from unison.config.fields import article, coerce_fields, did_you_mean, type_error, unknown_keys_message
+from unison.data.augment import PRESETS
+from unison.errors import ConfigError
+from unison.methods import METHODS, get_method
+from unison.models.backbones import BACKBONES, check_backbone
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """The optimizer, base learning rate (per 256 images), weight decay, augmentation preset and backbone a run
+    uses: the method's recipe for the run's data, overridden by whatever the configuration sets."""
+    backbone: str
+    optimizer: str
+    lr: float
+    weight_decay: float
+    augmentation: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resolve_recipe(cfg: TrainConfig) -> ResolvedRecipe:
+    recipe = get_method(cfg.method).recipe.for_data(cfg.data)
+    return ResolvedRecipe(
+        backbone=cfg.backbone or recipe.backbone,
+        optimizer=cfg.optimizer or recipe.optimizer,
+        lr=cfg.lr if cfg.lr is not None else recipe.base_lr,
+        weight_decay=cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
+        augmentation=cfg.augmentation or recipe.augmentation)
+
+
+def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainConfig:
+    """Every field (`TrainConfig.validate`), then the method, its parameters, the backbone and the augmentation;
+    fills in the recipe's backbone (what the workers, checkpoints and summary see). Returns `cfg`."""
+    cfg.validate(cuda_available)
+    if cfg.method not in METHODS:
+        raise ConfigError(f"method={cfg.method!r} is unknown{did_you_mean(cfg.method, METHODS)}; "
+                          f"use one of {', '.join(sorted(METHODS))}")
+    _validate_backbone(cfg)
+    if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
+        raise ConfigError(f"augmentation={cfg.augmentation!r} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
+                          f" use one of {', '.join(sorted(PRESETS))}")
+    cfg.method_params = validated_method_params(cfg.method, cfg.method_params)
+    return cfg
+
+
+def _validate_backbone(cfg: TrainConfig) -> None:
+    if cfg.backbone is None:
+        cfg.backbone = resolve_recipe(cfg).backbone
+    if cfg.backbone not in BACKBONES and not cfg.backbone.startswith("timm:"):
+        raise ConfigError(f"backbone={cfg.backbone!r} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
+                          f"use one of {', '.join(BACKBONES)} or timm:<name>")
+    if cfg.backbone_args and not cfg.backbone.startswith("timm:"):
+        raise ConfigError(f"--backbone-arg {', '.join(cfg.backbone_args)} is for timm backbones "
+                          f"(--backbone timm:<name>); {cfg.backbone} takes none")
+    if cfg.backbone.startswith("timm:"):
+        check_backbone(cfg.backbone, cfg.image_size, cfg.backbone_args)
+
+
+def validated_method_params(method: str, given: dict[str, Any]) -> dict[str, Any]:
+    """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`); returns the
+    parameters with numbers coerced as recipes write them."""
+    params_cls = get_method(method).Params
+    fields = {f.name: f for f in dataclasses.fields(params_cls)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise ConfigError(f"{unknown_keys_message(unknown, fields, f'{method} parameter')} (--param NAME=VALUE)")
+    params = coerce_fields(params_cls, given)
+    bad = type_error(params, params_cls)
+    if bad:
+        name, value, typ = bad
+        default = getattr(params_cls(), name)
+        raise ConfigError(f"--param {name}={value!r} must be {article(typ)} {typ} (default {default!r})")
+    params_cls(**params)   # the ranges: a one-line ConfigError from check_params
+    return params
