@@ -389,10 +389,10 @@ def _run(ns: argparse.Namespace) -> int:
 
 def _exit_code(exc: BaseException) -> int | None:
     """The exit code of a failure the user can act on (`unison.errors`); None for a bug."""
-    from unison.distributed.launch import _is_comm_error
+    from unison.distributed.launch import is_comm_error
     from unison.errors import exit_code_of
 
-    if "RANK" in os.environ and isinstance(exc, RuntimeError) and _is_comm_error(f"{type(exc).__name__} {exc}"):
+    if "RANK" in os.environ and isinstance(exc, RuntimeError) and is_comm_error(f"{type(exc).__name__} {exc}"):
         return 1  # under torchrun/srun: this worker lost a peer, whose own failure is the root cause
     return exit_code_of(exc)
 

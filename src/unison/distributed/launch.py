@@ -133,7 +133,7 @@ def _describe_exit(code: int | None, error: dict[str, Any] | None) -> str:
     return f"exited with code {code}"
 
 
-def _is_comm_error(cause: str) -> bool:
+def is_comm_error(cause: str) -> bool:
     return any(k in cause for k in ("DistBackendError", "Connection", "connection", "Gloo", "gloo", "NCCL",
                                     "Timed out", "timed out", "Timeout"))
 
@@ -153,7 +153,7 @@ def _first_failure(procs: list[BaseProcess], errors: dict[int, dict[str, Any]]) 
         r, code = item
         if code is not None and code < 0:
             return (0, r)
-        return (2 if _is_comm_error(causes[r]) else 1, r)
+        return (2 if is_comm_error(causes[r]) else 1, r)
 
     r, _ = min(failed, key=priority)
     err = errors.get(r) or {}
@@ -271,7 +271,7 @@ def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, An
             time.sleep(poll_s)
         _receive_results(conns, results, errors)
         failure = _first_failure(procs, errors) or failure
-    if failure is not None and _is_comm_error(failure.cause):
+    if failure is not None and is_comm_error(failure.cause):
         silent = [str(r) for r, p in enumerate(procs) if p.is_alive() and r != failure.rank]
         if silent:  # a peer that neither failed nor answered: hung (the collective timed out, --timeout-s)
             failure.cause += f" (rank {', '.join(silent)} did not fail but stopped responding)"
