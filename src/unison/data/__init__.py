@@ -18,7 +18,8 @@ memory, the cache), `subsets`, `random`, `augment`, `decode` (CPU crops of encod
 from unison.rng import epoch_permutation, global_batches, sample_normal, sample_uniform
 
 from .augment import PRESETS, ViewAugmenter, eval_transform
-from .datasets import ImageTensorDataset, load_dataset
+from .datasets import load_dataset
+from .tensor_dataset import ImageTensorDataset
 
 __all__ = [
     "PRESETS",
