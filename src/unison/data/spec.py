@@ -7,11 +7,15 @@ a run's data (`unison.data.source.build_batch_source`, `choose_mode`) takes it.
 The size rules live here, one function each, so every path states them with the same words:
 
 * `check_subset`: ``--subset`` / ``--val-subset`` within the listed images of a folder, file
-  list or shards (`unison.data.source.open_checked`: the pre-flight, before any worker starts,
-  and every build);
-* `check_batch`: one global batch within the training images, on the listed count (``open_checked``)
-  and on the count actually held once loaded (`unison.data.batches.EpochOrder`, which every batch
-  source is built on: built-in sets, unreadable images skipped, sets given directly).
+  list or shards;
+* `check_batch`: one global batch within the training images.
+
+Both are applied to listed data by `unison.data.source.open_checked`, which the pre-flight (before
+any worker starts) and every build of listed data call; `check_batch` also guards the images a batch
+source actually holds (`unison.data.batches.EpochOrder`, under every source: built-in sets, images
+skipped as unreadable, sets given directly by `unison check` and the benchmarks).
+(`unison.data.subsets.balanced_subset` keeps its own argument check, worded for the API: the
+built-in sets, whose size is known only once loaded, reach it.)
 
 Example::
 
