@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
+from unison import rng as R
 from unison.data import builtin, epoch_permutation, global_batches, load_dataset, memory, sample_uniform
 from unison.data import datasets as D
-from unison import rng as R
 from unison.errors import DataError
 
 CIFAR = Path(__file__).resolve().parents[1].parent / "shared/data/cifar10"

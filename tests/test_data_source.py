@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -12,8 +13,10 @@ from unison.cli import main
 from unison.config import TrainConfig
 from unison.data import source as S
 from unison.data.generated import write_image_folder
-from unison.errors import ConfigError
+from unison.data.spec import DataSpec
+from unison.errors import ConfigError, DataError
 from unison.training.metrics import MetricsLogger
+from unison.training.step import data_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TINY = ["--world-size", "1", "--batch-size", "16", "--epochs", "1", "--no-progress", "--knn-k", "5",
@@ -37,16 +40,16 @@ def test_auto_mode_holds_small_data_in_memory_and_streams_the_rest(folders, monk
     from unison.data.catalog import open_catalog
 
     square = open_catalog(folders["square"])
-    assert S.choose_mode(TrainConfig(data=folders["square"]), square, len(square)) == "memory"
+    assert S.choose_mode(DataSpec(data=folders["square"]), square, len(square)) == "memory"
     varied = open_catalog(folders["train"])            # images of many sizes: memory would resize them all
-    assert S.choose_mode(TrainConfig(data=folders["train"]), varied, len(varied)) == "stream"
+    assert S.choose_mode(DataSpec(data=folders["train"]), varied, len(varied)) == "stream"
     monkeypatch.setattr(S, "MEMORY_BUDGET", 1000)       # 24 images of 20x20x3 bytes do not fit
-    assert S.choose_mode(TrainConfig(data=folders["square"]), square, len(square)) == "stream"
-    cfg = TrainConfig(data=folders["train"], data_mode="memory")
+    assert S.choose_mode(DataSpec(data=folders["square"]), square, len(square)) == "stream"
+    cfg = DataSpec(data=folders["train"], data_mode="memory")
     assert S.choose_mode(cfg, varied, len(varied)) == "memory"
-    assert S.choose_mode(TrainConfig(), None, 0) == "memory"       # the digits
+    assert S.choose_mode(DataSpec(), None, 0) == "memory"       # the digits
     with pytest.raises(ConfigError, match="built in"):
-        S.choose_mode(TrainConfig(data_mode="stream"), None, 0)
+        S.choose_mode(DataSpec(data_mode="stream"), None, 0)
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -59,6 +62,30 @@ def test_data_options_are_validated(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**kwargs).validate(cuda_available=False)
     TrainConfig(data_mode="stream", loader_workers=0).validate(cuda_available=False)
+
+
+def test_data_spec_carries_what_the_data_side_reads_of_the_training_configuration():
+    cfg = TrainConfig(data="/d", val="/v", subset=10, val_subset=5, on_corrupt="error", data_mode="stream",
+                      loader_workers=3, image_size=32, batch_size=64, seed=7)
+    assert data_spec(cfg) == DataSpec(data="/d", batch_size=64, seed=7, val="/v", subset=10, val_subset=5,
+                                      on_corrupt="error", data_mode="stream", decode="cpu", loader_workers=3,
+                                      image_size=32, world_size=cfg.distributed.world_size)
+    assert dataclasses.replace(data_spec(TrainConfig()), world_size=1) == DataSpec()   # TrainConfig's defaults
+
+
+def test_size_rules_say_the_same_before_the_workers_and_in_the_build(folders):
+    """`open_checked` is what the pre-flight and `build_batch_source` both call: one rule, one message."""
+    too_big = DataSpec(data=folders["square"], batch_size=8, subset=100)
+    with pytest.raises(DataError, match=r"square has 24 images, fewer than --subset/--val-subset 100"):
+        S.open_checked(too_big)
+    with pytest.raises(DataError, match=r"square has 24 images, fewer than --subset/--val-subset 100"):
+        S.build_batch_source(too_big, torch.device("cpu"), "simclr")
+    one_batch = DataSpec(data=folders["square"], batch_size=32)
+    with pytest.raises(DataError, match=r"square has 24 images, fewer than one global batch \(32\)"):
+        S.build_batch_source(one_batch, torch.device("cpu"), "simclr")
+    assert S.open_checked(DataSpec(data="digits")) is None and S.open_checked(DataSpec(val=None), "val") is None
+    with pytest.raises(DataError, match=r"--val .*val has 12 images, fewer than --subset/--val-subset 13"):
+        S.open_checked(DataSpec(val=folders["val"], val_subset=13), "val")
 
 
 def test_streamed_training_run_with_knn_on_held_out_data(folders, tmp_path, capfd):
@@ -140,7 +167,7 @@ def test_streamed_subset_and_bounded_knn_sets(folders, monkeypatch):
     monkeypatch.setattr(S, "KNN_REFERENCE", 10)
     cfg = TrainConfig(data=folders["train"], val=folders["val"], data_mode="stream", subset=20, val_subset=6,
                       batch_size=8, loader_workers=0, image_size=16)
-    data = S.build_batch_source(cfg, torch.device("cpu"), "simclr")
+    data = S.build_batch_source(data_spec(cfg), torch.device("cpu"), "simclr")
     assert data.mode == "stream" and data.num_images == 20 and data.source.batches_per_epoch == 2
     epoch, indices, views = next(data.source.iter_from(0))
     assert indices.shape == (8,) and int(indices.max()) < 20 and views[0].shape == (8, 3, 16, 16)

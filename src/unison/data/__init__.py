@@ -9,16 +9,21 @@ Typical training-loop use (what `unison.training.step.build_run` does through `b
         idx = batch[local_slice(len(batch))].to(device)   # this rank's share
         views = aug(ds.images[idx], idx, epoch=epoch, seed=seed)
 
-Modules: `datasets` (in-memory sets and `load_dataset`), `builtin` (digits, CIFAR-10),
-`catalog` / `shards` (folders, file lists, tar shards), `memory` (decoding a catalog into
-memory, the cache), `subsets`, `random`, `augment`, `decode` (CPU crops of encoded images),
-`stream` (the streaming `BatchSource`), `batches` (the in-memory one), `source` (which one).
+Modules, bottom to top (each imports only those earlier in this list, never the training
+configuration): `tensor_dataset` (`ImageTensorDataset`), `samples` (the `Catalog` value), `cache`
+(the cache folder), `spec` (`DataSpec` and the size rules), `subsets`, `presets`, `augment`,
+`builtin` (digits, CIFAR-10), `shards` (tar shards), `catalog` (folders, file lists; the layout
+dispatcher `open_catalog`), `memory` (decoding a catalog into memory, the cache), `datasets`
+(the dispatcher `load_dataset`), `decode` / `gpu_decode` (crops of encoded images), `batches`
+(`EpochOrder`, the in-memory `BatchSource`), `stream` (the streaming one), `source` (which one); beside them `synthetic` (random images for
+checks and benchmarks) and `generated` (image files for tests and benchmarks).
 """
 
 from unison.rng import epoch_permutation, global_batches, sample_normal, sample_uniform
 
 from .augment import PRESETS, ViewAugmenter, eval_transform
-from .datasets import ImageTensorDataset, load_dataset
+from .datasets import load_dataset
+from .tensor_dataset import ImageTensorDataset
 
 __all__ = [
     "PRESETS",

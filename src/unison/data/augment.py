@@ -48,25 +48,7 @@ elementwise or per-sample matmuls, so a view does not depend, bit for bit, on
 where its sample sits in the batch (tests/test_data_augment.py). Ops run in place
 on each view's fresh crop: new multi-MB buffers cost page faults on the CPU.
 
-Preset parameters (`PRESETS`, any can be overridden by keyword)
----------------------------------------------------------------
-n_global, n_local        number of global views (``image_size``) and local views (``local_size``)
-local_size               local view size; None: ``max(8, round(image_size * 3 / 7))`` (96 for 224, 14 for 32)
-crop_scale               area fraction range of global crops
-local_crop_scale         area fraction range of local crops
-crop_ratio               aspect-ratio range (sampled log-uniformly)
-flip_p                   horizontal flip probability
-rotation                 max rotation in degrees (uniform in [-r, r]); 0 = none
-jitter_p                 probability of the colour-jitter block
-brightness, contrast,    jitter strengths: factors uniform in [1-s, 1+s]
-saturation, hue          (hue: shift uniform in [-hue, hue] turns, hue <= 0.5)
-grayscale_p              random-grayscale probability
-blur_p                   blur probability: a number, or one number per view
-blur_sigma               (min, max) sigma in pixels of the view
-blur_off_at_or_below     blur is off for all views when image_size <= this (0: never off)
-solarize_p               solarisation probability: a number, or one per view
-solarize_threshold       in [0, 1] units
-noise_std                std of additive gaussian noise (0: none)
+The presets and what each parameter means: `unison.data.presets` (`PRESETS`, re-exported here).
 
 Example::
 
@@ -85,60 +67,9 @@ import torch.nn.functional as F
 
 from unison.rng import sample_normal, sample_uniform
 
+from .presets import PRESETS
+
 __all__ = ["PRESETS", "ViewAugmenter", "eval_transform"]
-
-_COMMON = dict(
-    n_global=2,
-    n_local=0,
-    local_size=None,
-    crop_scale=(0.08, 1.0),
-    local_crop_scale=(0.05, 0.14),
-    crop_ratio=(3 / 4, 4 / 3),
-    flip_p=0.5,
-    rotation=0.0,
-    jitter_p=0.8,
-    brightness=0.4,
-    contrast=0.4,
-    saturation=0.4,
-    hue=0.1,
-    grayscale_p=0.2,
-    blur_p=0.5,
-    blur_sigma=(0.1, 2.0),
-    blur_off_at_or_below=32,
-    solarize_p=0.0,
-    solarize_threshold=0.5,
-    noise_std=0.0,
-)
-
-PRESETS: dict[str, dict] = {
-    # SimCLR (Chen et al., 2020), as in solo-learn / lightly CIFAR configs.
-    "simclr": dict(_COMMON),
-    # BYOL (Grill et al., 2020): asymmetric blur / solarisation between the two views.
-    "byol": {**_COMMON, "saturation": 0.2, "blur_p": (1.0, 0.1), "solarize_p": (0.0, 0.2)},
-    # SwAV / DINO multi-crop with SimCLR colour ops: 2 global + 4 local crops.
-    "multicrop": {**_COMMON, "n_local": 4, "crop_scale": (0.14, 1.0), "local_crop_scale": (0.05, 0.14)},
-    # Embedded 16x16 digits: no flip (digits are not mirror symmetric), no hue/saturation
-    # (grey images), mild crops, small rotations, brightness/contrast jitter. Small CNN + SimCLR,
-    # batch 256, 30 epochs: kNN top-1 on val 0.98 (random-init features: 0.87).
-    "digits": {
-        **_COMMON,
-        "crop_scale": (0.4, 1.0),
-        "flip_p": 0.0,
-        "rotation": 15.0,
-        "saturation": 0.0,
-        "hue": 0.0,
-        "grayscale_p": 0.0,
-        "blur_p": 0.0,
-        "noise_std": 0.0,  # 0.02 trained no better here and costs ~5x the rest of the pipeline on CPU
-    },
-}
-# Multi-crop (SwAV / DINO) on the digits: the digits' colour ops, 2 global + 4 local 8x8 crops.
-PRESETS["digits_multicrop"] = {**PRESETS["digits"], "n_local": 4, "local_crop_scale": (0.2, 0.5)}
-# MAE / I-JEPA (He et al., 2022; Assran et al., 2023): ONE view, random resized crop and flip, no colour ops
-# (masking is the pretext task). On the digits: their crop and rotation, no flip.
-PRESETS["crop"] = {**_COMMON, "n_global": 1, "crop_scale": (0.2, 1.0), "jitter_p": 0.0, "grayscale_p": 0.0,
-                   "blur_p": 0.0}
-PRESETS["digits_crop"] = {**PRESETS["digits"], "n_global": 1, "jitter_p": 0.0}
 
 _N_ATTEMPTS = 10
 # Column layout of the per-view uniforms (fixed, so switching an op off leaves the others' draws unchanged).

@@ -6,6 +6,10 @@ The global order is a function of (seed, epoch) alone: epoch e's global batches 
 (`unison.rng`), so what a sample looks like never depends on the world size,
 the rank it lands on, or how many loader workers decode it.
 
+`EpochOrder` is that order, written once: the global batches of every epoch from any global
+batch number on, this rank's share of each, and the rule that one global batch must fit the
+data (`unison.data.spec.check_batch`). Every batch source is built on it.
+
 `InMemoryBatches` is the source for data decoded once into one uint8 tensor on the
 device (digits, CIFAR-scale folders): it indexes its rows and augments them on the
 device. Streaming sources for data that does not fit (the real-scale data path) plug in
@@ -29,7 +33,10 @@ from unison.distributed.collectives import local_slice
 from unison.rng import global_batches
 
 from .augment import ViewAugmenter
-from .datasets import ImageTensorDataset
+from .spec import check_batch
+from .tensor_dataset import ImageTensorDataset
+
+__all__ = ["BatchSource", "EpochOrder", "InMemoryBatches"]
 
 
 class BatchSource(Protocol):
@@ -43,21 +50,36 @@ class BatchSource(Protocol):
         ...
 
 
+class EpochOrder:
+    """The global batches of `n` samples (drop-last), epoch after epoch, and this rank's share of each.
+
+    Raises `DataError` naming `what` when `n` samples cannot fill one global batch.
+    """
+
+    def __init__(self, n: int, global_batch: int, seed: int, what: str):
+        check_batch(what, n, global_batch)
+        self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.batches_per_epoch = n // global_batch
+        self.rows = local_slice(global_batch)
+
+    def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(epoch, this rank's sample indices)`` of every global batch from `batch_number` (counted over epochs)."""
+        epoch, first = divmod(batch_number, self.batches_per_epoch)
+        while True:
+            for batch in global_batches(self.n, self.global_batch, epoch, self.seed)[first:]:
+                yield epoch, batch[self.rows]
+            epoch, first = epoch + 1, 0
+
+
 class InMemoryBatches:
     """`BatchSource` over an `ImageTensorDataset` held on the training device; augments on the device."""
 
     def __init__(self, data: ImageTensorDataset, augment: ViewAugmenter, global_batch: int, seed: int):
-        if len(data) < global_batch:
-            raise ValueError(f"{len(data)} images cannot fill one global batch of {global_batch}")
+        self.order = EpochOrder(len(data), global_batch, seed, "the training set")
         self.data, self.augment, self.global_batch, self.seed = data, augment, global_batch, seed
-        self.batches_per_epoch = len(data) // global_batch
-        self.rows = local_slice(global_batch)
+        self.batches_per_epoch = self.order.batches_per_epoch
 
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
-        epoch, first = divmod(batch_number, self.batches_per_epoch)
-        while True:
-            order = global_batches(len(self.data), self.global_batch, epoch, self.seed)
-            for batch in order[first:]:
-                indices = batch[self.rows].to(self.data.images.device)
-                yield epoch, indices, self.augment(self.data.images[indices], indices, epoch=epoch, seed=self.seed)
-            epoch, first = epoch + 1, 0
+        for epoch, rows in self.order.iter_from(batch_number):
+            indices = rows.to(self.data.images.device)
+            yield epoch, indices, self.augment(self.data.images[indices], indices, epoch=epoch, seed=self.seed)

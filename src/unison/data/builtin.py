@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +23,8 @@ import torch.nn.functional as F
 from unison.errors import DataError
 from unison.rng import combine_key, hash64
 
-if TYPE_CHECKING:
-    from .datasets import ImageTensorDataset
-
 from .subsets import channel_stats
+from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "digits_all", "load_cifar10", "load_digits"]
 
@@ -37,8 +34,6 @@ _SPLIT_SEED = 0x5D1617  # fixed: the digits split never depends on `seed`
 
 
 def load_digits(split: str) -> ImageTensorDataset:
-    from .datasets import ImageTensorDataset
-
     if split not in ("train", "val"):
         raise DataError(f"digits has splits 'train' and 'val', got {split!r}")
     images, labels = digits_all()
@@ -74,8 +69,6 @@ def _stratified_val_mask(labels: torch.Tensor, frac: float) -> torch.Tensor:
 
 
 def load_cifar10(split: str, root: str | None, cache_dir: Path) -> ImageTensorDataset:
-    from .datasets import ImageTensorDataset
-
     if split not in ("train", "val", "test"):
         raise DataError(f"cifar10 has splits 'train' and 'val' (= the official test set), got {split!r}")
     from torchvision.datasets import CIFAR10

@@ -25,10 +25,9 @@ otherwise the classes are the sorted distinct names. A list with labels on some 
 is an error naming the line. A catalog without labels has ``classes == []``: SSL pre-training
 needs none, and kNN evaluation is then skipped.
 
-Memory: names are packed into one byte buffer with an offset array (about 8 bytes + the name
-per sample; ImageNet-1k's 1.28M paths take ~80 MB, shared copy-on-write with the loader
-worker processes, which Python string lists would not be: their reference counts dirty
-every page).
+The `Catalog` value itself (packed names, shard offsets, reads) is `unison.data.samples`; this
+module is the dispatcher over the layouts, with the folder and file-list ones; tar shards are
+`unison.data.shards`.
 
 Example::
 
@@ -41,115 +40,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from unison.errors import DataError
 
+from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices, stat_all
+from .shards import SHARD_SUFFIXES, open_shards, shard_paths
+
 __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "open_catalog", "scan_folder"]
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 LAYOUTS = "an ImageFolder layout {}/<class>/<image>, a folder of images, a file list or .tar shards"
-_MAX_OPEN_SHARDS = 64
-
-
-class PackedStrings:
-    """An immutable list of strings in one uint8 buffer plus offsets (no per-string Python objects)."""
-
-    def __init__(self, strings: list[str]):
-        encoded = [s.encode("utf-8", "surrogateescape") for s in strings]
-        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(e) for e in encoded], out=self.offsets[1:])
-        self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> str:
-        return self.blob[self.offsets[i]:self.offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
-
-    def tolist(self) -> list[str]:
-        return [self[i] for i in range(len(self))]
-
-
-@dataclass
-class Catalog:
-    """The samples of one data spec; see the module docstring."""
-
-    kind: str                        # "folder" | "flat" | "list" | "shards"
-    location: Path                   # the folder, the list file, or the first shard
-    base: Path                       # what relative file names are joined to
-    names: PackedStrings             # file path relative to `base`, or member name in its shard
-    labels: np.ndarray               # int64 [N]; -1 = no label
-    classes: list[str]               # [] when unlabelled
-    shards: list[str] = field(default_factory=list)                             # kind "shards": the tar files
-    shard_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [N] shard of each sample
-    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [N] data offset in the shard
-    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))     # [N] data size in bytes
-
-    def __post_init__(self) -> None:
-        self._fds: dict[int, int] = {}
-        self._pid = os.getpid()
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __getstate__(self) -> dict[str, Any]:  # open file descriptors stay in their process
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fds", "_pid")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.__post_init__()
-
-    @property
-    def labelled(self) -> bool:
-        return bool(self.classes)
-
-    @property
-    def display_name(self) -> str:
-        loc = self.location if self.kind != "shards" else Path(self.shards[0]).parent
-        return f"{loc.parent.name}/{loc.name}"
-
-    def path(self, i: int) -> str:
-        """The file of sample i (for shards: the shard)."""
-        if self.kind == "shards":
-            return self.shards[int(self.shard_of[i])]
-        return os.path.join(self.base, self.names[i])
-
-    def describe(self, i: int) -> str:
-        """Sample i for messages: its file, or ``shard.tar:member``."""
-        return f"{self.path(i)}:{self.names[i]}" if self.kind == "shards" else self.path(i)
-
-    def read(self, i: int) -> bytes:
-        """The encoded bytes of sample i (a file read, or one positioned read from its shard)."""
-        if self.kind != "shards":
-            with open(self.path(i), "rb") as f:
-                return f.read()
-        size, offset = int(self.sizes[i]), int(self.offsets[i])
-        data = os.pread(self._shard_fd(int(self.shard_of[i])), size, offset)
-        if len(data) != size:
-            raise DataError(f"tar shard {self.path(i)} is truncated: member {self.names[i]} ends at byte "
-                            f"{offset + size}, beyond the end of the file")
-        return data
-
-    def _shard_fd(self, shard: int) -> int:
-        if self._pid != os.getpid():  # a forked loader worker: open its own descriptors
-            self._fds, self._pid = {}, os.getpid()
-        fd = self._fds.get(shard)
-        if fd is None:
-            if len(self._fds) >= _MAX_OPEN_SHARDS:  # bounded: 1024 shards must not mean 1024 descriptors
-                os.close(self._fds.pop(next(iter(self._fds))))
-            fd = self._fds[shard] = os.open(self.shards[shard], os.O_RDONLY)
-        return fd
-
-    def file_stats(self) -> list[tuple[int, int]]:
-        """(size, mtime_ns) of every file (samples, or shards), for cache keys."""
-        files = self.shards if self.kind == "shards" else [self.path(i) for i in range(len(self))]
-        return [(st.st_size, st.st_mtime_ns) for st in _stat_all(files) if st is not None]  # missing: raised
 
 
 def open_catalog(spec: str) -> Catalog:
@@ -157,8 +59,6 @@ def open_catalog(spec: str) -> Catalog:
 
     Raises `DataError` with a one-line message that names the path and says what was expected.
     """
-    from .shards import SHARD_SUFFIXES, open_shards, shard_paths
-
     if "{" in spec and ".." in spec:
         return open_shards(shard_paths(spec))
     path = Path(spec).expanduser().resolve()
@@ -258,37 +158,11 @@ def _open_list(path: Path) -> Catalog:
         raise DataError(f"file list {path}: line {first} {'has no' if has[0] else 'has a'} label column, unlike "
                         f"line {line_of[0]}; give a label on every line or on none (paths with spaces: tab-separate)")
     base = path.parent
-    missing = next((k for k, st in enumerate(_stat_all([os.path.join(base, n) for n in names], missing_ok=True))
+    missing = next((k for k, st in enumerate(stat_all([os.path.join(base, n) for n in names], missing_ok=True))
                     if st is None), None)
     if missing is not None:
         raise DataError(f"file list {path}: line {line_of[missing]}: {os.path.join(base, names[missing])} "
                         "does not exist")
-    labels, classes = _label_indices(raw_labels) if all(has) else (np.full(len(names), -1, np.int64), [])
+    labels, classes = label_indices(raw_labels) if all(has) else (np.full(len(names), -1, np.int64), [])
     return Catalog("list", path, base, PackedStrings(names), labels, classes)
 
-
-def _label_indices(raw: list[Any]) -> tuple[np.ndarray, list[str]]:
-    """Class indices and class names: integers stand for themselves, names are sorted."""
-    text = [str(r) for r in raw]
-    if all(t.isdigit() for t in text):
-        values = np.asarray([int(t) for t in text], dtype=np.int64)
-        return values, [str(k) for k in range(int(values.max()) + 1)]
-    classes = sorted(set(text))
-    index = {c: k for k, c in enumerate(classes)}
-    return np.asarray([index[t] for t in text], dtype=np.int64), classes
-
-
-def _stat_all(paths: list[str], missing_ok: bool = False) -> list[os.stat_result | None]:
-    """os.stat of every path, in a thread pool (stat releases the GIL; network file systems need the overlap)."""
-    def one(p: str) -> os.stat_result | None:
-        try:
-            return os.stat(p)
-        except FileNotFoundError:
-            if missing_ok:
-                return None
-            raise DataError(f"{p} does not exist (it was there when the data was listed)") from None
-
-    if len(paths) < 256:
-        return [one(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        return list(pool.map(one, paths, chunksize=256))

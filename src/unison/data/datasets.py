@@ -13,7 +13,8 @@ Where the pieces live:
 * ``"digits"`` and ``"cifar10"``: `unison.data.builtin`;
 * folders, file lists and tar shards: `unison.data.catalog` (layouts) and
   `unison.data.memory` (decoding into memory, the cache);
-* class-balanced subsets and channel statistics: `unison.data.subsets`.
+* class-balanced subsets and channel statistics: `unison.data.subsets`;
+* the `ImageTensorDataset` value itself: `unison.data.tensor_dataset` (re-exported here).
 
 ``split`` ("train" / "val") applies to the built-in sets; for the other layouts it is
 ignored: pass the train and the val data separately.
@@ -28,51 +29,19 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-
-import torch
 
 from unison.errors import DataError
 
 from .builtin import CIFAR10_MEAN, CIFAR10_STD, load_cifar10, load_digits
+from .cache import cache_dir
 from .catalog import IMG_EXTENSIONS, open_catalog, scan_folder
-from .memory import cache_dir, load_catalog
+from .memory import load_catalog
+from .spec import BUILTIN
 from .subsets import balanced_subset
+from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["BUILTIN", "CIFAR10_MEAN", "CIFAR10_STD", "DataError", "IMG_EXTENSIONS", "ImageTensorDataset",
            "balanced_subset", "load_dataset", "scan_folder"]
-
-BUILTIN = ("digits", "cifar10")
-
-
-@dataclass
-class ImageTensorDataset:
-    images: torch.Tensor  # uint8 [N, 3, H, W], contiguous
-    labels: torch.Tensor  # int64 [N]; -1 = no label
-    classes: list[str]    # [] for unlabelled data
-    mean: tuple[float, float, float]  # per channel, [0, 1] units
-    std: tuple[float, float, float]
-    name: str
-
-    def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[1] != 3:
-            raise ValueError(f"images must be uint8 [N, 3, H, W], got {self.images.dtype} {tuple(self.images.shape)}")
-        if self.labels.shape != (self.images.shape[0],):
-            raise ValueError(f"labels must be [{self.images.shape[0]}], got {tuple(self.labels.shape)}")
-
-    def __len__(self) -> int:
-        return self.images.shape[0]
-
-    @property
-    def image_size(self) -> int:
-        return self.images.shape[-1]
-
-    @property
-    def labelled(self) -> bool:
-        return bool(self.classes)
-
-    def to(self, device: torch.device | str) -> ImageTensorDataset:
-        return dataclasses.replace(self, images=self.images.to(device), labels=self.labels.to(device))
 
 
 def load_dataset(

@@ -46,7 +46,7 @@ import torch
 from unison.errors import DataError
 
 from .augment import ViewAugmenter
-from .catalog import Catalog
+from .samples import Catalog
 
 __all__ = ["CropDecoder", "decode_centre", "open_image", "to_rgb"]
 

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from .augment import ViewAugmenter
-from .catalog import Catalog
 from .decode import CropDecoder, open_image, to_rgb
+from .samples import Catalog
 
 __all__ = ["BytesReader", "GpuCropper"]
 

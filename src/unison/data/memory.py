@@ -32,33 +32,24 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from unison.errors import DataError
 
-from .catalog import Catalog
-
-if TYPE_CHECKING:
-    from .datasets import ImageTensorDataset
-
+from .cache import cache_root
+from .samples import Catalog
 from .subsets import balanced_subset, channel_stats
+from .tensor_dataset import ImageTensorDataset
 
-__all__ = ["cache_dir", "decode_all", "decode_bytes", "load_catalog"]
+__all__ = ["decode_all", "decode_bytes", "load_catalog"]
 
 _CACHE_VERSION = 1
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("UNISON_CACHE_DIR") or Path.home() / ".cache" / "unison").expanduser()
-
-
 def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: int) -> ImageTensorDataset:
     """Every image of `catalog` (or a class-balanced `subset`) decoded into memory; see the module docstring."""
-    from .datasets import ImageTensorDataset
-
     labels = torch.from_numpy(catalog.labels)
     n = len(catalog)
     stats = catalog.file_stats()
@@ -196,12 +187,10 @@ def _reference_size(catalog: Catalog) -> tuple[int, int]:
 
 
 def _cache_file(catalog: Catalog, stats: list) -> Path | None:
-    if os.environ.get("UNISON_NO_CACHE", "") not in ("", "0"):
+    cache = cache_root(catalog.base)  # None: caching is off, or the cache would be inside the data folder
+    if cache is None:
         return None
-    cache = cache_dir().resolve()
-    root, folder = catalog.location, catalog.base
-    if cache == folder or folder in cache.parents:
-        return None  # never write into the data folder
+    root = catalog.location
     if catalog.kind == "folder":  # the key of unison <= 0.1's folder cache: existing caches stay valid
         key = [_CACHE_VERSION, str(root), catalog.names.tolist(), stats]
     else:

@@ -48,7 +48,8 @@ import numpy as np
 
 from unison.errors import DataError
 
-from .catalog import IMG_EXTENSIONS, Catalog, PackedStrings, _label_indices
+from .cache import cache_root
+from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices
 
 __all__ = ["SHARD_SUFFIXES", "index_shard", "open_shards", "shard_paths"]
 
@@ -96,7 +97,7 @@ def open_shards(paths: list[str]) -> Catalog:
         k = int(shard_of[int(np.argmax(has != has[0]))])
         raise DataError(f"tar shard {paths[k]}: some samples have a .cls label and others do not; "
                         "label every sample or none")
-    classes = _label_indices(labels.tolist())[1] if has.all() else []
+    classes = label_indices(labels.tolist())[1] if has.all() else []
     return Catalog("shards", Path(paths[0]), Path(paths[0]).parent, PackedStrings(names),
                    labels if classes else np.full(len(labels), -1, np.int64), classes, shards=list(paths),
                    shard_of=shard_of, offsets=np.concatenate([idx["offsets"] for idx in indexes]),
@@ -167,14 +168,11 @@ def _parse_label(data: bytes, path: str, member: str) -> int:
 
 def _cached_index(path: str) -> dict[str, Any]:
     """`index_shard`, from the cache when the shard is unchanged (path, size and mtime)."""
-    from .memory import cache_dir
-
     st = os.stat(path)
     digest = hashlib.sha256(repr((_INDEX_VERSION, path, st.st_size, st.st_mtime_ns)).encode()).hexdigest()[:24]
-    cache = cache_dir().resolve()
-    use_cache = os.environ.get("UNISON_NO_CACHE", "") in ("", "0") and Path(path).parent not in (cache, *cache.parents)
-    file = cache / "shard-index" / f"{Path(path).stem}-{digest}.npz"
-    if use_cache and file.is_file():
+    cache = cache_root(Path(path).parent)
+    file = (cache / "shard-index" / f"{Path(path).stem}-{digest}.npz") if cache is not None else None
+    if file is not None and file.is_file():
         try:
             with np.load(file) as z:
                 names = PackedStrings([])
@@ -183,7 +181,7 @@ def _cached_index(path: str) -> dict[str, Any]:
         except Exception:  # a partial or foreign file: index again
             pass
     index = index_shard(path)
-    if use_cache:
+    if file is not None:
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             tmp = file.with_name(f"{file.stem}.{os.getpid()}.tmp.npz")

@@ -1,6 +1,7 @@
-"""Which `BatchSource` a run reads, and the evaluation data beside it: `build_batch_source(cfg, ...)`.
+"""Which `BatchSource` a run reads, and the evaluation data beside it: `build_batch_source(spec, ...)`.
 
-``--data-mode`` (``TrainConfig.data_mode``):
+`spec` is a `DataSpec` (`unison.data.spec`), not the training configuration: ``unison train`` builds it
+with `unison.training.step.data_spec`. ``--data-mode`` (``DataSpec.data_mode``):
 
 * ``memory``: decode everything once into one uint8 tensor on the device (`InMemoryBatches`):
   the fastest path, bit-for-bit today's for the digits and CIFAR. Costs 3 x H x W bytes per
@@ -12,7 +13,11 @@
   rank, counted at the first image's size, the size the memory path stores every image at) and
   `SIZE_PROBES` evenly spaced images all have that size (the memory path would resize the others
   to it, distorting them), else ``stream``. ``digits`` and ``cifar10`` are always in memory;
-  ``--decode gpu`` streams.
+  ``--decode gpu`` streams (its combination with ``memory`` is refused by `TrainConfig.validate`).
+
+Before anything is decoded, `open_checked` lists the data and applies the size rules of
+`unison.data.spec` (``--subset`` within the data, one global batch within the images used): the
+pre-flight (`unison.training.preflight`) calls it before any worker starts, and every build here.
 
 Image size: ``--image-size``, else the data's size (memory), else the first image's shorter
 side, at most 224 (stream). Normalisation: the memory path's per-channel statistics of all
@@ -30,7 +35,7 @@ kNN evaluation needs labelled held-out data, and never scores training images:
 
 Example::
 
-    data = build_batch_source(cfg, device, "simclr")
+    data = build_batch_source(DataSpec(data="/data/photos", batch_size=256), device, "simclr")
     for epoch, indices, views in data.source.iter_from(0):
         ...
 """
@@ -50,14 +55,17 @@ from unison.errors import ConfigError, DataError
 
 from .augment import ViewAugmenter
 from .batches import BatchSource, InMemoryBatches
-from .catalog import Catalog, open_catalog
-from .datasets import BUILTIN, ImageTensorDataset, load_dataset
+from .catalog import open_catalog
+from .datasets import load_dataset
 from .decode import decode_centre, open_image
 from .memory import load_catalog
+from .samples import Catalog
+from .spec import BUILTIN, DataSpec, check_batch, check_subset
 from .subsets import balanced_subset, channel_stats
+from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
-           "build_batch_source", "choose_mode"]
+           "build_batch_source", "choose_mode", "open_checked"]
 
 MEMORY_BUDGET = 2 * 2**30
 KNN_REFERENCE = 5_000
@@ -135,19 +143,34 @@ class LazyImages:
         return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous().to(self.device)
 
 
-def choose_mode(cfg: Any, catalog: Catalog | None, n: int) -> str:
-    """"memory" or "stream" for `cfg.data` (see the module docstring)."""
+def open_checked(spec: DataSpec, role: str = "data") -> Catalog | None:
+    """The catalog of ``--data`` (`role` "data") or ``--val`` ("val"), None for a built-in set, after the size rules.
+
+    ``--subset`` / ``--val-subset`` must fit the listed images, and the training images used must fill one
+    global batch. The pre-flight and `build_batch_source` both call this, so they fail with the same words.
+    """
+    where, subset = (spec.data, spec.subset) if role == "data" else (spec.val, spec.val_subset)
+    if where is None or where in BUILTIN:
+        return None
+    catalog = open_catalog(where)
+    n = len(catalog)
+    check_subset(f"--{role} {where}", n, subset)
+    if role == "data":
+        check_batch(f"--{role} {where}", min(n, subset or n), spec.batch_size)
+    return catalog
+
+
+def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
+    """"memory" or "stream" for `spec.data` (see the module docstring)."""
     if catalog is None:  # digits / cifar10
-        if cfg.data_mode == "stream" or cfg.decode == "gpu":
-            raise ConfigError(f"--data {cfg.data} is built in and always held in memory; --data-mode stream and "
+        if spec.data_mode == "stream" or spec.decode == "gpu":
+            raise ConfigError(f"--data {spec.data} is built in and always held in memory; --data-mode stream and "
                               "--decode gpu are for folders, file lists and shards")
         return "memory"
-    if cfg.decode == "gpu":
-        if cfg.data_mode == "memory":
-            raise ConfigError("--decode gpu decodes streamed batches; it does not combine with --data-mode memory")
+    if spec.decode == "gpu":  # with --data-mode memory refused by TrainConfig.validate
         return "stream"
-    if cfg.data_mode != "auto":
-        return cfg.data_mode
+    if spec.data_mode != "auto":
+        return spec.data_mode
     h, w = _first_size(catalog)
     if n * 3 * h * w > MEMORY_BUDGET:
         return "stream"
@@ -155,77 +178,74 @@ def choose_mode(cfg: Any, catalog: Catalog | None, n: int) -> str:
     return "memory" if all(_size_or_none(catalog, int(i)) in ((h, w), None) for i in probes) else "stream"
 
 
-def build_batch_source(cfg: Any, device: torch.device, augmentation: str, *,
+def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, *,
                        train_set: ImageTensorDataset | None = None,
                        val_set: ImageTensorDataset | None = None) -> TrainData:
-    """The `BatchSource` of `cfg.data` (or of the given in-memory `train_set`), its augmenter and kNN sets."""
-    catalog = None
-    if train_set is None and cfg.data not in BUILTIN:
-        catalog = open_catalog(cfg.data)
-        n = len(catalog)
-        if cfg.subset is not None and cfg.subset > n:
-            raise DataError(f"--data {cfg.data} has {n} images, fewer than --subset {cfg.subset}")
-    mode = "memory" if train_set is not None else choose_mode(cfg, catalog, cfg.subset or (len(catalog) if catalog
-                                                                                             else 0))
+    """The `BatchSource` of `spec.data` (or of the given in-memory `train_set`), its augmenter and kNN sets."""
+    if train_set is not None:
+        return _memory(spec, device, augmentation, None, train_set, val_set)
+    catalog = open_checked(spec)
+    mode = choose_mode(spec, catalog, spec.subset or (len(catalog) if catalog else 0))
     if mode == "memory":
-        return _memory(cfg, device, augmentation, catalog, train_set, val_set)
+        return _memory(spec, device, augmentation, catalog, None, None)
     assert catalog is not None
-    return _stream(cfg, device, augmentation, catalog)
+    return _stream(spec, device, augmentation, catalog)
 
 
-def _memory(cfg: Any, device: torch.device, augmentation: str, catalog: Catalog | None,
+def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog | None,
             train_set: ImageTensorDataset | None, val_set: ImageTensorDataset | None) -> TrainData:
     knn_skipped = None
     if train_set is None:
         if catalog is None:
-            train_set = load_dataset(cfg.data, "train", subset=cfg.subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
+            train_set = load_dataset(spec.data, "train", subset=spec.subset, on_corrupt=spec.on_corrupt,
+                                     seed=spec.seed)
         else:
-            train_set = load_catalog(catalog, cfg.subset, cfg.on_corrupt, cfg.seed)
-        val_set, knn_skipped = _memory_val(cfg, train_set)
+            train_set = load_catalog(catalog, spec.subset, spec.on_corrupt, spec.seed)
+        val_set, knn_skipped = _memory_val(spec, train_set)
         train_set, val_set = train_set.to(device), val_set.to(device) if val_set is not None else None
     elif val_set is None:
         knn_skipped = "no held-out data was given"
-    if len(train_set) < cfg.batch_size:
-        raise DataError(f"the training set has {len(train_set)} images, fewer than one global batch "
-                        f"({cfg.batch_size}); lower --batch-size")
-    image_size = cfg.image_size or train_set.image_size
+    image_size = spec.image_size or train_set.image_size
     augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std)
+    source = InMemoryBatches(train_set, augment, spec.batch_size, spec.seed)   # checks one batch fits
     knn = None
     if val_set is not None:
         knn = KnnSets(train_set.images, train_set.labels, val_set.images, val_set.labels, len(train_set.classes))
-    return TrainData(InMemoryBatches(train_set, augment, cfg.batch_size, cfg.seed), augment, "memory", image_size,
-                     train_set.mean, train_set.std, len(train_set), train_set, val_set, knn, knn_skipped)
+    return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
+                     train_set, val_set, knn, knn_skipped)
 
 
-def _memory_val(cfg: Any, train_set: ImageTensorDataset) -> tuple[ImageTensorDataset | None, str | None]:
+def _memory_val(spec: DataSpec, train_set: ImageTensorDataset) -> tuple[ImageTensorDataset | None, str | None]:
     """The held-out set for kNN of in-memory training data, or None and the reason."""
-    if cfg.data in BUILTIN and cfg.val is None:
-        return load_dataset(cfg.data, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed), None
+    if spec.data in BUILTIN and spec.val is None:
+        return load_dataset(spec.data, "val", subset=spec.val_subset, on_corrupt=spec.on_corrupt,
+                            seed=spec.seed), None
     if not train_set.labelled:
-        return None, f"the training data {cfg.data} has no labels"
-    if cfg.val is None:
+        return None, f"the training data {spec.data} has no labels"
+    if spec.val is None:
         return None, "no --val held-out data was given (kNN never scores the training images)"
-    val = load_dataset(cfg.val, "val", subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
-    return _check_val_labels(cfg, train_set.classes, val.classes, val)
+    val = load_dataset(spec.val, "val", subset=spec.val_subset, on_corrupt=spec.on_corrupt, seed=spec.seed)
+    return _check_val_labels(spec, train_set.classes, val.classes, val)
 
 
-def _check_val_labels(cfg: Any, train_classes: list[str], val_classes: list[str], val: Any) -> tuple[Any, str | None]:
+def _check_val_labels(spec: DataSpec, train_classes: list[str], val_classes: list[str],
+                      val: Any) -> tuple[Any, str | None]:
     if not val_classes:
-        return None, f"the held-out data {cfg.val} has no labels"
+        return None, f"the held-out data {spec.val} has no labels"
     if val_classes != train_classes:
-        raise DataError(f"--val {cfg.val} has classes {val_classes[:4]}... but --data {cfg.data} has "
+        raise DataError(f"--val {spec.val} has classes {val_classes[:4]}... but --data {spec.data} has "
                         f"{train_classes[:4]}...; give held-out data labelled like the training data")
     return val, None
 
 
-def _stream(cfg: Any, device: torch.device, augmentation: str, catalog: Catalog) -> TrainData:
+def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog) -> TrainData:
     from .stream import StreamingBatches, default_loader_workers
 
     positions = None
-    if cfg.subset is not None:
-        positions = balanced_subset(torch.from_numpy(catalog.labels), cfg.subset, cfg.seed).numpy()
+    if spec.subset is not None:
+        positions = balanced_subset(torch.from_numpy(catalog.labels), spec.subset, spec.seed).numpy()
     n = len(positions) if positions is not None else len(catalog)
-    image_size = cfg.image_size or min(STREAM_MAX_DEFAULT_SIZE, min(_first_size(catalog)))
+    image_size = spec.image_size or min(STREAM_MAX_DEFAULT_SIZE, min(_first_size(catalog)))
     pick = positions if positions is not None else np.arange(len(catalog))
     sample = pick[np.linspace(0, n - 1, min(n, STATS_IMAGES)).round().astype(np.int64)]
     stats_images = LazyImages(catalog, sample, image_size, torch.device("cpu"), "skip")
@@ -233,33 +253,33 @@ def _stream(cfg: Any, device: torch.device, augmentation: str, catalog: Catalog)
         warnings.simplefilter("ignore")
         mean, std = channel_stats(stats_images.decode())
     augment = ViewAugmenter(augmentation, image_size, mean, std)
-    workers = cfg.loader_workers if cfg.loader_workers is not None else default_loader_workers(
-        cfg.distributed.world_size)
-    source = StreamingBatches(catalog, augment, cfg.batch_size, cfg.seed, device=device, loader_workers=workers,
-                              on_corrupt=cfg.on_corrupt, positions=positions, decode=cfg.decode)
-    knn, knn_skipped = _stream_knn(cfg, catalog, pick, image_size, device)
+    workers = spec.loader_workers if spec.loader_workers is not None else default_loader_workers(
+        spec.world_size)
+    source = StreamingBatches(catalog, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
+                              on_corrupt=spec.on_corrupt, positions=positions, decode=spec.decode)
+    knn, knn_skipped = _stream_knn(spec, catalog, pick, image_size, device)
     return TrainData(source, augment, "stream", image_size, mean, std, n, None, None, knn, knn_skipped)
 
 
-def _stream_knn(cfg: Any, catalog: Catalog, pick: np.ndarray, size: int,
+def _stream_knn(spec: DataSpec, catalog: Catalog, pick: np.ndarray, size: int,
                 device: torch.device) -> tuple[KnnSets | None, str | None]:
     if not catalog.labelled:
-        return None, f"the training data {cfg.data} has no labels"
-    if cfg.val is None:
+        return None, f"the training data {spec.data} has no labels"
+    if spec.val is None:
         return None, "no --val held-out data was given (kNN never scores the training images)"
-    val = open_catalog(cfg.val) if cfg.val not in BUILTIN else None
+    val = open_catalog(spec.val) if spec.val not in BUILTIN else None
     if val is None:
-        return None, f"--val {cfg.val} is a built-in set; give held-out data in the training data's layout"
-    checked, why = _check_val_labels(cfg, catalog.classes, val.classes, val)
+        return None, f"--val {spec.val} is a built-in set; give held-out data in the training data's layout"
+    checked, why = _check_val_labels(spec, catalog.classes, val.classes, val)
     if checked is None:
         return None, why
     labels = torch.from_numpy(catalog.labels[pick])
-    ref = pick[balanced_subset(labels, min(len(pick), KNN_REFERENCE), cfg.seed).numpy()]
-    n_query = min(len(val), cfg.val_subset or KNN_QUERIES)
-    query = balanced_subset(torch.from_numpy(val.labels), n_query, cfg.seed).numpy()
-    return KnnSets(LazyImages(catalog, ref, size, device, cfg.on_corrupt),
+    ref = pick[balanced_subset(labels, min(len(pick), KNN_REFERENCE), spec.seed).numpy()]
+    n_query = min(len(val), spec.val_subset or KNN_QUERIES)
+    query = balanced_subset(torch.from_numpy(val.labels), n_query, spec.seed).numpy()
+    return KnnSets(LazyImages(catalog, ref, size, device, spec.on_corrupt),
                    torch.from_numpy(catalog.labels[ref]).to(device),
-                   LazyImages(val, query, size, device, cfg.on_corrupt),
+                   LazyImages(val, query, size, device, spec.on_corrupt),
                    torch.from_numpy(val.labels[query]).to(device), len(catalog.classes)), None
 
 

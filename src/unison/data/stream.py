@@ -1,8 +1,8 @@
 """The streaming `BatchSource`: each rank reads and decodes only its own slice of every global batch.
 
 For data that does not fit in memory (ImageNet-scale folders, file lists, tar shards).
-The global order is the in-memory path's: epoch e's global batches are
-``global_batches(n, B, e, seed)``; rank r takes its contiguous slice (`local_slice`).
+The global order is the in-memory path's (`unison.data.batches.EpochOrder`): epoch e's global
+batches are ``global_batches(n, B, e, seed)``; rank r takes its contiguous slice (`local_slice`).
 That slice — ``(epoch, [sample indices])``, one *job* — is what the loader decodes:
 
 * a `torch.utils.data.DataLoader` over this rank's jobs (``batch_size=None``: one job is
@@ -47,13 +47,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from unison.distributed.collectives import local_slice
 from unison.errors import DataError
-from unison.rng import global_batches
 
 from .augment import ViewAugmenter
-from .catalog import Catalog
+from .batches import EpochOrder
 from .decode import CropDecoder
+from .samples import Catalog
 
 __all__ = ["StreamingBatches", "default_loader_workers"]
 
@@ -69,18 +68,14 @@ def default_loader_workers(world_size_on_node: int) -> int:
 
 
 class _RankJobs:
-    """This rank's jobs ``(epoch, [indices])`` from global batch `start` on, forever."""
+    """This rank's jobs ``(epoch, [indices])`` from global batch `start` on, forever (the DataLoader's sampler)."""
 
-    def __init__(self, n: int, global_batch: int, seed: int, start: int, rows: slice):
-        self.n, self.global_batch, self.seed, self.start, self.rows = n, global_batch, seed, start, rows
+    def __init__(self, order: EpochOrder, start: int):
+        self.order, self.start = order, start
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
-        per_epoch = self.n // self.global_batch
-        epoch, first = divmod(self.start, per_epoch)
-        while True:
-            for batch in global_batches(self.n, self.global_batch, epoch, self.seed)[first:]:
-                yield epoch, batch[self.rows].tolist()
-            epoch, first = epoch + 1, 0
+        for epoch, rows in self.order.iter_from(self.start):
+            yield epoch, rows.tolist()
 
 
 class _JobDataset(torch.utils.data.Dataset):
@@ -104,17 +99,14 @@ class StreamingBatches:
                  device: torch.device, loader_workers: int = 0, on_corrupt: str = "skip",
                  positions: np.ndarray | None = None, decode: str = "cpu", prefetch: int = 2):
         n = len(positions) if positions is not None else len(catalog)
-        if n < global_batch:
-            raise DataError(f"{catalog.location} has {n} images, fewer than one global batch ({global_batch}); "
-                            "lower --batch-size")
+        self.order = EpochOrder(n, global_batch, seed, str(catalog.location))
         if augment.params["rotation"] > 0:
             raise DataError(f"the augmentation preset {augment.preset!r} rotates, which streamed data does not "
                             "support; use --data-mode memory or another preset")
         self.catalog, self.augment, self.global_batch, self.seed = catalog, augment, global_batch, seed
         self.device, self.loader_workers, self.prefetch, self.decode_on = device, loader_workers, prefetch, decode
         self.n = n
-        self.batches_per_epoch = n // global_batch
-        self.rows = local_slice(global_batch)
+        self.batches_per_epoch = self.order.batches_per_epoch
         if decode == "gpu":
             from .gpu_decode import BytesReader, GpuCropper
 
@@ -128,7 +120,7 @@ class StreamingBatches:
 
     def loader(self, batch_number: int) -> torch.utils.data.DataLoader:
         """The DataLoader of this rank's jobs from global batch `batch_number` on (what `iter_from` reads)."""
-        jobs = _RankJobs(self.n, self.global_batch, self.seed, batch_number, self.rows)
+        jobs = _RankJobs(self.order, batch_number)
         workers = self.loader_workers
         return torch.utils.data.DataLoader(
             _JobDataset(self.decoder), sampler=jobs, batch_size=None, collate_fn=_as_is, num_workers=workers,

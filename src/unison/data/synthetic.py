@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .datasets import ImageTensorDataset
+from .tensor_dataset import ImageTensorDataset
 
 
 def synthetic_dataset(n: int, image_size: int, seed: int = 0) -> ImageTensorDataset:

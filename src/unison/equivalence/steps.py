@@ -37,7 +37,7 @@ from .compare import max_rel_difference
 
 if TYPE_CHECKING:   # annotations only; the functions below import them when called
     from unison.config import TrainConfig
-    from unison.data.datasets import ImageTensorDataset
+    from unison.data.tensor_dataset import ImageTensorDataset
 
 TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
 

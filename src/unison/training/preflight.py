@@ -2,10 +2,10 @@
 
 `preflight(cfg)` runs before any worker starts (`unison.train` calls it, after `TrainConfig.validate`,
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
-against subset and batch), the checkpoint to resume (exists, intact, safe, same method) and the run
-directory. Image decoding and
-model shapes are checked by the workers, whose errors still reach the user as one line
-naming the rank.
+against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
+calls too), the checkpoint to resume (exists, intact, safe, same method) and the run directory.
+Image decoding and model shapes are checked by the workers, whose errors still reach the user as
+one line naming the rank.
 """
 
 from __future__ import annotations
@@ -15,27 +15,21 @@ import warnings
 from pathlib import Path
 
 from unison.config import TrainConfig
-from unison.data.catalog import open_catalog
+from unison.data.source import open_checked
 from unison.distributed.env import restart_reason
-from unison.errors import ConfigError, DataError
+from unison.errors import ConfigError
 from unison.training.checkpoint import latest_checkpoint, load_checkpoint
 from unison.training.runlog import append_run_log
+from unison.training.step import data_spec
 
 
 def preflight(cfg: TrainConfig, launched: bool) -> None:
     """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on."""
-    for flag, spec, subset in (("--data", cfg.data, cfg.subset), ("--val", cfg.val, cfg.val_subset)):
-        if spec is None or spec in ("digits", "cifar10"):
-            continue
+    spec = data_spec(cfg)
+    for role in ("data", "val"):   # the rules every build applies (`open_checked`), before W workers start
         with warnings.catch_warnings():  # the workers repeat the scan and its warnings
             warnings.simplefilter("ignore")
-            n = len(open_catalog(spec))
-        if subset is not None and subset > n:
-            raise DataError(f"{flag} {spec} has {n} images, fewer than --subset/--val-subset {subset}; "
-                            "lower it or leave it unset")
-        if flag == "--data" and min(n, subset or n) < cfg.batch_size:
-            raise DataError(f"{flag} {spec} has {min(n, subset or n)} images, fewer than one "
-                            f"global batch ({cfg.batch_size}); lower --batch-size")
+            open_checked(spec, role)
     out = Path(cfg.out)
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         load_checkpoint(cfg.resume, expect_method=cfg.method)

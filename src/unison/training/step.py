@@ -40,8 +40,9 @@ import torch.nn as nn
 from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource
-from unison.data.datasets import ImageTensorDataset
 from unison.data.source import TrainData, build_batch_source
+from unison.data.spec import DataSpec
+from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
@@ -155,6 +156,14 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     return method.to(device, dtype)
 
 
+def data_spec(cfg: TrainConfig) -> DataSpec:
+    """What the data side reads of `cfg` (`unison.data` never sees the training configuration)."""
+    return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
+                    val_subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, data_mode=cfg.data_mode, decode=cfg.decode,
+                    loader_workers=cfg.loader_workers, image_size=cfg.image_size,
+                    world_size=cfg.distributed.world_size)
+
+
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
               val_set: ImageTensorDataset | None = None, metered_comm: bool = False) -> Run:
     """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
@@ -163,7 +172,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     initialised (one process: backend local)."""
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
-    data = build_batch_source(cfg, device, recipe.augmentation, train_set=train_set, val_set=val_set)
+    data = build_batch_source(data_spec(cfg), device, recipe.augmentation, train_set=train_set, val_set=val_set)
     image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)

@@ -1,0 +1,65 @@
+"""`DataSpec`: what the data side of a run needs to know, and the rules on data sizes, each written once.
+
+The data package never sees the training configuration: `unison.training.step.data_spec(cfg)`
+copies the dozen fields it reads into this frozen value, and everything in `unison.data` that builds
+a run's data (`unison.data.source.build_batch_source`, `choose_mode`) takes it.
+
+The size rules live here, one function each, so every path states them with the same words:
+
+* `check_subset`: ``--subset`` / ``--val-subset`` within the listed images of a folder, file
+  list or shards;
+* `check_batch`: one global batch within the training images.
+
+Both are applied to listed data by `unison.data.source.open_checked`, which the pre-flight (before
+any worker starts) and every build of listed data call; `check_batch` also guards the images a batch
+source actually holds (`unison.data.batches.EpochOrder`, under every source: built-in sets, images
+skipped as unreadable, sets given directly by `unison check` and the benchmarks).
+(`unison.data.subsets.balanced_subset` keeps its own argument check, worded for the API: the
+built-in sets, whose size is known only once loaded, reach it.)
+
+Example::
+
+    spec = DataSpec(data="/data/photos", batch_size=256, subset=5000, data_mode="stream")
+    check_batch(f"--data {spec.data}", 5000, spec.batch_size)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unison.errors import DataError
+
+__all__ = ["BUILTIN", "DataSpec", "check_batch", "check_subset"]
+
+BUILTIN = ("digits", "cifar10")   # held in memory always; no catalog to list
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The data of one run; the defaults are `TrainConfig`'s (``world_size`` aside)."""
+
+    data: str = "digits"               # "digits", "cifar10", a folder, a file list or tar shards
+    batch_size: int = 256              # the GLOBAL batch
+    seed: int = 0                      # subsets, data order, augmentation
+    val: str | None = None             # held-out data for kNN
+    subset: int | None = None          # class-balanced subset of the training data
+    val_subset: int | None = None      # ... of the held-out data
+    on_corrupt: str = "skip"           # unreadable images: "skip" or "error"
+    data_mode: str = "auto"            # "auto", "memory" or "stream"
+    decode: str = "cpu"                # "cpu" or "gpu" (streamed JPEGs decoded on the GPU)
+    loader_workers: int | None = None  # loader processes per rank; None: from the cores per rank
+    image_size: int | None = None      # training crop size; None: from the data
+    world_size: int = 1                # ranks sharing this machine's cores (default loader_workers)
+
+
+def check_subset(what: str, n: int, subset: int | None) -> None:
+    """DataError when `subset` asks for more than the `n` images of `what` (``"--data <spec>"``)."""
+    if subset is not None and subset > n:
+        raise DataError(f"{what} has {n} images, fewer than --subset/--val-subset {subset}; "
+                        "lower it or leave it unset")
+
+
+def check_batch(what: str, n: int, global_batch: int) -> None:
+    """DataError when the `n` training images of `what` cannot fill one global batch (training would do nothing)."""
+    if n < global_batch:
+        raise DataError(f"{what} has {n} images, fewer than one global batch ({global_batch}); lower --batch-size")
