@@ -2,8 +2,8 @@
 
 `preflight(cfg)` runs before any worker starts (`unison.train` calls it, after `TrainConfig.validate`,
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
-against subset and batch), the checkpoint to resume (exists, intact, safe, same method) and the run
-directory. Image decoding and
+against subset and batch), the checkpoint to resume (exists, intact, safe, same method: its header only,
+the weights are read once, by the workers) and the run directory. Image decoding and
 model shapes are checked by the workers, whose errors still reach the user as one line
 naming the rank.
 """
@@ -18,7 +18,7 @@ from unison.config import TrainConfig
 from unison.data.catalog import open_catalog
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, DataError
-from unison.training.checkpoint import latest_checkpoint, load_checkpoint
+from unison.training.checkpoint import latest_checkpoint, read_header
 from unison.training.runlog import append_run_log
 
 
@@ -38,7 +38,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
                             f"global batch ({cfg.batch_size}); lower --batch-size")
     out = Path(cfg.out)
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
-        load_checkpoint(cfg.resume, expect_method=cfg.method)
+        read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state, once
     elif not launched and restart_reason() is None and latest_checkpoint(out):
         warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
                    f"use --resume {out} (or --resume auto) to continue it")
