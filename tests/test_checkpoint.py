@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from unison.errors import CheckpointError
 from unison.training.checkpoint import (
-    CheckpointError,
     check_compatible,
     latest_checkpoint,
     list_checkpoints,

@@ -14,9 +14,15 @@ import torch
 
 from unison.equivalence import assert_states_close
 from unison.errors import CheckpointError
-from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from unison.training.checkpointer import Checkpointer, snapshot
-from unison.training.extra_state import ExtraState
+from unison.training.checkpoint import (
+    Checkpointer,
+    ExtraState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    snapshot,
+)
 
 
 def _state(step: int, payload: torch.Tensor | None = None, **extra) -> dict:

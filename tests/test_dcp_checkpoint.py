@@ -130,7 +130,7 @@ def test_metadata_with_code_is_refused_not_executed(full_run, tmp_path):
 
 @pytest.mark.distributed
 def test_metadata_naming_files_outside_the_checkpoint_is_refused(full_run, tmp_path):
-    from unison.training.dcp_checkpoint import read_metadata_safely
+    from unison.training.checkpoint import read_metadata_safely
 
     copy = _copy_checkpoint(full_run, tmp_path)
     metadata = read_metadata_safely(copy)
@@ -144,7 +144,7 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(full_run, tmp_p
 def test_non_tensor_entries_with_code_are_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from unison.training.dcp_checkpoint import load_safely
+    from unison.training.checkpoint import load_safely
 
     marker = tmp_path / "pwned"
     dcp.save({"w": torch.ones(3), "lr": 0.5, "hyper": _Payload(marker)}, checkpoint_id=tmp_path / "ckpt",
@@ -162,7 +162,7 @@ def test_non_tensor_entries_with_code_are_refused(tmp_path):
 @pytest.mark.distributed
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """A save interrupted after the shards are written, before the rename: latest stays the previous one."""
-    import unison.training.dcp_checkpoint as dcp_checkpoint
+    import unison.training.checkpoint.dcp as dcp_checkpoint
 
     run = tmp_path / "run"
     common = ["train", *TINY, "--method", "moco", "--param", "queue_size=64", "--world-size", "1", "--shard",
@@ -190,7 +190,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 _WRITER = """
 import sys, types, torch
 from unison.config import TrainConfig
-from unison.training.dcp_checkpoint import save_sharded
+from unison.training.checkpoint import save_sharded
 model = torch.nn.Linear(2000, 2000)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 model(torch.ones(1, 2000)).sum().backward(); opt.step()

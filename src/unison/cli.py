@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import os
 import signal
@@ -82,11 +83,17 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def _resume_base(resume: str) -> dict[str, Any]:
-    from unison.training.checkpoint import load_checkpoint
+def _config_file(ns: argparse.Namespace) -> dict[str, Any]:
+    """The ``--config`` file's mapping: read once per command (kept on `ns`), a fresh copy for every caller."""
+    if getattr(ns, "config_file_data", (None,))[0] != ns.config:
+        ns.config_file_data = (ns.config, _load_yaml(ns.config))
+    return copy.deepcopy(ns.config_file_data[1])
 
-    ckpt = load_checkpoint(resume)
-    return dict(ckpt["config"])
+
+def _resume_base(resume: str) -> dict[str, Any]:
+    from unison.training.checkpoint import read_header
+
+    return dict(read_header(resume).config)   # the header only: the worker reads the weights, once
 
 
 def build_train_config(ns: argparse.Namespace) -> TrainConfig:
@@ -100,7 +107,7 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:
         if Path(resume).is_dir():
             base["out"] = str(resume)
     if ns.config:
-        file_cfg = _load_yaml(ns.config)
+        file_cfg = _config_file(ns)
         dist_file = file_cfg.pop("distributed", None) or {}
         base.update(file_cfg)
         base["distributed"] = {**base.get("distributed", {}), **dist_file}
@@ -154,7 +161,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
         from unison.config import TrainConfig
 
-        _check_config_types(_load_yaml(ns.config), TrainConfig, f"config file {ns.config}: ")
+        _check_config_types(_config_file(ns), TrainConfig, f"config file {ns.config}: ")
     if getattr(ns, "resume", None) == "auto":  # --resume auto: continue the run in --out if it has a checkpoint
         ns.resume = None
         out = build_train_config(ns).out
@@ -225,7 +232,7 @@ def _explicit_world_size(ns: argparse.Namespace) -> int | None:
     if getattr(ns, "world_size", None) is not None:
         return ns.world_size
     if getattr(ns, "config", None):
-        dist = _load_yaml(ns.config).get("distributed") or {}
+        dist = _config_file(ns).get("distributed") or {}
         if isinstance(dist, dict) and dist.get("world_size") is not None:
             from unison.config.fields import coerce_value
 

@@ -53,6 +53,10 @@ class CheckpointError(UnisonError, RuntimeError):
     exit_code = 4
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is truncated or damaged: a run directory falls back to an earlier checkpoint."""
+
+
 class NonFiniteLossError(UnisonError, FloatingPointError):
     """The loss became NaN or infinite; the last checkpoint is intact."""
 

@@ -16,7 +16,7 @@ bucket layout the current process has. The per-tensor maths of PowerSGD does not
 tensors are bucketed, so a resumed run computes exactly what the uninterrupted one does.
 
 Error feedback is this rank's own residual: the component is registered ``per_rank`` (see
-`unison.training.extra_state`); resuming at another world size starts it fresh.
+`unison.training.checkpoint.extra_state`); resuming at another world size starts it fresh.
 
 Example::
 

@@ -18,8 +18,8 @@ from unison.config import TrainConfig
 from unison.errors import ConfigError
 from unison.methods.base import SSLMethod
 from unison.models.backbones import resolve_backbone
+from unison.training.checkpoint import check_compatible, load_checkpoint
 
-from .checkpoint import check_compatible, load_checkpoint
 from .step import build_method
 
 

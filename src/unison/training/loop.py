@@ -42,15 +42,7 @@ from unison.distributed.signals import install_stop_handlers, restore_default_ha
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
 from unison.eval.knn import knn_accuracy
-from unison.training.checkpoint import (
-    check_compatible,
-    latest_checkpoint,
-    load_checkpoint,
-    pack_rng_state,
-    restore_rng_state,
-)
-from unison.training.checkpointer import Checkpointer
-from unison.training.dcp_checkpoint import resume_sharded, resumes_sharded, save_sharded
+from unison.training.checkpoint import Checkpointer, latest_checkpoint, resume_run, save_run_checkpoint
 from unison.training.faults import FaultHook
 from unison.training.metrics import MetricsLogger, progress_bar
 from unison.training.preemption import StopAgreement, preempted, save_failed_elsewhere
@@ -147,43 +139,6 @@ class DataWaitWarning:
               f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
 
 
-def save_run_checkpoint(run: Run, checkpointer: Checkpointer, step: int, history: dict[str, Any]) -> None:
-    """Every rank takes part (sharded optimizer state, RNG states and per-rank extra state are collected);
-    rank 0 writes, in the background when the checkpointer is asynchronous (it waits for a snapshot only).
-    How long the step loop was held up is appended to ``checkpointer.wait_s``. Under ``--shard full`` every
-    rank writes its own shards with torch.distributed.checkpoint (synchronously)."""
-    started = time.perf_counter()
-    if run.cfg.distributed.shard == "full":
-        save_sharded(run, checkpointer.run_dir, step, history)
-        checkpointer.wait_s.append(time.perf_counter() - started)
-        return
-    optim_state = run.optimizer.state_dict()   # collective when sharded: every rank calls it
-    rng_states = C.all_gather_object(pack_rng_state())
-    extra = run.extra_state.collect()          # GradScaler, PowerSGD error feedback, ... (may be collective)
-    if C.rank() == 0:
-        state = {"method": run.cfg.method, "config": run.cfg.to_dict(), "resolved": run.resolved,
-                 "model": run.method.state_dict(), "optimizer": optim_state, "step": step,
-                 "world_size": C.world_size(), "rng": rng_states, "history": history, "extra": extra}
-        checkpointer.save(state, step)
-    C.barrier()
-    checkpointer.wait_s.append(time.perf_counter() - started)
-
-
-def resume(run: Run, path: str) -> tuple[int, dict[str, Any]]:
-    """Load model, optimizer, extra state and (at the same world size) RNG state; return (step, history)."""
-    if resumes_sharded(run, path):   # a sharded run, or a sharded run's checkpoint: any world size, any --shard
-        return resume_sharded(run, path)
-    ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
-    check_compatible(run.method, ckpt["model"])
-    run.method.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.extra_state.restore(ckpt.get("extra"))
-    rank, world = C.rank(), C.world_size()
-    if ckpt.get("rng") is not None and world == ckpt.get("world_size"):
-        restore_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
-    return int(ckpt["step"]), dict(ckpt.get("history") or {})
-
-
 def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
     """Restarted by torchrun --max-restarts or requeued by SLURM: continue from the run directory's last checkpoint."""
     reason = restart_reason()
@@ -254,7 +209,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, faults: Faul
     # ---- resume, or record the random-initialisation baseline
     runlog = RunLog(run_dir, enabled=master)
     _resume_after_restart(cfg, run_dir)
-    step, history = resume(run, cfg.resume) if cfg.resume else (0, {})
+    step, history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
     runlog.line(start_line(run, world, step))
     if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:   # never a trained encoder
         with watch.phase("eval", step):

@@ -54,7 +54,7 @@ from unison.optim import build_optimizer, constructor_args
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
 from unison.parallel.zero import ShardedOptimizer
-from unison.training.extra_state import ExtraState
+from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.resolve import resolve_recipe
 
 

@@ -3,7 +3,8 @@
 A `Run` holds an `ExtraState`: a registry of named components, each an object with
 ``state_dict() -> dict`` and ``load_state_dict(dict)`` (torch's ``Stateful`` protocol). What
 changes training after a resume and is neither a parameter, a buffer nor optimizer state
-registers here, and `save_run_checkpoint` / `resume` carry it without further changes:
+registers here, and `save_run_checkpoint` / `resume_run` carry it (``.pt`` and ``.dcp`` checkpoints
+alike) without further changes:
 
     run.extra_state.register("grad_scaler", run.scaler)                   # fp16 loss scale (same on every rank)
     run.extra_state.register("powersgd", powersgd, per_rank=True)         # error feedback differs per rank

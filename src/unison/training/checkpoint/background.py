@@ -10,9 +10,9 @@ docs/reliability.md reports).
 
 Why a thread of our own and not ``torch.distributed.checkpoint.async_save``: DCP writes a
 directory of shards in its own format; unison's checkpoint is one ``weights_only`` file with a
-header (`unison.training.checkpoint`). The write releases the GIL while it copies bytes to the
-file, so training goes on beside it. Sharded (FSDP2) state can use DCP's ``async_save`` behind
-`unison.training.extra_state`.
+header (`unison.training.checkpoint.pt`). The write releases the GIL while it copies bytes to the
+file, so training goes on beside it. Sharded (``--shard full``) runs save synchronously through DCP
+(`unison.training.checkpoint.dcp`), every rank its own shards.
 
 Failures: an error of the background save (disk full, read-only or failing filesystem) is kept
 and raised by `raise_if_failed()` (the loop polls it after every step, through the stop
@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from unison.training.checkpoint import latest_checkpoint, save_checkpoint
+from .files import latest_checkpoint
+from .pt import save_checkpoint
 
 
 class SaveAborted(BaseException):

@@ -1,0 +1,40 @@
+"""Checkpoints of training runs: crash-safe saves, safe loads, exact resumes, clear one-line errors.
+
+Two kinds share one header (`header`), one directory layout and one ``latest`` pointer (`files`):
+
+* ``step_N.pt`` (`pt`): one ``weights_only`` file, written by rank 0, in the background
+  (`background.Checkpointer`) so the step loop waits for a snapshot only;
+* ``step_N.dcp/`` (`dcp`): a ``--shard full`` run's checkpoint, every rank its own shards
+  (``torch.distributed.checkpoint``), readable at any world size and ``--shard``.
+
+Loading never runs code from a file (`safe_load`). `read_header` reads a checkpoint's method, step
+and config without its weights (the CLI and the pre-flight checks); `load_checkpoint` reads a whole
+checkpoint as a dict (`unison eval`/`export`); `resume_run` puts one into a run (the workers) and
+`save_run_checkpoint` writes one (`run_state`), with the extra state (`extra_state`) and every
+rank's RNG state (`rng_state`).
+
+Example::
+
+    header = read_header("runs/x")                       # method, step, config; no weights read
+    ckpt = load_checkpoint("runs/x", expect_method="moco")
+    check_compatible(model, ckpt["model"])
+"""
+
+from .background import Checkpointer, SaveAborted, snapshot
+from .compat import check_compatible
+from .dcp import is_sharded_checkpoint, load_consolidated, save_sharded
+from .extra_state import ExtraState, Stateful
+from .files import CHECKPOINT_DIR, LATEST, latest_checkpoint, list_checkpoints, write_failure_message
+from .header import FORMAT, VERSION, CheckpointHeader, read_header
+from .pt import load_checkpoint, save_checkpoint
+from .rng_state import pack_rng_state, restore_rng_state, restore_run_rng
+from .run_state import resume_run, resume_sharded, resumes_sharded, save_run_checkpoint
+from .safe_load import load_safely, read_metadata_safely
+
+__all__ = [
+    "CHECKPOINT_DIR", "FORMAT", "LATEST", "VERSION", "CheckpointHeader", "Checkpointer", "ExtraState", "SaveAborted",
+    "Stateful", "check_compatible", "is_sharded_checkpoint", "latest_checkpoint", "list_checkpoints",
+    "load_checkpoint", "load_consolidated", "load_safely", "pack_rng_state", "read_header", "read_metadata_safely",
+    "restore_rng_state", "restore_run_rng", "resume_run", "resume_sharded", "resumes_sharded", "save_checkpoint",
+    "save_run_checkpoint", "save_sharded", "snapshot", "write_failure_message",
+]

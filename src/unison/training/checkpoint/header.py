@@ -1,0 +1,189 @@
+"""The one header every unison checkpoint carries, its validation, and reading it without the weights.
+
+A ``.pt`` checkpoint is a dict whose first entries are the header; a ``.dcp`` directory keeps the
+same dict (without the sharded tensors) in ``unison.pt``::
+
+    {"format": "unison-checkpoint", "version": 1, "method": str, "step": int, "config": dict,
+     "extra": dict, ...}
+
+Both kinds are built by `make_header` and checked by `check_header`, so they cannot drift apart.
+Files are always read with ``torch.load(weights_only=True)``: a checkpoint holds only tensors,
+numbers, strings, bools, None, lists, tuples and dicts, and a file that would run code when
+unpickled is refused, never executed.
+
+`read_header` reads only what the CLI and the pre-flight checks need (method, step, config) of a
+checkpoint file, a ``.dcp`` directory or a run directory: a ``.pt`` file is memory-mapped so its
+tensors are not read, and of a ``.dcp`` directory only the small ``unison.pt`` is read (no model
+is built, no shard is touched).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from unison.distributed import collectives as C
+from unison.errors import CheckpointError, CorruptCheckpointError
+
+from .files import checkpoint_dir, is_checkpoint_name, resume_candidates
+from .safe_load import load_file, read_metadata_safely
+
+if TYPE_CHECKING:
+    from unison.training.step import Run
+
+T = TypeVar("T")
+
+FORMAT = "unison-checkpoint"
+VERSION = 1
+DCP_HEADER = "unison.pt"   # the header file inside a .dcp checkpoint directory
+_ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
+
+
+# ------------------------------------------------------------------ building and validating
+def make_header(state: dict[str, Any], step: int) -> dict[str, Any]:
+    """`state` with the header first (it reads first in a debugger): format, version, method, step, config, extra.
+
+    The caller's "format"/"version" are overridden; "extra" (`ExtraState.collect()`) is {} when absent."""
+    header = {"format": FORMAT, "version": VERSION, "method": state["method"], "step": step,
+              "config": state["config"], "extra": state.get("extra") or {}}
+    header.update((k, v) for k, v in state.items() if k not in header)
+    return header
+
+
+def run_header(run: Run, step: int, history: dict[str, Any], rng_states: list[Any],
+               extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The header of a training run's checkpoint, ``.pt`` or ``.dcp`` alike: `make_header` plus the resolved
+    recipe, the world size, every rank's RNG state (`rng_states`, gathered), the metric history and the
+    extra state (`ExtraState.collect()`)."""
+    return make_header({"method": run.cfg.method, "config": run.cfg.to_dict(), "extra": extra or {},
+                        "resolved": run.resolved, "world_size": C.world_size(), "rng": rng_states,
+                        "history": history}, step)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """Raise unless `obj` holds only types that `torch.load(weights_only=True)` rebuilds."""
+    if isinstance(obj, torch.Tensor) or obj is None or type(obj) in (bool, int, float, str):
+        return
+    if type(obj) in (dict, OrderedDict):
+        for k, v in obj.items():
+            if not (k is None or type(k) in (bool, int, float, str)):
+                raise CheckpointError(
+                    f"{where} has a key of type {type(k).__module__}.{type(k).__qualname__}; "
+                    "checkpoint dict keys must be strings or numbers")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    # Caught here rather than at resume time, when the run is already lost.
+    raise CheckpointError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint holds only "
+        f"{_ALLOWED} (convert it, e.g. with float(), .tolist(), torch.as_tensor() or .to_dict())")
+
+
+def validate_state(state: Any, step: Any, keep: Any) -> None:
+    """Raise `CheckpointError` unless `state` can be saved as a checkpoint of `step` (keeping `keep`)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if type(keep) is not int or keep < 1:
+        raise CheckpointError(f"keep must be an int >= 1 (checkpoints to keep), got {keep!r}")
+    if not isinstance(state.get("method"), str) or not state["method"]:
+        raise CheckpointError("state['method'] must be the method name (a non-empty str), e.g. 'moco'")
+    if type(state.get("config")) not in (dict, OrderedDict):
+        got = type(state["config"]).__name__ if "config" in state else "nothing"
+        raise CheckpointError(f"state['config'] must be a plain dict (e.g. cfg.to_dict()), got {got}")
+    if "step" in state and state["step"] != step:
+        raise CheckpointError(f"state['step'] is {state['step']!r} but step={step}; drop it or make them agree")
+    _check_plain(state, "state")
+
+
+def check_header(ckpt: Any, path: Path, expect_method: str | None) -> None:
+    """Raise `CheckpointError` unless `ckpt` (read from `path`) has a valid header (and method `expect_method`)."""
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        if isinstance(ckpt, dict):
+            keys = ", ".join(str(k) for k in list(ckpt)[:4]) + (", ..." if len(ckpt) > 4 else "")
+            what = f"a dict with keys {keys}" if ckpt else "an empty dict"
+        else:
+            what = f"a {type(ckpt).__name__}"
+        raise CheckpointError(
+            f"{path} is not a unison checkpoint (it holds {what}, no '{FORMAT}' header); "
+            "pass a file written by save_checkpoint, or load raw weights with torch.load")
+    version = ckpt.get("version")
+    if type(version) is not int or version < 1:
+        raise CheckpointError(f"checkpoint {path} has an invalid format version {version!r}; the file is damaged")
+    if version > VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version}, this unison reads up to {VERSION}; upgrade unison")
+    bad = [k for k, t in (("method", str), ("step", int), ("config", dict)) if not isinstance(ckpt.get(k), t)]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} has an invalid header ({', '.join(bad)} missing or wrong type); the file is damaged")
+    if expect_method is not None and ckpt["method"] != expect_method:
+        raise CheckpointError(
+            f"checkpoint {path} was written by method '{ckpt['method']}', this run is '{expect_method}'; "
+            f"use method '{ckpt['method']}' or a new run directory")
+
+
+# ------------------------------------------------------------------ header-only read
+@dataclass(frozen=True)
+class CheckpointHeader:
+    """What a checkpoint says about itself: where it is, its method, step and the run's config."""
+
+    path: Path
+    method: str
+    step: int
+    config: dict[str, Any]
+    version: int = VERSION
+
+
+def _read_one(path: Path, expect_method: str | None) -> CheckpointHeader:
+    if path.is_dir():
+        ckpt = load_file(path / DCP_HEADER, "cpu")
+        check_header(ckpt, path, expect_method)
+        read_metadata_safely(path)   # small; vets the shards' index (safe to unpickle, files present) up front
+    else:
+        ckpt = load_file(path, "cpu", mmap=True)   # mapped: the tensors are not read
+        check_header(ckpt, path, expect_method)
+    return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]))
+
+
+def read_header(path: str | Path, *, expect_method: str | None = None) -> CheckpointHeader:
+    """The header of a checkpoint file, a ``.dcp`` directory, or the latest complete checkpoint of a run directory.
+
+    Checks it as `load_checkpoint` does (same errors, same fallback past a corrupt latest file of a
+    run directory) without reading the weights: what the CLI and the pre-flight checks need.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist; pass a checkpoint file or a run directory")
+    if not path.is_dir() or is_checkpoint_name(path):
+        return _read_one(path, expect_method)
+    return first_loadable(path, lambda candidate: _read_one(candidate, expect_method))
+
+
+def first_loadable(run_dir: Path, read: Callable[[Path], T]) -> T:
+    """`read(candidate)` of the run directory's latest checkpoint, falling back (with a warning) past corrupt ones.
+
+    Only `CorruptCheckpointError` falls back; any other error (another method, an unsafe file) is raised."""
+    candidates = resume_candidates(run_dir)
+    if not candidates:
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; nothing to resume")
+    first_error: CheckpointError | None = None
+    for i, candidate in enumerate(candidates):
+        try:
+            return read(candidate)
+        except CorruptCheckpointError as e:
+            first_error = first_error or e
+            if i + 1 < len(candidates):
+                warnings.warn(f"{e}; falling back to {candidates[i + 1].name}", RuntimeWarning, stacklevel=3)
+    assert first_error is not None
+    raise first_error

@@ -1,0 +1,186 @@
+"""Reading checkpoint files without ever running code from them, with one-line errors.
+
+* ``.pt`` files (and a ``.dcp`` directory's ``unison.pt``): ``torch.load(weights_only=True)``;
+  a file that holds Python objects which would run code when unpickled is refused.
+* DCP's ``.metadata`` is a plain pickle, and DCP loads non-tensor entries (optimizer
+  hyper-parameters) with ``torch.load(weights_only=False)``. `SafeReader` unpickles ``.metadata``
+  with an allow-list of DCP's own metadata classes (plus ``torch.Size``, dtypes, layouts, paths)
+  and checks that every shard file named in it is a plain file inside the checkpoint directory;
+  `SafeLoadPlanner` loads non-tensor entries with ``weights_only=True``; tensors are already read
+  with ``weights_only=True`` by DCP.
+
+Truncated or damaged files raise `CorruptCheckpointError`, on which a run directory falls back to
+an earlier checkpoint; anything unsafe raises `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+
+from unison.errors import CheckpointError, CorruptCheckpointError
+
+METADATA = ".metadata"   # DCP's index of which tensor slices are where
+
+
+def short_reason(e: BaseException) -> str:
+    """An exception as ``Type: first sentence`` (at most 160 characters), for one-line messages."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text.split(". ")[0]
+    return f"{type(e).__name__}: {text}"[:160] if text else type(e).__name__
+
+
+def corrupt(path: Path, e: BaseException) -> CorruptCheckpointError:
+    """The error for a truncated or damaged checkpoint (a run directory falls back to an earlier one)."""
+    return CorruptCheckpointError(
+        f"checkpoint {path} is truncated or corrupt ({short_reason(e)}); use an earlier checkpoint")
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(prefix)) == prefix
+    except OSError:
+        return False
+
+
+def load_file(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` with one-line errors. `mmap`: tensors are mapped, not read
+    (what a header read wants); only for zip files (what torch.save writes), others are read normally."""
+    try:
+        if path.stat().st_size == 0:
+            raise CorruptCheckpointError(f"checkpoint {path} is empty (0 bytes); use an earlier checkpoint")
+        mmap = mmap and _starts_with(path, b"PK")
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        found = re.search(r"GLOBAL [\w.]+", msg)
+        # A refusal when the weights-only unpickler met a global (code it would have to import
+        # and call; torch words this differently across versions) or when the file is a plain
+        # pickle that torch.save did not write. Anything else is damage.
+        if "weights only" in msg.lower() and (found or _starts_with(path, b"\x80")):
+            what = f" ({found.group(0)})" if found else ""
+            raise CheckpointError(
+                f"refusing to load {path}: it holds Python objects that could run code when unpickled{what}; "
+                f"only load checkpoints written by unison") from None
+        raise corrupt(path, e) from None
+    except OSError as e:
+        raise CheckpointError(f"could not read checkpoint {path} ({e.strerror or e})") from e
+    except Exception as e:  # RuntimeError (zip), EOFError, KeyError, ... from a damaged file
+        raise corrupt(path, e) from None
+
+
+# ------------------------------------------------------------------ DCP
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP metadata; any other global (code to import and call) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   (torch.dtype, torch.layout,
+                                                                                    torch.memory_format))):
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load the DCP metadata: it names {module}.{name}, which could run code "
+                              "when unpickled; only load checkpoints written by unison")
+
+
+def read_metadata_safely(directory: Path) -> Any:
+    """The `Metadata` of a DCP checkpoint, unpickled with the allow-list; shard files checked."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(directory / METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"could not read {directory / METADATA} ({e.strerror or e})") from e
+    except Exception as e:  # truncated or damaged pickle
+        raise corrupt(directory, e) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{directory / METADATA} is not DCP metadata; the checkpoint is damaged")
+    for info in (metadata.storage_data or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or os.path.basename(rel) != rel or rel in (".", "..") or not (directory / rel).is_file():
+            raise CheckpointError(f"{directory / METADATA} names the shard file {rel!r}, which is not a file in "
+                                  f"{directory}; the checkpoint is damaged or not unison's")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata is unpickled with the allow-list (DCP uses plain pickle)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        metadata = read_metadata_safely(Path(self.path))
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is not None and hasattr(self, "load_id"):
+            storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor entries (optimizer hyper-parameters) loaded with weights_only=True (DCP: False)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"refusing to load {read_item.dest_index.fqn} from a DCP checkpoint: it holds "
+                                  "Python objects that could run code when unpickled") from e
+        vetted = io.BytesIO()
+        torch.save(obj, vetted)   # plain data only now; DefaultLoadPlanner puts it where it belongs
+        vetted.seek(0)
+        super().load_bytes(read_item, vetted)
+
+
+def load_safely(state: dict[str, Any], directory: Path) -> None:
+    """dcp.load into `state` with `SafeReader` and `SafeLoadPlanner` (collective when a process group exists)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        try:
+            dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # DCP wraps each rank's error (a BaseException)
+            inner = _checkpoint_error_in(e)
+            if inner is not None:
+                raise inner from None
+            raise corrupt(directory, e) from None
+
+
+def _checkpoint_error_in(e: BaseException) -> CheckpointError | None:
+    """A CheckpointError raised inside DCP (it wraps each rank's failure in its own exception)."""
+    seen: list[BaseException] = [e]
+    while seen:
+        x = seen.pop()
+        if isinstance(x, CheckpointError):
+            return x
+        if isinstance(x, CheckpointException):   # {rank: (exception, traceback)}
+            seen.extend(pair[0] for pair in x.failures.values())
+        for nxt in (x.__cause__, x.__context__):
+            if nxt is not None:
+                seen.append(nxt)
+    return None
