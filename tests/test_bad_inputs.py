@@ -343,7 +343,7 @@ def test_bad_environment(case_id, env, argv, code, fragment, paths, capfd, monke
 
 def test_integral_numbers_in_scientific_notation_are_integers():
     """``--epochs 1e9`` (run by steps) and ``epochs: 1e9`` in YAML are the integer 10**9; 1e-3 is a float."""
-    from unison.cli import parse_train_args
+    from unison.cli.train_args import parse_train_args
 
     assert parse_train_args(["--epochs", "1e9", "--max-steps", "5"]).epochs == 10**9
     assert parse_train_args(["--epochs", "1_000"]).epochs == 1000

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import unison.cli
+import unison.cli.train_args
 import unison.training.checkpoint.safe_load as safe_load
 import unison.training.step
 from unison.cli import main
@@ -98,7 +98,7 @@ def test_a_resume_reads_the_full_checkpoint_once_and_the_yaml_once(tmp_path, mon
     config = tmp_path / "more.yaml"
     config.write_text("max_steps: 4\n")
 
-    real_load, real_yaml = torch.load, unison.cli._load_yaml
+    real_load, real_yaml = torch.load, unison.cli.train_args.load_yaml
     full, mapped, yaml_reads = [], [], []
 
     def counting_load(f, *args, **kwargs):
@@ -111,7 +111,7 @@ def test_a_resume_reads_the_full_checkpoint_once_and_the_yaml_once(tmp_path, mon
         return real_yaml(path)
 
     monkeypatch.setattr(torch, "load", counting_load)
-    monkeypatch.setattr(unison.cli, "_load_yaml", counting_yaml)
+    monkeypatch.setattr(unison.cli.train_args, "load_yaml", counting_yaml)
     assert main(["train", *TINY, "--resume", str(run), "--config", str(config)]) == 0
     assert full == ["step_00000002.pt"]                         # the worker's resume, once
     assert mapped == ["step_00000002.pt", "step_00000002.pt"]   # CLI and pre-flight: header only, weights mapped

@@ -58,7 +58,8 @@ def test_full_sharding_refuses_what_it_cannot_do(kwargs, fragment):
 
 
 def test_shard_optimizer_flag_is_an_alias():
-    from unison.cli import build_train_config, make_parser
+    from unison.cli import make_parser
+    from unison.cli.train_args import build_train_config
 
     assert build_train_config(make_parser().parse_args(["train", "--shard-optimizer"])).distributed.shard == "optimizer"
     assert build_train_config(make_parser().parse_args(["train", "--shard", "full"])).distributed.shard == "full"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from unison.cli import main, parse_train_args
+from unison.cli import main
+from unison.cli.train_args import parse_train_args
 
 TINY = ["--no-progress", "--batch-size", "32", "--subset", "128", "--val-subset", "32", "--knn-k", "5"]
 W1 = ["--world-size", "1", "--max-steps", "2", *TINY]

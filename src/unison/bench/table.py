@@ -102,7 +102,7 @@ def train_argv(cfg: BenchConfig, spec: RunSpec, data: str, val: str | None, run_
 def run_train(argv: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
     """Train what ``unison train ARGV`` describes, in fresh worker processes; return (summary, wall seconds)."""
     from unison.api import train
-    from unison.cli import parse_train_args
+    from unison.cli.train_args import parse_train_args
     from unison.errors import UnisonError
 
     if run_dir.exists():

@@ -1,156 +1,39 @@
-"""The `unison` command: train, check, eval, export.
+"""The `unison` command: train, check, eval, export, bench (the top layer: it dispatches, the layers below work).
 
-Options are generated from the configuration dataclasses (`TrainConfig`,
-`DistributedConfig`, `CheckSpec`), so ``--help`` shows every option with its default and
-there is no second copy of the defaults. Precedence: dataclass defaults < ``--config
-FILE.yaml`` (or the resumed run's config) < command-line flags.
+Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
+``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
+are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``,
+``export`` and ``bench`` add their own subcommands (`SUBCOMMAND_MODULES`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import dataclasses
 import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unison.config.distributed import DistributedConfig
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
 from unison.errors import ConfigError, UnisonError, WatchdogTimeout
-from unison.training.resolve import validate_run
 from unison.training.runlog import append_run_log
 
+from .train_args import (
+    add_train_arguments,
+    build_train_config,
+    check_config_types,
+    config_file,
+    parse_params,
+    train_epilog,
+)
+
 if TYPE_CHECKING:   # annotations only: the commands import what they run when called (fast --help)
-    from unison.config import TrainConfig
     from unison.equivalence import CheckReport, CurvesReport
 
 SUBCOMMAND_MODULES = ("unison.evaluation", "unison.export", "unison.bench.commands")
-
-
-def yaml_error(exc: Exception) -> str:
-    """A YAML error as one line with its position: "line 2, column 5: expected ',' or ']' (while parsing ...)"."""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    mark = getattr(exc, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and context_mark is not None:
-        problem += f" ({context} that starts at line {context_mark.line + 1})"
-    return where + " ".join(problem.split())
-
-
-def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[str, Any]:
-    """``NAME=VALUE`` items, each VALUE read as YAML (``0.2``, ``true``, ``[1, 2]``; never a Python object)."""
-    import yaml
-
-    values: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"{flag} {item!r} must look like NAME=VALUE, e.g. {flag} {example}")
-        key, value = item.split("=", 1)
-        try:
-            values[key.strip()] = yaml.safe_load(value)   # safe_load: a value never constructs Python objects
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{flag} {key.strip()}={value!r} is not a value ({yaml_error(exc)}); give a number, "
-                              f"true/false, a string or a [list], e.g. {flag} {example}") from None
-    return values
-
-
-def _parse_params(items: list[str] | None) -> dict[str, Any]:
-    return parse_assignments(items, "--param", "temperature=0.2")
-
-
-def _load_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())  # safe_load: a config file never constructs Python objects
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML at {yaml_error(exc)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of option names to values "
-                          "(see examples/simclr_cifar10.yaml)")
-    return data
-
-
-def _config_file(ns: argparse.Namespace) -> dict[str, Any]:
-    """The ``--config`` file's mapping: read once per command (kept on `ns`), a fresh copy for every caller."""
-    if getattr(ns, "config_file_data", (None,))[0] != ns.config:
-        ns.config_file_data = (ns.config, _load_yaml(ns.config))
-    return copy.deepcopy(ns.config_file_data[1])
-
-
-def _resume_base(resume: str) -> dict[str, Any]:
-    from unison.training.checkpoint import read_header
-
-    return dict(read_header(resume).config)   # the header only: the worker reads the weights, once
-
-
-def build_train_config(ns: argparse.Namespace) -> TrainConfig:
-    from unison.config import TrainConfig
-
-    base: dict[str, Any] = {}
-    resume = getattr(ns, "resume", None)
-    if resume:
-        base = _resume_base(resume)
-        base.pop("resume", None)
-        if Path(resume).is_dir():
-            base["out"] = str(resume)
-    if ns.config:
-        file_cfg = _config_file(ns)
-        dist_file = file_cfg.pop("distributed", None) or {}
-        base.update(file_cfg)
-        base["distributed"] = {**base.get("distributed", {}), **dist_file}
-    base.update(overrides_from_namespace(ns, TrainConfig))
-    dist_over = overrides_from_namespace(ns, DistributedConfig)
-    base["distributed"] = {**base.get("distributed", {}), **dist_over}
-    params = _parse_params(ns.param)
-    if params:
-        base["method_params"] = {**base.get("method_params", {}), **params}
-    backbone_args = parse_assignments(getattr(ns, "backbone_arg", None), "--backbone-arg", "drop_path_rate=0.1")
-    if backbone_args:
-        base["backbone_args"] = {**base.get("backbone_args", {}), **backbone_args}
-    cfg = TrainConfig.from_dict(base)
-    if resume:
-        cfg.resume = resume
-    return validate_run(cfg)
-
-
-def parse_train_args(argv: list[str]) -> TrainConfig:
-    """The `TrainConfig` that ``unison train ARGV`` would run (flags, ``--config``, ``--param``, ``--resume``)."""
-    ns = make_parser().parse_args(["train", *argv])
-    return build_train_config(ns)
-
-
-def _check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
-    """Refuse a config-file value of the wrong type, naming the option (instead of a TypeError later).
-
-    Numbers written as strings (``lr: 1e-3``, which YAML 1.1 reads as a string) are accepted where a number is due."""
-    import typing
-
-    from unison.config.fields import article, base_type, coerce_fields, type_error
-
-    data = coerce_fields(cls, data)
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        typ = base_type(hints[key]) if key in hints else None
-        if isinstance(typ, type) and dataclasses.is_dataclass(typ) and value is not None:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}{key} must be a mapping of {key} options, got {value!r}")
-            _check_config_types(value, typ, f"{where}{key}.")
-    bad = type_error(data, cls)
-    if bad:
-        raise ConfigError(f"{where}{bad[0]}={bad[1]!r} must be {article(bad[2])} {bad[2]}")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -161,7 +44,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
         from unison.config import TrainConfig
 
-        _check_config_types(_config_file(ns), TrainConfig, f"config file {ns.config}: ")
+        check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
     if getattr(ns, "resume", None) == "auto":  # --resume auto: continue the run in --out if it has a checkpoint
         ns.resume = None
         out = build_train_config(ns).out
@@ -232,7 +115,7 @@ def _explicit_world_size(ns: argparse.Namespace) -> int | None:
     if getattr(ns, "world_size", None) is not None:
         return ns.world_size
     if getattr(ns, "config", None):
-        dist = _config_file(ns).get("distributed") or {}
+        dist = config_file(ns).get("distributed") or {}
         if isinstance(dist, dict) and dist.get("world_size") is not None:
             from unison.config.fields import coerce_value
 
@@ -259,7 +142,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     curve = overrides_from_namespace(ns, CurveSpec)
     methods = sorted(METHODS) if spec.get("method") == "all" else [spec.pop("method", CheckSpec.method)]
     spec.pop("method", None)
-    params = _parse_params(ns.param)
+    params = parse_params(ns.param)
     ok = True
     for m in methods:
         report: CheckReport | CurvesReport
@@ -273,7 +156,6 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from unison.config import TrainConfig
     from unison.equivalence import CheckSpec, CurveSpec
 
     parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0])
@@ -284,17 +166,7 @@ def make_parser() -> argparse.ArgumentParser:
                              description="Self-supervised pre-training: W workers with B/W images each, exactly\n"
                                          "equivalent to 1 worker with the global batch B.",
                              epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p_train.add_argument("--config", metavar="FILE",
-                         help="YAML file of options (CLI flags override it); see examples/simclr_cifar10.yaml")
-    p_train.add_argument("--param", action="append", metavar="NAME=VALUE",
-                         help="method hyper-parameter, repeatable (names and defaults below)")
-    p_train.add_argument("--backbone-arg", action="append", metavar="NAME=VALUE",
-                         help="setting of a timm backbone, repeatable, e.g. --backbone-arg drop_path_rate=0.1 "
-                              "(img_size follows --image-size when the model takes it)")
-    add_dataclass_arguments(p_train, TrainConfig, skip=("method_params", "distributed", "backbone_args"))
-    add_dataclass_arguments(p_train, DistributedConfig, group_title="distributed", skip=("rank",))
-    p_train.add_argument("--shard-optimizer", dest="shard", action="store_const", const="optimizer",
-                         default=argparse.SUPPRESS, help="alias of --shard optimizer (ZeRO-1)")
+    add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
 
     p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)")
@@ -325,31 +197,6 @@ def version_text() -> str:
     from unison.version import __version__
 
     return f"unison {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
-
-
-def train_epilog(width: int = 100) -> str:
-    """The lists `unison train --help` ends with: methods and their --param names, presets, backbones."""
-    import dataclasses
-    import textwrap
-
-    from unison.data.augment import PRESETS
-    from unison.methods import METHODS
-    from unison.models.backbones import BACKBONES
-
-    lines = ["methods (--method) and their hyper-parameters (--param NAME=VALUE; defaults shown):"]
-    for name in sorted(METHODS):
-        defaults = METHODS[name].Params()
-        params = " ".join(f"{f.name}={getattr(defaults, f.name)}" for f in dataclasses.fields(defaults))
-        lines += textwrap.wrap(params, width, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15)
-    lines.append("")
-    lines += textwrap.wrap(f"augmentation presets (--augmentation): {', '.join(sorted(PRESETS))}; default: the "
-                           "method's recipe (see README)", width)
-    lines += textwrap.wrap(f"backbones (--backbone): {', '.join(BACKBONES)}, timm:<model> (settings with "
-                           "--backbone-arg NAME=VALUE)", width)
-    lines += textwrap.wrap("A YAML file (--config) takes the same options by their field names (batch_size: 256), "
-                           "the distributed ones under 'distributed:', method hyper-parameters under "
-                           "'method_params:'; see examples/simclr_cifar10.yaml.", width)
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,7 +249,3 @@ def _exit_code(exc: BaseException) -> int | None:
     if "RANK" in os.environ and isinstance(exc, RuntimeError) and is_comm_error(f"{type(exc).__name__} {exc}"):
         return 1  # under torchrun/srun: this worker lost a peer, whose own failure is the root cause
     return exit_code_of(exc)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
