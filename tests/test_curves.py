@@ -1,7 +1,6 @@
 """World-size invariance of whole `unison train` runs: W=1 and W=2 loss curves agree step by step."""
 
 import unison.equivalence
-
 from unison.cli import main
 from unison.equivalence import CURVE_TOLERANCE, CurvesReport, run_curves
 

@@ -58,15 +58,13 @@ from unison.training.loop_hooks import (
     LogHook,
     StopHook,
     knn_top1,
-    save_run_checkpoint,
 )
 from unison.training.metrics import MetricsLogger
 from unison.training.runlog import RunLog
 from unison.training.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.training.summary import Summary, peak_memory_mib
 
-__all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "resume", "save_run_checkpoint", "start_line", "train",
-           "train_worker"]
+__all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "resume", "start_line", "train", "train_worker"]
 
 
 def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +105,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
 
 def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks, checkpointer: Checkpointer,
            on_exit: contextlib.ExitStack) -> Summary:
+    """Build, restore, the step loop with its hooks, the end of the run (the module docstring's 1 to 4)."""
     # ---- build the step, restore a checkpoint (or record the random-initialisation baseline)
     run = _build(cfg, device)
     runlog = RunLog(cfg.out, enabled=C.rank() == 0)
