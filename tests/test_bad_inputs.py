@@ -311,7 +311,8 @@ ENV_CASES = [
     ("world-size-disagrees-with-launcher", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
                                             "MASTER_PORT": "{port}"}, [*TINY, "--world-size", "4"], 2,
      "--world-size 4 but mpirun started 2 worker processes; the launcher decides the world size"),
-    ("fault-injection-malformed", {"UNISON_FAULT_INJECT": "rank=one"}, [*W1, "--out", "{tmp}/o9"], 2,
+    ("fault-injection-malformed", {"UNISON_TRAIN_HOOKS": "fault_injection", "UNISON_FAULT_INJECT": "rank=one"},
+     [*W1, "--out", "{tmp}/o9"], 2,
      "UNISON_FAULT_INJECT='rank=one' must look like"),
 ]
 

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import fault_injection
 import pytest
 from fault_helpers import FAULT, TINY, children, error_line, load_intact, temporaries
 
@@ -30,6 +31,7 @@ FLOAT32 = [a if a != "float64" else "float32" for a in TINY]   # 3 MB checkpoint
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("UNISON_NO_CACHE", "1")
     monkeypatch.delenv(FAULT, raising=False)
+    fault_injection.register(monkeypatch)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Faults with real worker processes: a dying or hung worker ends the whole run, promptly, with one line.
 
 Faults are injected with ``UNISON_FAULT_INJECT="rank=R,step=S[,kind=kill|nan|hang|raise]"``, a
-testing-only hook of the training loop (see `unison.training.faults`): rank R SIGKILLs
+testing-only hook of the training loop (tests/fault_injection.py, registered by `_quiet_env`): rank R SIGKILLs
 itself (or poisons its loss, or hangs) when it is about to run step S. Runs are tiny (digits subset,
 batch 64, 8 steps, float64) so that "resumed == uninterrupted" can be checked at 1e-9.
 """
@@ -18,6 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
+import fault_injection
 import pytest
 import torch
 from fault_helpers import children
@@ -93,6 +94,7 @@ def reference(tmp_path_factory) -> dict:
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("UNISON_NO_CACHE", "1")
     monkeypatch.delenv(FAULT, raising=False)
+    fault_injection.register(monkeypatch)
 
 
 @pytest.mark.slow

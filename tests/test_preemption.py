@@ -2,7 +2,7 @@
 its step, write a checkpoint and exit 75; ``--resume auto`` continues exactly; a second signal during the save, a
 kill during an asynchronous save and Ctrl-C never damage the last good checkpoint; SLURM requeues resume by themselves.
 
-Signals are sent by the testing-only ``UNISON_FAULT_INJECT`` hook (`unison.training.faults`) at a chosen step, from
+Signals are sent by the testing-only ``UNISON_FAULT_INJECT`` hook (tests/fault_injection.py) at a chosen step, from
 inside the worker (to itself or to its launcher), so each round is reproducible. Runs are tiny and float64, so
 "resumed == uninterrupted" is checked at 1e-9.
 """
@@ -19,6 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
+import fault_injection
 import pytest
 import torch
 from fault_helpers import (
@@ -73,6 +74,7 @@ def _quiet_env(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))   # error_dirs() sees this run's leftovers only
     for var in (FAULT, "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
+    fault_injection.register(monkeypatch)
 
 
 def _preempt(run, fault: str, capfd, monkeypatch, extra: tuple[str, ...] = (), base: list[str] = TINY

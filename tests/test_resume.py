@@ -8,6 +8,7 @@ rate and the data position are derived) and the RNG state. Runs use float64, so 
 
 from __future__ import annotations
 
+import fault_injection
 import pytest
 
 from unison.cli import main
@@ -24,6 +25,7 @@ def _env(monkeypatch):
     monkeypatch.setenv("UNISON_NO_CACHE", "1")
     monkeypatch.delenv(FAULT, raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    fault_injection.register(monkeypatch)
 
 
 @pytest.mark.parametrize("method, how", [("moco", "resume-auto"), ("dino", "torchrun-restart")])

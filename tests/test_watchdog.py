@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import fault_injection
 import pytest
 from fault_helpers import FAULT, TINY, children, error_line, fault_time, load_intact
 
@@ -28,6 +29,7 @@ MARGIN_S = 20
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("UNISON_NO_CACHE", "1")
     monkeypatch.delenv(FAULT, raising=False)
+    fault_injection.register(monkeypatch)
 
 
 def _stuck_run(tmp_path, fault: str, capfd, monkeypatch) -> tuple[str, float]:

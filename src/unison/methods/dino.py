@@ -26,6 +26,8 @@ and SyncBN. Teacher (a `MomentumTeacher`), centre and step counter are rank-loca
 by DDP, saved in checkpoints); rank 0's teacher is copied to every rank once, on the first
 forward (the centre starts at zero on every rank).
 
+Head, teacher, step counter and both schedules live in `unison.methods.distillation` (shared with iBOT).
+
 Example::
 
     backbone, dim = build_backbone("resnet18")
@@ -39,45 +41,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from unison.distributed.tagging import mark_rank_local_state
 from unison.losses import DINOLoss
 
-from ._common import check_multicrop, cosine_momentum, multicrop_features
-from .base import Recipe, SSLMethod
+from ._common import check_multicrop, multicrop_features
+from .base import Recipe
+from .distillation import DINOHead, SelfDistillation
 from .params import check_params
-from .teacher import MomentumTeacher
 
-
-class DINOHead(nn.Module):
-    """MLP -> L2-normalised bottleneck -> weight-normalised linear layer (unit-norm rows, no bias)."""
-
-    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
-                 num_layers: int = 3, batch_norm: bool = False):
-        super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"the DINO head needs at least 1 layer, got {num_layers}")
-        layers: list[nn.Module] = []
-        dim = in_dim
-        for _ in range(num_layers - 1):
-            layers.append(nn.Linear(dim, hidden_dim, bias=not batch_norm))   # a bias before BN is a no-op
-            if batch_norm:
-                layers.append(nn.BatchNorm1d(hidden_dim))
-            layers.append(nn.GELU())
-            dim = hidden_dim
-        layers.append(nn.Linear(dim, bottleneck_dim))
-        self.mlp = nn.Sequential(*layers)
-        for m in self.mlp.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-        self.last_layer = nn.Linear(bottleneck_dim, out_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.normalize(self.mlp(x), dim=-1)
-        return F.linear(x, F.normalize(self.last_layer.weight, dim=1))
+__all__ = ["DINO", "DINOHead", "DINOParams"]
 
 
 @dataclass
@@ -100,32 +72,16 @@ class DINOParams:
                      unit_interval=("momentum_base", "teacher_temp_warmup_fraction", "center_momentum"))
 
 
-class DINO(SSLMethod):
+class DINO(SelfDistillation):
     name = "dino"
     Params = DINOParams
     recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="multicrop")
 
-    step_count: torch.Tensor   # buffer: optimiser steps taken
-
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DINOParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        self.head = DINOHead(feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
-                             params.head_layers, params.head_batch_norm)
-        self.teacher = MomentumTeacher(backbone=self.backbone, head=self.head)
-        self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
-        mark_rank_local_state(self, ["step_count"])
+        self.build_distillation(params)   # head, teacher, step counter (`unison.methods.distillation`)
         self.loss_fn = DINOLoss(params.out_dim, params.student_temp, params.center_momentum,
                                 gather_distributed=self.gather_distributed)
-
-    def momentum(self, step: int) -> float:
-        return cosine_momentum(self.params.momentum_base, step, self.steps_total)
-
-    def teacher_temp(self, step: int) -> float:
-        p = self.params
-        warmup = round(p.teacher_temp_warmup_fraction * self.steps_total)
-        if warmup <= 0 or step >= warmup:
-            return p.teacher_temp
-        return p.warmup_teacher_temp + (p.teacher_temp - p.warmup_teacher_temp) * step / warmup
 
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
         n = check_multicrop(views, "DINO")
@@ -134,11 +90,6 @@ class DINO(SSLMethod):
             teacher = self.teacher.head(self.teacher.backbone(torch.cat(views[:2]))).split(n)
         student = self.head(multicrop_features(self.backbone, views)).split(n)
         return self.loss_fn(list(student), list(teacher), self.teacher_temp(int(self.step_count)))
-
-    @torch.no_grad()
-    def on_after_step(self, step: int) -> None:
-        self.teacher.update(self, self.momentum(step))
-        self.step_count.fill_(step + 1)
 
     def exactness_note(self) -> str | None:
         if not self.gather_distributed:

@@ -29,6 +29,8 @@ searches per GPU); every term is a mean over local samples. Exact with gather on
 centres and the step counter are rank-local state (never broadcast by DDP, saved in
 checkpoints); rank 0's teacher is copied to every rank on the first forward.
 
+Head, teacher, step counter and both schedules live in `unison.methods.distillation` (shared with DINO).
+
 Example::
 
     backbone, dim = build_backbone("vit_tiny_p4")
@@ -43,17 +45,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from unison.distributed.tagging import mark_rank_local_state
 from unison.errors import ConfigError
 from unison.losses import IBOTLoss, KoLeoLoss
 from unison.losses.ibot import CENTERINGS
 
-from ._common import check_multicrop, cosine_momentum, multicrop_features, require_vit
-from .base import Recipe, SampleKeys, SSLMethod
-from .dino import DINOHead
+from ._common import check_multicrop, multicrop_features, require_vit
+from .base import Recipe, SampleKeys
+from .distillation import SelfDistillation
 from .masking import random_masking
 from .params import check_params
-from .teacher import MomentumTeacher
 
 MASK_STREAM = 0x1B07_0000     # + global crop index: counter-based RNG stream of iBOT's masks
 
@@ -87,8 +87,7 @@ class IBOTParams:
                               "(--param centering=VALUE)")
 
 
-class IBOT(SSLMethod):
-    step_count: torch.Tensor
+class IBOT(SelfDistillation):
     name = "ibot"
     Params = IBOTParams
     needs_sample_keys = True
@@ -99,24 +98,10 @@ class IBOT(SSLMethod):
         super().__init__(backbone, feature_dim, params, **kw)
         require_vit(backbone, "iBOT")
         self.mask_token = nn.Parameter(torch.zeros(1, 1, feature_dim))
-        self.head = DINOHead(feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
-                             params.head_layers, params.head_batch_norm)
-        self.teacher = MomentumTeacher(backbone=self.backbone, head=self.head)
-        self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
-        mark_rank_local_state(self, ["step_count"])
+        self.build_distillation(params)   # head, teacher, step counter (`unison.methods.distillation`)
         self.loss_fn = IBOTLoss(params.out_dim, params.student_temp, params.center_momentum, params.centering,
                                 gather_distributed=self.gather_distributed)
         self.koleo = KoLeoLoss(gather_distributed=self.gather_distributed)
-
-    def momentum(self, step: int) -> float:
-        return cosine_momentum(self.params.momentum_base, step, self.steps_total)
-
-    def teacher_temp(self, step: int) -> float:
-        p = self.params
-        warmup = round(p.teacher_temp_warmup_fraction * self.steps_total)
-        if warmup <= 0 or step >= warmup:
-            return p.teacher_temp
-        return p.warmup_teacher_temp + (p.teacher_temp - p.warmup_teacher_temp) * step / warmup
 
     def forward(self, views: list[torch.Tensor], keys: SampleKeys | None = None) -> torch.Tensor:
         if keys is None:
@@ -153,11 +138,6 @@ class IBOT(SSLMethod):
         if p.koleo_weight > 0:
             loss = loss + p.koleo_weight * sum(self.koleo(c) for c in s_global_cls.split(n))
         return loss
-
-    @torch.no_grad()
-    def on_after_step(self, step: int) -> None:
-        self.teacher.update(self, self.momentum(step))
-        self.step_count.fill_(step + 1)
 
     def exactness_note(self) -> str | None:
         if not self.gather_distributed:

@@ -11,7 +11,7 @@ Everything that decides what a step computes lives here and nowhere else:
 * the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
   (`convert_sync_batchnorm`) -> channels_last -> optional activation checkpointing -> DDP
   (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
-  every backbone block and head sharded; ``Run.ddp`` is then the sharded method itself) ->
+  every backbone block and head sharded; ``Run.parallel_model`` is then the sharded method itself) ->
   optional ``torch.compile``; every rank is seeded identically before the build;
 * the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
   with the global batch (x accumulation), optionally ZeRO-1 sharded;
@@ -98,8 +98,8 @@ class Run:
     augment: ViewAugmenter
     source: BatchSource
     method: SSLMethod              # the bare method (parameters, state, embed)
-    ddp: nn.Module                 # the method wrapped for data parallelism (DDP, or FSDP: the method itself)
-    forward: nn.Module             # what a step calls: `ddp`, or `torch.compile(ddp)`
+    parallel_model: nn.Module      # the method wrapped for data parallelism (DDP, or FSDP: the method itself)
+    forward: nn.Module             # what a step calls: `parallel_model`, or `torch.compile(parallel_model)`
     trainable: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -190,13 +190,13 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if cfg.distributed.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
-        ddp = apply_fsdp(model, device, amp=cfg.amp,
-                         reshard_after_forward=cfg.distributed.reshard_after_forward)
+        parallel_model = apply_fsdp(model, device, amp=cfg.amp,
+                                    reshard_after_forward=cfg.distributed.reshard_after_forward)
     else:
-        ddp = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
-    method = cast(SSLMethod, unwrap(ddp))   # the method itself (DDP's .module, or the FSDP-sharded method)
+        parallel_model = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
+    method = cast(SSLMethod, unwrap(parallel_model))   # the method itself (DDP's .module, or the FSDP-sharded method)
     # torch.compile of a Module returns an OptimizedModule (an nn.Module); its stubs say only Callable.
-    forward = cast(nn.Module, torch.compile(ddp)) if cfg.compile else ddp
+    forward = cast(nn.Module, torch.compile(parallel_model)) if cfg.compile else parallel_model
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
     peak_lr = recipe.lr * global_batch * accumulate / 256
@@ -210,8 +210,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
     run = Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
               image_size=image_size,
-              augment=augment, source=source, method=method, ddp=ddp, forward=forward, trainable=trainable,
-              optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
+              augment=augment, source=source, method=method, parallel_model=parallel_model, forward=forward,
+              trainable=trainable, optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
               schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
               resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
@@ -228,7 +228,7 @@ def register_checkpoint_state(run: Run) -> None:
     """What a checkpoint must carry besides model and optimizer for a resumed run to continue exactly."""
     if run.scaler.is_enabled():   # fp16 loss scale and its growth tracker
         run.extra_state.register("grad_scaler", run.scaler)
-    hook_state = comm_hook_checkpoint_state(run.ddp)
+    hook_state = comm_hook_checkpoint_state(run.parallel_model)
     if hook_state is not None:     # PowerSGD error feedback (this rank's own residual), warm start, step counter
         run.extra_state.register("powersgd", hook_state, per_rank=True)
 
@@ -246,22 +246,20 @@ def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
             yield Batch(step, micro, epoch, indices, views, time.perf_counter() - started)
 
 
-def forward_backward(run: Run, batch: Batch, *, poison: bool = False) -> torch.Tensor:
+def forward_backward(run: Run, batch: Batch) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns this rank's loss (detached).
 
     Gradients are all-reduced by DDP on the last micro-batch of the step only. A non-finite
     loss raises `NonFiniteLossError` before its backward, so the last checkpoint stays the
-    last good state. `poison` (fault injection, testing only) makes the loss NaN.
+    last good state.
     """
     kwargs = {}
     if run.method.needs_sample_keys:   # masks drawn per sample (MAE, iBOT, I-JEPA): never from the rank
         kwargs["keys"] = SampleKeys(run.cfg.seed, batch.epoch, batch.indices)
-    with grad_sync_context(run.ddp, batch.micro, run.accumulate):
+    with grad_sync_context(run.parallel_model, batch.micro, run.accumulate):
         with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32,
                             enabled=run.autocast_dtype is not None):
             loss = run.forward(batch.views, **kwargs)
-        if poison:
-            loss = loss * float("nan")
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"non-finite loss ({float(loss.detach())}) at step {batch.step} on rank {C.rank()}; lower --lr, "

@@ -1,14 +1,19 @@
-"""TESTING ONLY: fault injection into the training loop, behind one hook.
+"""TESTING ONLY: fault injection into the training loop, as a hook the tests register (not part of unison).
+
+Registration: `register(monkeypatch)` sets ``UNISON_TRAIN_HOOKS=fault_injection`` (every worker then imports
+this module and adds `train_hooks`'s hook after the loop's own: `unison.training.hooks`) and puts this folder on
+``PYTHONPATH`` for workers started as fresh interpreters (torchrun, ``python -c``); the launcher's spawned
+workers inherit ``sys.path`` anyway. Without ``UNISON_FAULT_INJECT`` the hook does nothing.
 
 ``UNISON_FAULT_INJECT="rank=1,step=3[,kind=KIND][,at=step|data|save][,to=self|launcher][,attempt=0]"``
 makes rank 1 fail when it is about to run step 3; several faults are separated by ``;``. The
-fault tests (tests/test_faults.py, tests/test_preemption.py, tests/test_watchdog.py) use it to
-prove that killed, crashed, NaN, hung, stopped, preempted and interrupted workers end the run
-cleanly. Never set it for real runs. Without the variable every hook does nothing.
+fault tests (tests/test_faults.py, tests/test_preemption.py, tests/test_watchdog.py, tests/test_disk_faults.py,
+tests/test_resume.py) use it to prove that killed, crashed, NaN, hung, stopped, preempted and interrupted workers
+end the run cleanly.
 
-KIND: ``kill`` (SIGKILL, the default), ``raise`` (a RuntimeError), ``nan`` (a NaN loss),
-``hang`` (sleep forever), ``stop`` (SIGSTOP: frozen until SIGCONT), ``term``, ``usr1``, ``int``
-(send SIGTERM, SIGUSR1 or SIGINT). ``to=launcher`` sends the signal to the parent process
+KIND: ``kill`` (SIGKILL, the default), ``raise`` (a RuntimeError), ``nan`` (a NaN loss: the step's
+``run.forward`` returns its loss times NaN), ``hang`` (sleep forever), ``stop`` (SIGSTOP: frozen until SIGCONT),
+``term``, ``usr1``, ``int`` (send SIGTERM, SIGUSR1 or SIGINT). ``to=launcher`` sends the signal to the parent process
 (unison's launcher) instead of this worker.
 
 AT: ``step`` (default; before step S, in the step phase), ``data`` (while the batch of step S is
@@ -22,11 +27,16 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from unison.config import TrainConfig
 from unison.distributed.env import restart_count
 from unison.errors import ConfigError
+from unison.training.hooks import HOOKS_ENV, StepEnd, TrainHook
+from unison.training.step import Batch, Run
 
 FAULT_ENV = "UNISON_FAULT_INJECT"
 FAULT_KINDS = ("kill", "raise", "nan", "hang", "stop", "term", "usr1", "int")
@@ -85,8 +95,19 @@ def _fire(fault: dict[str, Any], rank: int, step: int) -> bool:
     return fault["kind"] == "nan"
 
 
-class FaultHook:
-    """The test faults of ``UNISON_FAULT_INJECT`` for this worker, fired by the loop's hooks."""
+class NaNLoss(torch.nn.Module):
+    """`run.forward` for one step: the wrapped module's loss times NaN (what kind=nan injects)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner(*args, **kwargs) * float("nan")
+
+
+class FaultHook(TrainHook):
+    """The test faults of ``UNISON_FAULT_INJECT`` for this worker, as a hook of the training loop."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -95,28 +116,41 @@ class FaultHook:
     def _due(self, at: str, step: int) -> list[dict[str, Any]]:
         return [f for f in self.faults if f["rank"] == self.rank and f["step"] == step and f["at"] == at]
 
-    def before_step(self, step: int) -> bool:
-        """Fire the faults due before `step`; True = poison this step's loss (kind=nan)."""
+    def on_batch(self, run: Run, batch: Batch) -> None:
+        """A fault ``at=data`` fires while the batch of its step is awaited (the watchdog's "data" phase)."""
+        if batch.micro == 0:
+            for fault in self._due("data", batch.step):
+                _fire(fault, self.rank, batch.step)
+
+    def before_step(self, run: Run, step: int) -> None:
+        """Fire the faults due before `step`; kind=nan makes this step's losses NaN."""
         poison = False
         for fault in self._due("step", step):
             poison |= _fire(fault, self.rank, step)
-        return poison
+        if poison:
+            run.forward = NaNLoss(run.forward)
 
-    def batches(self, micro_batches: Iterator[Any]) -> Iterator[Any]:
-        """Pass `micro_batches` through; a fault ``at=data`` fires while the batch of its step is awaited."""
-        if not any(f["at"] == "data" for f in self.faults):
-            yield from micro_batches
-            return
-        for batch in micro_batches:
-            if batch.micro == 0:
-                for fault in self._due("data", batch.step):
-                    _fire(fault, self.rank, batch.step)
-            yield batch
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        if isinstance(run.forward, NaNLoss):   # (never reached: a NaN loss ends the run)
+            run.forward = run.forward.inner
 
-    def during_save(self, step: int, written: int) -> None:
-        """Called while the checkpoint of `step` is written (`Checkpointer.on_write`); fires ``at=save`` faults."""
+    def on_checkpoint_write(self, step: int, written: int) -> None:
+        """Fires ``at=save`` faults while the checkpoint of `step` is written."""
         if written < _SAVE_AFTER_BYTES:
             return
         for fault in self._due("save", step):
             self.faults.remove(fault)   # once, not on every following write
             _fire(fault, self.rank, step)
+
+
+def train_hooks(cfg: TrainConfig, rank: int) -> list[TrainHook]:
+    """What ``UNISON_TRAIN_HOOKS=fault_injection`` adds to every worker's loop."""
+    return [FaultHook(rank)]
+
+
+def register(monkeypatch: Any) -> None:
+    """Register this module's hook for the runs of a test (workers in this process, spawned, or started afresh)."""
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv(HOOKS_ENV, __name__)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", here if not path else os.pathsep.join([here, path]))

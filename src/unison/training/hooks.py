@@ -1,0 +1,127 @@
+"""Hooks: what runs around the training step, and the one way to add more (tests inject faults with it).
+
+The loop (`unison.training.loop`) calls every hook of a run, on every rank, at these points:
+
+    hook.start(run, step)           once, before the first batch is asked for (`step`: steps already done)
+    hook.on_batch(run, batch)       as each micro-batch arrives, still in the watchdog's "data" phase
+    hook.before_step(run, step)     before the first micro-batch of optimiser step `step` (0-based)
+    hook.after_step(run, end)       after the optimiser step; ``end.step`` steps are complete (`StepEnd`)
+    hook.on_checkpoint_write(step, written)   while rank 0 writes the checkpoint of `step` (maybe in the
+                                    background writer thread), after every write; `written`: bytes so far
+    hook.close()                    after the last step (not after a failure), in reverse order
+
+A hook subclasses `TrainHook` and overrides what it needs; the others do nothing. The loop's own
+hooks (`unison.training.loop_hooks`: logging, kNN evaluation, checkpoint timing, the stop
+agreement) run first, in that order, then the extra hooks, in the order given.
+
+Extra hooks come from ``train(cfg, device, hooks=[...])`` (in-process runs), or, for workers that
+are separate processes (unison's launcher, torchrun, srun, mpirun), from the environment:
+``UNISON_TRAIN_HOOKS=module[,module...]`` names importable modules; each worker imports them and
+calls their ``train_hooks(cfg, rank) -> list[TrainHook]``. The fault-injection tests register
+``tests/fault_injection.py`` this way; production runs leave the variable unset.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from unison.config import TrainConfig
+from unison.errors import ConfigError
+from unison.training.step import Batch, Run
+
+HOOKS_ENV = "UNISON_TRAIN_HOOKS"
+
+
+@dataclass
+class StepEnd:
+    """What the hooks see after an optimiser step."""
+
+    step: int                 # optimiser steps completed (the one just taken is ``step - 1``)
+    lr: float                 # its learning rate
+    loss_sum: torch.Tensor    # this rank's losses of the step's micro-batches, summed (not averaged, not reduced)
+    epoch_done: bool          # the step completed an epoch
+    last: bool                # the run's last step (the end of the run saves and evaluates anyway)
+    saved: bool = False       # a hook wrote this step's checkpoint (`CheckpointHook`; the stop agreement reads it)
+
+    @classmethod
+    def of(cls, run: Run, step: int, lr: float, loss_sum: torch.Tensor) -> StepEnd:
+        return cls(step, lr, loss_sum, epoch_done=step % run.steps_per_epoch == 0, last=step == run.total_steps)
+
+
+class TrainHook:
+    """A hook of the training loop; every method does nothing unless overridden (see the module docstring)."""
+
+    def start(self, run: Run, step: int) -> None:
+        """Before the first batch is asked for; `step` optimiser steps are already done (a resumed run)."""
+
+    def on_batch(self, run: Run, batch: Batch) -> None:
+        """As each micro-batch arrives (watchdog phase "data": a hook that blocks here looks like a stuck loader)."""
+
+    def before_step(self, run: Run, step: int) -> None:
+        """Before the first micro-batch of optimiser step `step` (0-based)."""
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        """After the optimiser step: ``end.step`` steps are complete."""
+
+    def on_checkpoint_write(self, step: int, written: int) -> None:
+        """While the checkpoint of `step` is written, after every write (`written`: bytes so far)."""
+
+    def close(self) -> None:
+        """After the last step (not after a failure)."""
+
+
+class Hooks:
+    """The hooks of a run, called in order (`close` in reverse order)."""
+
+    def __init__(self, hooks: Iterable[TrainHook] = ()) -> None:
+        self.hooks = list(hooks)
+
+    def start(self, run: Run, step: int) -> None:
+        for hook in self.hooks:
+            hook.start(run, step)
+
+    def batches(self, run: Run, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
+        """Pass `micro_batches` through, calling `TrainHook.on_batch` on each."""
+        for batch in micro_batches:
+            for hook in self.hooks:
+                hook.on_batch(run, batch)
+            yield batch
+
+    def before_step(self, run: Run, step: int) -> None:
+        for hook in self.hooks:
+            hook.before_step(run, step)
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        for hook in self.hooks:
+            hook.after_step(run, end)
+
+    def on_checkpoint_write(self, step: int, written: int) -> None:
+        for hook in self.hooks:
+            hook.on_checkpoint_write(step, written)
+
+    def close(self) -> None:
+        for hook in reversed(self.hooks):
+            hook.close()
+
+
+def hooks_from_env(cfg: TrainConfig, rank: int) -> list[TrainHook]:
+    """The hooks of the modules ``UNISON_TRAIN_HOOKS`` names (none when it is unset); `ConfigError` if one is bad."""
+    names = [name.strip() for name in os.environ.get(HOOKS_ENV, "").split(",") if name.strip()]
+    hooks: list[TrainHook] = []
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"{HOOKS_ENV} names {name!r}, which cannot be imported ({exc}); put it on PYTHONPATH "
+                              f"or unset {HOOKS_ENV}") from None
+        factory = getattr(module, "train_hooks", None)
+        if not callable(factory):
+            raise ConfigError(f"{HOOKS_ENV} names {name!r}, which has no train_hooks(cfg, rank) function")
+        hooks.extend(factory(cfg, rank))
+    return hooks
+

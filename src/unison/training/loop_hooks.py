@@ -1,0 +1,204 @@
+"""The training loop's own hooks, one concern each, in the order they run after every optimiser step.
+
+* `LogHook`: metrics (the loss averaged over ranks, learning rate, images/s, data-wait share) every
+  ``--log-every`` steps, at the end of every epoch and on the first and last step of an attempt, to
+  the metrics logger, ``train.log`` and the progress bar; `DataWaitWarning` when the step starves.
+* `KnnEvalHook`: kNN top-1 every ``--eval-every`` epochs (the last step excepted), and at the end
+  of the run (`KnnEvalHook.final`).
+* `CheckpointHook`: when to save (every ``--checkpoint-every`` steps, else every epoch; the last
+  step is saved by the end of the run, `CheckpointHook.final`) and `save_run_checkpoint`.
+* `StopHook`: after every step but the last, the ranks agree whether to stop (preemption signals,
+  a failed background save: `unison.training.preemption`); a stop saves and raises `Preempted`.
+
+They are `TrainHook`s like any other (`unison.training.hooks`); the loop builds them and adds the
+extra hooks after them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from unison.distributed import collectives as C
+from unison.distributed.signals import stop_requests
+from unison.distributed.watchdog import Watchdog
+from unison.eval.knn import knn_accuracy
+from unison.training.checkpoint import Checkpointer, latest_checkpoint, save_run_checkpoint
+from unison.training.hooks import StepEnd, TrainHook
+from unison.training.metrics import MetricsLogger, progress_bar
+from unison.training.preemption import StopAgreement, preempted, save_failed_elsewhere
+from unison.training.runlog import RunLog
+from unison.training.step import Batch, Run
+
+
+class DataWaitWarning:
+    """Warn once when the step waits for data more than `SHARE` of a logging window (the first excepted:
+    loader processes are still starting), with what to change."""
+
+    SHARE = 0.25
+
+    def __init__(self, run: Run):
+        self.run, self.windows, self.warned = run, 0, False
+
+    def observe(self, step: int, share: float) -> None:
+        self.windows += 1
+        if self.warned or self.windows == 1 or share <= self.SHARE:
+            return
+        self.warned = True
+        d = self.run.data
+        advice = (f"raise --loader-workers (now {getattr(d.source, 'loader_workers', 0)}) or use --decode gpu"
+                  if d.mode == "stream" else "the in-memory augmentation is the bottleneck (see unison bench)")
+        print(f"unison: warning: the training step waited for data {share:.0%} of the time up to step {step} "
+              f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
+
+
+class LogHook(TrainHook):
+    """Metrics, ``train.log`` lines and the progress bar; keeps what the run's `Summary` reports of them."""
+
+    def __init__(self, run: Run, logger: MetricsLogger, runlog: RunLog, start_step: int) -> None:
+        master = C.rank() == 0
+        self.run, self.logger, self.runlog = run, logger, runlog
+        self.first_step = start_step + 1   # logged too, so the loss shows from the first step on
+        self.progress = (progress_bar(run.total_steps, start_step, f"{run.cfg.method} x{C.world_size()}")
+                         if master and run.cfg.progress else None)
+        self.waits = DataWaitWarning(run) if master else None
+        self.final_loss = float("nan")
+        self.curve: list[tuple[int, float]] = []   # (step, loss) of every logged step, for `Summary.loss_curve`
+        self.log_times: list[float] = []
+        self.wait_s = self.wait_since_log = self.train_time_s = 0.0
+        self.images_since_log = 0
+        self.t_start = self.t_log = time.perf_counter()
+
+    def start(self, run: Run, step: int) -> None:
+        self.t_start = self.t_log = time.perf_counter()
+
+    def on_batch(self, run: Run, batch: Batch) -> None:
+        self.wait_s += batch.wait_s
+        self.wait_since_log += batch.wait_s
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        self.images_since_log += run.global_batch * run.accumulate
+        step = end.step
+        if step % run.cfg.log_every == 0 or end.last or end.epoch_done or step == self.first_step:
+            self._log(end)
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def _log(self, end: StepEnd) -> None:
+        run, step = self.run, end.step
+        self.final_loss = float(C.all_reduce_no_grad(end.loss_sum / run.accumulate, average=True))
+        self.curve.append((step, self.final_loss))
+        self.log_times.append(time.perf_counter() - self.t_start)
+        now = time.perf_counter()
+        ips = self.images_since_log / max(now - self.t_log, 1e-9)
+        data_wait = min(1.0, self.wait_since_log / max(now - self.t_log, 1e-9))   # this rank's share of the window
+        self.t_log, self.images_since_log, self.wait_since_log = now, 0, 0.0
+        self.logger.log(step=step, epoch=step / run.steps_per_epoch, loss=self.final_loss, lr=end.lr,
+                        images_per_s=ips, data_wait=round(data_wait, 4))
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{self.final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}")
+        self.runlog.line(f"step {step}/{run.total_steps} (epoch {step / run.steps_per_epoch:.2f}): loss "
+                         f"{self.final_loss:.4f}, lr {end.lr:.4g}, {ips:.0f} img/s")
+        if self.waits is not None:
+            self.waits.observe(step, data_wait)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        self.train_time_s = time.perf_counter() - self.t_start
+
+
+def knn_top1(run: Run) -> float | None:
+    """Weighted kNN top-1 of the encoder on the run's kNN sets (training images as reference, held-out
+    images as queries); None when there are none (`run.data.knn_skipped` says why)."""
+    knn = run.data.knn
+    if knn is None:
+        return None
+    was_training = run.method.training
+    run.method.eval()
+    with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
+        acc = knn_accuracy(run.method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
+                           run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t)
+    run.method.train(was_training)
+    return acc
+
+
+class KnnEvalHook(TrainHook):
+    """kNN top-1 every ``--eval-every`` epochs (not on the last step: `final` evaluates it)."""
+
+    def __init__(self, run: Run, watch: Watchdog, logger: MetricsLogger, runlog: RunLog) -> None:
+        self.run, self.watch, self.logger, self.runlog = run, watch, logger, runlog
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        every, epoch = run.cfg.eval_every, end.step // run.steps_per_epoch
+        if not (end.epoch_done and every and epoch % every == 0 and not end.last and run.data.knn is not None):
+            return
+        with self.watch.phase("eval", end.step):
+            acc = knn_top1(run)
+        self.logger.log(step=end.step, epoch=float(epoch), knn_top1=acc)
+        if acc is not None:
+            self.runlog.line(f"epoch {epoch}: kNN top-1 {acc:.4f}")
+
+    def final(self, step: int, history: dict[str, Any]) -> None:
+        """The end of the run: kNN top-1 into ``history["knn_top1"]``, the metrics and ``train.log``."""
+        with self.watch.phase("eval", step):
+            history["knn_top1"] = knn_top1(self.run)
+        self.logger.log(step=step, epoch=step / self.run.steps_per_epoch, knn_top1=history["knn_top1"])
+        if history["knn_top1"] is not None:
+            self.runlog.line(f"step {step}: kNN top-1 {history['knn_top1']:.4f}")
+
+
+class CheckpointHook(TrainHook):
+    """When to save: every ``--checkpoint-every`` steps, else at the end of every epoch, the last step excepted."""
+
+    def __init__(self, run: Run, checkpointer: Checkpointer, watch: Watchdog, history: dict[str, Any]) -> None:
+        self.run, self.checkpointer, self.watch, self.history = run, checkpointer, watch, history
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        every = run.cfg.checkpoint_every
+        end.saved = (end.step % every == 0 if every else end.epoch_done) and not end.last
+        if end.saved:
+            with self.watch.phase("checkpoint", end.step):
+                save_run_checkpoint(run, self.checkpointer, end.step, self.history)
+
+    def final(self, step: int) -> None:
+        """The end of the run: the last checkpoint, complete on disk before the run returns."""
+        with self.watch.phase("checkpoint", step):
+            save_run_checkpoint(self.run, self.checkpointer, step, self.history)
+            self.checkpointer.wait()
+
+
+class StopHook(TrainHook):
+    """After every step but the last: agree with the other ranks whether to stop; on a stop request save (unless
+    this step was just saved) and raise `Preempted`. A failed background save ends the run with its error (rank 0)
+    on every rank."""
+
+    def __init__(self, run: Run, checkpointer: Checkpointer, watch: Watchdog, history: dict[str, Any]) -> None:
+        self.run, self.checkpointer, self.watch, self.history = run, checkpointer, watch, history
+        self.agreement = StopAgreement()   # collective: every rank builds it at the same point
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        if end.last:   # the last step goes on to the final checkpoint anyway
+            return
+        step, checkpointer = end.step, self.checkpointer
+        with self.watch.phase("collective", step):
+            decision = self.agreement.exchange(stop_requests(), checkpointer.failed())
+        if decision.save_failed:
+            checkpointer.raise_if_failed()     # rank 0: the save's own error
+            raise save_failed_elsewhere()
+        if not decision.stop:
+            return
+        with self.watch.phase("checkpoint", step):
+            if not end.saved:
+                save_run_checkpoint(run, checkpointer, step, self.history)
+            path = checkpointer.wait()         # the preemption checkpoint is complete before anyone exits
+            if path is None and C.rank() == 0:   # --shard full: written by every rank through DCP
+                path = latest_checkpoint(checkpointer.run_dir)
+            C.barrier()
+        raise preempted(decision, step, run.total_steps, str(path) if path is not None else None)
+
+    def close(self) -> None:
+        self.agreement.close()   # the exchange in flight, before the process group goes away
