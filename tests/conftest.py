@@ -1,10 +1,27 @@
-"""Shared fixtures, and the `distributed` marker for tests that start real processes."""
+"""Shared fixtures, and the layout of the suite.
+
+* ``tests/unit/<package>/``: in-process tests, mirroring ``src/unison/<package>``; ``pytest tests/unit`` is the fast
+  loop.
+* ``tests/distributed/<package>/``: tests that start real processes (gloo worker processes on loopback, the
+  launcher, torchrun, subprocesses); they carry the `distributed` marker, set here from their location, and the
+  slowest end-to-end ones also carry `slow`.
+* ``tests/helpers/``: what the unit and distributed tests of one module share; ``fault_helpers`` and
+  ``fault_injection`` (the test-only training hook) stay at the top, where worker processes import them from.
+
+A unit test whose source (or a fixture or module helper it uses) starts processes is an error at collection: it
+belongs under ``tests/distributed/``.
+"""
 
 import inspect
 import re
+from pathlib import Path
 
 import pytest
 import torch
+
+pytest_plugins = ["helpers.data_source", "helpers.data_stream"]   # fixtures shared by unit and distributed tests
+
+DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
 
 
 @pytest.fixture(scope="module")
@@ -16,10 +33,6 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
-# Tests that start real worker processes (gloo on loopback, the launcher, torchrun, subprocesses) carry the
-# `distributed` marker; the rest are fast in-process unit tests. `pytest -m "not distributed"` runs the unit
-# tests alone; CI runs both. A test is distributed when it, a fixture or a helper function of its module it
-# calls does one of these.
 _STARTS_PROCESSES = re.compile(r"run_in_workers|launch\(|main\(\[\s*\"(train|check|bench)\"|subprocess|torchrun|"
                                r"run_equivalence|run_curves|\btrain\(cfg|api import train|\"train\", \*")
 
@@ -31,12 +44,22 @@ def _source(obj) -> str:
         return ""
 
 
+def _starts_processes(item) -> bool:
+    own = _source(item.function)
+    used = set(getattr(item, "fixturenames", ())) | set(re.findall(r"\b(_?[a-z]\w*)\(", own))
+    helpers = [getattr(item.module, name, None) for name in used]   # its fixtures and module-level helpers
+    sources = [own] + [_source(f) for f in helpers if callable(f) and getattr(f, "__module__", None) in
+                       (item.module.__name__, None)]
+    return any(_STARTS_PROCESSES.search(s) for s in sources)
+
+
 def pytest_collection_modifyitems(items):
+    misplaced = []
     for item in items:
-        own = _source(item.function)
-        used = set(getattr(item, "fixturenames", ())) | set(re.findall(r"\b(_?[a-z]\w*)\(", own))
-        helpers = [getattr(item.module, name, None) for name in used]   # its fixtures and module-level helpers
-        sources = [own] + [_source(f) for f in helpers if callable(f) and getattr(f, "__module__", None) in
-                           (item.module.__name__, None)]
-        if any(_STARTS_PROCESSES.search(s) for s in sources):
+        if DISTRIBUTED in Path(item.fspath).resolve().parents:
             item.add_marker(pytest.mark.distributed)
+        elif _starts_processes(item):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("these tests start processes and belong under tests/distributed/: "
+                                + ", ".join(misplaced))

@@ -1,0 +1,90 @@
+"""The README's commands run as written, at small size, and so does the YAML example they use.
+
+Every command of the README's "Using it" block is taken from README.md itself and run in a
+fresh directory (with a copy of ``examples/``), with flags appended that make it small: a
+few steps on a tiny ImageFolder standing in for ``/data/cifar10/{train,val}``, 2 workers
+instead of 4, tiny subsets and k. What is not a matter of size is kept as written; two
+commands are narrowed: ``check --method all`` runs one method (every method's check is in
+tests/test_check.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measure for minutes).
+``check --no-sync-batchnorm`` is expected to fail: the README says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+SMALL_TRAIN = ["--max-steps", "2", "--batch-size", "16", "--subset", "32", "--val-subset", "16", "--knn-k", "5",
+               "--no-progress"]
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's "Using it" code block, continuation lines joined, comments dropped."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Using it\s+```bash\n(.*?)```", text, re.S)
+    assert block, "README.md has no 'Using it' bash block"
+    joined = block.group(1).replace("\\\n", " ")
+    return [" ".join(shlex.split(line, comments=True)) for line in joined.splitlines() if line.strip()]
+
+
+def _png_folder(root: Path, per_class: int) -> None:
+    from PIL import Image
+
+    for c in range(2):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (32, 32), (8 * i, 120 * c, 255 - 8 * i)).save(root / f"class{c}" / f"{i:02d}.png")
+
+
+def small(argv: list[str]) -> tuple[list[str], int]:
+    """`argv` as run by the test (size flags appended; see the module docstring) and the exit code it must end with."""
+    command, sub = argv[0], argv[1] if len(argv) > 1 else ""
+    if command == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                *["2" if a == "4" and argv[i - 1] == "--nproc-per-node" else a for i, a in enumerate(argv[1:], 1)]]
+        return [*argv, *SMALL_TRAIN, "--out", "runs/torchrun"], 0
+    assert command == "unison", argv
+    argv = [sys.executable, "-m", "unison.cli", *argv[1:]]
+    if sub == "train":
+        return [*argv, *SMALL_TRAIN, "--world-size", "2", "--data", "data/train", "--val", "data/val"], 0
+    if sub == "check" and "--run" in argv:
+        return [*argv, "--run-steps", "4", "--run-batch-size", "16"], 0
+    if sub == "check":
+        argv = [a if a != "all" else "simclr" for a in argv]
+        return [*argv, "--steps", "2", "--local-batch", "4"], (1 if "--no-sync-batchnorm" in argv else 0)
+    if sub == "eval":
+        return [*argv, "--linear-epochs", "2", "--knn-k", "5"], 0
+    if sub == "bench":
+        return [*argv, "--dry-run"], 0
+    return argv, 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_readme_commands_run_as_written(tmp_path):
+    commands = readme_commands()
+    assert any("--config examples/simclr_cifar10.yaml" in c for c in commands)   # the YAML example is among them
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    _png_folder(tmp_path / "data" / "train", 24)
+    _png_folder(tmp_path / "data" / "val", 8)
+    src = str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "UNISON_NO_CACHE": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    for line in commands:
+        argv = [a.replace("/data/cifar10/", "data/") for a in shlex.split(line)]
+        argv, expected = small(argv)
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == expected, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        assert "Traceback" not in proc.stderr or line.startswith("torchrun"), proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "simclr_cifar10" / "config.json").exists()   # the YAML example's --out
+    assert (tmp_path / "backbone.pt").exists() and (tmp_path / "backbone.json").exists()

@@ -1,0 +1,132 @@
+"""Choosing the data path (memory / stream), the kNN sets beside it, and a training run on streamed data."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+
+import pytest
+import torch
+
+from unison.config import TrainConfig
+from unison.data import source as S
+from unison.data.spec import DataSpec
+from unison.errors import ConfigError, DataError
+from unison.training.metrics import MetricsLogger
+from unison.training.step import data_spec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+def test_auto_mode_holds_small_data_in_memory_and_streams_the_rest(folders, monkeypatch):
+    from unison.data.catalog import open_catalog
+
+    square = open_catalog(folders["square"])
+    assert S.choose_mode(DataSpec(data=folders["square"]), square, len(square)) == "memory"
+    varied = open_catalog(folders["train"])            # images of many sizes: memory would resize them all
+    assert S.choose_mode(DataSpec(data=folders["train"]), varied, len(varied)) == "stream"
+    monkeypatch.setattr(S, "MEMORY_BUDGET", 1000)       # 24 images of 20x20x3 bytes do not fit
+    assert S.choose_mode(DataSpec(data=folders["square"]), square, len(square)) == "stream"
+    cfg = DataSpec(data=folders["train"], data_mode="memory")
+    assert S.choose_mode(cfg, varied, len(varied)) == "memory"
+    assert S.choose_mode(DataSpec(), None, 0) == "memory"       # the digits
+    with pytest.raises(ConfigError, match="built in"):
+        S.choose_mode(DataSpec(data_mode="stream"), None, 0)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"data_mode": "disk"}, "data_mode='disk' is unknown"),
+    ({"decode": "tpu"}, "decode='tpu' is unknown"),
+    ({"loader_workers": -1}, "loader_workers=-1 must be an integer >= 0"),
+    ({"decode": "gpu"}, "--decode gpu decodes JPEGs on the GPU and this machine has no CUDA device"),
+])
+def test_data_options_are_validated(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**kwargs).validate(cuda_available=False)
+    TrainConfig(data_mode="stream", loader_workers=0).validate(cuda_available=False)
+
+
+def test_data_spec_carries_what_the_data_side_reads_of_the_training_configuration():
+    cfg = TrainConfig(data="/d", val="/v", subset=10, val_subset=5, on_corrupt="error", data_mode="stream",
+                      loader_workers=3, image_size=32, batch_size=64, seed=7)
+    assert data_spec(cfg) == DataSpec(data="/d", batch_size=64, seed=7, val="/v", subset=10, val_subset=5,
+                                      on_corrupt="error", data_mode="stream", decode="cpu", loader_workers=3,
+                                      image_size=32, world_size=cfg.distributed.world_size)
+    assert dataclasses.replace(data_spec(TrainConfig()), world_size=1) == DataSpec()   # TrainConfig's defaults
+
+
+def test_size_rules_say_the_same_before_the_workers_and_in_the_build(folders):
+    """`open_checked` is what the pre-flight and `build_batch_source` both call: one rule, one message."""
+    too_big = DataSpec(data=folders["square"], batch_size=8, subset=100)
+    with pytest.raises(DataError, match=r"square has 24 images, fewer than --subset/--val-subset 100"):
+        S.open_checked(too_big)
+    with pytest.raises(DataError, match=r"square has 24 images, fewer than --subset/--val-subset 100"):
+        S.build_batch_source(too_big, torch.device("cpu"), "simclr")
+    one_batch = DataSpec(data=folders["square"], batch_size=32)
+    with pytest.raises(DataError, match=r"square has 24 images, fewer than one global batch \(32\)"):
+        S.build_batch_source(one_batch, torch.device("cpu"), "simclr")
+    assert S.open_checked(DataSpec(data="digits")) is None and S.open_checked(DataSpec(val=None), "val") is None
+    with pytest.raises(DataError, match=r"--val .*val has 12 images, fewer than --subset/--val-subset 13"):
+        S.open_checked(DataSpec(val=folders["val"], val_subset=13), "val")
+
+
+def test_memory_path_of_a_flat_folder_is_unlabelled(folders):
+    from unison.data import load_dataset
+
+    ds = load_dataset(folders["flat"])
+    assert len(ds) == 48 and ds.classes == [] and not ds.labelled and bool((ds.labels == -1).all())
+
+
+def test_metrics_csv_of_an_older_run_gets_the_current_header(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step,epoch,loss,lr,images_per_s,knn_top1\n5,1.0,2.5,0.1,100.0,\n")
+    logger = MetricsLogger(tmp_path)
+    logger.log(step=10, epoch=2.0, loss=2.0, lr=0.1, images_per_s=90.0, data_wait=0.25)
+    logger._file.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["step"] for r in rows] == ["5.0", "10"]
+    assert rows[0]["data_wait"] == "" and rows[1]["data_wait"] == "0.25" and rows[0]["loss"] == "2.5"
+
+
+def test_resnet_stem_follows_the_image_size():
+    import torchvision
+
+    from unison.models import build_backbone
+    from unison.models.backbones import resolve_backbone
+
+    assert resolve_backbone("resnet18", 224) == "resnet18_imagenet" and resolve_backbone("resnet18", 32) == \
+        "resnet18_cifar" and resolve_backbone("resnet50", None) == "resnet50_cifar"
+    net, dim = build_backbone("resnet18", 224)
+    ref = torchvision.models.resnet18()
+    ours = {k: v.shape for k, v in net.state_dict().items()}
+    assert dim == 512 and ours == {k: v.shape for k, v in ref.state_dict().items() if not k.startswith("fc.")}
+    small, _ = build_backbone("resnet18", 32)
+    assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
+    assert build_backbone("resnet18_cifar", 224)[0].conv1.kernel_size == (3, 3)
+
+
+def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
+    from types import SimpleNamespace
+
+    from unison.training.loop import DataWaitWarning
+
+    run = SimpleNamespace(data=SimpleNamespace(mode="stream", source=SimpleNamespace(loader_workers=2)))
+    waits = DataWaitWarning(run)
+    for step, share in ((10, 0.9), (20, 0.1), (30, 0.6), (40, 0.7)):   # the first window (start-up) is excused
+        waits.observe(step, share)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "waited for data 60% of the time up to step 30" in err[0]
+    assert "raise --loader-workers (now 2)" in err[0]
+
+
+def test_streamed_subset_and_bounded_knn_sets(folders, monkeypatch):
+    monkeypatch.setattr(S, "KNN_REFERENCE", 10)
+    cfg = TrainConfig(data=folders["train"], val=folders["val"], data_mode="stream", subset=20, val_subset=6,
+                      batch_size=8, loader_workers=0, image_size=16)
+    data = S.build_batch_source(data_spec(cfg), torch.device("cpu"), "simclr")
+    assert data.mode == "stream" and data.num_images == 20 and data.source.batches_per_epoch == 2
+    epoch, indices, views = next(data.source.iter_from(0))
+    assert indices.shape == (8,) and int(indices.max()) < 20 and views[0].shape == (8, 3, 16, 16)
+    knn = data.knn
+    assert knn.reference.shape == (10, 3, 16, 16) and knn.queries.shape == (6, 3, 16, 16)
+    assert torch.bincount(knn.reference_labels).tolist() == [5, 5] and knn.num_classes == 2
+    decoded = knn.queries.decode(0, 6)
+    assert decoded.dtype == torch.uint8 and decoded.shape == (6, 3, 16, 16)

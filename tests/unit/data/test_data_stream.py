@@ -1,0 +1,182 @@
+"""Streamed data: folders, file lists and tar shards of images of any size and mode, decoded by loader workers.
+
+The views of a sample must depend on (seed, epoch, index) only: not on the world size, the number
+of loader workers or the layout the images are stored in; every sample is read once per epoch.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.data_stream import BATCH, SIZE, N, _augmenter, _stream, _take
+
+from unison.data.catalog import open_catalog
+from unison.data.decode import CropDecoder
+from unison.data.generated import write_image_folder
+from unison.errors import DataError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x[0] == y[0] and torch.equal(x[1], y[1]) and all(torch.equal(p, q) for p, q in zip(x[2], y[2]))
+        for x, y in zip(a, b))
+
+
+# -- layouts --------------------------------------------------------------------------------------------
+def test_layouts_list_the_same_samples_in_the_same_order(data):
+    folder, listed, shards = (open_catalog(data[k]) for k in ("folder", "list", "shards"))
+    assert folder.kind == "folder" and listed.kind == "list" and shards.kind == "shards"
+    assert len(folder) == len(listed) == len(shards) == N
+    assert folder.classes == listed.classes == ["class_0", "class_1", "class_2"] and shards.classes == ["0", "1", "2"]
+    assert np.array_equal(folder.labels, listed.labels) and np.array_equal(folder.labels, shards.labels)
+    for i in (0, 37, N - 1):
+        assert folder.read(i) == listed.read(i) == shards.read(i)
+    assert "shard-00000.tar:class_0/" in shards.describe(0)
+
+
+def test_layouts_give_the_same_views(data):
+    job = (2, list(range(0, N, 2)))
+    crops = [CropDecoder(open_catalog(data[k]), _augmenter("multicrop"), 7, "skip")(job)["crops"]
+             for k in ("folder", "list", "shards")]
+    assert len(crops[0]) == 6 and crops[0][0].shape == (N // 2, 3, SIZE, SIZE) and crops[0][0].dtype == torch.uint8
+    for other in crops[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(crops[0], other))
+
+
+def test_every_mode_decodes_to_rgb_and_crops_differ(data):
+    out = CropDecoder(open_catalog(data["folder"]), _augmenter(), 7, "error")((0, list(range(20))))
+    assert out["error"] is None and out["skipped"] == []
+    v0, v1 = out["crops"]
+    assert not torch.equal(v0, v1)                                  # two different views of each image
+    assert len({bytes(x.numpy().tobytes()) for x in v0}) == 20      # and different samples differ
+
+
+def test_views_do_not_depend_on_the_batch_a_sample_is_in(data):
+    dec = CropDecoder(open_catalog(data["shards"]), _augmenter(), 7, "skip")
+    big = dec((1, [5, 17, 99, 3]))["crops"]
+    alone = dec((1, [99]))["crops"]
+    assert all(torch.equal(b[2], a[0]) for b, a in zip(big, alone))
+
+
+def test_flat_folder_is_unlabelled(tmp_path):
+    write_image_folder(tmp_path / "nested", 6, classes=1, sizes=(16, 20))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for p in sorted((tmp_path / "nested").rglob("*.*")):
+        (flat / p.name).write_bytes(p.read_bytes())
+    cat = open_catalog(str(flat))
+    assert cat.kind == "flat" and len(cat) == 6 and not cat.labelled and (cat.labels == -1).all()
+
+
+def test_file_list_labels_comments_and_relative_paths(tmp_path):
+    files = write_image_folder(tmp_path / "imgs", 4, classes=2, sizes=(16, 20))
+    (tmp_path / "numbers.txt").write_text("# comment\n\n" + "".join(f"imgs/{f} {k % 2}\n" for k, f in
+                                                                       enumerate(files)))
+    cat = open_catalog(str(tmp_path / "numbers.txt"))
+    assert cat.classes == ["0", "1"] and cat.labels.tolist() == [0, 1, 0, 1]
+    (tmp_path / "plain.txt").write_text("".join(f"imgs/{f}\n" for f in files))
+    assert not open_catalog(str(tmp_path / "plain.txt")).labelled
+    (tmp_path / "mixed.txt").write_text(f"imgs/{files[0]}\tcat\nimgs/{files[1]}\n")
+    with pytest.raises(DataError, match="line 2 has no label column"):
+        open_catalog(str(tmp_path / "mixed.txt"))
+
+
+# -- one-line errors naming the file -----------------------------------------------------------------------
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
+@pytest.mark.parametrize("case", ["missing-file-in-list", "empty-shard", "zero-byte-shard", "truncated-tar",
+                                  "truncated-at-a-member", "compressed-shard", "missing-shard-of-pattern"])
+def test_bad_layouts_are_one_line_errors_naming_the_file(data, tmp_path, case):
+    png = next(Path(data["folder"]).rglob("*.png")).read_bytes()
+    if case == "missing-file-in-list":
+        bad = tmp_path / "list.txt"
+        bad.write_text(f"{next(Path(data['folder']).rglob('*.png'))}\n{tmp_path / 'gone.jpg'}\n")
+        spec, named = str(bad), "gone.jpg"
+    elif case == "empty-shard":
+        _tar(tmp_path / "a.tar", [("x/1.png", png)])
+        _tar(tmp_path / "b.tar", [("x/2.cls", b"1"), ("x/3.txt", b"note")])    # no image member at all
+        spec, named = str(tmp_path), "b.tar"
+    elif case == "zero-byte-shard":
+        (tmp_path / "c.tar").write_bytes(b"")
+        spec, named = str(tmp_path / "c.tar"), "c.tar"
+    elif case in ("truncated-tar", "truncated-at-a-member"):
+        _tar(tmp_path / "full.tar", [(f"x/{k}.png", png) for k in range(4)])
+        blob = (tmp_path / "full.tar").read_bytes()
+        cut = len(blob) // 2 if case == "truncated-tar" else 512 + ((len(png) + 511) // 512) * 512  # after member 1
+        (tmp_path / "cut.tar").write_bytes(blob[:cut])
+        spec, named = str(tmp_path / "cut.tar"), "cut.tar"
+    elif case == "compressed-shard":
+        (tmp_path / "d.tar.gz").write_bytes(b"\x1f\x8b not really")
+        spec, named = str(tmp_path / "d.tar.gz"), "d.tar.gz"
+    else:
+        _tar(tmp_path / "s-0.tar", [("x/1.png", png)])
+        spec, named = str(tmp_path / "s-{0..1}.tar"), "s-1.tar"
+    with pytest.raises(DataError) as err:
+        open_catalog(spec)
+    assert named in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory, data) -> str:
+    """The folder with two broken files added: random bytes, and a PNG whose pixel data is cut off."""
+    root = tmp_path_factory.mktemp("corrupt") / "train"
+    files = write_image_folder(root, 48, classes=2, sizes=(16, 40), seed=5)
+    assert "class_0/img_000000.jpg" in files and "class_1/img_000003.png" in files
+    (root / "class_0" / "img_000000.jpg").write_bytes(np.random.default_rng(0).bytes(700))  # noise
+    good = (root / "class_1" / "img_000003.png").read_bytes()
+    (root / "class_1" / "img_000003.png").write_bytes(good[: len(good) // 2])                # truncated data
+    return str(root)
+
+
+def test_corrupt_files_are_skipped_with_a_substitute_or_named_in_the_error(corrupt, capfd):
+    cat = open_catalog(corrupt)
+    bad = [i for i in range(len(cat)) if cat.describe(i).endswith(("img_000000.jpg", "img_000003.png"))]
+    assert len(bad) == 2
+    out = _take(_stream(corrupt, 0, batch=16, catalog=cat), 0, 3)        # the whole epoch (48 images)
+    assert sorted(torch.cat([o[1] for o in out]).tolist()) == list(range(48))
+    err = capfd.readouterr().err
+    assert err.count("skipped unreadable image") == 2 and "img_000000.jpg" in err and "img_000003.png" in err
+    # The substitute's pixels, with the unreadable sample's draws: W- and worker-invariant like the rest.
+    again = _take(_stream(corrupt, 2, batch=16, catalog=cat), 0, 3)
+    assert _same(out, again)
+    with pytest.raises(DataError, match=r"cannot read image .*img_00000[03]\.(jpg|png)") as e:
+        _take(_stream(corrupt, 1, batch=16, on_corrupt="error"), 0, 3)
+    assert "\n" not in str(e.value) and "--on-corrupt skip" in str(e.value)
+
+
+# -- world size, loader workers, reads ---------------------------------------------------------------------
+def test_views_do_not_depend_on_the_number_of_loader_workers(data):
+    ref = _take(_stream(data["folder"], 0), 0, 7)                        # crosses into epoch 1
+    assert [e for e, _, _ in ref] == [0] * 5 + [1] * 2
+    assert _same(ref, _take(_stream(data["folder"], 3), 0, 7))
+    assert _same(ref[4:], _take(_stream(data["shards"], 2), 4, 3))      # resume mid-run, other layout
+
+
+def test_gpu_decode_path_is_worker_invariant_too(data):
+    # The --decode gpu code (batched torchvision decode_jpeg, roi_align crops) run on the CPU device.
+    ref = _take(_stream(data["list"], 0, decode="gpu"), 0, 2)
+    assert _same(ref, _take(_stream(data["list"], 2, decode="gpu"), 0, 2))
+    assert ref[0][2][0].shape == (BATCH, 3, SIZE, SIZE)
+
+
+def test_memory_mode_reads_lists_and_shards_like_the_folder(data):
+    from unison.data import load_dataset
+
+    with pytest.warns(UserWarning, match="resized"):   # the memory path stores every image at one size
+        ref = load_dataset(data["folder"], on_corrupt="error")
+    for spec in (data["list"], data["shards"]):
+        with pytest.warns(UserWarning, match="resized"):
+            other = load_dataset(spec, on_corrupt="error")
+        assert torch.equal(other.images, ref.images) and torch.equal(other.labels, ref.labels)

@@ -1,0 +1,104 @@
+"""`unison export` (backbone state dict loadable into torchvision), `unison eval` (kNN + linear probe), errors."""
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.config import TrainConfig
+from unison.eval.linear import linear_probe
+from unison.methods import get_method
+from unison.models import build_backbone
+from unison.training.checkpoint import save_checkpoint
+
+
+def _checkpoint(run_dir, backbone: str, image_size: int | None = None) -> torch.nn.Module:
+    """A freshly built SimCLR with non-trivial batch-norm statistics, saved as a unison checkpoint."""
+    from unison.models.backbones import resolve_backbone
+
+    torch.manual_seed(0)
+    net, dim = build_backbone(backbone, image_size)
+    cls = get_method("simclr")
+    method = cls(net, dim, cls.Params())
+    with torch.no_grad():  # eval-mode features then depend on every saved buffer, not just the weights
+        for m in method.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+    cfg = TrainConfig(backbone=backbone, image_size=image_size).to_dict()
+    state = {"method": "simclr", "config": cfg, "model": method.state_dict()}
+    if image_size is not None:  # what a run records since the stem follows the image size
+        state["resolved"] = {"backbone": resolve_backbone(backbone, image_size), "image_size": image_size}
+    save_checkpoint(run_dir, state, step=0)
+    return method.eval()
+
+
+def test_export_resnet18_loads_into_torchvision_with_cifar_stem(tmp_path, capsys):
+    import torchvision
+
+    method = _checkpoint(tmp_path / "run", "resnet18")
+    out = tmp_path / "r18.pt"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "torchvision.models.resnet18" in capsys.readouterr().out
+    state = torch.load(out, weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert "conv1.weight" in state and not any(k.startswith(("backbone.", "projector.", "fc.")) for k in state)
+
+    tv = torchvision.models.resnet18()
+    tv.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    tv.maxpool = torch.nn.Identity()
+    missing, unexpected = tv.load_state_dict(state, strict=False)
+    assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
+    tv.fc = torch.nn.Identity()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(tv.eval()(x), method.backbone(x))
+
+
+def test_export_resnet18_at_imagenet_size_loads_into_plain_torchvision(tmp_path, capsys):
+    import torchvision
+
+    method = _checkpoint(tmp_path / "run", "resnet18", image_size=96)
+    out = tmp_path / "r18.pt"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "resnet18_imagenet" in capsys.readouterr().out
+    tv = torchvision.models.resnet18()               # no stem surgery: torchvision's own ImageNet stem
+    missing, unexpected = tv.load_state_dict(torch.load(out, weights_only=True), strict=False)
+    assert sorted(missing) == ["fc.bias", "fc.weight"] and unexpected == []
+    tv.fc = torch.nn.Identity()
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        assert torch.equal(tv.eval()(x), method.backbone(x))
+
+
+def test_export_safetensors_or_clear_error(tmp_path, capsys):
+    _checkpoint(tmp_path / "run", "small_cnn")
+    out = tmp_path / "bb.safetensors"
+    rc = main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)])
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        assert rc == 2 and "pip install safetensors" in capsys.readouterr().err and not out.exists()
+        return
+    assert rc == 0 and set(load_file(str(out))) == set(build_backbone("small_cnn")[0].state_dict())
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys, command):
+    extra = ["--out", str(tmp_path / "x.pt")] if command == "export" else []
+    assert main([command, "--checkpoint", str(tmp_path / "nope"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err and str(tmp_path / "nope") in err
+
+
+def test_linear_probe_is_seeded_and_learns_separable_features():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(5, 16, generator=g) * 3
+    y = torch.arange(500) % 5
+    x = centres[y] + torch.randn(500, 16, generator=g)
+    rng = torch.get_rng_state()
+    a = linear_probe(x[:400], y[:400], x[400:], y[400:], 5, epochs=10, seed=1)
+    b = linear_probe(x[:400], y[:400], x[400:], y[400:], 5, epochs=10, seed=1)
+    assert a == b and a.top1 > 0.9
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched

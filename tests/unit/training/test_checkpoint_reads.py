@@ -1,0 +1,88 @@
+"""How often a checkpoint is read: the header alone where that is enough, the full state once per resume.
+
+The CLI (the resumed run's options) and the pre-flight checks (exists, intact, safe, same method) need only
+a checkpoint's header; a ``.dcp`` directory's header is read without building a model or touching a shard.
+The worker reads the full state once. Both kinds carry the same header, ``extra`` included.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import unison.cli.train_args
+import unison.training.checkpoint.safe_load as safe_load
+import unison.training.step
+from unison.config import TrainConfig
+from unison.errors import CheckpointError
+from unison.training.checkpoint import (
+    FORMAT,
+    load_checkpoint,
+    read_header,
+    save_checkpoint,
+    save_sharded,
+)
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+    monkeypatch.delenv("UNISON_FAULT_INJECT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+
+
+def _sharded_checkpoint(run_dir: Path, step: int = 3) -> Path:
+    """A ``.dcp`` checkpoint written in this process (no process group: DCP saves as one rank)."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    run = types.SimpleNamespace(method=model, optimizer=opt, cfg=TrainConfig(method="byol", keep_checkpoints=2),
+                                resolved={"backbone": "small_cnn"})
+    with warnings.catch_warnings():   # DCP without a process group warns that it saves as one process
+        warnings.simplefilter("ignore")
+        return save_sharded(run, run_dir, step, {"loss": [1.0]}, {"scaler": {"per_rank": False, "world_size": 1,
+                                                                            "state": {"scale": 2.0}}})
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a header read must not build a model or read the shards")
+
+
+def test_header_of_a_dcp_checkpoint_builds_no_model_and_reads_no_shard(tmp_path, monkeypatch):
+    path = _sharded_checkpoint(tmp_path)
+    monkeypatch.setattr(unison.training.step, "build_method", _refuse)
+    monkeypatch.setattr(safe_load, "load_safely", _refuse)
+    monkeypatch.setattr(safe_load.dcp, "load", _refuse)
+    for source in (path, tmp_path, tmp_path / "checkpoints"):
+        header = read_header(source, expect_method="byol")
+        assert (header.path, header.method, header.step, header.version) == (path, "byol", 3, 1)
+        assert header.config == TrainConfig(method="byol", keep_checkpoints=2).to_dict()
+    with pytest.raises(CheckpointError, match="was written by method 'byol', this run is 'moco'"):
+        read_header(tmp_path, expect_method="moco")
+
+
+def test_header_read_refuses_what_a_full_load_refuses(tmp_path):
+    path = _sharded_checkpoint(tmp_path)
+    (path / ".metadata").write_bytes(b"\x80\x04garbage")   # a damaged shard index is found without the shards
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        read_header(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_header(tmp_path / "nope")
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        read_header(tmp_path / "empty_run")
+
+
+def test_both_kinds_carry_one_header_with_extra(tmp_path):
+    dcp_ckpt = load_checkpoint(_sharded_checkpoint(tmp_path / "sharded"))
+    pt_ckpt = load_checkpoint(save_checkpoint(tmp_path / "plain", {"method": "byol", "config": {"n": 1}}, 3))
+    keys = ["format", "version", "method", "step", "config", "extra"]
+    assert list(dcp_ckpt)[:6] == keys and list(pt_ckpt)[:6] == keys
+    assert dcp_ckpt["format"] == pt_ckpt["format"] == FORMAT
+    assert dcp_ckpt["extra"] == {"scaler": {"per_rank": False, "world_size": 1, "state": {"scale": 2.0}}}
+    assert pt_ckpt["extra"] == {} and dcp_ckpt["sharded"] is True and dcp_ckpt["history"] == {"loss": [1.0]}
