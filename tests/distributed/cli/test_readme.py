@@ -11,6 +11,7 @@ tests/test_check.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measur
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shlex
@@ -69,6 +70,18 @@ def small(argv: list[str]) -> tuple[list[str], int]:
     return argv, 0
 
 
+def run_command(line: str, cwd: Path, env: dict[str, str]) -> str:
+    """Run one README command at small size; '' if it ended as the README says, else what went wrong."""
+    argv = [a.replace("/data/cifar10/", "data/") for a in shlex.split(line)]
+    argv, expected = small(argv)
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != expected:
+        return f"{line}: exit {proc.returncode}, expected {expected}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    if "Traceback" in proc.stderr and not line.startswith("torchrun"):
+        return f"{line}: a traceback\n{proc.stderr[-3000:]}"
+    return ""
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_readme_commands_run_as_written(tmp_path):
@@ -80,11 +93,14 @@ def test_readme_commands_run_as_written(tmp_path):
     src = str(ROOT / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "UNISON_NO_CACHE": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    for line in commands:
-        argv = [a.replace("/data/cifar10/", "data/") for a in shlex.split(line)]
-        argv, expected = small(argv)
-        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == expected, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-        assert "Traceback" not in proc.stderr or line.startswith("torchrun"), proc.stderr[-3000:]
+    # Two lanes run side by side (the suite's time): the commands on the default run directory in their order
+    # (train, --resume, eval, export), and the ones that stand alone.
+    uses_default_run = [c for c in commands if "runs/default" in c or (c.startswith("unison train") and "--out" not in c
+                                                                         and "--config" not in c)]
+    lanes = [uses_default_run, [c for c in commands if c not in uses_default_run]]
+    with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
+        failures = [f for lane in pool.map(lambda lane: [run_command(c, tmp_path, env) for c in lane], lanes)
+                    for f in lane if f]
+    assert not failures, "\n\n".join(failures)
     assert (tmp_path / "runs" / "simclr_cifar10" / "config.json").exists()   # the YAML example's --out
     assert (tmp_path / "backbone.pt").exists() and (tmp_path / "backbone.json").exists()
