@@ -17,7 +17,6 @@ from typing import Any
 from unison.config import DistributedConfig, TrainConfig
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
 from unison.errors import ConfigError
-from unison.training.resolve import validate_run
 
 
 def yaml_error(exc: Exception) -> str:
@@ -108,6 +107,8 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig.from_dict(base)
     if resume:
         cfg.resume = resume
+    from unison.training.resolve import validate_run  # the registries below import torch: not for --help
+
     return validate_run(cfg)
 
 

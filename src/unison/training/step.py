@@ -52,7 +52,6 @@ from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
-from unison.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
 from unison.parallel.zero import ShardedOptimizer
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.resolve import resolve_recipe
@@ -188,8 +187,12 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        from unison.parallel.fsdp import apply_activation_checkpointing  # imported by the runs that use FSDP only:
+
+        apply_activation_checkpointing(model)                           # 0.8 s of every DDP worker's start-up
     if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
+        from unison.parallel.fsdp import apply_fsdp
+
         parallel_model = apply_fsdp(model, device, amp=cfg.amp,
                                     reshard_after_forward=cfg.distributed.reshard_after_forward)
     else:

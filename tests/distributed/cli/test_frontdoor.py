@@ -1,7 +1,7 @@
 """The front door as a new user meets it (issue 15): each defect and friction, checked as the user would.
 
 Defects 1, 3-6 and 8 (2 and 7 are tested beside the data and the signal handling) and the frictions
-9-16 (18: `test_cifar10_download_failure_is_a_clear_error` in tests/test_data.py). One real 2-worker
+9-16 (18: `test_cifar10_download_failure_is_a_clear_error` in tests/unit/data/test_data.py). One real 2-worker
 run (`two_workers`, a subprocess, as a user starts it) is shared by the checks that read its output;
 torchrun is started for real.
 """
@@ -90,6 +90,7 @@ def test_4_export_carries_its_preprocessing_and_a_normal_file_mode(two_workers, 
     assert modes == {"backbone.pt": 0o666 & ~umask, "backbone.safetensors": 0o666 & ~umask}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not TORCHRUN.exists() and not shutil.which("torchrun"), reason="torchrun is not installed")
 def test_5_torchrun_prints_the_result_once_and_refuses_another_world_size(tmp_path):

@@ -5,7 +5,7 @@ fresh directory (with a copy of ``examples/``), with flags appended that make it
 few steps on a tiny ImageFolder standing in for ``/data/cifar10/{train,val}``, 2 workers
 instead of 4, tiny subsets and k. What is not a matter of size is kept as written; two
 commands are narrowed: ``check --method all`` runs one method (every method's check is in
-tests/test_check.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measure for minutes).
+tests/distributed/equivalence/test_check.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measure for minutes).
 ``check --no-sync-batchnorm`` is expected to fail: the README says so.
 """
 

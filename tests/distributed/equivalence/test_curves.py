@@ -1,5 +1,6 @@
 """World-size invariance of whole `unison train` runs: W=1 and W=2 loss curves agree step by step."""
 
+import pytest
 from helpers.curves import _report
 
 import unison.equivalence
@@ -7,6 +8,7 @@ from unison.cli import main
 from unison.equivalence import run_curves
 
 
+@pytest.mark.slow
 def test_w1_and_w2_training_runs_have_the_same_loss_curve(tmp_path):
     report = run_curves("simclr", steps=20, world_sizes=(1, 2), batch_size=32, out=str(tmp_path))
     assert report.precision == "float64" and report.complete, report.summary()

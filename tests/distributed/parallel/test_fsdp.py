@@ -1,7 +1,7 @@
 """Full sharding (``--shard full``, FSDP2): exact like one process, optimizers on DTensors, grad accumulation.
 
 Real gloo processes with different data on each rank, float64. Checkpoints of sharded runs:
-tests/test_dcp_checkpoint.py.
+tests/*/training/test_dcp_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from unison.optim import OPTIMIZER_NAMES, build_optimizer
 pytestmark = pytest.mark.distributed
 
 # ------------------------------------------------------------------ unison check --shard full
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_check_passes_fully_sharded(method):
     """W=2 fully sharded (parameters, gradients, optimizer state) == 1 process on the global batch."""
@@ -27,6 +28,7 @@ def test_check_passes_fully_sharded(method):
     assert "shard=full" in report.summary()
 
 
+@pytest.mark.slow
 def test_check_fails_fully_sharded_without_an_exactness_switch():
     report = run_equivalence("byol", world_size=2, steps=2, shard="full", sync_batchnorm=False)
     assert not report.passed and report.max_rel_grad > 1e-3, report.summary()
@@ -127,6 +129,7 @@ def test_lars_shard_norms_would_be_caught():
 
 
 # ------------------------------------------------------------------ gradient accumulation
+@pytest.mark.slow
 def test_gradient_accumulation_under_full_sharding_matches_ddp(tmp_path):
     """--grad-sync-every 2: FSDP's set_requires_gradient_sync(False) == DDP's no_sync (the same maths)."""
     from unison.cli import main

@@ -95,6 +95,7 @@ def _preempt(run, fault: str, capfd, monkeypatch, extra: tuple[str, ...] = (), b
     return code, err, ended - fault_time(err)
 
 
+@pytest.mark.slow
 def test_preempted_at_random_steps_then_resumed_equals_an_uninterrupted_run(long_reference, tmp_path, capfd,
                                                                             monkeypatch):
     rng = random.Random(20261123)
@@ -169,6 +170,7 @@ def test_ctrl_c_ends_the_run_promptly_with_no_orphan_and_no_half_written_file(tm
     print(f"Ctrl-C: exit 130 {latency:.2f} s after SIGINT")
 
 
+@pytest.mark.slow
 def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path, capfd,
                                                                                     monkeypatch):
     run = tmp_path / "run"
@@ -201,6 +203,7 @@ def test_a_slurm_requeue_resumes_by_itself(tmp_path, capfd, monkeypatch):
     assert load_checkpoint(run)["step"] == STEPS
 
 
+@pytest.mark.slow
 def test_powersgd_run_resumes_identically(tmp_path, capfd, monkeypatch):
     """PowerSGD's error feedback (per rank), warm-start factors, step counter and RNG are in the checkpoint, keyed by
     parameter, so the DDP bucket rebuild of the resumed process does not scramble them."""
@@ -232,6 +235,7 @@ def test_powersgd_state_is_not_loaded_at_another_world_size(tmp_path, capfd, mon
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
 def test_sigterm_to_torchrun_checkpoints_and_the_next_run_resumes(tmp_path):
     """torchrun forwards SIGTERM to its workers (and gives them 30 s); they save the step in progress."""
@@ -241,7 +245,8 @@ def test_sigterm_to_torchrun_checkpoints_and_the_next_run_resumes(tmp_path):
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "unison.cli", "train", *TINY, "--out", str(run)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode != 0   # torchrun itself reports the signal it got
-    ranks = re.findall(r"^unison: error: rank (\d): preempted by SIGTERM", proc.stderr, flags=re.M)
+    # Not anchored at a line start: torchrun's own log lines (C++, unbuffered) may land in the middle of one.
+    ranks = re.findall(r"unison: error: rank (\d): preempted by SIGTERM", proc.stderr)
     assert sorted(ranks) == ["0", "1"], proc.stderr[-3000:]
     assert load_intact(run)["step"] == 3 + LAG
     env.pop(FAULT)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from unison.cli import main
@@ -27,6 +28,7 @@ def test_main_job_outputs(tmp_path, capsys):
     assert ckpt["step"] == 4
 
 
+@pytest.mark.slow
 def test_checkpoint_at_world_size_2_resumes_at_world_size_1(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     common = [*SMALL, "--max-steps", "6", "--warmup-epochs", "0", "--precision", "float64"]

@@ -1,14 +1,6 @@
-"""Bad input never shows a traceback: `unison train` answers with one line and a distinct exit code.
+"""Numbers as recipes write them (``1e9`` epochs, ``1e-3`` learning rates), parsed in this process.
 
-Every case drives ``unison.cli.main([...])`` in this process and asserts the exit code, a fragment
-of the message and that stderr holds no traceback. Most cases fail in the parent (argument
-parsing, `validate()`, the pre-flight of `cmd_train`) before any worker starts; a few are found
-by a worker (in-process at world size 1, or in real worker processes) and must still reach the
-user as one line. docs/reliability.md lists every case with its exact message; set
-``UNISON_BAD_INPUT_LOG=FILE`` to append each case's exit code and message to FILE as JSON lines
-(that is how the table is refreshed).
-
-Exit codes: 1 worker failed, 2 configuration or usage, 3 data, 4 checkpoint, 5 non-finite loss.
+The table of bad inputs, each answered with one line and an exit code, is tests/distributed/cli/test_bad_inputs.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One 2-process launch (module fixture `workers`) runs every distributed scenario (the model in
 DDP, as in the training step); the references (one process on the global batch) and the
-single-process tests run in the test process. LARS on FSDP-sharded parameters: tests/test_fsdp.py.
+single-process tests run in the test process. LARS on FSDP-sharded parameters: tests/distributed/parallel/test_fsdp.py.
 """
 
 import copy

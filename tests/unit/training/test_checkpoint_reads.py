@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import unison.cli.train_args
-import unison.training.checkpoint.safe_load as safe_load
+import unison.training.checkpoint.dcp as dcp_io
 import unison.training.step
 from unison.config import TrainConfig
 from unison.errors import CheckpointError
@@ -56,8 +56,8 @@ def _refuse(*args, **kwargs):
 def test_header_of_a_dcp_checkpoint_builds_no_model_and_reads_no_shard(tmp_path, monkeypatch):
     path = _sharded_checkpoint(tmp_path)
     monkeypatch.setattr(unison.training.step, "build_method", _refuse)
-    monkeypatch.setattr(safe_load, "load_safely", _refuse)
-    monkeypatch.setattr(safe_load.dcp, "load", _refuse)
+    monkeypatch.setattr(dcp_io, "load_safely", _refuse)
+    monkeypatch.setattr(dcp_io.dcp, "load", _refuse)
     for source in (path, tmp_path, tmp_path / "checkpoints"):
         header = read_header(source, expect_method="byol")
         assert (header.path, header.method, header.step, header.version) == (path, "byol", 3, 1)

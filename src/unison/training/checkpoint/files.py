@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 DCP_SUFFIX = ".dcp"
+METADATA = ".metadata"   # DCP's index of which tensor slices are where
 
 STEP_RE = re.compile(r"step_(\d{8,})\.(?:pt|dcp)")   # .dcp: a directory (sharded runs)
 _TMP_RE = re.compile(r"\.(?:step_\d{8,}\.pt|latest)\.\d+\.[0-9a-f]+\.tmp")
@@ -233,3 +234,9 @@ def write_failure_message(final: Path, previous: Path | None, e: OSError) -> str
         return f"read-only file system: could not write checkpoint {final}; {intact}"
     reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
     return f"could not write checkpoint {final} ({reason}); {intact}"
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A DCP checkpoint directory (step_N.dcp)."""
+    path = Path(path)
+    return path.is_dir() and (path.suffix == DCP_SUFFIX or (path / METADATA).is_file())

@@ -42,7 +42,6 @@ import torch
 
 from unison.errors import CheckpointError
 
-from .dcp import load_consolidated
 from .files import (
     atomic_write,
     checkpoint_dir,
@@ -103,7 +102,12 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3,
 
 def _load_one(path: Path, map_location: Any, expect_method: str | None) -> dict:
     # A directory is a sharded run's checkpoint (torch.distributed.checkpoint), consolidated here.
-    ckpt = load_consolidated(path, map_location) if path.is_dir() else load_file(path, map_location)
+    if path.is_dir():   # a --shard full checkpoint: torch.distributed.checkpoint is imported when one is read
+        from .dcp import load_consolidated
+
+        ckpt = load_consolidated(path, map_location)
+    else:
+        ckpt = load_file(path, map_location)
     check_header(ckpt, path, expect_method)
     return ckpt
 

@@ -19,12 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from unison.distributed import collectives as C
 from unison.errors import CheckpointError
@@ -32,12 +26,14 @@ from unison.optim import constructor_args
 
 from .background import Checkpointer
 from .compat import check_compatible
-from .dcp import is_sharded_checkpoint, save_sharded
-from .files import latest_checkpoint
+from .files import is_sharded_checkpoint, latest_checkpoint
 from .header import DCP_HEADER, check_header, run_header
 from .pt import load_checkpoint
 from .rng_state import pack_rng_state, restore_run_rng
-from .safe_load import load_file, load_safely, read_metadata_safely
+from .safe_load import load_file, read_metadata_safely
+
+# torch.distributed.checkpoint (and the DTensor machinery it imports, about 0.8 s of every worker's start-up) is
+# imported by the functions of --shard full runs only.
 
 if TYPE_CHECKING:
     from unison.training.step import Run
@@ -51,6 +47,8 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer, step: int, history
     rank writes its own shards with torch.distributed.checkpoint (synchronously)."""
     started = time.perf_counter()
     if run.cfg.distributed.shard == "full":
+        from .dcp import save_sharded
+
         save_sharded(run, checkpointer.run_dir, step, history, run.extra_state.collect())
         checkpointer.wait_s.append(time.perf_counter() - started)
         return
@@ -120,7 +118,16 @@ def _optimizer_twin(run: Run) -> torch.optim.Optimizer:
 
 def _load_dcp_into(run: Run, directory: Path) -> None:
     """Model and optimizer state of the DCP checkpoint `directory` into `run` (every rank its part)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     from unison.parallel.zero import ShardedOptimizer
+
+    from .dcp import load_safely
 
     optimizer = _optimizer_twin(run) if isinstance(run.optimizer, ShardedOptimizer) else run.optimizer
     model_state: Any
@@ -149,6 +156,8 @@ def _load_dcp_into(run: Run, directory: Path) -> None:
 
 def _resume_full_from_pt(run: Run, path: Path) -> tuple[int, dict[str, Any]]:
     """A ``.pt`` checkpoint (unsharded run) into a ``--shard full`` run."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
     check_compatible(run.method, ckpt["model"])
     full = StateDictOptions(full_state_dict=True)

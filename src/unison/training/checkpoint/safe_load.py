@@ -15,21 +15,17 @@ an earlier checkpoint; anything unsafe raises `CheckpointError`.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 
 from unison.errors import CheckpointError, CorruptCheckpointError
 
-METADATA = ".metadata"   # DCP's index of which tensor slices are where
+from .files import METADATA
 
 
 def short_reason(e: BaseException) -> str:
@@ -128,59 +124,3 @@ def read_metadata_safely(directory: Path) -> Any:
             raise CheckpointError(f"{directory / METADATA} names the shard file {rel!r}, which is not a file in "
                                   f"{directory}; the checkpoint is damaged or not unison's")
     return metadata
-
-
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata is unpickled with the allow-list (DCP uses plain pickle)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        metadata = read_metadata_safely(Path(self.path))
-        storage_meta = getattr(metadata, "storage_meta", None)
-        if storage_meta is not None and hasattr(self, "load_id"):
-            storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor entries (optimizer hyper-parameters) loaded with weights_only=True (DCP: False)."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"refusing to load {read_item.dest_index.fqn} from a DCP checkpoint: it holds "
-                                  "Python objects that could run code when unpickled") from e
-        vetted = io.BytesIO()
-        torch.save(obj, vetted)   # plain data only now; DefaultLoadPlanner puts it where it belongs
-        vetted.seek(0)
-        super().load_bytes(read_item, vetted)
-
-
-def load_safely(state: dict[str, Any], directory: Path) -> None:
-    """dcp.load into `state` with `SafeReader` and `SafeLoadPlanner` (collective when a process group exists)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        try:
-            dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as e:  # DCP wraps each rank's error (a BaseException)
-            inner = _checkpoint_error_in(e)
-            if inner is not None:
-                raise inner from None
-            raise corrupt(directory, e) from None
-
-
-def _checkpoint_error_in(e: BaseException) -> CheckpointError | None:
-    """A CheckpointError raised inside DCP (it wraps each rank's failure in its own exception)."""
-    seen: list[BaseException] = [e]
-    while seen:
-        x = seen.pop()
-        if isinstance(x, CheckpointError):
-            return x
-        if isinstance(x, CheckpointException):   # {rank: (exception, traceback)}
-            seen.extend(pair[0] for pair in x.failures.values())
-        for nxt in (x.__cause__, x.__context__):
-            if nxt is not None:
-                seen.append(nxt)
-    return None
