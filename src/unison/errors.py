@@ -69,6 +69,25 @@ class WorkerError(UnisonError, RuntimeError):
     exit_code = 1
 
 
+class WorkerFailure(WorkerError):
+    """A worker process failed; `rank` and `cause` say which and why.
+
+    `error_type` is the class name of the worker's exception (None when it was killed or
+    exited without one); `exit_code` is the exit code of that exception when it was a
+    `UnisonError` (a `DataError` on rank 1 ends the command with 3), else 1; `traceback`
+    is the worker's traceback.
+    """
+
+    def __init__(self, rank: int, cause: str, error_type: str | None = None, traceback: str = "",
+                 exit_code: int | None = None):
+        super().__init__(f"worker rank {rank} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+        self.error_type = error_type
+        self.traceback = traceback
+        self.exit_code = exit_code or 1
+
+
 class WatchdogTimeout(WorkerError):
     """No rank made progress for ``--watchdog-s`` seconds (a hung collective, a stopped worker, a blocked loader)."""
 
@@ -85,6 +104,10 @@ class Preempted(UnisonError):
 
 
 INTERRUPTED_EXIT_CODE = 130
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message names the run and the end of its log."""
 
 
 def exit_code_of(exc: BaseException) -> int | None:

@@ -22,6 +22,7 @@ The layers, bottom to top (a module may import its own package and the layers be
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -46,8 +47,8 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 NO_TRAINING_CONFIG = ("distributed", "data", "models", "losses", "optim")
 LOSSES_MAY_USE = ("unison.distributed.collectives", "unison.distributed.tagging")
-ERROR_CLASSES = {"UnisonError", "ConfigError", "DataError", "CheckpointError", "NonFiniteLossError", "WorkerError",
-                 "WatchdogTimeout", "Preempted"}
+ERROR_CLASSES = {node.name for node in ast.parse((SRC / "errors.py").read_text()).body if isinstance(node, ast.ClassDef)}
+ERROR_NAME = re.compile(r"(Error|Failure|Exception|Timeout)$")
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 400
 
@@ -219,8 +220,15 @@ def private_imports(pkg: Package) -> list[str]:
 
 
 def error_classes_elsewhere(pkg: Package) -> list[str]:
-    return [f"{i.where()} imports {n} from {i.target}" for i in pkg.imports for n in i.names
-            if n in ERROR_CLASSES and i.target != "unison.errors"]
+    """Error classes live in `unison.errors` and are imported from there: no other module defines one (a class
+    named ...Error, ...Failure, ...Exception or ...Timeout) or re-exports one of errors.py's."""
+    bad = [f"{i.where()} imports {n} from {i.target}" for i in pkg.imports for n in i.names
+           if (n in ERROR_CLASSES or ERROR_NAME.search(n)) and i.target != "unison.errors"]
+    for name, path in pkg.modules.items():
+        if name != "unison.errors":
+            bad += [f"{name}:{node.lineno} defines {node.name}" for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ClassDef) and ERROR_NAME.search(node.name)]
+    return bad
 
 
 def long_functions_and_files(pkg: Package) -> list[str]:
@@ -269,7 +277,8 @@ PLANTED = {   # rule -> (file, line appended to it, a fragment of the violation 
                                         "TrainConfig"),
     "losses_distributed_imports": ("losses/byol.py", "from unison.distributed import launch\n", "unison.distributed.launch"),
     "private_imports": ("data/subsets.py", "import unison.rng as _r\n_x = _r._PERM_STREAM\n", "_PERM_STREAM"),
-    "error_classes_elsewhere": ("models/heads.py", "from unison.config.train import ConfigError\n", "ConfigError"),
+    "error_classes_elsewhere": ("models/heads.py", "from unison.config.train import ConfigError\n\n\n"
+                                                   "class HeadError(ValueError):\n    pass\n", "defines HeadError"),
     "long_functions_and_files": ("rng.py", "def planted():\n" + "    x = 1\n" * 90, "planted"),
 }
 

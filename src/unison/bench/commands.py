@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
-from unison.distributed.launch import WorkerFailure
-from unison.errors import ConfigError
+from unison.errors import BenchError, ConfigError, WorkerFailure
 
 from .config import (
     PARTS,
@@ -30,7 +29,6 @@ from .config import (
     loadavg,
     machine_info,
 )
-from .table import BenchError
 
 _WHAT = {
     "table": ("Distributed table",

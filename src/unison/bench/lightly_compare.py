@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from unison.config import TrainConfig
+from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
 from .report import fmt_duration, markdown_table, write_csv
-from .table import BenchError, RunSpec, load_pair, run_train, train_argv
+from .table import RunSpec, load_pair, run_train, train_argv
 
 
 def lightly_available() -> str | None:

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unison.errors import BenchError
+
 from .config import BenchConfig, format_load, loadavg, wait_for_load
 from .report import fmt_duration, markdown_table, plot_table, write_csv
-
-
-class BenchError(RuntimeError):
-    """A benchmark run failed; the message names the run and the end of its log."""
 
 
 @dataclass

@@ -45,30 +45,11 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from unison.config.distributed import DistributedConfig
-from unison.errors import Preempted, WatchdogTimeout, WorkerError, exit_code_of
+from unison.errors import Preempted, WatchdogTimeout, WorkerFailure, exit_code_of
 
 from . import watchdog
 from .env import exit_worker
 from .signals import STOP_SIGNALS, install_stop_handlers
-
-
-class WorkerFailure(WorkerError):
-    """A worker process failed; `rank` and `cause` say which and why.
-
-    `error_type` is the class name of the worker's exception (None when it was killed or
-    exited without one); `exit_code` is the exit code of that exception when it was a
-    `UnisonError` (a `DataError` on rank 1 ends the command with 3), else 1; `traceback`
-    is the worker's traceback.
-    """
-
-    def __init__(self, rank: int, cause: str, error_type: str | None = None, traceback: str = "",
-                 exit_code: int | None = None):
-        super().__init__(f"worker rank {rank} failed: {cause}")
-        self.rank = rank
-        self.cause = cause
-        self.error_type = error_type
-        self.traceback = traceback
-        self.exit_code = exit_code or 1
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:

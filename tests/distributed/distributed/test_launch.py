@@ -9,7 +9,8 @@ import pytest
 from unison.config.distributed import DistributedConfig
 from unison.distributed import collectives as C
 from unison.distributed.env import detect_launch_env, init_distributed, shutdown_distributed
-from unison.distributed.launch import WorkerFailure, launch
+from unison.distributed.launch import launch
+from unison.errors import WorkerFailure
 
 
 def _worker(payload):

@@ -27,8 +27,8 @@ from helpers.faults import FAULT
 from unison.cli import main
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
-from unison.distributed.launch import WorkerFailure
 from unison.distributed.testing import run_in_workers
+from unison.errors import WorkerFailure
 from unison.training.checkpoint import load_checkpoint
 
 STEPS = 8
