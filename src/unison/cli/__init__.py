@@ -49,12 +49,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
         ns.resume = None
         out = build_train_config(ns).out
         ns.resume = out if latest_checkpoint(out) is not None else None
+    launch_env = detect_launch_env()
+    if launch_env is not None:   # before anything slow: every rank refuses it at once
+        _check_world_size(ns, launch_env)
     cfg = build_train_config(ns)
     if cfg.resume == "auto":  # `resume: auto` in a YAML file: the file's options stand, weights come from --out
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
-    launch_env = detect_launch_env()
-    if launch_env is not None:
-        _check_world_size(ns, launch_env)
     started = time.perf_counter()
     with _stop_before_training():
         try:

@@ -35,7 +35,7 @@ def _dtensor_module() -> ModuleType | None:
     """``torch.distributed.tensor`` (torch 2.4: ``torch.distributed._tensor``) once imported, else None.
 
     No tensor is a DTensor before that module is imported (FSDP2 imports it before it shards anything), so a
-    plain DDP worker never pays for its import (about 0.7 s of every worker's start-up here)."""
+    process that shards nothing (the launcher's parent process, the CLI, ``unison eval``) does not import it."""
     for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "DTensor"):
