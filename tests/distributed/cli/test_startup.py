@@ -1,6 +1,7 @@
-"""What a process imports when it starts: the CLI's ``--help`` path imports no torch, and a DDP worker imports
-neither FSDP2 nor torch.distributed.checkpoint (with DTensor, about 0.8 s of each worker's start-up here);
-``--shard full`` runs import them where they are used. Fresh interpreters: this process has imported them all."""
+"""What a process imports when it starts: the CLI's ``--help`` path imports no torch, and the training modules
+(what the launcher's parent process and ``unison eval`` import) import neither FSDP2 nor torch.distributed.checkpoint
+(with DTensor, about 0.8 s here); the sharded paths import them where they are used. Fresh interpreters: this
+process has imported them all."""
 
 import subprocess
 import sys
@@ -19,7 +20,7 @@ def test_the_cli_imports_no_torch_until_a_command_needs_it():
     assert imported("unison.cli", ("'torch'",)) == []
 
 
-def test_a_ddp_worker_imports_neither_fsdp_nor_distributed_checkpoint():
+def test_the_training_modules_import_neither_fsdp_nor_distributed_checkpoint():
     assert imported("unison.training.loop, unison.training.step, unison.training.checkpoint", HEAVY) == []
 
 
