@@ -187,7 +187,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
-        from unison.parallel.fsdp import apply_activation_checkpointing   # FSDP2's import: where it is used
+        from unison.parallel.fsdp import apply_activation_checkpointing  # FSDP2's import: where it is used
 
         apply_activation_checkpointing(model)
     if cfg.distributed.shard == "full":   # FSDP2: the method itself, sharded in place
