@@ -135,7 +135,7 @@ def _check_world_size(ns: argparse.Namespace, launch_env: Any) -> None:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
-    from unison.equivalence import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence
+    from unison.equivalence import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence_all
     from unison.methods import METHODS
 
     spec = overrides_from_namespace(ns, CheckSpec)
@@ -143,16 +143,14 @@ def cmd_check(ns: argparse.Namespace) -> int:
     methods = sorted(METHODS) if spec.get("method") == "all" else [spec.pop("method", CheckSpec.method)]
     spec.pop("method", None)
     params = parse_params(ns.param)
-    ok = True
-    for m in methods:
-        report: CheckReport | CurvesReport
-        if curve.get("run"):  # whole `unison train` runs at 1 and W workers, loss curves compared
-            report = run_curves_for_check(m, spec, curve, params)
-        else:
-            report = run_equivalence(m, method_params=params, **spec)
+    reports: list[CheckReport | CurvesReport]
+    if curve.get("run"):  # whole `unison train` runs at 1 and W workers, loss curves compared
+        reports = [run_curves_for_check(m, spec, curve, params) for m in methods]
+    else:                 # every method in one launch of W workers
+        reports = list(run_equivalence_all(methods, method_params=params, **spec))
+    for report in reports:
         print(report.summary(), flush=True)
-        ok &= report.passed
-    return 0 if ok else 1
+    return 0 if all(report.passed for report in reports) else 1
 
 
 def make_parser() -> argparse.ArgumentParser:

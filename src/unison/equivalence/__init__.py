@@ -7,8 +7,17 @@
 
 from .compare import RELATIVE_FLOOR, assert_states_close, max_rel_difference
 from .curves import CURVE_TOLERANCE, CurveSpec, CurvesReport, run_curves, run_curves_for_check
-from .steps import TOLERANCE, CheckReport, CheckSpec, compare, record_steps, run_equivalence, train_config_for
+from .steps import (
+    TOLERANCE,
+    CheckReport,
+    CheckSpec,
+    compare,
+    record_steps,
+    run_equivalence,
+    run_equivalence_all,
+    train_config_for,
+)
 
 __all__ = ["CURVE_TOLERANCE", "RELATIVE_FLOOR", "TOLERANCE", "CheckReport", "assert_states_close", "CheckSpec", "CurveSpec", "CurvesReport",
-           "compare", "max_rel_difference", "record_steps", "run_curves", "run_curves_for_check", "run_equivalence",
+           "compare", "max_rel_difference", "record_steps", "run_curves", "run_curves_for_check", "run_equivalence", "run_equivalence_all",
            "train_config_for"]

@@ -180,19 +180,40 @@ def compare(multi: dict[str, Any], single: dict[str, Any], spec: CheckSpec) -> C
     return CheckReport(spec, rl, rg, rs, bool(multi["identical"]), worst, multi["note"], TOLERANCE[spec.dtype])
 
 
-def run_equivalence(method: str = "simclr", world_size: int = 2, *,
-                    record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps, **kw: Any) -> CheckReport:
-    """Train `method` on W processes and on 1 process with the production step; return the comparison.
+def record_each(spec_dicts: list[dict[str, Any]], record: Callable[[dict[str, Any]], dict[str, Any]]) -> list[Any]:
+    """Worker body of a batched check: `record` for each spec in turn, in the same process group."""
+    return [record(spec_dict) for spec_dict in spec_dicts]
+
+
+def run_equivalence_all(methods: list[str], world_size: int = 2, *,
+                        record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps,
+                        **kw: Any) -> list[CheckReport]:
+    """`run_equivalence` for several methods, each W workers against 1 process, in ONE launch of W workers (the
+    process start-up, a few seconds, is paid once: ``unison check --method all``). Every method builds its run
+    from its own seed, so each report is the one `run_equivalence` gives.
 
     `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
     from unison.distributed.testing import run_in_workers
     from unison.errors import ConfigError
 
-    spec = CheckSpec(method=method, world_size=world_size, **kw)
-    if spec.dtype not in TOLERANCE:
-        raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {spec.dtype!r}")
-    spec_dict = dataclasses.asdict(spec)
-    multi = run_in_workers(record, world_size, args=(spec_dict,), backend="gloo", seed=spec.seed, timeout_s=600)[0]
-    single_spec = dict(spec_dict, world_size=1, local_batch=spec.local_batch * world_size)
-    single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
-    return compare(multi, single, spec)
+    specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
+    if any(spec.dtype not in TOLERANCE for spec in specs):
+        raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
+    spec_dicts = [dataclasses.asdict(spec) for spec in specs]
+    seed = specs[0].seed if specs else 0
+    multi = run_in_workers(record_each, world_size, args=(spec_dicts, record), backend="gloo", seed=seed,
+                           timeout_s=600)[0]
+    reports = []
+    for spec, spec_dict, recorded in zip(specs, spec_dicts, multi):
+        single_spec = dict(spec_dict, world_size=1, local_batch=spec.local_batch * world_size)
+        single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
+        reports.append(compare(recorded, single, spec))
+    return reports
+
+
+def run_equivalence(method: str = "simclr", world_size: int = 2, *,
+                    record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps, **kw: Any) -> CheckReport:
+    """Train `method` on W processes and on 1 process with the production step; return the comparison.
+
+    `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
+    return run_equivalence_all([method], world_size, record=record, **kw)[0]

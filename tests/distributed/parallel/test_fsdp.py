@@ -12,19 +12,25 @@ from torch import nn
 
 from unison.distributed import collectives as C
 from unison.distributed.testing import run_in_workers
-from unison.equivalence import run_equivalence
+from unison.equivalence import run_equivalence, run_equivalence_all
 from unison.methods import METHODS
 from unison.optim import OPTIMIZER_NAMES, build_optimizer
 
 pytestmark = pytest.mark.distributed
 
 # ------------------------------------------------------------------ unison check --shard full
+@pytest.fixture(scope="module")
+def fully_sharded_reports():
+    """Every method's check at W=2 under --shard full, in one launch of 2 workers (as `unison check --method all`)."""
+    return dict(zip(sorted(METHODS), run_equivalence_all(sorted(METHODS), world_size=2, steps=2, shard="full")))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_check_passes_fully_sharded(method):
+def test_check_passes_fully_sharded(method, fully_sharded_reports):
     """W=2 fully sharded (parameters, gradients, optimizer state) == 1 process on the global batch."""
-    report = run_equivalence(method, world_size=2, steps=2, shard="full")
-    assert report.passed, report.summary()
+    report = fully_sharded_reports[method]
+    assert report.spec.method == method and report.passed, report.summary()
     assert "shard=full" in report.summary()
 
 
