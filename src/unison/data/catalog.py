@@ -15,12 +15,22 @@ tar shards          ``x.tar``, a folder of ``*.tar`` or a brace pattern         
                     ``train-{0000..0146}.tar`` (WebDataset layout, see shards)
 ==================  ==========================================================  ===========
 
+A folder holding both images and subfolders is neither layout and is refused by name (reading it
+as an ImageFolder would drop its top-level images). Folder walks follow links to folders once per
+real folder (a loop such as ``a/up -> ..`` or a link into the data folder itself adds nothing), so
+each image is counted once. A name ending in an image extension that is a FIFO, a device or a
+socket is refused when the data is listed (by the pre-flight, before any worker starts); so is a
+file list naming one. File lists are UTF-8 (a byte-order mark is dropped); a line holding a control
+character (NUL...), a path past the file system's lengths or a label past
+`unison.data.files.MAX_CLASSES` is refused naming the line. The reading limits themselves are
+`unison.data.files`.
+
 Samples are numbered in a fixed order: ImageFolder by class then sorted path (as
 torchvision), a flat folder by sorted name, a list by line, shards by shard then member.
 That number is the *sample index* every random draw is keyed on, so the same images in
 the same order give the same views whatever the layout (tested).
 
-Labels of a file list: when every label is a non-negative integer, class k is ``str(k)``;
+Labels of a file list: when every label is a non-negative integer (ASCII digits), class k is ``str(k)``;
 otherwise the classes are the sorted distinct names. A list with labels on some lines only
 is an error naming the line. A catalog without labels has ``classes == []``: SSL pre-training
 needs none, and kNN evaluation is then skipped.
