@@ -57,7 +57,7 @@ import numpy as np
 
 from unison.errors import DataError
 
-from .files import MAX_LIST_BYTES, check_regular, file_kind, read_regular
+from .files import MAX_LIST_BYTES, check_regular, file_kind, read_regular, resolved
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices, stat_all
 from .shards import SHARD_SUFFIXES, open_shards, shard_paths
 
@@ -78,7 +78,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
                         "'digits' or 'cifar10'")
     if "{" in spec and ".." in spec:
         return open_shards(shard_paths(spec))
-    path = Path(spec).expanduser().resolve()
+    path = resolved(spec, what)
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -87,10 +87,9 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
     except OSError as e:
         raise DataError(f"cannot read {what} {path} ({e.strerror or e})") from None
     if not stat.S_ISDIR(st.st_mode):
-        if path.name.endswith(SHARD_SUFFIXES):
-            return open_shards(shard_paths(str(path)))
-        check_regular(str(path), "file list")
-        return _open_list(path)
+        shard = spec.endswith(SHARD_SUFFIXES) or path.name.endswith(SHARD_SUFFIXES)  # the name given, or linked to
+        check_regular(spec, "tar shard" if shard else "file list")
+        return open_shards(shard_paths(str(path))) if shard else _open_list(path)
     entries = _list_dir(path)
     if not entries:
         raise DataError(f"data folder {path} is empty (expected {LAYOUTS.format(path)})")

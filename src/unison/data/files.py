@@ -29,17 +29,27 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 
 from unison.errors import DataError
 
 __all__ = ["MAX_CLASSES", "MAX_IMAGE_BYTES", "MAX_LABEL_BYTES", "MAX_LIST_BYTES", "MAX_PIXELS", "check_regular",
-           "file_kind", "open_image", "parse_label", "read_regular"]
+           "file_kind", "open_image", "parse_label", "read_regular", "resolved"]
 
 MAX_IMAGE_BYTES = 256 * 2**20
 MAX_LIST_BYTES = 2**30
 MAX_LABEL_BYTES = 64
 MAX_CLASSES = 100_000
 MAX_PIXELS = 178_956_970     # PIL raises DecompressionBombError above this (2 x Image.MAX_IMAGE_PIXELS)
+
+
+def resolved(path: str, what: str) -> Path:
+    """`path` with ``~`` expanded and links resolved; DataError for a link loop or a name too long."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as e:  # Python 3.11 raises RuntimeError for a loop of links
+        reason = getattr(e, "strerror", None) or str(e)
+        raise DataError(f"{what} {path} cannot be resolved ({reason})") from None
 
 
 def file_kind(mode: int) -> str:
@@ -64,8 +74,9 @@ def check_regular(path: str, what: str) -> os.stat_result:
     return st
 
 
-def read_regular(path: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
-    """The bytes of the regular file `path`, at most `limit` of them; OSError for anything else (nothing read)."""
+def read_regular(path: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` (`MAX_IMAGE_BYTES`); OSError for anything else."""
+    limit = MAX_IMAGE_BYTES if limit is None else limit
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # non-blocking: a FIFO
     try:
         st = os.fstat(fd)
@@ -91,7 +102,7 @@ def parse_label(text: str, where: str) -> int:
     """A class index: ASCII digits only, below `MAX_CLASSES`; DataError naming `where` (file and line/member)."""
     if not (text.isascii() and text.isdigit()):
         raise DataError(f"{where}: label {text[:20]!r} is not a class index (ASCII digits 0-9)")
-    if len(text) > len(str(MAX_CLASSES)) or int(text) >= MAX_CLASSES:
+    if len(text) > 20 or int(text) >= MAX_CLASSES:  # 20 digits: int() of a million-digit label takes seconds
         raise DataError(f"{where}: label {text[:20]} is past the largest class index unison takes "
                         f"({MAX_CLASSES - 1:,}); number the classes from 0")
     return int(text)

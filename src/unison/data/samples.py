@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ import numpy as np
 
 from unison.errors import DataError
 
-from .files import MAX_CLASSES, parse_label, read_regular
+from .files import MAX_CLASSES, MAX_IMAGE_BYTES, parse_label, read_regular
 
 __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "integer_classes", "label_indices", "stat_all"]
 
@@ -111,6 +112,9 @@ class Catalog:
         if self.kind != "shards":
             return read_regular(self.path(i))  # a FIFO, a device or an oversized file: OSError, nothing read
         size, offset = int(self.sizes[i]), int(self.offsets[i])
+        if size > MAX_IMAGE_BYTES:  # the bound of every image read, as for files
+            raise OSError(errno.EFBIG, f"member {self.names[i]} is {size:,} bytes, past the {MAX_IMAGE_BYTES:,}-byte "
+                          "limit", self.path(i))
         data = os.pread(self._shard_fd(int(self.shard_of[i])), size, offset)
         if len(data) != size:
             raise DataError(f"tar shard {self.path(i)} is truncated: member {self.names[i]} ends at byte "
@@ -138,6 +142,9 @@ def label_indices(text: list[str], where: Callable[[int], str]) -> tuple[np.ndar
 
     `where(k)` names label k in messages (file and line): an integer label past `MAX_CLASSES` is an error.
     """
+    odd = next((k for k, t in enumerate(text) if t.isdigit() and not t.isascii()), None)
+    if odd is not None:  # '²' or '٣': a number to a reader, neither an index nor a plain name here
+        parse_label(text[odd], where(odd))
     if all(t.isascii() and t.isdigit() for t in text):
         values = np.asarray([parse_label(t, where(k)) for k, t in enumerate(text)], dtype=np.int64)
         return values, integer_classes(values)

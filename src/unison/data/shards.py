@@ -53,7 +53,7 @@ import numpy as np
 from unison.errors import DataError
 
 from .cache import cache_root
-from .files import MAX_LABEL_BYTES, check_regular, parse_label
+from .files import MAX_LABEL_BYTES, check_regular, parse_label, resolved
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, integer_classes
 
 __all__ = ["MAX_SHARDS", "SHARD_SUFFIXES", "index_shard", "open_shards", "shard_paths"]
@@ -64,7 +64,7 @@ _IMAGE_EXTS = {e[1:] for e in IMG_EXTENSIONS}
 _LABEL_EXTS = ("cls", "label", "cls.txt", "label.txt")
 _INDEX_VERSION = 2   # 2: labels parsed strictly and bounded (older indexes may hold any integer)
 MAX_SHARDS = 100_000
-_INT_RANGE = re.compile(r"\{(-?\d{1,30})\.\.(-?\d{1,30})(?:\.\.-?(\d{1,30}))?\}")
+_INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
 _NO_LABEL = -1
 
 
@@ -79,16 +79,16 @@ def shard_paths(spec: str) -> list[str]:
         for name in _expand(spec):
             if len(paths) == MAX_SHARDS:
                 raise DataError(f"{spec} names more than {MAX_SHARDS:,} tar shards; write fewer, larger shards")
-            path = str(Path(name).expanduser().resolve())
+            path = str(resolved(name, "tar shard"))
             if not os.path.lexists(path):
                 raise DataError(f"tar shard {path} of {spec} does not exist")
             paths.append(path)
     elif os.path.isdir(spec):
-        root = Path(spec).expanduser().resolve()
+        root = resolved(spec, "shard folder")
         paths = sorted(str(root / e.name) for e in os.scandir(root)
                        if e.name.endswith(SHARD_SUFFIXES) and not e.name.startswith("."))
     else:
-        paths = [str(Path(spec).expanduser().resolve())]
+        paths = [str(resolved(spec, "tar shard"))]
     compressed = next((p for p in paths if p.endswith(COMPRESSED)), None)
     if compressed is not None:
         raise DataError(f"tar shard {compressed} is compressed; unison reads samples by offset, which needs "

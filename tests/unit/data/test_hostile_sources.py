@@ -126,7 +126,7 @@ def test_link_to_a_device_is_refused_and_never_read(tmp_path):
     listed.write_text(f"{root / 'a' / '000.png'}\n/dev/zero\n")
     _refused("line 2: /dev/zero is a character device", lambda: open_catalog(str(listed)))
     os.symlink("/dev/zero", tmp_path / "zero.txt")
-    _refused("/dev/zero is a character device, not a regular file", lambda: open_catalog(str(tmp_path / "zero.txt")))
+    _refused("zero.txt is a character device, not a regular file", lambda: open_catalog(str(tmp_path / "zero.txt")))
 
 
 def test_every_read_is_a_bounded_regular_file_read(tmp_path, monkeypatch):
@@ -242,3 +242,53 @@ def test_every_decode_path_refuses_a_decompression_bomb(tmp_path, monkeypatch):
         load_catalog(cat, None, "error", 0)
     with pytest.raises(ValueError, match="past the 1,023-pixel limit"):
         decode_centre(cat.read(1), 16)
+
+
+def test_list_labels_in_other_digits_are_refused(tmp_path):
+    """``٣`` beside ``1`` would make the list's labels names (classes '1', '٣'), not the indices meant."""
+    _png(tmp_path / "a.png")
+    (tmp_path / "list.txt").write_text("a.png 1\na.png \u0663\n")
+    _refused("line 2: label '\u0663' is not a class index (ASCII digits 0-9)", lambda: open_catalog(
+        str(tmp_path / "list.txt")))
+
+
+# ------------------------------------------------------------------ found by this branch's own trial
+def test_more_paths_that_are_not_images_are_refused(tmp_path):
+    import socket
+
+    os.symlink("loop", tmp_path / "loop")                              # --data is a loop of links
+    _refused("loop cannot be resolved (Symlink loop", lambda: open_catalog(str(tmp_path / "loop")))
+    root = _folder(tmp_path / "d", per_class=2)
+    with socket.socket(socket.AF_UNIX) as s:                           # a socket named like an image
+        s.bind(str(root / "a" / "zz.png"))
+        _refused("zz.png is a socket, not an image file", lambda: open_catalog(str(root)))
+    os.symlink("/dev/zero", tmp_path / "zero.tar")                     # a shard name linked to a device
+    _refused("tar shard", lambda: open_catalog(str(tmp_path / "zero.tar")))
+    (tmp_path / "dir.txt").write_text(f"{root / 'a' / '000.png'}\n{root / 'a'}\n")
+    _refused("line 2: " + str(root / "a") + " is a folder, not an image file", lambda: open_catalog(str(tmp_path / "dir.txt")))
+    (tmp_path / "esc.txt").write_text(f"{root / 'a' / '000.png'}\n\x1b[31mred.png\n")
+    _refused("line 2 holds the control character '\\x1b'", lambda: open_catalog(str(tmp_path / "esc.txt")))
+    _refused("names more than 100,000 tar shards", lambda: open_catalog(str(tmp_path / f"x-{{0..{'9' * 40}}}.tar")))
+
+
+def test_an_oversized_shard_member_is_not_read(tmp_path, monkeypatch):
+    from unison.data import samples
+
+    _png(tmp_path / "a.png")
+    shard = _tar(tmp_path / "s.tar", [(f"k/{i}.png", (tmp_path / "a.png").read_bytes()) for i in range(2)])
+    cat = open_catalog(shard)
+    monkeypatch.setattr(samples, "MAX_IMAGE_BYTES", 10)
+    with pytest.raises(OSError, match="past the 10-byte limit"):
+        cat.read(0)
+
+
+def test_a_constant_channel_is_not_normalised_into_nan():
+    """Images whose blue channel is 0 everywhere: std 0 made every view NaN (exit 5, 'lower --lr')."""
+    import torch
+
+    from unison.data.subsets import channel_stats
+
+    images = torch.zeros(4, 3, 8, 8, dtype=torch.uint8)
+    images[:, 0] = torch.arange(4, dtype=torch.uint8)[:, None, None] * 60
+    mean, std = channel_stats(images)
+    assert std[1] == std[2] == 1.0 and 0 < std[0] < 1
