@@ -103,7 +103,8 @@ def parse_label(text: str, where: str) -> int:
     if not (text.isascii() and text.isdigit()):
         raise DataError(f"{where}: label {text[:20]!r} is not a class index (ASCII digits 0-9)")
     if len(text) > 20 or int(text) >= MAX_CLASSES:  # 20 digits: int() of a million-digit label takes seconds
-        raise DataError(f"{where}: label {text[:20]} is past the largest class index unison takes "
+        shown = text if len(text) <= 20 else f"{text[:20]}... ({len(text)} digits)"
+        raise DataError(f"{where}: label {shown} is past the largest class index unison takes "
                         f"({MAX_CLASSES - 1:,}); number the classes from 0")
     return int(text)
 
