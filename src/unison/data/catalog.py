@@ -84,8 +84,9 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
     except FileNotFoundError:
         raise DataError(f"data folder {path} does not exist (expected {LAYOUTS.format(path)}, or the name 'digits' "
                         "or 'cifar10')") from None
-    except OSError as e:
-        raise DataError(f"cannot read {what} {path} ({e.strerror or e})") from None
+    except OSError as e:  # a name too long, a permission: the message shows the path cut to a readable length
+        shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:120]}... ({len(str(path)):,} characters)"
+        raise DataError(f"cannot read {what} {shown} ({e.strerror or e})") from None
     if not stat.S_ISDIR(st.st_mode):
         shard = spec.endswith(SHARD_SUFFIXES) or path.name.endswith(SHARD_SUFFIXES)  # the name given, or linked to
         check_regular(spec, "tar shard" if shard else "file list")
@@ -93,8 +94,8 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
     entries = _list_dir(path)
     if not entries:
         raise DataError(f"data folder {path} is empty (expected {LAYOUTS.format(path)})")
-    folders = sorted(e.name for e in entries if e.is_dir())
-    images = sorted(e.name for e in entries if not e.is_dir() and e.name.lower().endswith(IMG_EXTENSIONS))
+    folders = sorted(e.name for e in entries if _is_dir(e))
+    images = sorted(e.name for e in entries if not _is_dir(e) and e.name.lower().endswith(IMG_EXTENSIONS))
     if folders and images:  # neither layout: say so rather than drop the images or read a subfolder as a class
         raise DataError(f"data folder {path} holds both images ({_some(images)}) and subfolders ({_some(folders)}); "
                         "an ImageFolder keeps images only in class subfolders, a flat folder has no subfolders: "
@@ -115,13 +116,25 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _list_dir(folder: Path | str) -> list[os.DirEntry]:
+def _list_dir(folder: Path | str, missing_ok: bool = False) -> list[os.DirEntry]:
     """The entries of `folder` not starting with a dot; DataError when it cannot be listed."""
     try:
         with os.scandir(folder) as it:
             return [e for e in it if not e.name.startswith(".")]
+    except FileNotFoundError:
+        if not missing_ok:
+            raise DataError(f"data folder {folder} does not exist") from None
+        return []  # removed while the tree was walked: it holds no images now
     except OSError as e:
         raise DataError(f"cannot list the data folder {folder} ({e.strerror or e})") from None
+
+
+def _is_dir(e: os.DirEntry) -> bool:
+    """A folder, or a link to one; False for a link that loops or cannot be followed."""
+    try:
+        return e.is_dir()
+    except OSError:
+        return False
 
 
 def _check_image_entry(e: os.DirEntry) -> None:
@@ -129,13 +142,16 @@ def _check_image_entry(e: os.DirEntry) -> None:
 
     A broken link stays listed: reading it fails like any unreadable image (``--on-corrupt``).
     """
-    if e.name.lower().endswith(IMG_EXTENSIONS) and not e.is_file() and not e.is_dir():
-        try:
-            mode = e.stat().st_mode
-        except OSError:
+    if not e.name.lower().endswith(IMG_EXTENSIONS):
+        return
+    try:
+        if e.is_file() or e.is_dir():
             return
-        raise DataError(f"data file {e.path} is {file_kind(mode)}, not an image file; remove it or replace it with "
-                        "the image")
+        mode = e.stat().st_mode
+    except OSError:
+        return
+    raise DataError(f"data file {e.path} is {file_kind(mode)}, not an image file; remove it or replace it with "
+                    "the image")
 
 
 def scan_folder(root: Path) -> list[str]:
@@ -151,7 +167,7 @@ def _scan_image_folder(root: Path) -> tuple[list[str], list[str], list[int]]:
     if not root.is_dir():
         raise DataError(f"data path {root} is not a folder ({layout})")
     entries = _list_dir(root)
-    classes = sorted(e.name for e in entries if e.is_dir())
+    classes = sorted(e.name for e in entries if _is_dir(e))
     if not entries:
         raise DataError(f"data folder {root} is empty ({layout})")
     if not classes:
@@ -189,8 +205,8 @@ def _walk_images(root: Path, cls: str, real_root: str, seen: set[tuple[int, int]
     stack = [cls]
     while stack:
         rel_dir = stack.pop()
-        for e in _list_dir(root / rel_dir):
-            if e.is_dir():
+        for e in _list_dir(root / rel_dir, missing_ok=True):
+            if _is_dir(e):
                 if _first_visit(e, real_root, seen):
                     stack.append(os.path.join(rel_dir, e.name))
             elif e.name.lower().endswith(IMG_EXTENSIONS):

@@ -200,7 +200,7 @@ def _read_label(tf: tarfile.TarFile, m: tarfile.TarInfo, path: str) -> int:
         raise DataError(f"{where} holds {m.size:,} bytes; a label is a class index (ASCII digits)")
     data = tf.extractfile(m).read()  # type: ignore[union-attr]
     try:
-        text = data.decode("utf-8").strip()
+        text = data.decode("utf-8-sig").strip()  # a byte-order mark is not part of the label
     except UnicodeDecodeError:
         raise DataError(f"{where} is not UTF-8 text; a label is a class index (ASCII digits)") from None
     return parse_label(text, where)

@@ -259,6 +259,9 @@ def test_more_paths_that_are_not_images_are_refused(tmp_path):
     os.symlink("loop", tmp_path / "loop")                              # --data is a loop of links
     _refused("loop cannot be resolved (Symlink loop", lambda: open_catalog(str(tmp_path / "loop")))
     root = _folder(tmp_path / "d", per_class=2)
+    os.symlink("self", root / "a" / "self")                            # links that loop inside the data:
+    os.symlink("x.png", root / "b" / "x.png")                          # no traceback from the walk
+    assert len(open_catalog(str(root))) == 5
     with socket.socket(socket.AF_UNIX) as s:                           # a socket named like an image
         s.bind(str(root / "a" / "zz.png"))
         _refused("zz.png is a socket, not an image file", lambda: open_catalog(str(root)))
