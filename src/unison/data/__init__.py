@@ -10,7 +10,8 @@ Typical training-loop use (what `unison.training.step.build_run` does through `b
         views = aug(ds.images[idx], idx, epoch=epoch, seed=seed)
 
 Modules, bottom to top (each imports only those earlier in this list, never the training
-configuration): `tensor_dataset` (`ImageTensorDataset`), `samples` (the `Catalog` value), `cache`
+configuration): `tensor_dataset` (`ImageTensorDataset`), `files` (bounded regular-file reads, strict labels,
+the pixel limit), `samples` (the `Catalog` value), `cache`
 (the cache folder), `spec` (`DataSpec` and the size rules), `subsets`, `presets`, `augment`,
 `builtin` (digits, CIFAR-10), `shards` (tar shards), `catalog` (folders, file lists; the layout
 dispatcher `open_catalog`), `memory` (decoding a catalog into memory, the cache), `datasets`

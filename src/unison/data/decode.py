@@ -36,7 +36,6 @@ Example::
 
 from __future__ import annotations
 
-import io
 import warnings
 from typing import Any
 
@@ -46,19 +45,13 @@ import torch
 from unison.errors import DataError
 
 from .augment import ViewAugmenter
+from .files import open_image  # the header, refused past MAX_PIXELS: the decompression-bomb limit
 from .samples import Catalog
 
 __all__ = ["CropDecoder", "decode_centre", "open_image", "to_rgb"]
 
 _MAX_SUBSTITUTES = 10
 _DRAFT_SCALES = (8, 4, 2)
-
-
-def open_image(data: bytes):
-    """A lazily decoded PIL image (the header is parsed, the pixels not yet)."""
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data))
 
 
 def to_rgb(im):

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from .augment import ViewAugmenter
-from .decode import CropDecoder, open_image, to_rgb
+from .decode import CropDecoder, to_rgb
+from .files import open_image
 from .samples import Catalog
 
 __all__ = ["BytesReader", "GpuCropper"]

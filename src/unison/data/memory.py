@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import warnings
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from unison.errors import DataError
 
 from .cache import cache_root
+from .files import open_image
 from .samples import Catalog
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
@@ -99,7 +99,8 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
 
 
 def decode_bytes(data: bytes) -> torch.Tensor:
-    """uint8 [3, H, W] RGB; raises on unreadable data."""
+    """uint8 [3, H, W] RGB; raises on unreadable data and past `MAX_PIXELS` (checked on the header first)."""
+    header = open_image(data)  # torchvision's decoders have no decompression-bomb limit
     decoder = _tv_decoder()
     if decoder is not None:
         try:  # fast path (libjpeg-turbo / libpng, releases the GIL; about 2x PIL on small JPEGs)
@@ -110,10 +111,9 @@ def decode_bytes(data: bytes) -> torch.Tensor:
                 return img
         except Exception:
             pass
-    import numpy as np
-    from PIL import Image  # other formats (BMP, TIFF, PPM, ...); raises on corrupt data
+    import numpy as np  # other formats (BMP, TIFF, PPM, ...) by PIL; raises on corrupt data
 
-    with Image.open(io.BytesIO(data)) as im:
+    with header as im:
         rgb = im.convert("RGB")
     return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous()
 
@@ -174,11 +174,9 @@ _TV_DECODER = None
 
 def _reference_size(catalog: Catalog) -> tuple[int, int]:
     """(H, W) of the first sample whose header reads, in sample order (subset-independent)."""
-    from PIL import Image
-
     for i in range(len(catalog)):
         try:
-            with Image.open(io.BytesIO(catalog.read(i))) as im:
+            with open_image(catalog.read(i)) as im:
                 w, h = im.size
             return h, w
         except Exception:

@@ -20,7 +20,9 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,9 @@ import numpy as np
 
 from unison.errors import DataError
 
-__all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "label_indices", "stat_all"]
+from .files import MAX_CLASSES, MAX_IMAGE_BYTES, parse_label, read_regular
+
+__all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "integer_classes", "label_indices", "stat_all"]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 _MAX_OPEN_SHARDS = 64
@@ -106,9 +110,11 @@ class Catalog:
     def read(self, i: int) -> bytes:
         """The encoded bytes of sample i (a file read, or one positioned read from its shard)."""
         if self.kind != "shards":
-            with open(self.path(i), "rb") as f:
-                return f.read()
+            return read_regular(self.path(i))  # a FIFO, a device or an oversized file: OSError, nothing read
         size, offset = int(self.sizes[i]), int(self.offsets[i])
+        if size > MAX_IMAGE_BYTES:  # the bound of every image read, as for files
+            raise OSError(errno.EFBIG, f"member {self.names[i]} is {size:,} bytes, past the {MAX_IMAGE_BYTES:,}-byte "
+                          "limit", self.path(i))
         data = os.pread(self._shard_fd(int(self.shard_of[i])), size, offset)
         if len(data) != size:
             raise DataError(f"tar shard {self.path(i)} is truncated: member {self.names[i]} ends at byte "
@@ -131,15 +137,28 @@ class Catalog:
         return [(st.st_size, st.st_mtime_ns) for st in stat_all(files) if st is not None]  # missing: raised
 
 
-def label_indices(raw: list[Any]) -> tuple[np.ndarray, list[str]]:
-    """Class indices and class names: integers stand for themselves, names are sorted."""
-    text = [str(r) for r in raw]
-    if all(t.isdigit() for t in text):
-        values = np.asarray([int(t) for t in text], dtype=np.int64)
-        return values, [str(k) for k in range(int(values.max()) + 1)]
+def label_indices(text: list[str], where: Callable[[int], str]) -> tuple[np.ndarray, list[str]]:
+    """Class indices and class names: integers (ASCII digits) stand for themselves, names are sorted.
+
+    `where(k)` names label k in messages (file and line): an integer label past `MAX_CLASSES` is an error.
+    """
+    odd = next((k for k, t in enumerate(text) if t.isdigit() and not t.isascii()), None)
+    if odd is not None:  # '²' or '٣': a number to a reader, neither an index nor a plain name here
+        parse_label(text[odd], where(odd))
+    if all(t.isascii() and t.isdigit() for t in text):
+        values = np.asarray([parse_label(t, where(k)) for k, t in enumerate(text)], dtype=np.int64)
+        return values, integer_classes(values)
     classes = sorted(set(text))
     index = {c: k for k, c in enumerate(classes)}
     return np.asarray([index[t] for t in text], dtype=np.int64), classes
+
+
+def integer_classes(values: np.ndarray) -> list[str]:
+    """The classes ``"0"`` .. ``str(max)`` of integer labels (checked below `MAX_CLASSES` where they were read)."""
+    top = int(values.max()) if len(values) else -1
+    if top >= MAX_CLASSES:  # an index cached by an older version: refuse rather than allocate
+        raise DataError(f"label {top} is past the largest class index unison takes ({MAX_CLASSES - 1:,})")
+    return [str(k) for k in range(top + 1)]
 
 
 def stat_all(paths: list[str], missing_ok: bool = False) -> list[os.stat_result | None]:

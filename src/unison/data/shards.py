@@ -27,7 +27,9 @@ index is cached under ``$UNISON_CACHE_DIR/shard-index`` keyed by path, size and 
 
 Errors, one line naming the file: an empty shard (no bytes, or no image members), a
 truncated tar (a member runs past the end, or the end-of-archive blocks are missing), a
-missing shard of a brace pattern, a compressed shard.
+missing shard of a brace pattern (names are checked as the pattern expands, at most
+`MAX_SHARDS`), a compressed shard, a shard that is not a regular file (a FIFO, a device), a
+``.cls`` label that is not ASCII digits or is past `unison.data.files.MAX_CLASSES`.
 
 Example::
 
@@ -39,7 +41,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tarfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,40 +53,71 @@ import numpy as np
 from unison.errors import DataError
 
 from .cache import cache_root
-from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices
+from .files import MAX_LABEL_BYTES, check_regular, parse_label, resolved
+from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, integer_classes
 
-__all__ = ["SHARD_SUFFIXES", "index_shard", "open_shards", "shard_paths"]
+__all__ = ["MAX_SHARDS", "SHARD_SUFFIXES", "index_shard", "open_shards", "shard_paths"]
 
 COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 SHARD_SUFFIXES = (".tar", *COMPRESSED)
 _IMAGE_EXTS = {e[1:] for e in IMG_EXTENSIONS}
 _LABEL_EXTS = ("cls", "label", "cls.txt", "label.txt")
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2   # 2: labels parsed strictly and bounded (older indexes may hold any integer)
+MAX_SHARDS = 100_000
+_INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
 _NO_LABEL = -1
 
 
 def shard_paths(spec: str) -> list[str]:
-    """The shard files of ``x.tar``, a folder of ``*.tar`` or a brace pattern ``train-{0000..0146}.tar``."""
-    if "{" in spec and ".." in spec:
-        from braceexpand import braceexpand  # a dependency of webdataset; tiny
+    """The shard files of ``x.tar``, a folder of ``*.tar`` or a brace pattern ``train-{0000..0146}.tar``.
 
-        paths = [str(Path(p).expanduser().resolve()) for p in braceexpand(spec)]
-        missing = next((p for p in paths if not os.path.isfile(p)), None)
-        if missing is not None:
-            raise DataError(f"tar shard {missing} of {spec} does not exist")
+    A pattern is expanded lazily and each name checked as it comes (a missing first shard of
+    ``{0000000..9999999}`` is found at once), at most `MAX_SHARDS` names.
+    """
+    if "{" in spec and ".." in spec:
+        paths: list[str] = []
+        for name in _expand(spec):
+            if len(paths) == MAX_SHARDS:
+                raise DataError(f"{spec} names more than {MAX_SHARDS:,} tar shards; write fewer, larger shards")
+            path = str(resolved(name, "tar shard"))
+            if not os.path.lexists(path):
+                raise DataError(f"tar shard {path} of {spec} does not exist")
+            paths.append(path)
     elif os.path.isdir(spec):
-        root = Path(spec).expanduser().resolve()
+        root = resolved(spec, "shard folder")
         paths = sorted(str(root / e.name) for e in os.scandir(root)
                        if e.name.endswith(SHARD_SUFFIXES) and not e.name.startswith("."))
     else:
-        paths = [str(Path(spec).expanduser().resolve())]
+        paths = [str(resolved(spec, "tar shard"))]
     compressed = next((p for p in paths if p.endswith(COMPRESSED)), None)
     if compressed is not None:
         raise DataError(f"tar shard {compressed} is compressed; unison reads samples by offset, which needs "
                         "uncompressed .tar shards (webdataset's ShardWriter writes them)")
     if not paths:
         raise DataError(f"no .tar shards in {spec}")
+    for p in paths:  # a FIFO would hang tarfile, a device be read forever
+        check_regular(p, "tar shard")
     return paths
+
+
+def _expand(spec: str) -> Iterator[str]:
+    """The names of a brace pattern, after refusing one whose ranges multiply past `MAX_SHARDS`.
+
+    braceexpand materialises each range before the first name (``{0000000..9999999}``: ten million
+    strings), so the count is bounded from the pattern's text first.
+    """
+    from braceexpand import braceexpand  # a dependency of webdataset; tiny
+
+    count = 1
+    for a, b, step in _INT_RANGE.findall(spec):
+        count *= abs(int(a) - int(b)) // max(1, int(step or 1)) + 1
+        if count > MAX_SHARDS:
+            raise DataError(f"{spec} names more than {MAX_SHARDS:,} tar shards; write fewer, larger shards")
+    try:
+        yield from braceexpand(spec)
+    except Exception as e:  # an unbalanced or malformed pattern
+        raise DataError(f"cannot expand the shard pattern {spec} ({e}); write it like train-{{0000..0146}}.tar") \
+            from None
 
 
 def open_shards(paths: list[str]) -> Catalog:
@@ -97,7 +132,7 @@ def open_shards(paths: list[str]) -> Catalog:
         k = int(shard_of[int(np.argmax(has != has[0]))])
         raise DataError(f"tar shard {paths[k]}: some samples have a .cls label and others do not; "
                         "label every sample or none")
-    classes = label_indices(labels.tolist())[1] if has.all() else []
+    classes = integer_classes(labels) if has.all() else []
     return Catalog("shards", Path(paths[0]), Path(paths[0]).parent, PackedStrings(names),
                    labels if classes else np.full(len(labels), -1, np.int64), classes, shards=list(paths),
                    shard_of=shard_of, offsets=np.concatenate([idx["offsets"] for idx in indexes]),
@@ -132,7 +167,7 @@ def index_shard(path: str) -> dict[str, Any]:
                 if ext in _IMAGE_EXTS and offsets[-1] < 0:
                     names[-1], offsets[-1], sizes[-1] = m.name, m.offset_data, m.size
                 elif ext in _LABEL_EXTS:
-                    labels[-1] = _parse_label(tf.extractfile(m).read(), path, m.name)  # type: ignore[union-attr]
+                    labels[-1] = _read_label(tf, m, path)
             end = tf.offset
     except tarfile.TarError as e:
         raise DataError(f"tar shard {path} is truncated or not an uncompressed tar ({e})") from None
@@ -159,11 +194,16 @@ def _key_and_ext(name: str) -> tuple[str, str]:
     return os.path.join(folder, base[:dot]), base[dot + 1:].lower()
 
 
-def _parse_label(data: bytes, path: str, member: str) -> int:
-    text = data.decode("utf-8", "replace").strip()
-    if not text.isdigit():
-        raise DataError(f"tar shard {path}: label member {member} holds {text[:20]!r}, not a class index >= 0")
-    return int(text)
+def _read_label(tf: tarfile.TarFile, m: tarfile.TarInfo, path: str) -> int:
+    where = f"tar shard {path}: label member {m.name}"
+    if m.size > MAX_LABEL_BYTES:
+        raise DataError(f"{where} holds {m.size:,} bytes; a label is a class index (ASCII digits)")
+    data = tf.extractfile(m).read()  # type: ignore[union-attr]
+    try:
+        text = data.decode("utf-8-sig").strip()  # a byte-order mark is not part of the label
+    except UnicodeDecodeError:
+        raise DataError(f"{where} is not UTF-8 text; a label is a class index (ASCII digits)") from None
+    return parse_label(text, where)
 
 
 def _cached_index(path: str) -> dict[str, Any]:

@@ -57,7 +57,8 @@ from .augment import ViewAugmenter
 from .batches import BatchSource, InMemoryBatches
 from .catalog import open_catalog
 from .datasets import load_dataset
-from .decode import decode_centre, open_image
+from .decode import decode_centre
+from .files import open_image
 from .memory import load_catalog
 from .samples import Catalog
 from .spec import BUILTIN, DataSpec, check_batch, check_subset
@@ -152,7 +153,7 @@ def open_checked(spec: DataSpec, role: str = "data") -> Catalog | None:
     where, subset = (spec.data, spec.subset) if role == "data" else (spec.val, spec.val_subset)
     if where is None or where in BUILTIN:
         return None
-    catalog = open_catalog(where)
+    catalog = open_catalog(where, f"--{role}")
     n = len(catalog)
     check_subset(f"--{role} {where}", n, subset)
     if role == "data":
@@ -267,7 +268,7 @@ def _stream_knn(spec: DataSpec, catalog: Catalog, pick: np.ndarray, size: int,
         return None, f"the training data {spec.data} has no labels"
     if spec.val is None:
         return None, "no --val held-out data was given (kNN never scores the training images)"
-    val = open_catalog(spec.val) if spec.val not in BUILTIN else None
+    val = open_catalog(spec.val, "--val") if spec.val not in BUILTIN else None
     if val is None:
         return None, f"--val {spec.val} is a built-in set; give held-out data in the training data's layout"
     checked, why = _check_val_labels(spec, catalog.classes, val.classes, val)

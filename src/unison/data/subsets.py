@@ -52,7 +52,10 @@ def balanced_subset(labels: torch.Tensor, n: int, seed: int) -> torch.Tensor:
 
 def channel_stats(images: torch.Tensor, max_images: int = 10_000) -> tuple[tuple[float, float, float],
                                                                          tuple[float, float, float]]:
-    """Per-channel mean/std in [0, 1] units from pixel histograms of up to `max_images` evenly spaced images."""
+    """Per-channel mean/std in [0, 1] units from pixel histograms of up to `max_images` evenly spaced images.
+
+    A channel that is (nearly) constant gets std 1: dividing by its std of 0 would make every view NaN.
+    """
     step = max(1, -(-images.shape[0] // max_images))
     x = images[::step].cpu().transpose(0, 1).reshape(3, -1)
     hist = torch.stack([torch.bincount(x[c], minlength=256) for c in range(3)]).to(torch.float64)
@@ -60,6 +63,7 @@ def channel_stats(images: torch.Tensor, max_images: int = 10_000) -> tuple[tuple
     n = hist.sum(1).clamp_min(1)
     mean = (hist * v).sum(1) / n
     std = ((hist * (v - mean[:, None]) ** 2).sum(1) / n).sqrt()
+    std = torch.where(std < 1e-3, torch.ones_like(std), std)  # a constant channel: normalising by 0 gives NaN
     m0, m1, m2 = (round(float(m), 6) for m in mean)
     s0, s1, s2 = (round(float(s), 6) for s in std)
     return (m0, m1, m2), (s0, s1, s2)
