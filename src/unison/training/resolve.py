@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison.config import TrainConfig
-from unison.config.fields import article, coerce_fields, did_you_mean, type_error, unknown_keys_message
+from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
 from unison.data.augment import PRESETS
 from unison.errors import ConfigError
 from unison.methods import METHODS, get_method
@@ -55,11 +55,11 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainC
     fills in the recipe's backbone (what the workers, checkpoints and summary see). Returns `cfg`."""
     cfg.validate(cuda_available)
     if cfg.method not in METHODS:
-        raise ConfigError(f"method={cfg.method!r} is unknown{did_you_mean(cfg.method, METHODS)}; "
+        raise ConfigError(f"method={shown(cfg.method)} is unknown{did_you_mean(cfg.method, METHODS)}; "
                           f"use one of {', '.join(sorted(METHODS))}")
     _validate_backbone(cfg)
     if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
-        raise ConfigError(f"augmentation={cfg.augmentation!r} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
+        raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
     cfg.method_params = validated_method_params(cfg.method, cfg.method_params)
     return cfg
@@ -69,7 +69,7 @@ def _validate_backbone(cfg: TrainConfig) -> None:
     if cfg.backbone is None:
         cfg.backbone = resolve_recipe(cfg).backbone
     if cfg.backbone not in BACKBONES and not cfg.backbone.startswith("timm:"):
-        raise ConfigError(f"backbone={cfg.backbone!r} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
+        raise ConfigError(f"backbone={shown(cfg.backbone)} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
                           f"use one of {', '.join(BACKBONES)} or timm:<name>")
     if cfg.backbone_args and not cfg.backbone.startswith("timm:"):
         raise ConfigError(f"--backbone-arg {', '.join(cfg.backbone_args)} is for timm backbones "
@@ -86,11 +86,11 @@ def validated_method_params(method: str, given: dict[str, Any]) -> dict[str, Any
     unknown = sorted(set(given) - set(fields))
     if unknown:
         raise ConfigError(f"{unknown_keys_message(unknown, fields, f'{method} parameter')} (--param NAME=VALUE)")
-    params = coerce_fields(params_cls, given)
+    params = coerce_fields(params_cls, given, "--param ")
     bad = type_error(params, params_cls)
     if bad:
         name, value, typ = bad
         default = getattr(params_cls(), name)
-        raise ConfigError(f"--param {name}={value!r} must be {article(typ)} {typ} (default {default!r})")
+        raise ConfigError(f"--param {name}={shown(value)} must be {article(typ)} {typ} (default {default!r})")
     params_cls(**params)   # the ranges: a one-line ConfigError from check_params
     return params
