@@ -196,7 +196,7 @@ class DistributedConfig:
                                   f"{shown(data['shard'])}; give only shard")
             if legacy:
                 data["shard"] = "optimizer"
-        unknown = sorted(set(data) - known, key=str)
+        unknown = sorted(set(data) - known, key=shown)
         if unknown:
             top = [k for k in unknown if k in top_level_names]
             if top:

@@ -299,7 +299,7 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 def unknown_keys_message(unknown: Iterable[str], known: Iterable[str], what: str = "option") -> str:
     """One line naming unknown keys, each with its closest known name, then every known name."""
     known = sorted(known)
-    unknown = sorted(unknown, key=str)
+    unknown = sorted(unknown, key=shown)
     named = ", ".join(f"{shown(u)}{did_you_mean(u, known)}" for u in unknown[:10])
     named += f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
     return f"unknown {what}(s) {named}; known: {', '.join(known)}"

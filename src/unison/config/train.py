@@ -225,7 +225,7 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a configuration must be a mapping of option names to values, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known, key=str)
+        unknown = sorted(set(data) - known, key=shown)
         dist_names = {f.name for f in dataclasses.fields(DistributedConfig)}
         misplaced = [k for k in unknown if k in dist_names]
         if misplaced:
