@@ -47,6 +47,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     string keys given once: `unison.config.files`)."""
     import yaml
 
+    if not path.strip():   # `--config "$CFG"` with CFG unset: not silently the defaults
+        raise ConfigError("--config is empty; give a YAML file (or leave --config out for the defaults)")
     text = decode_utf8(read_regular_file(path, "config file"), f"config file {path}")
     try:
         data = load_yaml_text(text)
@@ -83,7 +85,7 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:
         base.pop("resume", None)
         if Path(resume).is_dir():
             base["out"] = str(resume)
-    if ns.config:
+    if ns.config is not None:
         file_cfg = config_file(ns)
         dist_file = file_cfg.pop("distributed", None) or {}
         base.update(file_cfg)

@@ -159,7 +159,9 @@ class DistributedConfig:
                 f"distributed.grad_compression='bf16' needs CUDA + NCCL but the backend is {comm}; "
                 "use --grad-compression fp16 or powersgd")
         self._validate_sharding()
-        if not self.master_addr or len(self.master_addr) > 253:
+        if not self.master_addr:
+            raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
+        if len(self.master_addr) > 253:
             raise ConfigError(f"distributed.master_addr={shown(self.master_addr)} must be a host name or address "
                               "(at most 253 characters); leave the default 127.0.0.1 for one machine")
         if 0 < self.watchdog_s < MIN_TIMEOUT_S:

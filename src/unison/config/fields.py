@@ -186,16 +186,21 @@ def coerce_fields(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str
 def type_error(data: dict[str, Any], cls: type, kinds: tuple[type, ...] | None = None) -> tuple[str, Any, str] | None:
     """The first (name, value, type name) of `data` whose value is not of its field's type in `cls`; None if all fit.
 
-    bool is not accepted for numbers, an int is accepted for a float; None always (it means "the default").
+    bool is not accepted for numbers, an int is accepted for a float; None where the field is optional (it means
+    "the default"; ``epochs:`` left empty in a YAML file is refused, not silently the default).
     `kinds`: check only fields of these types (e.g. numbers and booleans)."""
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
-        if key not in hints or value is None:
+        if key not in hints:
             continue
         typ = base_type(hints[key])
         typ = typing.get_origin(typ) or typ
         if dataclasses.is_dataclass(typ) or not isinstance(typ, type) or (kinds and typ not in kinds):
             continue
+        if value is None:   # None means "the default" only where the default is None (`x: int | None`)
+            if type(None) in typing.get_args(hints[key]):
+                continue
+            return key, value, typ.__name__
         kinds_ok = {float: (int, float), str: (str, os.PathLike)}.get(typ, typ)   # paths: the API takes Path
         ok = isinstance(value, kinds_ok) and (typ is bool or not isinstance(value, bool))
         if not ok:

@@ -33,6 +33,7 @@ MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below;
 MAX_SEED = 2**64 - 1     # torch.manual_seed takes unsigned 64-bit seeds
 MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overflows
 MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, far below an index overflow
+MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
 MAX_IMAGES = 2**40       # subsets: more images than any data set
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 8192   # crops below 8 px leave nothing to augment; 8192**2 * 3 bytes a view
 
@@ -120,7 +121,7 @@ class TrainConfig:
         "range": Range(1, 10**6),
         "help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
     knn_t: float = field(default=0.1, metadata={
-        "range": Range(0, 1e6, lo_open=True),
+        "range": Range(MIN_KNN_T, 1e6, hint=" (below it the kNN weights exp(similarity / t) overflow)"),
         "help": "kNN temperature for similarity weighting"})
     random_init_knn: bool = field(default=True, metadata={
         "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "

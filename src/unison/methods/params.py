@@ -70,3 +70,12 @@ def check_params(params: Any, *, sizes: Iterable[str] = (), counts: Iterable[str
         value = getattr(params, name)
         if not _number(value) or not 0 <= value <= 1:
             fail(name, "a number in [0, 1]")
+
+
+def check_heads(params: Any, width: str, heads: str) -> None:
+    """`ConfigError` unless parameter `width` is a multiple of parameter `heads` (attention splits the width)."""
+    w, h = getattr(params, width), getattr(params, heads)
+    if isinstance(w, int) and isinstance(h, int) and h >= 1 and w % h:
+        raise ConfigError(f"{_label(params)} parameter {width}={w} is not a multiple of {heads}={h} (attention "
+                          f"splits the width over the heads); give --param {heads}= a divisor of {w}, e.g. "
+                          f"{max(d for d in range(1, min(h, w) + 1) if w % d == 0)}")

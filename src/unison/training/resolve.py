@@ -24,6 +24,7 @@ from unison.data.augment import PRESETS
 from unison.errors import ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone
+from unison.models.vit import VIT_BACKBONES, vit_patch_size
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainC
     if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
         raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
-    cfg.method_params = validated_method_params(cfg.method, cfg.method_params)
+    cfg.method_params = validated_method_params(
+        cfg.method, cfg.method_params, global_batch=cfg.batch_size, world_size=cfg.distributed.world_size,
+        shared_queue=cfg.distributed.shared_queue)
     return cfg
 
 
@@ -76,11 +79,18 @@ def _validate_backbone(cfg: TrainConfig) -> None:
                           f"(--backbone timm:<name>); {cfg.backbone} takes none")
     if cfg.backbone.startswith("timm:"):
         check_backbone(cfg.backbone, cfg.image_size, cfg.backbone_args)
+    if cfg.backbone in VIT_BACKBONES and cfg.image_size is not None and cfg.image_size % vit_patch_size(cfg.backbone):
+        patch = vit_patch_size(cfg.backbone)
+        raise ConfigError(f"image_size={cfg.image_size} is not a multiple of the patch size {patch} of "
+                          f"{cfg.backbone}; give --image-size a multiple of {patch} (e.g. "
+                          f"{max(patch, cfg.image_size // patch * patch)})")
 
 
-def validated_method_params(method: str, given: dict[str, Any]) -> dict[str, Any]:
-    """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`); returns the
-    parameters with numbers coerced as recipes write them."""
+def validated_method_params(method: str, given: dict[str, Any], *, global_batch: int | None = None,
+                            world_size: int = 1, shared_queue: bool = True) -> dict[str, Any]:
+    """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`); with the run's
+    `global_batch` and `world_size`, also what the method's workers check against them (`SSLMethod.check_run`:
+    queue lengths). Returns the parameters with numbers coerced as recipes write them."""
     params_cls = get_method(method).Params
     fields = {f.name: f for f in dataclasses.fields(params_cls)}
     unknown = sorted(set(given) - set(fields))
@@ -92,5 +102,8 @@ def validated_method_params(method: str, given: dict[str, Any]) -> dict[str, Any
         name, value, typ = bad
         default = getattr(params_cls(), name)
         raise ConfigError(f"--param {name}={shown(value)} must be {article(typ)} {typ} (default {default!r})")
-    params_cls(**params)   # the ranges: a one-line ConfigError from check_params
+    checked = params_cls(**params)   # the ranges: a one-line ConfigError from check_params
+    if global_batch is not None:
+        get_method(method).check_run(checked, global_batch=global_batch, world_size=world_size,
+                                     shared_queue=shared_queue)
     return params

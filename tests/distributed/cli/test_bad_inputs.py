@@ -201,7 +201,7 @@ CASES = [
     ("backbone-arg-for-a-cnn", ["--backbone-arg", "drop_path_rate=0.1"], 2,
      "--backbone-arg drop_path_rate is for timm backbones (--backbone timm:<name>); small_cnn takes none"),
     ("zero-knn-k", ["--knn-k", "0"], 2, "knn_k=0 must be an integer >= 1"),
-    ("zero-knn-t", ["--knn-t", "0"], 2, "knn_t=0.0 must be a finite number > 0"),
+    ("zero-knn-t", ["--knn-t", "0"], 2, "knn_t=0.0 must be a finite number >= 0.02"),
     ("zero-grad-sync-every", ["--grad-sync-every", "0"], 2, "grad_sync_every=0 must be an integer >= 1"),
     ("unknown-shard", ["--shard", "zero3"], 2, "argument --shard: invalid choice: 'zero3'"),
     ("full-shard-with-compression", ["--shard", "full", "--grad-compression", "fp16"], 2,

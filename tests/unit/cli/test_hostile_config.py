@@ -105,6 +105,8 @@ def files(tmp_path_factory) -> dict[str, str]:
         "batch_1e400.yaml": "batch_size: 1e400\n",
         "big_int.yaml": "batch_size: 123456789012345678901234567890\n",
         "long_string.yaml": "method: " + "x" * 200000 + "\n",
+        "epochs_null.yaml": "epochs:\n",
+        "params_null.yaml": "method_params: null\n",
     }
     for name, text in texts.items():
         (tmp / name).write_text(text)
@@ -137,6 +139,9 @@ YAML_CASES = [
     ("dev-null", ["--config", "/dev/null"], "/dev/null is not a regular file (a device, pipe or socket)"),
     ("fifo", ["--config", "{t}/fifo.yaml"], "fifo.yaml is not a regular file"),
     ("over-1-MiB", ["--config", "{t}/huge.yaml"], "past the 1024 KiB a config file may have"),
+    ("empty-path", ["--config", ""], "--config is empty; give a YAML file"),
+    ("empty-value", ["--config", "{t}/epochs_null.yaml"], "epochs=None must be an int"),
+    ("null-method-params", ["--config", "{t}/params_null.yaml"], "method_params=None must be a dict"),
 ]
 
 NUMBER_CASES = [
@@ -159,6 +164,16 @@ NUMBER_CASES = [
     ("loader-workers-1e6", ["--loader-workers", "1e6"], "loader_workers=1000000 must be an integer >= 0 and <= 256"),
     ("threads-1e6", ["--threads", "1e6"], "threads=1000000 must be an integer >= 1 and <= 4096"),
     ("knn-k-1e9", ["--knn-k", "1e9"], "knn_k=1000000000 must be an integer >= 1 and <= 1000000"),
+    ("knn-t-overflows", ["--knn-t", "1e-30"], "knn_t=1e-30 must be a finite number >= 0.02"),
+    # what the workers would find, found by the pre-flight: the ViT's patch grid, attention heads, queue lengths
+    ("vit-image-size", ["--method", "mae", "--image-size", "9"],
+     "image_size=9 is not a multiple of the patch size 4 of vit_nano_p4; give --image-size a multiple of 4"),
+    ("mae-heads", ["--method", "mae", "--param", "decoder_heads=7"],
+     "MAE parameter decoder_dim=128 is not a multiple of decoder_heads=7"),
+    ("moco-queue", ["--world-size", "2", "--method", "moco", "--param", "queue_size=20"],
+     "MoCo queue_size=20 is not a multiple of the 32 keys enqueued per step"),
+    ("swav-queue", ["--world-size", "2", "--method", "swav", "--param", "queue_length=12"],
+     "SwAV queue_length=12 is not a multiple of the global batch 16"),
 ]
 
 # Refused by the launcher in this process, after the pre-flight and before it starts any worker.
