@@ -33,7 +33,7 @@ def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[
         try:
             values[key.strip()] = load_yaml_text(value)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{flag} {shown(key.strip() + '=' + value)} is not a value ({yaml_error(exc)}); give a "
+            raise ConfigError(f"{flag} {key.strip()[:60]}={shown(value)} is not a value ({yaml_error(exc)}); give a "
                               f"number, true/false, a string or a [list], e.g. {flag} {example}") from None
     return values
 

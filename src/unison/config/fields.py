@@ -110,6 +110,11 @@ parse_int.__name__ = "int"
 class _BoundedRepr(reprlib.Repr):
     """reprlib with a cut for every kind of value: an integer shows its size, not its 4300+ digits."""
 
+    def repr_float(self, x: float, level: int) -> str:
+        """``1e+15`` rather than ``1000000000000000.0`` (when exact), ``0.0`` stays ``0.0``."""
+        r, g = repr(x), f"{x:g}"
+        return g if len(r) > len(g) + 3 and float(g) == x else r
+
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() <= 200:
             return repr(x)
