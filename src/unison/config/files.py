@@ -77,7 +77,8 @@ class StrictLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, f"alias *{shown(event.anchor)} is not accepted in a config file: write the value out",
+                None, None,
+                f"alias *{shown(event.anchor)} is not accepted in a config file or value: write the value out",
                 event.start_mark)
         return super().compose_node(parent, index)
 
