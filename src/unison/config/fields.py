@@ -9,7 +9,11 @@ merge cleanly: defaults < config file < command line.
 
 Numbers are read the way SSL recipes write them, from flags, YAML files and ``--param``
 alike (`coerce_fields`): ``1e-3`` is a float (YAML 1.1 reads it as a string), and an
-integer option takes an integral number in any notation (``--epochs 1e9``, ``1_000``).
+integer option takes an integral number in any notation (``--epochs 1e9``, ``1_000``). Every number is parsed
+by `parse_int`/`parse_float`, bounded (64 characters, |n| <= 2**64), and every numeric field states its range in
+``metadata["range"]`` (`Range`); `check_fields` is the one check of field values (coercion, type, range) that
+`TrainConfig.validate` and `DistributedConfig.validate` run, in the pre-flight and in every worker. Values shown
+in error messages go through `shown` (bounded in length and cost).
 
 Unknown keys get a "did you mean" (`unknown_keys_message`).
 """
