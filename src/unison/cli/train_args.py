@@ -15,35 +15,26 @@ from pathlib import Path
 from typing import Any
 
 from unison.config import DistributedConfig, TrainConfig
-from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
+from unison.config.fields import add_dataclass_arguments, overrides_from_namespace, shown
+from unison.config.files import decode_utf8, load_yaml_text, read_regular_file, yaml_error
 from unison.errors import ConfigError
 
 
-def yaml_error(exc: Exception) -> str:
-    """A YAML error as one line with its position: "line 2, column 5: expected ',' or ']' (while parsing ...)"."""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    mark = getattr(exc, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and context_mark is not None:
-        problem += f" ({context} that starts at line {context_mark.line + 1})"
-    return where + " ".join(problem.split())
-
-
 def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[str, Any]:
-    """``NAME=VALUE`` items, each VALUE read as YAML (``0.2``, ``true``, ``[1, 2]``; never a Python object)."""
+    """``NAME=VALUE`` items, each VALUE read as YAML (``0.2``, ``true``, ``[1, 2]``; never a Python object, no
+    aliases, bounded numbers: `unison.config.files.StrictLoader`)."""
     import yaml
 
     values: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
-            raise ConfigError(f"{flag} {item!r} must look like NAME=VALUE, e.g. {flag} {example}")
+            raise ConfigError(f"{flag} {shown(item)} must look like NAME=VALUE, e.g. {flag} {example}")
         key, value = item.split("=", 1)
         try:
-            values[key.strip()] = yaml.safe_load(value)   # safe_load: a value never constructs Python objects
+            values[key.strip()] = load_yaml_text(value)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{flag} {key.strip()}={value!r} is not a value ({yaml_error(exc)}); give a number, "
-                              f"true/false, a string or a [list], e.g. {flag} {example}") from None
+            raise ConfigError(f"{flag} {key.strip()[:60]}={shown(value)} is not a value ({yaml_error(exc)}); give a "
+                              f"number, true/false, a string or a [list], e.g. {flag} {example}") from None
     return values
 
 
@@ -52,15 +43,19 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    """The mapping of YAML file `path`: a regular file of at most 1 MiB, UTF-8, parsed strictly (no aliases,
+    string keys given once: `unison.config.files`)."""
     import yaml
 
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    if not path.strip():   # `--config "$CFG"` with CFG unset: not silently the defaults
+        raise ConfigError("--config is empty; give a YAML file (or leave --config out for the defaults)")
+    text = decode_utf8(read_regular_file(path, "config file"), f"config file {path}")
     try:
-        data = yaml.safe_load(p.read_text())  # safe_load: a config file never constructs Python objects
+        data = load_yaml_text(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML at {yaml_error(exc)}") from None
+        where = yaml_error(exc)
+        raise ConfigError(f"config file {path} is not valid YAML{' at ' if where.startswith('line ') else ': '}"
+                          f"{where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -90,7 +85,7 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:
         base.pop("resume", None)
         if Path(resume).is_dir():
             base["out"] = str(resume)
-    if ns.config:
+    if ns.config is not None:
         file_cfg = config_file(ns)
         dist_file = file_cfg.pop("distributed", None) or {}
         base.update(file_cfg)
@@ -144,17 +139,17 @@ def check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
 
     from unison.config.fields import article, base_type, coerce_fields, type_error
 
-    data = coerce_fields(cls, data)
+    data = coerce_fields(cls, data, where)
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         typ = base_type(hints[key]) if key in hints else None
         if isinstance(typ, type) and dataclasses.is_dataclass(typ) and value is not None:
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}{key} must be a mapping of {key} options, got {value!r}")
+                raise ConfigError(f"{where}{key} must be a mapping of {key} options, got {shown(value)}")
             check_config_types(value, typ, f"{where}{key}.")
     bad = type_error(data, cls)
     if bad:
-        raise ConfigError(f"{where}{bad[0]}={bad[1]!r} must be {article(bad[2])} {bad[2]}")
+        raise ConfigError(f"{where}{bad[0]}={shown(bad[1])} must be {article(bad[2])} {bad[2]}")
 
 
 def train_epilog(width: int = 100) -> str:

@@ -8,6 +8,8 @@ above know (methods, backbones, augmentation presets) are checked where they are
 * `distributed`: `DistributedConfig`, the process-group options;
 * `fields`: coercion of numbers as recipes write them, "did you mean", and argparse options generated from the
   dataclasses (the CLI is built from them).
+* `files`: configuration files and values read as bounded regular UTF-8 files by a strict YAML loader (no
+  aliases, string keys given once).
 """
 
 from .distributed import DistributedConfig

@@ -14,12 +14,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from unison.config.fields import article, coerce_fields, coerce_instance, type_error, unknown_keys_message
+from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.errors import ConfigError
 
 BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
@@ -29,6 +28,9 @@ SHARDING = ("none", "optimizer", "full")
 # (measured with torch 2.14: gloo refuses 1e13 s, the TCP store 9.3e9 s, timedelta 1e15 s), so this cap leaves
 # every backend and torch version a wide margin; no real collective waits for weeks.
 MAX_TIMEOUT_S = 2**31 / 1000
+# The shortest: below a second the rendezvous of even 2 local workers fails with C++ stack frames.
+MIN_TIMEOUT_S = 1.0
+MAX_WORLD = 2**16   # workers: more than any cluster runs in one job
 
 
 
@@ -39,8 +41,11 @@ class DistributedConfig:
         metadata={"help": "auto | local (in-memory, 1 process) | gloo | nccl | mpi (launched by mpirun, talks gloo/nccl)",
                   "choices": BACKENDS},
     )
-    world_size: int = field(default=2, metadata={"help": "number of worker processes (1 = single process)"})
-    rank: int = field(default=0, metadata={"help": "rank of this process; set by the launcher, torchrun, SLURM or mpirun"})
+    world_size: int = field(default=2, metadata={
+        "range": Range(1, MAX_WORLD),
+        "help": "number of worker processes (1 = single process)"})
+    rank: int = field(default=0, metadata={   # its range, [0, world_size), is checked in validate()
+        "help": "rank of this process; set by the launcher, torchrun, SLURM or mpirun"})
     sync_batchnorm: bool = field(
         default=True, metadata={"help": "batch norm statistics over the global batch (exact multi-worker equivalence)"})
     gather_distributed: bool = field(
@@ -49,13 +54,19 @@ class DistributedConfig:
                   "flag": "gather"},
     )
     grad_sync_every: int = field(
-        default=1, metadata={"help": "all-reduce gradients every K micro-batches (gradient accumulation via DDP no_sync)"})
+        default=1, metadata={
+            "range": Range(1, 10**6),
+            "help": "all-reduce gradients every K micro-batches (gradient accumulation via DDP no_sync)"})
     grad_compression: str = field(
         default="none", metadata={"help": "DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd",
                                   "choices": GRAD_COMPRESSIONS})
-    powersgd_rank: int = field(default=4, metadata={"help": "PowerSGD matrix approximation rank"})
+    powersgd_rank: int = field(default=4, metadata={
+        "range": Range(1, 1024),
+        "help": "PowerSGD matrix approximation rank"})
     powersgd_start_iter: int = field(
-        default=10, metadata={"help": "PowerSGD: plain all-reduce for this many steps before compressing (>1)"})
+        default=10, metadata={
+            "range": Range(2, 10**9, hint=" (PowerSGD with error feedback needs a few uncompressed steps first)"),
+            "help": "PowerSGD: plain all-reduce for this many steps before compressing (>1)"})
     find_unused_parameters: bool = field(
         default=False, metadata={"help": "DDP find_unused_parameters (needed only when some parameters get no gradient)"})
     shared_queue: bool = field(
@@ -73,11 +84,19 @@ class DistributedConfig:
         default=False, metadata={"help": "recompute each backbone block's activations in the backward instead of "
                                          "keeping them (blocks without batch norm; less memory, ~1/3 more compute)"})
     master_addr: str = field(default="127.0.0.1", metadata={"help": "rendezvous address (loopback unless given)"})
-    master_port: int = field(default=0, metadata={"help": "rendezvous port (0 = pick a free one)"})
+    master_port: int = field(default=0, metadata={
+        "range": Range(0, 65535, interval=True, hint=" (0 = pick a free port)"),
+        "help": "rendezvous port (0 = pick a free one)"})
     timeout_s: float = field(
-        default=300.0, metadata={"help": "seconds a collective may wait before the run is ended with an error"})
+        default=300.0, metadata={
+            "range": Range(MIN_TIMEOUT_S, MAX_TIMEOUT_S, hint=" seconds (the rendezvous and every collective must fit in it)",
+                           above=f"is past the longest timeout torch takes safely, {int(MAX_TIMEOUT_S)} s (24.8 days); "
+                                 "give a smaller --timeout-s"),
+            "help": "seconds a collective may wait before the run is ended with an error"})
     watchdog_s: float = field(
-        default=180.0, metadata={"help": "end the run when no rank has made progress (data, step, collective, "
+        default=180.0, metadata={
+            "range": Range(0, MAX_TIMEOUT_S, hint=" seconds (0 = no watchdog)"),
+            "help": "end the run when no rank has made progress (data, step, collective, "
                                          "checkpoint) for this many seconds; 0 = off"})
 
     @property
@@ -113,22 +132,16 @@ class DistributedConfig:
 
     def validate(self, cuda_available: bool | None = None) -> DistributedConfig:
         """Raise `ConfigError` with a one-line fix for any invalid combination; return self."""
-        coerce_instance(self)
-        bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, DistributedConfig,
-                         (int, float, bool))
-        if bad:
-            raise ConfigError(f"distributed.{bad[0]}={bad[1]!r} must be {article(bad[2])} {bad[2]}")
+        check_fields(self, "distributed.")
         if cuda_available is None:
             import torch
 
             cuda_available = torch.cuda.is_available()
         if self.backend not in BACKENDS:
-            raise ConfigError(f"distributed.backend={self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise ConfigError(f"distributed.world_size={self.world_size!r} must be an integer >= 1")
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"distributed.backend={shown(self.backend)} is unknown; use one of {', '.join(BACKENDS)}")
+        if not 0 <= self.rank < self.world_size:
             raise ConfigError(
-                f"distributed.rank={self.rank!r} is outside [0, world_size={self.world_size}); "
+                f"distributed.rank={shown(self.rank)} is outside [0, world_size={self.world_size}); "
                 "give a rank from 0 to world_size-1")
         if self.backend == "local" and self.world_size != 1:
             raise ConfigError(
@@ -137,49 +150,32 @@ class DistributedConfig:
         backend = self.resolved_backend(cuda_available)
         if backend == "nccl" and not cuda_available:
             raise ConfigError("distributed.backend='nccl' needs CUDA GPUs and none is available; use --backend gloo")
-        if not isinstance(self.grad_sync_every, int) or self.grad_sync_every < 1:
-            raise ConfigError(f"distributed.grad_sync_every={self.grad_sync_every!r} must be an integer >= 1")
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ConfigError(
-                f"distributed.grad_compression={self.grad_compression!r} is unknown; use one of {', '.join(GRAD_COMPRESSIONS)}")
+                f"distributed.grad_compression={shown(self.grad_compression)} is unknown; use one of {', '.join(GRAD_COMPRESSIONS)}")
         comm = self.communication_backend(cuda_available)
         if self.grad_compression == "bf16" and comm != "nccl":
             raise ConfigError(
                 f"distributed.grad_compression='bf16' needs CUDA + NCCL but the backend is {comm}; "
                 "use --grad-compression fp16 or powersgd")
-        if self.grad_compression == "powersgd":
-            if self.powersgd_rank < 1:
-                raise ConfigError(f"distributed.powersgd_rank={self.powersgd_rank} must be >= 1")
-            if self.powersgd_start_iter < 2:
-                raise ConfigError(
-                    f"distributed.powersgd_start_iter={self.powersgd_start_iter} must be >= 2 "
-                    "(PowerSGD with error feedback needs a few uncompressed steps first)")
         self._validate_sharding()
-        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
-            raise ConfigError(f"distributed.master_port={self.master_port!r} must be in [0, 65535] (0 = pick a free port)")
         if not self.master_addr:
             raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
-        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool):
-            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a number of seconds")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be > 0 seconds")
-        if not math.isfinite(self.timeout_s):
-            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be a finite number of seconds")
-        if not (isinstance(self.watchdog_s, (int, float)) and math.isfinite(self.watchdog_s) and self.watchdog_s >= 0):
-            raise ConfigError(f"distributed.watchdog_s={self.watchdog_s!r} must be a finite number of seconds >= 0 "
-                              "(0 = no watchdog)")
-        if self.timeout_s > MAX_TIMEOUT_S:
-            raise ConfigError(f"distributed.timeout_s={self.timeout_s:g} is past the longest timeout torch takes "
-                              f"safely, {int(MAX_TIMEOUT_S)} s (24.8 days); give a smaller --timeout-s")
+        if len(self.master_addr) > 253:
+            raise ConfigError(f"distributed.master_addr={shown(self.master_addr)} must be a host name or address "
+                              "(at most 253 characters); leave the default 127.0.0.1 for one machine")
+        if 0 < self.watchdog_s < MIN_TIMEOUT_S:
+            raise ConfigError(f"distributed.watchdog_s={shown(self.watchdog_s)} must be 0 (no watchdog) or at least "
+                              f"{MIN_TIMEOUT_S:g} s: workers need seconds to start")
         return self
 
     def _validate_sharding(self) -> None:
         if self.shard not in SHARDING:
-            raise ConfigError(f"distributed.shard={self.shard!r} is unknown; use one of {', '.join(SHARDING)}")
+            raise ConfigError(f"distributed.shard={shown(self.shard)} is unknown; use one of {', '.join(SHARDING)}")
         if self.shard != "full":
             return
         if self.grad_compression != "none":
-            raise ConfigError(f"distributed.grad_compression={self.grad_compression!r} is a DDP communication hook, "
+            raise ConfigError(f"distributed.grad_compression={shown(self.grad_compression)} is a DDP communication hook, "
                               "which --shard full (FSDP) does not have; use --grad-compression none or --shard none")
         if self.find_unused_parameters:
             raise ConfigError("distributed.find_unused_parameters is a DDP option; --shard full (FSDP) needs every "
@@ -198,11 +194,11 @@ class DistributedConfig:
         if "shard_optimizer" in data:   # configs and checkpoints written before `shard` existed
             legacy = data.pop("shard_optimizer")
             if legacy and data.get("shard", "optimizer") != "optimizer":
-                raise ConfigError(f"distributed.shard_optimizer=true contradicts distributed.shard={data['shard']!r}; "
-                                  "give only shard")
+                raise ConfigError(f"distributed.shard_optimizer=true contradicts distributed.shard="
+                                  f"{shown(data['shard'])}; give only shard")
             if legacy:
                 data["shard"] = "optimizer"
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=shown)
         if unknown:
             top = [k for k in unknown if k in top_level_names]
             if top:

@@ -9,7 +9,11 @@ merge cleanly: defaults < config file < command line.
 
 Numbers are read the way SSL recipes write them, from flags, YAML files and ``--param``
 alike (`coerce_fields`): ``1e-3`` is a float (YAML 1.1 reads it as a string), and an
-integer option takes an integral number in any notation (``--epochs 1e9``, ``1_000``).
+integer option takes an integral number in any notation (``--epochs 1e9``, ``1_000``). Every number is parsed
+by `parse_int`/`parse_float`, bounded (64 characters, |n| <= 2**64), and every numeric field states its range in
+``metadata["range"]`` (`Range`); `check_fields` is the one check of field values (coercion, type, range) that
+`TrainConfig.validate` and `DistributedConfig.validate` run, in the pre-flight and in every worker. Values shown
+in error messages go through `shown` (bounded in length and cost).
 
 Unknown keys get a "did you mean" (`unknown_keys_message`).
 """
@@ -21,10 +25,14 @@ import dataclasses
 import decimal
 import difflib
 import math
+import os
+import reprlib
 import types
 import typing
 from collections.abc import Iterable
 from typing import Any
+
+from unison.errors import ConfigError
 
 
 def base_type(annotation: Any) -> Any:
@@ -41,47 +49,136 @@ def base_type(annotation: Any) -> Any:
 _base_type = base_type   # the earlier private name
 
 
+# Every number parsed anywhere (flags, YAML, --param, environment variables) goes through `parse_int` or
+# `parse_float`: a number is at most this many characters and an integer at most 2**63-1 (a C long), so no
+# input makes a 4300-digit ValueError or a 401-digit batch size; each field then checks its own range.
+MAX_NUMBER_CHARS = 64
+MAX_INT = 2**64   # past it no option means anything (a seed takes up to 2**64-1); each field's range is tighter
+
+
+class NumberOutOfRange(ValueError):
+    """A number that is well-formed but past what any option takes (|n| > 2**64, or too many characters)."""
+
+
 def parse_int(text: str) -> int:
-    """An integer in any notation that is exactly integral: ``12``, ``1_000``, ``1e9``, ``2.0``."""
+    """An integer in any notation that is exactly integral: ``12``, ``1_000``, ``1e9``, ``2.0``; bounded.
+
+    Raises `NumberOutOfRange` past 2**64 (or for text longer than `MAX_NUMBER_CHARS`), ValueError otherwise."""
+    s = str(text).strip().replace("_", "")
+    if len(s) > MAX_NUMBER_CHARS:
+        raise NumberOutOfRange(text)
     try:
-        return int(text)
+        value = int(s)
     except ValueError:
-        pass
-    try:
-        d = decimal.Decimal(text.strip().replace("_", ""))
-    except decimal.InvalidOperation:
-        raise ValueError(text) from None
-    if not d.is_finite() or d != d.to_integral_value():
-        raise ValueError(text)
-    return int(d)
+        try:
+            d = decimal.Decimal(s)
+        except decimal.InvalidOperation:
+            raise ValueError(text) from None
+        if not d.is_finite() or d != d.to_integral_value():
+            raise ValueError(text) from None
+        if d.adjusted() > 19:   # before int(): 1e5000000 would build a million-digit integer
+            raise NumberOutOfRange(text) from None
+        value = int(d)
+    if abs(value) > MAX_INT:
+        raise NumberOutOfRange(text)
+    return value
 
 
-parse_int.__name__ = "int"   # argparse names the type in its error: "invalid int value: 'ten'"
+def parse_float(text: str) -> float:
+    """A float, from text of at most `MAX_NUMBER_CHARS` characters (``1e400`` is inf: the field's range refuses it)."""
+    s = str(text).strip()
+    if len(s) > MAX_NUMBER_CHARS:
+        raise NumberOutOfRange(text)
+    return float(s)
+
+
+def _option_type(typ: type, rng: Range | None) -> Any:
+    """The argparse type of a number option: bounded parsing, and a number past 2**64 refused with the field's
+    range (argparse prints an `ArgumentTypeError` as it is: "argument --epochs: '1e5000' is out of range: ...")."""
+    parse = parse_int if typ is int else parse_float
+
+    def option(text: str) -> Any:
+        try:
+            return parse(text)
+        except NumberOutOfRange:
+            what = rng.describe(typ is int) if rng is not None else f"a number of at most {MAX_NUMBER_CHARS} characters"
+            raise argparse.ArgumentTypeError(f"{shown(text)} is out of range: give {what}") from None
+
+    option.__name__ = typ.__name__   # argparse names the type in its error: "invalid int value: 'ten'"
+    return option
+
+
+parse_int.__name__ = "int"
+
+
+class _BoundedRepr(reprlib.Repr):
+    """reprlib with a cut for every kind of value: an integer shows its size, not its 4300+ digits."""
+
+    def repr_float(self, x: float, level: int) -> str:
+        """``1e+15`` rather than ``1000000000000000.0`` (when exact), ``0.0`` stays ``0.0``."""
+        r, g = repr(x), f"{x:g}"
+        return g if len(r) > len(g) + 3 and float(g) == x else r
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() <= 200:
+            return repr(x)
+        return f"<an integer of about {int(x.bit_length() * 0.30103) + 1} digits>"
+
+
+_REPR = _BoundedRepr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """`repr(value)` bounded in length and cost (nesting, items, digits): every value an error message shows."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def coerce_value(value: Any, typ: Any) -> Any:
     """`value` converted to `typ` where the conversion is exact (numeric strings, integral floats); else as is.
 
-    A value that does not convert is returned unchanged, so the type check that follows names it."""
+    A value that does not convert is returned unchanged, so the type check that follows names it; a number past
+    any range raises `NumberOutOfRange`."""
     if typ is float and isinstance(value, str):
         try:
-            return float(value)
+            return parse_float(value)
+        except NumberOutOfRange:
+            raise
         except ValueError:
             return value
     if typ is int and not isinstance(value, bool):
         if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            if abs(value) > MAX_INT:
+                raise NumberOutOfRange(value)
             return int(value)
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise NumberOutOfRange(value)
         if isinstance(value, str):
             try:
                 return parse_int(value)
+            except NumberOutOfRange:
+                raise
             except ValueError:
                 return value
     return value
 
 
-def coerce_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+def _coerce_field(cls: type, name: str, value: Any, typ: Any, prefix: str) -> Any:
+    try:
+        return coerce_value(value, typ)
+    except NumberOutOfRange:
+        spec = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        rng = spec.metadata.get("range") if spec is not None else None
+        what = rng.describe(typ is int) if isinstance(rng, Range) else f"a number below 2**64 in at most {MAX_NUMBER_CHARS} characters"
+        raise ConfigError(f"{prefix}{name}={shown(value)} is out of range: give {what}") from None
+
+
+def coerce_fields(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A copy of `data` (keys = fields of dataclass `cls`) with numbers coerced to the fields' types; nested
-    dataclass fields are coerced recursively; unknown keys are left for the caller to refuse."""
+    dataclass fields are coerced recursively; unknown keys are left for the caller to refuse. A number past any
+    range (`parse_int`) is a `ConfigError` naming the field (`prefix` + name)."""
     hints = typing.get_type_hints(cls)
     out = dict(data)
     for key, value in data.items():
@@ -89,38 +186,116 @@ def coerce_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
             continue
         typ = base_type(hints[key])
         if isinstance(typ, type) and dataclasses.is_dataclass(typ) and isinstance(value, dict):
-            out[key] = coerce_fields(typ, value)
+            out[key] = coerce_fields(typ, value, f"{prefix}{key}.")
         elif typ in (int, float):
-            out[key] = coerce_value(value, typ)
+            out[key] = _coerce_field(cls, key, value, typ, prefix)
     return out
 
 
 def type_error(data: dict[str, Any], cls: type, kinds: tuple[type, ...] | None = None) -> tuple[str, Any, str] | None:
     """The first (name, value, type name) of `data` whose value is not of its field's type in `cls`; None if all fit.
 
-    bool is not accepted for numbers, an int is accepted for a float; None always (it means "the default").
+    bool is not accepted for numbers, an int is accepted for a float; None where the field is optional (it means
+    "the default"; ``epochs:`` left empty in a YAML file is refused, not silently the default).
     `kinds`: check only fields of these types (e.g. numbers and booleans)."""
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
-        if key not in hints or value is None:
+        if key not in hints:
             continue
         typ = base_type(hints[key])
         typ = typing.get_origin(typ) or typ
         if dataclasses.is_dataclass(typ) or not isinstance(typ, type) or (kinds and typ not in kinds):
             continue
-        ok = isinstance(value, (int, float) if typ is float else typ) and (typ is bool or not isinstance(value, bool))
+        if value is None:   # None means "the default" only where the default is None (`x: int | None`)
+            if type(None) in typing.get_args(hints[key]):
+                continue
+            return key, value, typ.__name__
+        kinds_ok = {float: (int, float), str: (str, os.PathLike)}.get(typ, typ)   # paths: the API takes Path
+        ok = isinstance(value, kinds_ok) and (typ is bool or not isinstance(value, bool))
         if not ok:
             return key, value, typ.__name__
     return None
 
 
-def coerce_instance(obj: Any) -> None:
+def coerce_instance(obj: Any, prefix: str = "") -> None:
     """Coerce the int and float fields of dataclass instance `obj` in place (see `coerce_value`)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         typ = base_type(hints[f.name])
-        if typ in (int, float):
-            setattr(obj, f.name, coerce_value(getattr(obj, f.name), typ))
+        if typ in (int, float) and getattr(obj, f.name) is not None:
+            setattr(obj, f.name, _coerce_field(type(obj), f.name, getattr(obj, f.name), typ, prefix))
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A numeric field's range (``metadata["range"]``), checked by `check_ranges`: ``lo``/``hi`` inclusive unless
+    ``lo_open``/``hi_open``; a float must also be finite. ``above``: the message when the value is past ``hi``
+    (instead of "must be <= hi"); ``hint``: said after every refusal; ``interval``: say "in [lo, hi]"."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    above: str = ""
+    hint: str = ""
+    interval: bool = False
+
+    def below_lo(self, v: float) -> bool:
+        return self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
+
+    def above_hi(self, v: float) -> bool:
+        return self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi)
+
+    def describe(self, integer: bool) -> str:
+        kind = "an integer" if integer else "a finite number"
+        if self.interval and self.lo is not None and self.hi is not None:
+            return f"{kind} in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
+        parts = [f"{'>' if self.lo_open else '>='} {_num(self.lo)}"] if self.lo is not None else []
+        parts += [f"{'<' if self.hi_open else '<='} {_num(self.hi)}"] if self.hi is not None else []
+        return f"{kind} {' and '.join(parts)}".strip()
+
+
+def _num(x: float) -> str:
+    """A bound as a reader writes it: 65535, 1000000000, 2**62, 2**64-1, 0.5."""
+    if isinstance(x, int) and x > 2**20:
+        for k, text in ((x, ""), (x + 1, "-1")):
+            if k & (k - 1) == 0:
+                return f"2**{k.bit_length() - 1}{text}"
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:.12g}"
+
+
+def range_error(name: str, value: Any, rng: Range, integer: bool) -> str | None:
+    """The refusal of `value` for a field of range `rng`, or None if it is inside."""
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if finite and not rng.below_lo(value) and not rng.above_hi(value):
+        return None
+    if finite and rng.above_hi(value) and rng.above:
+        return f"{name}={shown(value)} {rng.above}"
+    return f"{name}={shown(value)} must be {rng.describe(integer)}{rng.hint}"
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    """Raise `ConfigError` for the first field of dataclass instance `obj` outside its ``metadata["range"]``
+    (fields left at None mean "the default" and are not checked). The types are checked before (`type_error`)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        rng, value = f.metadata.get("range"), getattr(obj, f.name)
+        if rng is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        error = range_error(prefix + f.name, value, rng, base_type(hints[f.name]) is int)
+        if error:
+            raise ConfigError(error)
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Every field of dataclass instance `obj` on its own: numbers coerced as recipes write them, then each value's
+    type, then each number's range (``metadata["range"]``). The one check of field values, used by
+    `TrainConfig.validate` and `DistributedConfig.validate` (the pre-flight and every worker)."""
+    coerce_instance(obj, prefix)
+    bad = type_error({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, type(obj))
+    if bad:
+        name, value, typ = bad
+        raise ConfigError(f"{prefix}{name}={shown(value)} must be {article(typ)} {typ}")
+    check_ranges(obj, prefix)
 
 
 def article(word: str) -> str:
@@ -129,14 +304,18 @@ def article(word: str) -> str:
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest known name, or ''."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    if not isinstance(name, str) or len(name) > 100:
+        return ""
+    close = difflib.get_close_matches(name, [k for k in known if isinstance(k, str)], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def unknown_keys_message(unknown: Iterable[str], known: Iterable[str], what: str = "option") -> str:
     """One line naming unknown keys, each with its closest known name, then every known name."""
     known = sorted(known)
-    named = ", ".join(f"{u!r}{did_you_mean(u, known)}" for u in sorted(unknown))
+    unknown = sorted(unknown, key=shown)
+    named = ", ".join(f"{shown(u)}{did_you_mean(u, known)}" for u in unknown[:10])
+    named += f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
     return f"unknown {what}(s) {named}; known: {', '.join(known)}"
 
 
@@ -172,7 +351,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
             continue
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        kwargs["type"] = parse_int if typ is int else typ
+        kwargs["type"] = _option_type(typ, f.metadata.get("range")) if typ in (int, float) else typ
         kwargs["metavar"] = f.metadata.get("metavar", typ.__name__.upper())
         target.add_argument(flag_name(f), **kwargs)
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.distributed import DistributedConfig
-from unison.config.fields import article, coerce_fields, coerce_instance, type_error, unknown_keys_message
+from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -32,6 +31,11 @@ LOGGERS = ("none", "csv", "tensorboard", "wandb")
 OPTIMIZERS = ("sgd", "lars", "adam", "adamw")
 MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
 MAX_SEED = 2**64 - 1     # torch.manual_seed takes unsigned 64-bit seeds
+MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overflows
+MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, far below an index overflow
+MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
+MAX_IMAGES = 2**40       # subsets: more images than any data set
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 8192   # crops below 8 px leave nothing to augment; 8192**2 * 3 bytes a view
 
 
 @dataclass
@@ -44,8 +48,12 @@ class TrainConfig:
     val: str | None = field(default=None, metadata={
         "help": "labelled held-out data for kNN, in any --data layout; default: the held-out split of digits / "
                 "cifar10, and no kNN for other data"})
-    subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N training images"})
-    val_subset: int | None = field(default=None, metadata={"help": "use a class-balanced subset of N held-out images"})
+    subset: int | None = field(default=None, metadata={
+        "range": Range(1, MAX_IMAGES),
+        "help": "use a class-balanced subset of N training images"})
+    val_subset: int | None = field(default=None, metadata={
+        "range": Range(1, MAX_IMAGES),
+        "help": "use a class-balanced subset of N held-out images"})
     on_corrupt: str = field(default="skip", metadata={"help": "corrupt image files: skip (with a count) or error",
                                                        "choices": ON_CORRUPT})
     data_mode: str = field(default="auto", metadata={
@@ -54,6 +62,7 @@ class TrainConfig:
                 "the data's size); auto: memory when the decoded training set fits 2 GiB, else stream",
         "choices": DATA_MODES})
     loader_workers: int | None = field(default=None, metadata={
+        "range": Range(0, 256, hint=" (0: decode in the worker itself)"),
         "help": "loader processes per worker for streamed data (0: decode in the worker); default: the cores per "
                 "worker minus one, 1 to 8"})
     decode: str = field(default="cpu", metadata={
@@ -65,29 +74,55 @@ class TrainConfig:
                 "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
-    image_size: int | None = field(default=None, metadata={"help": "training crop size; default: the data's size"})
-    epochs: int = field(default=30, metadata={"help": "training epochs"})
-    batch_size: int = field(default=256, metadata={"help": "GLOBAL batch size (split evenly over workers)"})
+    image_size: int | None = field(default=None, metadata={
+        "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels (or left unset: the data's size)"),
+        "help": "training crop size; default: the data's size"})
+    epochs: int = field(default=30, metadata={
+        "range": Range(1, MAX_EPOCHS, above="is past 1e9; to run by steps, give --max-steps (e.g. --epochs 1e9 --max-steps 100000)"),
+        "help": "training epochs"})
+    batch_size: int = field(default=256, metadata={
+        "range": Range(1, MAX_BATCH, hint=" (the global batch, in images)"),
+        "help": "GLOBAL batch size (split evenly over workers)"})
     optimizer: str | None = field(default=None, metadata={"help": "sgd | lars | adam | adamw; default: method recipe"})
-    lr: float | None = field(default=None, metadata={
+    lr: float | None = field(default=None, metadata={"range": Range(0),
         "help": "base learning rate per 256 images, scaled linearly with the global batch; default: method recipe"})
-    weight_decay: float | None = field(default=None, metadata={"help": "weight decay; default: method recipe"})
-    momentum: float = field(default=0.9, metadata={"help": "SGD/LARS momentum"})
-    warmup_epochs: float = field(default=2.0, metadata={"help": "linear learning-rate warm-up, then cosine decay"})
-    grad_clip: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this value"})
+    weight_decay: float | None = field(default=None, metadata={
+        "range": Range(0),
+        "help": "weight decay; default: method recipe"})
+    momentum: float = field(default=0.9, metadata={
+        "range": Range(0, 1, hi_open=True, interval=True, hint=" (SGD/LARS momentum; 0 = none)"),
+        "help": "SGD/LARS momentum"})
+    warmup_epochs: float = field(default=2.0, metadata={
+        "range": Range(0, MAX_EPOCHS, above="is past 1e9 epochs; a warm-up longer than the run is cut at its end, so "
+                                            "give at most the run's --epochs"),
+        "help": "linear learning-rate warm-up, then cosine decay"})
+    grad_clip: float | None = field(default=None, metadata={
+        "range": Range(0, lo_open=True, hint="; omit --grad-clip for no clipping"),
+        "help": "clip the global gradient norm to this value"})
     augmentation: str | None = field(default=None, metadata={
         "help": "augmentation preset (the list below); default: method recipe"})
-    seed: int = field(default=0, metadata={"help": "seed for initialisation, data order and augmentation"})
+    seed: int = field(default=0, metadata={
+        "range": Range(0, MAX_SEED, interval=True, hint=" (torch's seeds are unsigned 64-bit: 2**64-1 at most)"),
+        "help": "seed for initialisation, data order and augmentation"})
     out: str = field(default="runs/default", metadata={"help": "run directory (config, checkpoints, metrics, plot)"})
     resume: str | None = field(default=None, metadata={"help": "resume from this run directory or checkpoint file"})
     checkpoint_every: int = field(default=0, metadata={
+        "range": Range(0, MAX_STEPS, hint=" (0 = at the end of every epoch)"),
         "help": "save a checkpoint every N optimiser steps (0 = at the end of every epoch)"})
-    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest K checkpoints"})
+    keep_checkpoints: int = field(default=3, metadata={
+        "range": Range(1, 10**6),
+        "help": "keep the newest K checkpoints"})
     checkpoint_async: bool = field(default=True, metadata={
         "help": "write checkpoints in a background thread: the step loop waits only for a copy of the state"})
-    eval_every: int = field(default=0, metadata={"help": "kNN evaluation every N epochs (0 = only at the end)"})
-    knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
-    knn_t: float = field(default=0.1, metadata={"help": "kNN temperature for similarity weighting"})
+    eval_every: int = field(default=0, metadata={
+        "range": Range(0, MAX_EPOCHS, hint=" (0 = only at the end)"),
+        "help": "kNN evaluation every N epochs (0 = only at the end)"})
+    knn_k: int = field(default=200, metadata={
+        "range": Range(1, 10**6),
+        "help": "kNN neighbours (Lightly's benchmark protocol: 200)"})
+    knn_t: float = field(default=0.1, metadata={
+        "range": Range(MIN_KNN_T, 1e6, hint=" (below it the kNN weights exp(similarity / t) overflow)"),
+        "help": "kNN temperature for similarity weighting"})
     random_init_knn: bool = field(default=True, metadata={
         "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "
                 "result line; --no-random-init-knn skips it)"})
@@ -100,9 +135,15 @@ class TrainConfig:
                 "with it (the CPU SimCLR step about 1.3x)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the method"})
     deterministic: bool = field(default=False, metadata={"help": "deterministic algorithms (bitwise repeatable runs)"})
-    threads: int | None = field(default=None, metadata={"help": "torch threads per worker; default: cores / workers"})
-    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimiser steps (testing)"})
-    log_every: int = field(default=10, metadata={"help": "log metrics every N optimiser steps"})
+    threads: int | None = field(default=None, metadata={
+        "range": Range(1, 4096),
+        "help": "torch threads per worker; default: cores / workers"})
+    max_steps: int | None = field(default=None, metadata={
+        "range": Range(1, MAX_STEPS),
+        "help": "stop after this many optimiser steps (testing)"})
+    log_every: int = field(default=10, metadata={
+        "range": Range(1, MAX_STEPS),
+        "help": "log metrics every N optimiser steps"})
     progress: bool = field(default=True, metadata={"help": "progress bar on rank 0"})
     logger: str = field(default="csv", metadata={
         "help": "metrics logger: csv (metrics.csv + plot.png), tensorboard (also <out>/tensorboard; pip install "
@@ -119,47 +160,20 @@ class TrainConfig:
 
         Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
-        coerce_instance(self)
+        check_fields(self)
+        if not isinstance(self.distributed, DistributedConfig):
+            raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (or, in a config "
+                              "file, a mapping of distributed options)")
         self.distributed.validate(cuda_available)
-        bad = type_error({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, TrainConfig, (int, float, bool))
-        if bad:
-            name, value, typ = bad
-            raise ConfigError(f"{name}={value!r} must be {article(typ)} {typ}")
-        for name in ("epochs", "batch_size", "keep_checkpoints", "knn_k", "log_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
-        for name in ("subset", "val_subset", "image_size", "max_steps", "threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1 (or left unset)")
-        if self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ConfigError("checkpoint_every and eval_every must be >= 0 (0 = once per epoch / at the end)")
-        if self.epochs > MAX_EPOCHS:
-            raise ConfigError(f"epochs={self.epochs} is past 1e9; to run by steps, give --max-steps "
-                              "(e.g. --epochs 1e9 --max-steps 100000)")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ConfigError(f"seed={self.seed} must be in [0, 2**64-1] (torch's seeds are unsigned 64-bit)")
         w = self.distributed.world_size
         if self.batch_size % w:
             raise ConfigError(
                 f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
                 f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
-        for name in ("lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
-                raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
         if self.lr == 0:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
-        if not 0 <= self.warmup_epochs or not math.isfinite(self.warmup_epochs):
-            raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} must be >= 0")
-        if self.warmup_epochs > MAX_EPOCHS:
-            raise ConfigError(f"warmup_epochs={self.warmup_epochs!r} is past 1e9 epochs; a warm-up "
-                              "longer than the run is cut at its end, so give at most the run's --epochs")
-        if not self.knn_t > 0 or not math.isfinite(self.knn_t):
-            raise ConfigError(f"knn_t={self.knn_t!r} must be > 0")
         if self.amp not in AMP_MODES:
-            raise ConfigError(f"amp={self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}")
+            raise ConfigError(f"amp={shown(self.amp)} is unknown; use one of {', '.join(AMP_MODES)}")
         if self.distributed.shard == "full" and self.amp == "fp16":
             raise ConfigError("amp='fp16' needs a gradient scaler for sharded gradients, which --shard full does not "
                               "have; use --amp bf16 (FSDP mixed precision: bf16 parameters, fp32 reduction)")
@@ -167,9 +181,9 @@ class TrainConfig:
             raise ConfigError("MoCo shuffle_bn swaps the key encoder's batch-norm layers during training, which "
                               "--shard full cannot follow; use --shard none or drop --param shuffle_bn=true")
         if self.precision not in ("float32", "float64"):
-            raise ConfigError(f"precision={self.precision!r} is unknown; use float32 or float64")
+            raise ConfigError(f"precision={shown(self.precision)} is unknown; use float32 or float64")
         if self.on_corrupt not in ON_CORRUPT:
-            raise ConfigError(f"on_corrupt={self.on_corrupt!r} is unknown; use skip or error")
+            raise ConfigError(f"on_corrupt={shown(self.on_corrupt)} is unknown; use skip or error")
         self._validate_data(cuda_available)
         self._validate_choices()
         return self
@@ -178,9 +192,9 @@ class TrainConfig:
         """The options whose choices this layer knows; methods, backbones and augmentation presets are the layers
         above's, checked by `unison.training.resolve.validate_run`."""
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer={self.optimizer!r} is unknown; use sgd, lars, adam or adamw")
+            raise ConfigError(f"optimizer={shown(self.optimizer)} is unknown; use sgd, lars, adam or adamw")
         if self.logger not in LOGGERS:
-            raise ConfigError(f"logger={self.logger!r} is unknown; use one of {', '.join(LOGGERS)}")
+            raise ConfigError(f"logger={shown(self.logger)} is unknown; use one of {', '.join(LOGGERS)}")
         package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(self.logger)
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--logger {self.logger} needs the {package} package: pip install 'unison[{package}]' "
@@ -190,12 +204,9 @@ class TrainConfig:
 
     def _validate_data(self, cuda_available: bool | None) -> None:
         if self.data_mode not in DATA_MODES:
-            raise ConfigError(f"data_mode={self.data_mode!r} is unknown; use auto, memory or stream")
+            raise ConfigError(f"data_mode={shown(self.data_mode)} is unknown; use auto, memory or stream")
         if self.decode not in DECODERS:
-            raise ConfigError(f"decode={self.decode!r} is unknown; use cpu or gpu")
-        lw = self.loader_workers
-        if lw is not None and (not isinstance(lw, int) or isinstance(lw, bool) or lw < 0):
-            raise ConfigError(f"loader_workers={lw!r} must be an integer >= 0 (0: decode in the worker itself)")
+            raise ConfigError(f"decode={shown(self.decode)} is unknown; use cpu or gpu")
         if self.decode == "gpu":
             if cuda_available is None:
                 import torch
@@ -215,11 +226,11 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a configuration must be a mapping of option names to values, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=shown)
         dist_names = {f.name for f in dataclasses.fields(DistributedConfig)}
         misplaced = [k for k in unknown if k in dist_names]
         if misplaced:
-            example = ", ".join(f"{k}: {data[k]!r}" for k in misplaced)
+            example = ", ".join(f"{k}: {shown(data[k])}" for k in misplaced)
             raise ConfigError(f"option(s) {', '.join(misplaced)} belong under 'distributed:' in a config file "
                               f"(distributed: {{{example}}}); on the command line: "
                               f"{' '.join('--' + k.replace('_', '-') for k in misplaced)}")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from unison.config.distributed import DistributedConfig
+from unison.config.fields import parse_int, shown
 from unison.errors import ConfigError, WorkerError
 
 
@@ -41,10 +42,11 @@ class LaunchEnv:
 
 
 def _int(environ: dict[str, str], key: str) -> int:
+    """An integer environment variable, parsed by the one bounded parser (its range is the config field's)."""
     try:
-        return int(environ[key])
-    except ValueError:
-        raise ConfigError(f"environment variable {key}={environ[key]!r} is not an integer") from None
+        return parse_int(environ[key])
+    except ValueError:   # NumberOutOfRange included: no 4300-digit ValueError, no huge rank
+        raise ConfigError(f"environment variable {key}={shown(environ[key])} is not an integer below 2**64") from None
 
 
 # A launcher sets the rank and the size together; one without the other is a broken launch, refused before start.
@@ -61,7 +63,7 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv | None
     env = dict(os.environ if environ is None else environ)
     for rank_var, size_var, launcher in _RANK_AND_SIZE:
         if rank_var in env and size_var not in env:
-            raise ConfigError(f"environment variable {rank_var}={env[rank_var]!r} is set but {size_var} is not; "
+            raise ConfigError(f"environment variable {rank_var}={shown(env[rank_var])} is set but {size_var} is not; "
                               f"{launcher} sets both: start the workers with it, or unset {rank_var} to let "
                               "unison start them")
     addr = env.get("MASTER_ADDR")
@@ -196,7 +198,10 @@ def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> di
 def restart_count() -> int:
     """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun)."""
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
-    return int(value) if value.isdigit() else 0
+    try:
+        return parse_int(value) if value.isdigit() else 0
+    except ValueError:   # past 2**64: not torchrun's
+        return 0
 
 
 def restart_reason() -> str | None:

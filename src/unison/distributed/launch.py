@@ -45,7 +45,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from unison.config.distributed import DistributedConfig
-from unison.errors import Preempted, WatchdogTimeout, WorkerFailure, exit_code_of
+from unison.config.fields import shown
+from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure, exit_code_of
 
 from . import watchdog
 from .env import exit_worker
@@ -53,9 +54,17 @@ from .signals import STOP_SIGNALS, install_stop_handlers
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+    """A free TCP port on `addr`, which must be an address of this machine (its workers serve the rendezvous
+    there); `ConfigError` otherwise, before any worker starts."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return s.getsockname()[1]
+    except (OSError, UnicodeError) as exc:   # gaierror (unknown host), EADDRNOTAVAIL (another machine's address)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"--master-addr {shown(addr)} is not an address of this machine ({reason}); unison starts "
+                          "its workers here: leave the default 127.0.0.1, or give this machine's own address") from None
 
 
 def _die_with_parent() -> None:
@@ -199,7 +208,8 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     ``cfg.watchdog_s`` seconds.
     """
     cfg.validate()
-    port = cfg.master_port or find_free_port(cfg.master_addr)
+    free = find_free_port(cfg.master_addr)   # also refuses, before any worker, an address not of this machine
+    port = cfg.master_port or free
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     ctx = mp.get_context("spawn")
     heartbeats = watchdog.new_table(ctx, cfg.world_size)

@@ -72,6 +72,12 @@ class SSLMethod(nn.Module):
     # which gathers them for the method's forward.
     unsharded_children: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def check_run(cls, params: Any, *, global_batch: int, world_size: int, shared_queue: bool) -> None:
+        """Raise `ConfigError` for hyper-parameters that do not fit the run's global batch and world size (a queue
+        length, ...). The pre-flight calls it (`unison.training.resolve.validated_method_params`) with the numbers
+        the workers will see, and the methods' own step-time checks call the same code."""
+
     def __init__(self, backbone: nn.Module, feature_dim: int, params: Any, *, gather_distributed: bool = True,
                  shared_queue: bool = True, steps_total: int = 1):
         super().__init__()

@@ -53,7 +53,7 @@ from ._common import mean_patch_embedding, require_vit
 from .base import Recipe, SampleKeys, SSLMethod
 from .mae import sincos_positions, transformer_blocks
 from .masking import block_masking
-from .params import check_params
+from .params import check_heads, check_params
 from .teacher import MomentumTeacher
 
 MASK_STREAM = 0x494A_0000     # + 2 * view (+1): counter-based RNG streams of I-JEPA's blocks
@@ -72,6 +72,7 @@ class IJEPAParams:
     def __post_init__(self) -> None:
         check_params(self, sizes=("num_targets", "predictor_dim", "predictor_depth", "predictor_heads"),
                      positive=("target_aspect",), unit_interval=("target_scale", "momentum_base"))
+        check_heads(self, "predictor_dim", "predictor_heads")
 
 
 class IJEPAPredictor(nn.Module):

@@ -44,7 +44,7 @@ from unison.losses import MAELoss, patchify
 from ._common import mean_patch_embedding, require_vit
 from .base import Recipe, SampleKeys, SSLMethod
 from .masking import random_masking
-from .params import check_params
+from .params import check_heads, check_params
 
 MASK_STREAM = 0x4D_4145_00     # + view index: counter-based RNG stream of MAE's masks
 
@@ -74,6 +74,7 @@ class MAEParams:
 
     def __post_init__(self) -> None:
         check_params(self, sizes=("decoder_dim", "decoder_depth", "decoder_heads"), unit_interval=("mask_ratio",))
+        check_heads(self, "decoder_dim", "decoder_heads")
 
 
 class MAE(SSLMethod):

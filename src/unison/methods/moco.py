@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -60,6 +61,7 @@ import torch.nn.functional as F
 from unison.distributed.collectives import gather_no_grad, local_slice, world_size
 from unison.distributed.sync_batchnorm import GlobalBatchNorm
 from unison.distributed.tagging import mark_rank_local_state
+from unison.errors import ConfigError
 from unison.losses import MoCoLoss
 from unison.models import mlp
 
@@ -128,6 +130,21 @@ def shuffled_forward(encoder: Callable[[torch.Tensor], torch.Tensor], x: torch.T
     return y_all[torch.argsort(perm)][rows]
 
 
+def queue_size_check(params: MoCoParams, n_local: int, w: int, shared_queue: bool) -> None:
+    """`ConfigError` unless the queue holds a whole number of steps' keys (views x batch, global when shared)."""
+    k, views = params.queue_size, 2 if params.symmetric else 1
+    m = views * n_local * (w if shared_queue else 1)
+    if k % m == 0:
+        return
+    batch = (f"global batch {n_local * w} = {n_local} per rank x {w} ranks" if shared_queue
+             else f"local batch {n_local} (per-rank queue)")
+    suggestion = max(m, round(k / m) * m)
+    raise ConfigError(
+        f"MoCo queue_size={k} is not a multiple of the {m} keys enqueued per step ({views} view(s) x {batch}); "
+        f"use queue_size={suggestion} (any multiple of {m}) or a batch size such that {views} x "
+        f"{'global' if shared_queue else 'local'} batch divides {k}")
+
+
 class MoCo(SSLMethod):
     name = "moco"
     Params = MoCoParams
@@ -148,24 +165,12 @@ class MoCo(SSLMethod):
         self.loss_fn = MoCoLoss(params.temperature)
 
     # ------------------------------------------------------------------ helpers
-    def _keys_per_step(self, n_local: int) -> int:
-        views = 2 if self.params.symmetric else 1
-        return views * n_local * (world_size() if self.shared_queue else 1)
-
     def _check_queue_size(self, n_local: int) -> None:
-        k = self.params.queue_size
-        m = self._keys_per_step(n_local)
-        if k % m == 0:
-            return
-        views = 2 if self.params.symmetric else 1
-        w = world_size()
-        batch = (f"global batch {n_local * w} = {n_local} per rank x {w} ranks" if self.shared_queue
-                 else f"local batch {n_local} (per-rank queue)")
-        suggestion = max(m, round(k / m) * m)
-        raise ValueError(
-            f"MoCo queue_size={k} is not a multiple of the {m} keys enqueued per step ({views} view(s) x {batch}); "
-            f"use queue_size={suggestion} (any multiple of {m}) or a batch size such that {views} x "
-            f"{'global' if self.shared_queue else 'local'} batch divides {k}")
+        queue_size_check(self.params, n_local, world_size(), self.shared_queue)
+
+    @classmethod
+    def check_run(cls, params: Any, *, global_batch: int, world_size: int, shared_queue: bool) -> None:
+        queue_size_check(params, global_batch // world_size, world_size, shared_queue)
 
     def _key_encoder(self, x: torch.Tensor) -> torch.Tensor:
         return self.key_encoder.projector(self.key_encoder.backbone(x))

@@ -13,7 +13,7 @@ starts, instead of a tensor-shape traceback (``proj_dim=-5``) or a zero-width he
         def __post_init__(self) -> None:
             check_params(self, sizes=("proj_dim",), positive=("temperature",))
 
-Ranges: ``sizes`` integers >= 1 (dimensions, counts); ``counts`` integers >= 0; ``positive``
+Ranges: ``sizes`` integers in [1, 2**20] (dimensions, counts); ``counts`` integers >= 0; ``positive``
 finite numbers > 0 (temperatures, scales); ``non_negative`` finite numbers >= 0 (loss
 weights); ``unit_interval`` numbers in [0, 1] (momenta, probabilities, fractions).
 """
@@ -24,7 +24,12 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from unison.config.fields import shown
 from unison.errors import ConfigError
+
+# A size (a width, a depth, a count of prototypes or queue entries) past 2**20 is no recipe's: refused before any
+# worker builds a model of it (a 16M-wide head is 32 G parameters, found only as an out-of-memory kill).
+MAX_SIZE = 2**20
 
 
 def _label(params: Any) -> str:
@@ -42,17 +47,17 @@ def check_params(params: Any, *, sizes: Iterable[str] = (), counts: Iterable[str
     method = _label(params)
 
     def fail(name: str, what: str) -> None:
-        raise ConfigError(f"{method} parameter {name}={getattr(params, name)!r} must be {what} "
+        raise ConfigError(f"{method} parameter {name}={shown(getattr(params, name))} must be {what} "
                           f"(--param {name}=VALUE)")
 
     for name in sizes:
         value = getattr(params, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            fail(name, "an integer >= 1")
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
+            fail(name, "an integer >= 1" + (" and <= 2**20" if isinstance(value, int) and value > MAX_SIZE else ""))
     for name in counts:
         value = getattr(params, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            fail(name, "an integer >= 0")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+            fail(name, "an integer >= 0" + (" and < 2**64" if isinstance(value, int) and value > 0 else ""))
     for name in positive:
         value = getattr(params, name)
         if not _number(value) or value <= 0:
@@ -65,3 +70,12 @@ def check_params(params: Any, *, sizes: Iterable[str] = (), counts: Iterable[str
         value = getattr(params, name)
         if not _number(value) or not 0 <= value <= 1:
             fail(name, "a number in [0, 1]")
+
+
+def check_heads(params: Any, width: str, heads: str) -> None:
+    """`ConfigError` unless parameter `width` is a multiple of parameter `heads` (attention splits the width)."""
+    w, h = getattr(params, width), getattr(params, heads)
+    if isinstance(w, int) and isinstance(h, int) and h >= 1 and w % h:
+        raise ConfigError(f"{_label(params)} parameter {width}={w} is not a multiple of {heads}={h} (attention "
+                          f"splits the width over the heads); give --param {heads}= a divisor of {w}, e.g. "
+                          f"{max(d for d in range(1, min(h, w) + 1) if w % d == 0)}")

@@ -55,6 +55,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -63,6 +64,7 @@ import torch.nn.functional as F
 from unison.distributed.collectives import gather_no_grad, local_slice, world_size
 from unison.distributed.dtensor import assign_full_, local_view
 from unison.distributed.tagging import mark_rank_local_state
+from unison.errors import ConfigError
 from unison.losses import SwAVLoss
 from unison.models import mlp
 
@@ -88,6 +90,15 @@ class SwAVParams:
         check_params(self, sizes=("proj_hidden_dim", "proj_dim", "n_prototypes", "sinkhorn_iterations"),
                      counts=("queue_length", "queue_start_step", "freeze_prototypes_steps"),
                      positive=("temperature", "sinkhorn_epsilon"))
+
+
+def queue_length_check(params: SwAVParams, n_local: int, w: int) -> None:
+    """`ConfigError` unless the queue holds a whole number of global batches."""
+    q, g = params.queue_length, n_local * w
+    if q % g:
+        raise ConfigError(
+            f"SwAV queue_length={q} is not a multiple of the global batch {g} ({n_local} per rank x {w} ranks); "
+            f"use queue_length={max(g, round(q / g) * g)} (any multiple of {g})")
 
 
 class SwAV(SSLMethod):
@@ -132,12 +143,12 @@ class SwAV(SSLMethod):
 
     # ------------------------------------------------------------------ queue
     def _check_queue(self, n_local: int) -> None:
-        q, w = self.params.queue_length, world_size()
-        if q % (n_local * w):
-            g = n_local * w
-            raise ValueError(
-                f"SwAV queue_length={q} is not a multiple of the global batch {g} ({n_local} per rank x {w} ranks); "
-                f"use queue_length={max(g, round(q / g) * g)} (any multiple of {g})")
+        queue_length_check(self.params, n_local, world_size())
+
+    @classmethod
+    def check_run(cls, params: Any, *, global_batch: int, world_size: int, shared_queue: bool) -> None:
+        if params.queue_length:
+            queue_length_check(params, global_batch // world_size, world_size)
 
     def _queue_rows_used(self) -> int:
         return self.params.queue_length if self.shared_queue else self.params.queue_length // world_size()

@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from unison.errors import ConfigError
+
 VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
     "nano": (128, 6, 4),
     "tiny": (192, 12, 3),
@@ -83,8 +85,9 @@ class ViT(nn.Module):
         return self.grid_size(image_size) ** 2
 
     def grid_size(self, image_size: int) -> int:
-        if image_size % self.patch_size:
-            raise ValueError(f"image size {image_size} is not a multiple of the patch size {self.patch_size}")
+        if image_size % self.patch_size:   # a ConfigError: one line, also when a worker finds it
+            raise ConfigError(f"image size {image_size} is not a multiple of the patch size {self.patch_size} of the ViT; "
+                              f"give --image-size a multiple of {self.patch_size}")
         return image_size // self.patch_size
 
     def _pos_embed(self, grid: int) -> torch.Tensor:
@@ -142,6 +145,12 @@ class ViT(nn.Module):
         if tokens:
             return t
         return t[:, 0] if self.pool == "cls" else t[:, 1:].mean(dim=1)
+
+
+def vit_patch_size(name: str) -> int:
+    """The patch size of ViT `name` of `VIT_BACKBONES` (16, or 4 for ``_p4``, 2 for ``_p2``)."""
+    suffix = name[len("vit_"):].partition("_")[2]
+    return _PATCHES["_" + suffix if suffix else ""][0]
 
 
 def build_vit(name: str) -> ViT:

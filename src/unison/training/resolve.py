@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison.config import TrainConfig
-from unison.config.fields import article, coerce_fields, did_you_mean, type_error, unknown_keys_message
+from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
 from unison.data.augment import PRESETS
 from unison.errors import ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone
+from unison.models.vit import VIT_BACKBONES, vit_patch_size
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,15 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainC
     fills in the recipe's backbone (what the workers, checkpoints and summary see). Returns `cfg`."""
     cfg.validate(cuda_available)
     if cfg.method not in METHODS:
-        raise ConfigError(f"method={cfg.method!r} is unknown{did_you_mean(cfg.method, METHODS)}; "
+        raise ConfigError(f"method={shown(cfg.method)} is unknown{did_you_mean(cfg.method, METHODS)}; "
                           f"use one of {', '.join(sorted(METHODS))}")
     _validate_backbone(cfg)
     if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
-        raise ConfigError(f"augmentation={cfg.augmentation!r} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
+        raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
-    cfg.method_params = validated_method_params(cfg.method, cfg.method_params)
+    cfg.method_params = validated_method_params(
+        cfg.method, cfg.method_params, global_batch=cfg.batch_size, world_size=cfg.distributed.world_size,
+        shared_queue=cfg.distributed.shared_queue)
     return cfg
 
 
@@ -69,28 +72,38 @@ def _validate_backbone(cfg: TrainConfig) -> None:
     if cfg.backbone is None:
         cfg.backbone = resolve_recipe(cfg).backbone
     if cfg.backbone not in BACKBONES and not cfg.backbone.startswith("timm:"):
-        raise ConfigError(f"backbone={cfg.backbone!r} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
+        raise ConfigError(f"backbone={shown(cfg.backbone)} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
                           f"use one of {', '.join(BACKBONES)} or timm:<name>")
     if cfg.backbone_args and not cfg.backbone.startswith("timm:"):
         raise ConfigError(f"--backbone-arg {', '.join(cfg.backbone_args)} is for timm backbones "
                           f"(--backbone timm:<name>); {cfg.backbone} takes none")
     if cfg.backbone.startswith("timm:"):
         check_backbone(cfg.backbone, cfg.image_size, cfg.backbone_args)
+    if cfg.backbone in VIT_BACKBONES and cfg.image_size is not None and cfg.image_size % vit_patch_size(cfg.backbone):
+        patch = vit_patch_size(cfg.backbone)
+        raise ConfigError(f"image_size={cfg.image_size} is not a multiple of the patch size {patch} of "
+                          f"{cfg.backbone}; give --image-size a multiple of {patch} (e.g. "
+                          f"{max(patch, cfg.image_size // patch * patch)})")
 
 
-def validated_method_params(method: str, given: dict[str, Any]) -> dict[str, Any]:
-    """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`); returns the
-    parameters with numbers coerced as recipes write them."""
+def validated_method_params(method: str, given: dict[str, Any], *, global_batch: int | None = None,
+                            world_size: int = 1, shared_queue: bool = True) -> dict[str, Any]:
+    """Known names, values of the right type, and each method's ranges (its `Params.__post_init__`); with the run's
+    `global_batch` and `world_size`, also what the method's workers check against them (`SSLMethod.check_run`:
+    queue lengths). Returns the parameters with numbers coerced as recipes write them."""
     params_cls = get_method(method).Params
     fields = {f.name: f for f in dataclasses.fields(params_cls)}
     unknown = sorted(set(given) - set(fields))
     if unknown:
         raise ConfigError(f"{unknown_keys_message(unknown, fields, f'{method} parameter')} (--param NAME=VALUE)")
-    params = coerce_fields(params_cls, given)
+    params = coerce_fields(params_cls, given, "--param ")
     bad = type_error(params, params_cls)
     if bad:
         name, value, typ = bad
         default = getattr(params_cls(), name)
-        raise ConfigError(f"--param {name}={value!r} must be {article(typ)} {typ} (default {default!r})")
-    params_cls(**params)   # the ranges: a one-line ConfigError from check_params
+        raise ConfigError(f"--param {name}={shown(value)} must be {article(typ)} {typ} (default {default!r})")
+    checked = params_cls(**params)   # the ranges: a one-line ConfigError from check_params
+    if global_batch is not None:
+        get_method(method).check_run(checked, global_batch=global_batch, world_size=world_size,
+                                     shared_queue=shared_queue)
     return params
