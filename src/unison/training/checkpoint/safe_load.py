@@ -121,6 +121,37 @@ def read_metadata_safely(directory: Path) -> Any:
     for info in (metadata.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or os.path.basename(rel) != rel or rel in (".", "..") or not (directory / rel).is_file():
-            raise CheckpointError(f"{directory / METADATA} names the shard file {rel!r}, which is not a file in "
+            raise CheckpointError(f"{directory / METADATA} names the shard file {rel[:80]!r}, which is not a file in "
                                   f"{directory}; the checkpoint is damaged or not unison's")
+    stored = sum((directory / rel).stat().st_size
+                 for rel in {str(info.relative_path) for info in (metadata.storage_data or {}).values()})
+    _check_entries(metadata, directory, stored)
     return metadata
+
+
+def _check_entries(metadata: Any, directory: Path, stored: int) -> None:
+    """Every entry's name bounded; every tensor's size non-negative, its dtype a dtype, and its bytes within what
+    the shard files hold (a loader allocates the tensors the metadata describes before it reads a byte)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or len(entries) > 1_000_000:
+        raise CheckpointError(f"{directory / METADATA} has no valid list of entries; the checkpoint is damaged")
+    for fqn, md in entries.items():
+        if not isinstance(fqn, str) or not 0 < len(fqn) <= 1000:
+            raise CheckpointError(f"{directory / METADATA} has an entry named {str(fqn)[:60]!r}...; "
+                                  "the checkpoint is damaged")
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
+        ok = (isinstance(md, TensorStorageMetadata) and isinstance(dtype, torch.dtype)
+              and isinstance(size, tuple) and len(size) <= 16 and all(type(n) is int and n >= 0 for n in size))
+        if ok and isinstance(size, tuple) and isinstance(dtype, torch.dtype):
+            numel = 1
+            for n in size:
+                numel *= n
+            ok = numel * dtype.itemsize <= stored
+        if not ok:
+            raise CheckpointError(f"{directory / METADATA} describes {fqn[:80]!r} as {str(size)[:60]} of "
+                                  f"{str(dtype)[:30]}, more than its {stored} bytes of shards hold or not a "
+                                  "tensor; the checkpoint is damaged")
