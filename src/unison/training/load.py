@@ -50,6 +50,6 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
                               image_size=preprocessing(cfg, ckpt)["image_size"])
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
-    check_compatible(method, ckpt["model"])
+    check_compatible(method, ckpt.get("model"), checkpoint)
     method.load_state_dict(ckpt["model"])
     return method.eval(), cfg, ckpt

@@ -165,9 +165,9 @@ def _check_resolved(resolved: Any, step: int, path: Path) -> None:
     for name in ("mean", "std"):
         v = resolved.get(name)
         if not problem and v is not None and not (type(v) in (list, tuple) and 1 <= len(v) <= 4
-                                                  and all(_is_number(x) for x in v)
+                                                  and all(_is_number(x) and abs(x) <= 1e6 for x in v)
                                                   and (name == "mean" or all(x > 0 for x in v))):
-            problem = f"{name} {shown(v)} is not a list of 1 to 4 finite numbers" + (" > 0" if name == "std" else "")
+            problem = f"{name} is not a list of 1 to 4 numbers in [-1e6, 1e6]" + (", > 0" if name == "std" else "")
     total = resolved.get("total_steps")
     if not problem and total is not None and not _is_int(total, 0, MAX_STEP):
         problem = f"total_steps {shown(total)} is not an integer from 0 to {MAX_STEP}"
@@ -192,6 +192,8 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Any, path: st
         return CheckpointError(f"checkpoint {path} has optimizer state that does not fit this run's optimizer "
                                f"({what}); resume with the options it was saved with, or start a new run")
 
+    if state is None:
+        raise bad("the checkpoint holds none")
     if type(state) not in _DICTS or type(state.get("state")) not in _DICTS \
             or type(state.get("param_groups")) not in (list, tuple):
         raise bad("not a dict with 'state' and 'param_groups'")
@@ -205,6 +207,8 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Any, path: st
         if len(saved["params"]) != len(group["params"]) or not all(type(i) is int for i in saved["params"]):
             raise bad(f"parameter group {g} has {len(saved['params'])} parameter(s), the optimizer "
                       f"{len(group['params'])}")
+        if any(i in params for i in saved["params"]) or len(set(saved["params"])) != len(saved["params"]):
+            raise bad(f"parameter group {g} names a parameter twice")
         params.update(zip(saved["params"], group["params"]))
         for key, value in saved.items():
             if key != "params" and key in group and not _same_kind(value, group[key]):
@@ -239,5 +243,7 @@ def _state_problem(value: Any, param: torch.Tensor) -> str | None:
             return f"shape {tuple(value.shape)}, the parameter has {tuple(param.shape)}"
         if value.is_floating_point() != param.is_floating_point() or value.is_complex() != param.is_complex():
             return f"dtype {value.dtype}, the parameter has {param.dtype}"
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return "NaN or infinite values (the next step would make the weights NaN)"
         return None
     return None if value is None or _is_number(value) or type(value) is bool else f"{shown(value)} is not a number"

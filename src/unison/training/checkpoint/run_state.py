@@ -82,8 +82,8 @@ def _load_run_checkpoint(run: Run, path: str | Path) -> dict[str, Any]:
     """A ``.pt`` checkpoint, every field checked against this run (step, model, optimizer) before anything loads."""
     ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device, run=True)
     check_step_in_run(ckpt["step"], run.total_steps, path)
-    check_compatible(run.method, ckpt["model"])
-    check_optimizer_state(run.optimizer, ckpt["optimizer"], path)
+    check_compatible(run.method, ckpt.get("model"), path)
+    check_optimizer_state(run.optimizer, ckpt.get("optimizer"), path)
     return ckpt
 
 

@@ -1,11 +1,13 @@
 """Reading checkpoint files without ever running code from them, with one-line errors.
 
-* ``.pt`` files (and a ``.dcp`` directory's ``unison.pt``): ``torch.load(weights_only=True)``;
+* ``.pt`` files (and a ``.dcp`` directory's ``unison.pt``): regular files only (a FIFO would block), read with
+  ``torch.load(weights_only=True)``;
   a file that holds Python objects which would run code when unpickled is refused.
 * DCP's ``.metadata`` is a plain pickle, and DCP loads non-tensor entries (optimizer
   hyper-parameters) with ``torch.load(weights_only=False)``. `SafeReader` unpickles ``.metadata``
   with an allow-list of DCP's own metadata classes (plus ``torch.Size``, dtypes, layouts, paths)
-  and checks that every shard file named in it is a plain file inside the checkpoint directory;
+  and checks that every shard file named in it is a plain file inside the checkpoint directory and that no
+  tensor it describes is larger than the shard files together (a loader allocates them before reading);
   `SafeLoadPlanner` loads non-tensor entries with ``weights_only=True``; tensors are already read
   with ``weights_only=True`` by DCP.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,10 @@ def load_file(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> A
     """``torch.load(path, weights_only=True)`` with one-line errors. `mmap`: tensors are mapped, not read
     (what a header read wants); only for zip files (what torch.save writes), others are read normally."""
     try:
-        if path.stat().st_size == 0:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):   # a FIFO would block the read, a device never end it
+            raise CheckpointError(f"checkpoint {path} is not a regular file; pass a checkpoint file or a run directory")
+        if info.st_size == 0:
             raise CorruptCheckpointError(f"checkpoint {path} is empty (0 bytes); use an earlier checkpoint")
         mmap = mmap and _starts_with(path, b"PK")
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
