@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from unison.config import DistributedConfig, TrainConfig
-from unison.config.fields import type_error
+from unison.config.fields import article, type_error
 from unison.config.train import LOGGERS
 from unison.errors import CheckpointError, ConfigError
 
@@ -129,7 +129,7 @@ def _check_config(config: dict[str, Any], path: Path) -> None:
         dist_bad = type_error({f.name: getattr(dist, f.name) for f in dataclasses.fields(dist)}, DistributedConfig)
         if bad or dist_bad:
             name, value, typ = bad or ("distributed." + dist_bad[0], dist_bad[1], dist_bad[2])  # type: ignore[index]
-            raise ConfigError(f"{name}={shown(value)} must be {typ}")
+            raise ConfigError(f"{name} must be {article(typ)} {typ}, not {shown(value)}")
         if cfg.logger in LOGGERS:
             cfg.logger = "none"    # whether wandb is installed here is no fault of the file
         validate_run(cfg, cuda_available=True)   # nor whether this machine has GPUs
