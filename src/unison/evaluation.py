@@ -168,12 +168,12 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     from unison.config.fields import overrides_from_namespace
-    from unison.errors import CheckpointError, DataError
+    from unison.errors import DataError
 
     opts = EvalOptions(**overrides_from_namespace(ns, EvalOptions))
     try:
         r = evaluate_checkpoint(opts)
-    except (CheckpointError, DataError) as e:
+    except DataError as e:   # a refused checkpoint stays a CheckpointError (exit 4)
         raise ConfigError(str(e)) from None
     print(f"unison eval: {r['method']} / {r['backbone']} at step {r['step']} ({opts.checkpoint}); "
           f"{r['train_images']} reference and {r['val_images']} held-out images, features in "

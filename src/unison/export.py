@@ -144,16 +144,12 @@ def _fmt3(values: list[float]) -> str:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     from unison.config.fields import overrides_from_namespace
-    from unison.errors import CheckpointError
 
     opts = ExportOptions(**overrides_from_namespace(ns, ExportOptions))
     if not opts.checkpoint or not opts.out:
         raise ConfigError("give --checkpoint RUN_DIR_OR_FILE and --out FILE, e.g. "
                           "unison export --checkpoint runs/default --out backbone.pt")
-    try:
-        info = export_backbone(opts.checkpoint, opts.out, opts.format)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+    info = export_backbone(opts.checkpoint, opts.out, opts.format)   # a refused checkpoint: CheckpointError, exit 4
     norm = (f"normalise with mean {_fmt3(info['mean'])}, std {_fmt3(info['std'])}" if info["mean"] is not None
             else "mean/std not recorded in this checkpoint")
     print(f"exported the {info['backbone']} backbone of {info['method']} (step {info['step']}; {info['tensors']} "

@@ -39,7 +39,7 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
     used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
     """
-    ckpt = load_checkpoint(checkpoint, map_location=device)
+    ckpt = load_checkpoint(checkpoint, map_location=device, run=True)   # every field checked, the config too
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
     # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
     # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
@@ -50,6 +50,6 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
                               image_size=preprocessing(cfg, ckpt)["image_size"])
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
-    check_compatible(method, ckpt["model"])
+    check_compatible(method, ckpt.get("model"), checkpoint)
     method.load_state_dict(ckpt["model"])
     return method.eval(), cfg, ckpt

@@ -3,9 +3,10 @@
 1. Build: join the process group (unison's launcher, torchrun, SLURM or mpirun set the variables),
    check that every rank runs the same configuration, build the step (`unison.training.step.build_run`:
    data, augmentation, method, SyncBN, DDP or FSDP, optimizer, schedule; the same step `unison check`
-   proves exact), write ``config.json``.
+   proves exact).
 2. Restore: resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker
-   or SLURM requeued the job), or record the random-initialisation kNN baseline.
+   or SLURM requeued the job), or record the random-initialisation kNN baseline; then write ``config.json``
+   (after the restore, so that a refused checkpoint leaves the run directory as it was).
 3. The step loop: for each of this rank's micro-batches `forward_backward`; after the last one of a
    step `optimizer_step`, then the hooks (`unison.training.loop_hooks`), in this order: logging,
    kNN evaluation, checkpoint timing (rank 0 writes, in the background: `Checkpointer`), the stop
@@ -103,6 +104,9 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     run = _build(cfg, device)
     runlog = RunLog(cfg.out, enabled=C.rank() == 0)
     step, history = _restore(run, watch, runlog)
+    if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
+        (Path(cfg.out) / "config.json").write_text(
+            json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
     logger = MetricsLogger(cfg.out, enabled=C.rank() == 0, kind=cfg.logger, config=cfg.to_dict())
     on_exit.callback(logger.release)
 
@@ -142,9 +146,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> Run:
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
     run = build_run(cfg, device)
     if C.rank() == 0:
-        run_dir = Path(cfg.out)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
         describe_data(run)
     return run
 

@@ -87,7 +87,7 @@ def test_export_safetensors_or_clear_error(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["eval", "export"])
 def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys, command):
     extra = ["--out", str(tmp_path / "x.pt")] if command == "export" else []
-    assert main([command, "--checkpoint", str(tmp_path / "nope"), *extra]) == 2
+    assert main([command, "--checkpoint", str(tmp_path / "nope"), *extra]) == 4   # CheckpointError
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err and str(tmp_path / "nope") in err
 

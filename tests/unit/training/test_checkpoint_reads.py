@@ -45,7 +45,7 @@ def _sharded_checkpoint(run_dir: Path, step: int = 3) -> Path:
                                 resolved={"backbone": "small_cnn"})
     with warnings.catch_warnings():   # DCP without a process group warns that it saves as one process
         warnings.simplefilter("ignore")
-        return save_sharded(run, run_dir, step, {"loss": [1.0]}, {"scaler": {"per_rank": False, "world_size": 1,
+        return save_sharded(run, run_dir, step, {"knn_top1": 0.5}, {"scaler": {"per_rank": False, "world_size": 1,
                                                                             "state": {"scale": 2.0}}})
 
 
@@ -85,4 +85,4 @@ def test_both_kinds_carry_one_header_with_extra(tmp_path):
     assert list(dcp_ckpt)[:6] == keys and list(pt_ckpt)[:6] == keys
     assert dcp_ckpt["format"] == pt_ckpt["format"] == FORMAT
     assert dcp_ckpt["extra"] == {"scaler": {"per_rank": False, "world_size": 1, "state": {"scale": 2.0}}}
-    assert pt_ckpt["extra"] == {} and dcp_ckpt["sharded"] is True and dcp_ckpt["history"] == {"loss": [1.0]}
+    assert pt_ckpt["extra"] == {} and dcp_ckpt["sharded"] is True and dcp_ckpt["history"] == {"knn_top1": 0.5}

@@ -7,7 +7,9 @@ Two kinds share one header (`header`), one directory layout and one ``latest`` p
 * ``step_N.dcp/`` (`dcp`): a ``--shard full`` run's checkpoint, every rank its own shards
   (``torch.distributed.checkpoint``), readable at any world size and ``--shard``.
 
-Loading never runs code from a file (`safe_load`). `read_header` reads a checkpoint's method, step
+Loading never runs code from a file (`safe_load`), and every value read from one is type-checked and bounded
+before use, in one place (`contents`, through `header.check_header`; the optimizer state against the optimizer
+before it is loaded). `read_header` reads a checkpoint's method, step
 and config without its weights (the CLI and the pre-flight checks); `load_checkpoint` reads a whole
 checkpoint as a dict (`unison eval`/`export`); `resume_run` puts one into a run (the workers) and
 `save_run_checkpoint` writes one (`run_state`), with the extra state (`extra_state`) and every

@@ -50,6 +50,26 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def extra_problem(saved: Any) -> str | None:
+    """What is wrong with a checkpoint's ``extra`` entry (None: nothing): its shape, before any component loads it."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or len(saved) > 1000:
+        return f"{type(saved).__name__}, not a dict of named components"
+    for name, entry in saved.items():
+        label = repr(name) if isinstance(name, str) and len(name) <= 64 else "a component"
+        if not (isinstance(name, str) and len(name) <= 64):
+            return f"{label} has no short name"
+        if not isinstance(entry, dict) or "state" not in entry or type(entry.get("per_rank")) is not bool:
+            return f"{label} is not a dict with 'per_rank' and 'state'"
+        world = entry.get("world_size")
+        if type(world) is not int or not 1 <= world <= 2**20:
+            return f"{label} has world_size {str(world)[:20]}, not an integer from 1 to 2**20"
+        if entry["per_rank"] and (type(entry["state"]) not in (list, tuple) or len(entry["state"]) != world):
+            return f"{label} is per rank but does not hold one state for each of its {world} ranks"
+    return None
+
+
 @runtime_checkable
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
@@ -97,6 +117,9 @@ class ExtraState:
 
     def restore(self, saved: dict[str, Any] | None) -> None:
         """Load every registered component from a checkpoint's ``extra`` entry (every rank calls this)."""
+        problem = extra_problem(saved)
+        if problem:
+            raise CheckpointError(f"the checkpoint's extra state is malformed ({problem}); the file is damaged")
         saved = dict(saved or {})
         rank, world = C.rank(), C.world_size()
         for name, comp in self._components.items():
@@ -106,10 +129,8 @@ class ExtraState:
                     warnings.warn(f"the checkpoint has no {name!r} state (an older checkpoint); it starts fresh",
                                   RuntimeWarning, stacklevel=2)
                 continue
-            if not isinstance(entry, dict) or "state" not in entry:
-                raise CheckpointError(f"the checkpoint's extra state {name!r} is malformed; the file is damaged")
-            if entry.get("per_rank"):
-                old_world = int(entry.get("world_size") or 0)
+            if entry["per_rank"]:
+                old_world = entry["world_size"]
                 if old_world != world:
                     reset = getattr(comp.obj, "reset_for_world_size", None)
                     if reset is not None:
@@ -118,9 +139,19 @@ class ExtraState:
                         warnings.warn(f"{name!r} state is per rank and was saved at world size {old_world}, this run "
                                       f"has {world}: it starts fresh", RuntimeWarning, stacklevel=2)
                     continue
-                comp.obj.load_state_dict(entry["state"][rank])
+                _load(name, comp.obj, entry["state"][rank])
             else:
-                comp.obj.load_state_dict(entry["state"])
+                _load(name, comp.obj, entry["state"])
         if saved and rank == 0:
             warnings.warn(f"the checkpoint holds state this run does not use ({', '.join(sorted(saved))}); "
                           "it is ignored", RuntimeWarning, stacklevel=2)
+
+
+def _load(name: str, obj: Stateful, state: Any) -> None:
+    """A component's own ``load_state_dict``; what it raises on a state it cannot take becomes one line."""
+    try:
+        obj.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        text = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        raise CheckpointError(f"the checkpoint's extra state {name!r} does not fit this run ({type(e).__name__}: "
+                              f"{text}); the file is damaged or from other options") from None

@@ -31,6 +31,7 @@ import torch
 from unison.distributed import collectives as C
 from unison.errors import CheckpointError, CorruptCheckpointError
 
+from .contents import MAX_STEP, check_fields, check_run_fields, shown
 from .files import checkpoint_dir, is_checkpoint_name, resume_candidates
 from .safe_load import load_file, read_metadata_safely
 
@@ -92,8 +93,8 @@ def validate_state(state: Any, step: Any, keep: Any) -> None:
     """Raise `CheckpointError` unless `state` can be saved as a checkpoint of `step` (keeping `keep`)."""
     if not isinstance(state, dict):
         raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
-    if type(step) is not int or step < 0:
-        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"step must be an int from 0 to {MAX_STEP}, got {shown(step)}")
     if type(keep) is not int or keep < 1:
         raise CheckpointError(f"keep must be an int >= 1 (checkpoints to keep), got {keep!r}")
     if not isinstance(state.get("method"), str) or not state["method"]:
@@ -106,11 +107,14 @@ def validate_state(state: Any, step: Any, keep: Any) -> None:
     _check_plain(state, "state")
 
 
-def check_header(ckpt: Any, path: Path, expect_method: str | None) -> None:
-    """Raise `CheckpointError` unless `ckpt` (read from `path`) has a valid header (and method `expect_method`)."""
+def check_header(ckpt: Any, path: Path, expect_method: str | None, run: bool = False) -> None:
+    """Raise `CheckpointError` unless `ckpt` (read from `path`) has a valid header (and method `expect_method`).
+
+    `run`: a training run's checkpoint, whose config, history, RNG and extra state are checked too
+    (`contents.check_run_fields`): what a resume, ``unison eval`` and ``unison export`` read."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         if isinstance(ckpt, dict):
-            keys = ", ".join(str(k) for k in list(ckpt)[:4]) + (", ..." if len(ckpt) > 4 else "")
+            keys = ", ".join(shown(str(k), 30).strip("'\"") for k in list(ckpt)[:4]) + (", ..." if len(ckpt) > 4 else "")
             what = f"a dict with keys {keys}" if ckpt else "an empty dict"
         else:
             what = f"a {type(ckpt).__name__}"
@@ -119,18 +123,18 @@ def check_header(ckpt: Any, path: Path, expect_method: str | None) -> None:
             "pass a file written by save_checkpoint, or load raw weights with torch.load")
     version = ckpt.get("version")
     if type(version) is not int or version < 1:
-        raise CheckpointError(f"checkpoint {path} has an invalid format version {version!r}; the file is damaged")
+        raise CheckpointError(f"checkpoint {path} has an invalid format version {shown(version)}; the file is damaged")
     if version > VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has format version {version}, this unison reads up to {VERSION}; upgrade unison")
-    bad = [k for k, t in (("method", str), ("step", int), ("config", dict)) if not isinstance(ckpt.get(k), t)]
-    if bad:
-        raise CheckpointError(
-            f"checkpoint {path} has an invalid header ({', '.join(bad)} missing or wrong type); the file is damaged")
+            f"checkpoint {path} has format version {shown(version)}, this unison reads up to {VERSION}; upgrade unison")
+    check_fields(ckpt, path)
     if expect_method is not None and ckpt["method"] != expect_method:
+        method = shown(ckpt["method"])
         raise CheckpointError(
-            f"checkpoint {path} was written by method '{ckpt['method']}', this run is '{expect_method}'; "
-            f"use method '{ckpt['method']}' or a new run directory")
+            f"checkpoint {path} was written by method {method}, this run is '{expect_method}'; "
+            f"use method {method} or a new run directory")
+    if run:
+        check_run_fields(ckpt, path)
 
 
 # ------------------------------------------------------------------ header-only read
@@ -148,19 +152,21 @@ class CheckpointHeader:
 def _read_one(path: Path, expect_method: str | None) -> CheckpointHeader:
     if path.is_dir():
         ckpt = load_file(path / DCP_HEADER, "cpu")
-        check_header(ckpt, path, expect_method)
+        check_header(ckpt, path, expect_method, run=True)
         read_metadata_safely(path)   # small; vets the shards' index (safe to unpickle, files present) up front
     else:
         ckpt = load_file(path, "cpu", mmap=True)   # mapped: the tensors are not read
-        check_header(ckpt, path, expect_method)
+        check_header(ckpt, path, expect_method, run=True)
     return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]))
 
 
 def read_header(path: str | Path, *, expect_method: str | None = None) -> CheckpointHeader:
-    """The header of a checkpoint file, a ``.dcp`` directory, or the latest complete checkpoint of a run directory.
+    """The header of a training run's checkpoint file, ``.dcp`` directory, or the latest complete checkpoint of a
+    run directory.
 
-    Checks it as `load_checkpoint` does (same errors, same fallback past a corrupt latest file of a
-    run directory) without reading the weights: what the CLI and the pre-flight checks need.
+    Checks it as `load_checkpoint(run=True)` does (every field, `contents.check_run_fields`; the same errors, the
+    same fallback past a corrupt latest file of a run directory) without reading the weights: what the CLI and the
+    pre-flight checks need.
     """
     path = Path(path)
     if not path.exists():

@@ -100,7 +100,7 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3,
     return final
 
 
-def _load_one(path: Path, map_location: Any, expect_method: str | None) -> dict:
+def _load_one(path: Path, map_location: Any, expect_method: str | None, run: bool) -> dict:
     # A directory is a sharded run's checkpoint (torch.distributed.checkpoint), consolidated here.
     if path.is_dir():   # a --shard full checkpoint: torch.distributed.checkpoint is imported when one is read
         from .dcp import load_consolidated
@@ -108,16 +108,18 @@ def _load_one(path: Path, map_location: Any, expect_method: str | None) -> dict:
         ckpt = load_consolidated(path, map_location)
     else:
         ckpt = load_file(path, map_location)
-    check_header(ckpt, path, expect_method)
+    check_header(ckpt, path, expect_method, run)
     return ckpt
 
 
-def load_checkpoint(path: str | Path, *, expect_method: str | None = None, map_location: Any = "cpu") -> dict:
+def load_checkpoint(path: str | Path, *, expect_method: str | None = None, map_location: Any = "cpu",
+                    run: bool = False) -> dict:
     """Load a checkpoint file (or ``.dcp`` directory), or the latest complete checkpoint of a run directory.
 
     Always ``torch.load(weights_only=True)``. For a run directory, a truncated or
     corrupt latest file is skipped with a warning in favour of the next most recent
-    one. Checks the header, and the method if `expect_method` is given. Returns the
+    one. Checks the header, and the method if `expect_method` is given; `run`: a training run's checkpoint,
+    whose every field is checked as a run reads it (`contents.check_run_fields`). Returns the
     whole dict (header included). Raises `CheckpointError` with a one-line message.
     To read only method, step and config, use `read_header` (no weights are read).
     """
@@ -125,5 +127,5 @@ def load_checkpoint(path: str | Path, *, expect_method: str | None = None, map_l
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; pass a checkpoint file or a run directory")
     if not path.is_dir() or is_checkpoint_name(path):
-        return _load_one(path, map_location, expect_method)
-    return first_loadable(path, lambda candidate: _load_one(candidate, map_location, expect_method))
+        return _load_one(path, map_location, expect_method, run)
+    return first_loadable(path, lambda candidate: _load_one(candidate, map_location, expect_method, run))

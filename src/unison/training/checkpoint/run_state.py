@@ -26,6 +26,7 @@ from unison.optim import constructor_args
 
 from .background import Checkpointer
 from .compat import check_compatible
+from .contents import check_optimizer_state, check_step_in_run
 from .files import is_sharded_checkpoint, latest_checkpoint
 from .header import DCP_HEADER, check_header, run_header
 from .pt import load_checkpoint
@@ -71,11 +72,19 @@ def resume_run(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     when either the run or the checkpoint is sharded."""
     if resumes_sharded(run, path):   # a sharded run, or a sharded run's checkpoint: any world size, any --shard
         return resume_sharded(run, path)
-    ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
-    check_compatible(run.method, ckpt["model"])
+    ckpt = _load_run_checkpoint(run, path)
     run.method.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     return _restore_rest(run, ckpt)
+
+
+def _load_run_checkpoint(run: Run, path: str | Path) -> dict[str, Any]:
+    """A ``.pt`` checkpoint, every field checked against this run (step, model, optimizer) before anything loads."""
+    ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device, run=True)
+    check_step_in_run(ckpt["step"], run.total_steps, path)
+    check_compatible(run.method, ckpt.get("model"), path)
+    check_optimizer_state(run.optimizer, ckpt.get("optimizer"), path)
+    return ckpt
 
 
 def _restore_rest(run: Run, ckpt: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -103,7 +112,8 @@ def resume_sharded(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     if not is_sharded_checkpoint(directory):
         return _resume_full_from_pt(run, path)
     header = load_file(directory / DCP_HEADER, "cpu")
-    check_header(header, directory, run.cfg.method)
+    check_header(header, directory, run.cfg.method, run=True)
+    check_step_in_run(header["step"], run.total_steps, directory)
     _load_dcp_into(run, directory)
     return _restore_rest(run, header)
 
@@ -158,8 +168,7 @@ def _resume_full_from_pt(run: Run, path: Path) -> tuple[int, dict[str, Any]]:
     """A ``.pt`` checkpoint (unsharded run) into a ``--shard full`` run."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device)
-    check_compatible(run.method, ckpt["model"])
+    ckpt = _load_run_checkpoint(run, path)
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(run.method, ckpt["model"], options=full)
     # .pt optimizer states are keyed by position in the trainable parameters; DCP's by parameter name.

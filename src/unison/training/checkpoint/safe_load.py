@@ -1,11 +1,13 @@
 """Reading checkpoint files without ever running code from them, with one-line errors.
 
-* ``.pt`` files (and a ``.dcp`` directory's ``unison.pt``): ``torch.load(weights_only=True)``;
+* ``.pt`` files (and a ``.dcp`` directory's ``unison.pt``): regular files only (a FIFO would block), read with
+  ``torch.load(weights_only=True)``;
   a file that holds Python objects which would run code when unpickled is refused.
 * DCP's ``.metadata`` is a plain pickle, and DCP loads non-tensor entries (optimizer
   hyper-parameters) with ``torch.load(weights_only=False)``. `SafeReader` unpickles ``.metadata``
   with an allow-list of DCP's own metadata classes (plus ``torch.Size``, dtypes, layouts, paths)
-  and checks that every shard file named in it is a plain file inside the checkpoint directory;
+  and checks that every shard file named in it is a plain file inside the checkpoint directory and that no
+  tensor it describes is larger than the shard files together (a loader allocates them before reading);
   `SafeLoadPlanner` loads non-tensor entries with ``weights_only=True``; tensors are already read
   with ``weights_only=True`` by DCP.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,10 @@ def load_file(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> A
     """``torch.load(path, weights_only=True)`` with one-line errors. `mmap`: tensors are mapped, not read
     (what a header read wants); only for zip files (what torch.save writes), others are read normally."""
     try:
-        if path.stat().st_size == 0:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):   # a FIFO would block the read, a device never end it
+            raise CheckpointError(f"checkpoint {path} is not a regular file; pass a checkpoint file or a run directory")
+        if info.st_size == 0:
             raise CorruptCheckpointError(f"checkpoint {path} is empty (0 bytes); use an earlier checkpoint")
         mmap = mmap and _starts_with(path, b"PK")
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -121,6 +127,37 @@ def read_metadata_safely(directory: Path) -> Any:
     for info in (metadata.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or os.path.basename(rel) != rel or rel in (".", "..") or not (directory / rel).is_file():
-            raise CheckpointError(f"{directory / METADATA} names the shard file {rel!r}, which is not a file in "
+            raise CheckpointError(f"{directory / METADATA} names the shard file {rel[:80]!r}, which is not a file in "
                                   f"{directory}; the checkpoint is damaged or not unison's")
+    stored = sum((directory / rel).stat().st_size
+                 for rel in {str(info.relative_path) for info in (metadata.storage_data or {}).values()})
+    _check_entries(metadata, directory, stored)
     return metadata
+
+
+def _check_entries(metadata: Any, directory: Path, stored: int) -> None:
+    """Every entry's name bounded; every tensor's size non-negative, its dtype a dtype, and its bytes within what
+    the shard files hold (a loader allocates the tensors the metadata describes before it reads a byte)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or len(entries) > 1_000_000:
+        raise CheckpointError(f"{directory / METADATA} has no valid list of entries; the checkpoint is damaged")
+    for fqn, md in entries.items():
+        if not isinstance(fqn, str) or not 0 < len(fqn) <= 1000:
+            raise CheckpointError(f"{directory / METADATA} has an entry named {str(fqn)[:60]!r}...; "
+                                  "the checkpoint is damaged")
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
+        ok = (isinstance(md, TensorStorageMetadata) and isinstance(dtype, torch.dtype)
+              and isinstance(size, tuple) and len(size) <= 16 and all(type(n) is int and n >= 0 for n in size))
+        if ok and isinstance(size, tuple) and isinstance(dtype, torch.dtype):
+            numel = 1
+            for n in size:
+                numel *= n
+            ok = numel * dtype.itemsize <= stored
+        if not ok:
+            raise CheckpointError(f"{directory / METADATA} describes {fqn[:80]!r} as {str(size)[:60]} of "
+                                  f"{str(dtype)[:30]}, more than its {stored} bytes of shards hold or not a "
+                                  "tensor; the checkpoint is damaged")
