@@ -41,6 +41,10 @@ class ConfigError(UnisonError, ValueError):
     exit_code = 2
 
 
+class RunDirInUse(ConfigError):
+    """Another live run owns the run directory (`unison.training.owner`); nothing of it may be written."""
+
+
 class DataError(UnisonError, ValueError):
     """The data cannot be read or does not fit the configuration."""
 

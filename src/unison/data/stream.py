@@ -40,6 +40,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.distributed.signals import die_with_parent
 from unison.errors import DataError
 
 from .augment import ViewAugmenter
@@ -76,6 +79,10 @@ class _RankJobs:
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         for epoch, rows in self.order.iter_from(self.start):
             yield epoch, rows.tolist()
+
+
+def _loader_init(parent_pid: int, worker_id: int) -> None:
+    die_with_parent(parent_pid)
 
 
 class _JobDataset(torch.utils.data.Dataset):
@@ -122,10 +129,11 @@ class StreamingBatches:
         """The DataLoader of this rank's jobs from global batch `batch_number` on (what `iter_from` reads)."""
         jobs = _RankJobs(self.order, batch_number)
         workers = self.loader_workers
+        # The loader processes die with this one (a SIGKILLed run leaves none, nor the resource tracker they hold).
         return torch.utils.data.DataLoader(
             _JobDataset(self.decoder), sampler=jobs, batch_size=None, collate_fn=_as_is, num_workers=workers,
             pin_memory=self.device.type == "cuda", prefetch_factor=self.prefetch if workers else None,
-            persistent_workers=workers > 0)
+            persistent_workers=workers > 0, worker_init_fn=functools.partial(_loader_init, os.getpid()))
 
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
         for out in self.loader(batch_number):

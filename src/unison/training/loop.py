@@ -42,6 +42,7 @@ from unison.distributed.env import (
 from unison.distributed.signals import install_stop_handlers, restore_default_handlers
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
+from unison.paths import write_text_atomic
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, resume_run
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
 from unison.training.loop_hooks import (
@@ -142,9 +143,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> Run:
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
     run = build_run(cfg, device)
     if C.rank() == 0:
-        run_dir = Path(cfg.out)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+        # a full disk, a read-only folder: one line naming the file (not an OSError traceback on every rank)
+        write_text_atomic(Path(cfg.out) / "config.json",
+                          json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
         describe_data(run)
     return run
 
@@ -180,7 +181,7 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         loss_curve=log.curve, log_times_s=log.log_times, mean=run.resolved["mean"], std=run.resolved["std"],
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s]})   # per save, the final one last
     if C.rank() == 0:
-        (Path(cfg.out) / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
+        write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
     return summary
 
