@@ -138,8 +138,11 @@ def check_export_paths(checkpoint: str | Path, out: str | Path) -> tuple[Path, P
     sidecar = out.with_suffix(".json")
     inputs = checkpoint_inputs(checkpoint)
     own_text = "an earlier export (a backbone file with its .json sidecar)"
-    check_output(out, "--out", inputs=inputs, others=[(f"its sidecar {sidecar} (<name>.json)", sidecar)]
-                 if out.suffix == ".json" else [], own=is_export, own_text=own_text)
+    if out.suffix == ".json":   # the sidecar <name>.json would be the weights file itself
+        raise ConfigError(f"--out {out} would be its own sidecar (the .json beside the weights, which records their "
+                          f"preprocessing); name the weights file {out.with_suffix('.pt')} or "
+                          f"{out.with_suffix('.safetensors')}")
+    check_output(out, "--out", inputs=inputs, own=is_export, own_text=own_text)
     check_output(sidecar, "--out's sidecar", inputs=inputs, own=is_export, own_text=own_text)
     return out, sidecar
 
