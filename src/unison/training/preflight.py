@@ -73,5 +73,6 @@ def check_resume_target(resume: Path, step: int, out: Path) -> None:
     own = is_inside(source, out)
     what = (f"--resume {resume} is step {step} of the run in {out}, whose latest checkpoint is {latest.name}" if own
             else f"--out {out} holds checkpoints up to {later[-1].name}, later than --resume {resume} (step {step})")
-    raise ConfigError(f"{what}: resuming into {out} would overwrite its later checkpoints; pass a new --out DIR to branch from step {step}, "
-                      f"or --resume {out} to continue {'its' if own else 'that run from its'} latest")
+    raise ConfigError(f"{what}: resuming into {out} would overwrite its later checkpoints; pass a new --out DIR to "
+                      f"branch from step {step}, or --resume {out} to continue {'its' if own else 'that run from its'} "
+                      "latest")
