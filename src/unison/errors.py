@@ -41,8 +41,9 @@ class ConfigError(UnisonError, ValueError):
     exit_code = 2
 
 
-class RunDirInUse(ConfigError):
-    """Another live run owns the run directory (`unison.training.owner`); nothing of it may be written."""
+class RunDirRefused(ConfigError):
+    """The run directory is not this run's to write: another live run owns it (`unison.training.owner`), it is
+    the data, or a resume would overwrite its later checkpoints. Nothing is written there, not even a log line."""
 
 
 class DataError(UnisonError, ValueError):

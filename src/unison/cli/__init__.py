@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
-from unison.errors import ConfigError, RunDirInUse, UnisonError, WatchdogTimeout
+from unison.errors import ConfigError, RunDirRefused, UnisonError, WatchdogTimeout
 from unison.training.runlog import append_run_log
 
 from .train_args import (
@@ -65,8 +65,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             if launch_env is None or launch_env.rank == 0:
                 append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
             raise WatchdogTimeout(f"{exc}; {_where_to_continue(cfg.out)}") from None
-        except RunDirInUse:
-            raise   # the directory is another run's: not a line of its train.log
+        except RunDirRefused:
+            raise   # not this run's directory (another run's, the data): not even a line of its train.log
         except UnisonError as exc:
             if launch_env is None or launch_env.rank == 0:
                 append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")

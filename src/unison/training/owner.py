@@ -11,7 +11,7 @@ close their copy at once (`os.register_at_fork`), so a straggler cannot hold a d
 
 Example::
 
-    with RunDirLock("runs/x"):     # RunDirInUse (a ConfigError, exit 2) if another live run holds runs/x
+    with RunDirLock("runs/x"):     # RunDirRefused (a ConfigError, exit 2) if another live run holds runs/x
         train(...)
 """
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unison.errors import RunDirInUse
+from unison.errors import RunDirRefused
 from unison.paths import write_error
 
 LOCK_NAME = ".unison.lock"
@@ -66,7 +66,7 @@ class RunDirLock:
         except OSError:
             owner = _read_owner(fd)
             os.close(fd)
-            raise RunDirInUse(f"run directory {self.run_dir} is in use by another run ({owner}); wait for it to "
+            raise RunDirRefused(f"run directory {self.run_dir} is in use by another run ({owner}); wait for it to "
                               "end, or choose another --out") from None
         self.fd = fd
         _HELD.add(fd)

@@ -20,7 +20,7 @@ from pathlib import Path
 from unison.config import TrainConfig
 from unison.data.source import open_checked
 from unison.distributed.env import restart_reason
-from unison.errors import ConfigError
+from unison.errors import ConfigError, RunDirRefused
 from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import is_checkpoint_name, step_of
@@ -38,7 +38,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
     out = Path(cfg.out)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         if inp.path and Path(inp.path).exists() and is_inside(out, inp.path):   # run files would become data
-            raise ConfigError(f"--out {out} lies inside {inp.what} {inp.path}, which this run reads; choose a run "
+            raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}, which this run reads; choose a run "
                               "directory outside the data")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         header = read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state
@@ -73,6 +73,6 @@ def check_resume_target(resume: Path, step: int, out: Path) -> None:
     own = is_inside(source, out)
     what = (f"--resume {resume} is step {step} of the run in {out}, whose latest checkpoint is {latest.name}" if own
             else f"--out {out} holds checkpoints up to {later[-1].name}, later than --resume {resume} (step {step})")
-    raise ConfigError(f"{what}: resuming into {out} would overwrite its later checkpoints; pass a new --out DIR to "
+    raise RunDirRefused(f"{what}: resuming into {out} would overwrite its later checkpoints; pass a new --out DIR to "
                       f"branch from step {step}, or --resume {out} to continue {'its' if own else 'that run from its'} "
                       "latest")
