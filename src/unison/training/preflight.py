@@ -51,13 +51,24 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
 
 
 def warn_fresh_run(cfg: TrainConfig, launched: bool) -> None:
-    """A fresh run in a directory with checkpoints replaces them: say so (the run owns the directory by now)."""
+    """A run whose checkpoints do not continue those already in its directory (a fresh run, or a resume from
+    another run's) replaces them as it saves and prunes: say so (the run owns the directory by now)."""
     out = Path(cfg.out)
-    if not cfg.resume and not launched and restart_reason() is None and latest_checkpoint(out):
+    latest = latest_checkpoint(out)
+    if launched or restart_reason() is not None or latest is None:
+        return
+    if cfg.resume:
+        resume = Path(cfg.resume)
+        source = resume if not resume.is_dir() or is_checkpoint_name(resume) else latest_checkpoint(resume)
+        if source is None or same_file(source, latest):
+            return
+        warning = (f"unison: warning: {out} holds checkpoints of another run (up to {latest.name}), which this run, "
+                   f"resumed from {cfg.resume}, will replace as it saves; pass a new --out to keep them")
+    else:
         warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
                    f"use --resume {out} (or --resume auto) to continue it")
-        print(warning, file=sys.stderr)
-        append_run_log(out, warning)
+    print(warning, file=sys.stderr)
+    append_run_log(out, warning)
 
 
 def check_resume_target(resume: Path, step: int, out: Path) -> None:
