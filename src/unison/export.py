@@ -143,7 +143,8 @@ def check_export_paths(checkpoint: str | Path, out: str | Path) -> tuple[Path, P
                           f"preprocessing); name the weights file {out.with_suffix('.pt')} or "
                           f"{out.with_suffix('.safetensors')}")
     check_output(out, "--out", inputs=inputs, own=is_export, own_text=own_text)
-    check_output(sidecar, "--out's sidecar", inputs=inputs, own=is_export, own_text=own_text)
+    check_output(sidecar, "--out", inputs=inputs, own=is_export, own_text=own_text,
+                 label=f"the sidecar {sidecar} of --out {out}")
     return out, sidecar
 
 

@@ -57,26 +57,28 @@ def is_inside(path: str | Path, directory: str | Path) -> bool:
 
 def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
                  others: Sequence[tuple[str, str | Path]] = (), own: Callable[[Path], bool] | None = None,
-                 own_text: str = "an earlier output of this command") -> Path:
+                 own_text: str = "an earlier output of this command", label: str | None = None) -> Path:
     """Refuse (`ConfigError`, one line) an output file that is an input, lies inside an input tree, is another
-    output of the same command, is a directory, or exists without being this command's own output (`own`)."""
+    output of the same command, is a directory, or exists without being this command's own output (`own`).
+    `label` names the file in messages (default: "`flag` `path`")."""
     p = Path(path)
+    name = label or f"{flag} {p}"
     for inp in inputs:
         if same_file(p, inp.path) or (inp.tree and Path(inp.path).is_dir() and is_inside(p, inp.path)):
             where = "is" if same_file(p, inp.path) else "lies inside"
-            raise ConfigError(f"{flag} {p} {where} {inp.path} ({inp.what}), which this command reads; writing there "
+            raise ConfigError(f"{name} {where} {inp.path} ({inp.what}), which this command reads; writing there "
                               f"would destroy or shadow it: choose another {flag}")
     for other_flag, other in others:
         if same_file(p, other):
-            raise ConfigError(f"{flag} {p} is also {other_flag}; the two outputs would overwrite each other: "
+            raise ConfigError(f"{name} is also {other_flag}; the two outputs would overwrite each other: "
                               f"choose another {flag}")
     if p.is_dir():
-        raise ConfigError(f"{flag} {p} is a directory; give a file name, e.g. {p / 'result'}{p.suffix or '.json'}")
+        raise ConfigError(f"{name} is a directory; give a file name, e.g. {p / 'result'}{p.suffix or '.json'}")
     if p.exists() or p.is_symlink():
         if not p.is_file():
-            raise ConfigError(f"{flag} {p} exists and is not a regular file; choose another {flag}")
+            raise ConfigError(f"{name} exists and is not a regular file; choose another {flag}")
         if own is None or not own(p):
-            raise ConfigError(f"{flag} {p} already exists and is not {own_text}; it is left as it is: "
+            raise ConfigError(f"{name} already exists and is not {own_text}; it is left as it is: "
                               f"remove it or choose another {flag}")
     return p
 
@@ -88,6 +90,9 @@ def write_error(path: str | Path, e: OSError, flag: str = "--out") -> ConfigErro
         return ConfigError(f"{what}: could not write {path}; free space or choose another {flag}")
     if e.errno == errno.EROFS:
         return ConfigError(f"read-only file system: could not write {path}; choose another {flag}")
+    blocking = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:   # mkdir's "File exists" / "Not a directory" would not say which
+        return ConfigError(f"could not write {path}: {blocking} is a file, not a folder; choose another {flag}")
     reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
     return ConfigError(f"could not write {path} ({reason}); choose another {flag}")
 

@@ -23,7 +23,7 @@ from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
-from unison.training.checkpoint.files import is_checkpoint_name, step_of
+from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 
@@ -40,6 +40,9 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         if inp.path and Path(inp.path).exists() and is_inside(out, inp.path):   # run files would become data
             raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}, which this run reads; choose a run "
                               "directory outside the data")
+    if out.name == CHECKPOINT_DIR and (out.parent / "config.json").is_file():   # resuming reads it as RUN_DIR
+        raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
+                            f"a new one, or --resume {out.parent} to continue that run")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         header = read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state
         if restart_reason() is None:   # a restarted/requeued attempt continues in its own directory

@@ -51,6 +51,9 @@ def _files(run: Path) -> dict[str, bytes]:
      "from step 1, or --resume {run} to continue its latest"),
     ("resume-into-a-run-with-later-checkpoints", ["--resume", "{tmp}/early.pt", "--max-steps", "4", "--out", "{run}"],
      "--out {run} holds checkpoints up to step_00000002.pt, later than --resume {tmp}/early.pt (step 1)"),
+    ("out-is-a-runs-checkpoints-folder", ["--out", "{run}/checkpoints"],
+     "--out {run}/checkpoints is the checkpoints folder of the run in {run}; give a run directory: a new one, or "
+     "--resume {run} to continue that run"),
     ("out-is-the-data-folder", ["--data", "{tmp}/images", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/images"],
      "--out {tmp}/images lies inside --data {tmp}/images, which this run reads; choose a run directory outside "
      "the data"),

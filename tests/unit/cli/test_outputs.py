@@ -66,7 +66,7 @@ CKPT1 = "checkpoints/step_00000001.pt"
     ("export-out-in-the-checkpoint-folder", "{run}", "{run}/checkpoints/step_00000099.pt", [],
      "lies inside {run}/checkpoints (the checkpoints of --checkpoint)"),
     ("export-sidecar-is-the-run-config", "{run}", "{run}/config.pt", [],
-     "--out's sidecar {run}/config.json already exists and is not an earlier export"),
+     "the sidecar {run}/config.json of --out {run}/config.pt already exists and is not an earlier export"),
     ("export-out-is-another-file", "{run}", "{tmp}/notes.pt", [],
      "--out {tmp}/notes.pt already exists and is not an earlier export"),
     ("export-out-is-a-directory", "{run}", "{tmp}", [], "is a directory; give a file name such as"),
@@ -157,6 +157,6 @@ def test_a_run_directory_has_one_owner(tmp_path):
 
 def test_an_unwritable_output_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match=r"could not write .*file/sub/out.json \(Not a directory\); choose another "
-                                          r"--json"):
+    with pytest.raises(ConfigError, match=r"could not write .*file/sub/out.json: .*file is a file, not a folder; "
+                                          r"choose another --json"):
         write_text_atomic(tmp_path / "file" / "sub" / "out.json", "{}", "--json")
