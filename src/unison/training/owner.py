@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -63,7 +64,12 @@ class RunDirLock:
             raise write_error(self.path, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):   # no flock here (some NFS/FUSE)
+                os.close(fd)
+                print(f"unison: warning: cannot lock {self.path} ({e.strerror or e}): this file system does not "
+                      "say whether another run writes into the same directory", file=sys.stderr)
+                return
             owner = _read_owner(fd)
             os.close(fd)
             raise RunDirRefused(f"run directory {self.run_dir} is in use by another run ({owner}); wait for it to "
