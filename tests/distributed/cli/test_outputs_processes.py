@@ -117,3 +117,23 @@ def test_sigkilled_streaming_run_leaves_no_process(tmp_path):
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_forked_child_does_not_keep_the_run_directory(tmp_path):
+    """A process forked while the lock is held (a data-loader process) closes its copy: when the run ends, the
+    directory is free even though the child lives on."""
+    from unison.training.owner import RunDirLock
+
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    pid = os.fork()
+    if pid == 0:   # the child: outlive the parent's release for a while
+        time.sleep(20)
+        os._exit(0)
+    try:
+        lock.release()
+        with RunDirLock(tmp_path):
+            pass
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
