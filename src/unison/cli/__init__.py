@@ -164,7 +164,11 @@ def make_parser() -> argparse.ArgumentParser:
 
     p_train = sub.add_parser("train", help="self-supervised pre-training (default: SimCLR on digits, 2 workers)",
                              description="Self-supervised pre-training: W workers with B/W images each, exactly\n"
-                                         "equivalent to 1 worker with the global batch B.",
+                                         "equivalent to 1 worker with the global batch B.\n\n"
+                                         "The run directory (--out) is the run's own output: one run at a time\n"
+                                         "(a second one is refused while the first lives), never inside the data,\n"
+                                         "and a resume never overwrites checkpoints later than the one it starts\n"
+                                         "from (pass a new --out to branch).",
                              epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
