@@ -44,7 +44,7 @@ def _files(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case_id, argv, fragment", [
+TRAIN_CASES = [
     ("resume-early-checkpoint-into-its-run", ["--resume", "{run}/checkpoints/step_00000001.pt", "--max-steps", "4"],
      "--resume {run}/checkpoints/step_00000001.pt is step 1 of the run in {run}, whose latest checkpoint is "
      "step_00000002.pt: resuming into {run} would overwrite its later checkpoints; pass a new --out DIR to branch "
@@ -57,7 +57,10 @@ def _files(run: Path) -> dict[str, bytes]:
     ("out-is-the-data-folder", ["--data", "{tmp}/images", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/images"],
      "--out {tmp}/images lies inside --data {tmp}/images, which this run reads; choose a run directory outside "
      "the data"),
-])
+]
+
+
+@pytest.mark.parametrize("case_id, argv, fragment", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
 def test_train_never_overwrites_another_runs_files(case_id, argv, fragment, run, tmp_path, capfd):
     from unison.data.generated import write_image_folder
 

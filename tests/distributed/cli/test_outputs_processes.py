@@ -126,14 +126,19 @@ def test_a_forked_child_does_not_keep_the_run_directory(tmp_path):
 
     lock = RunDirLock(tmp_path)
     lock.acquire()
+    ready, say_ready = os.pipe()
     pid = os.fork()
-    if pid == 0:   # the child: outlive the parent's release for a while
+    if pid == 0:   # the child (its copy of the lock is closed by now): outlive the parent's release for a while
+        os.write(say_ready, b"x")
         time.sleep(20)
         os._exit(0)
     try:
+        assert os.read(ready, 1) == b"x"   # the child runs (a child not yet scheduled still has the copy)
         lock.release()
         with RunDirLock(tmp_path):
             pass
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        os.close(ready)
+        os.close(say_ready)

@@ -56,7 +56,7 @@ def _snapshot(*paths: Path) -> dict[Path, bytes | None]:
 CKPT1 = "checkpoints/step_00000001.pt"
 
 
-@pytest.mark.parametrize("case_id, checkpoint, out, extra, fragment", [
+EXPORT_CASES = [
     ("export-out-is-its-sidecar", "{run}", "{tmp}/backbone.json", [],
      "--out {tmp}/backbone.json would be its own sidecar (the .json beside the weights"),
     ("export-out-is-the-checkpoint", "{run}/" + CKPT1, "{run}/" + CKPT1, ["--format", "pt"],
@@ -70,7 +70,10 @@ CKPT1 = "checkpoints/step_00000001.pt"
     ("export-out-is-another-file", "{run}", "{tmp}/notes.pt", [],
      "--out {tmp}/notes.pt already exists and is not an earlier export"),
     ("export-out-is-a-directory", "{run}", "{tmp}", [], "is a directory; give a file name such as"),
-])
+]
+
+
+@pytest.mark.parametrize("case_id, checkpoint, out, extra, fragment", EXPORT_CASES, ids=[c[0] for c in EXPORT_CASES])
 def test_export_never_replaces_what_is_not_its_own(case_id, checkpoint, out, extra, fragment, run, tmp_path, capfd):
     fill = {"run": str(run), "tmp": str(tmp_path)}
     (tmp_path / "notes.pt").write_bytes(b"my notes")
@@ -93,14 +96,17 @@ def test_export_replaces_its_own_earlier_export(run, tmp_path, capfd):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("case_id, target, fragment", [
+EVAL_CASES = [
     ("eval-json-is-a-directory", "{tmp}", "--json {tmp} is a directory; give a file name, e.g. {tmp}/result.json"),
     ("eval-json-is-the-checkpoint", "{run}/" + CKPT1, "(--checkpoint), which this command reads"),
     ("eval-json-is-the-run-config", "{run}/config.json",
      "--json {run}/config.json already exists and is not an earlier unison eval result"),
     ("eval-json-is-another-file", "{tmp}/notes.json",
      "--json {tmp}/notes.json already exists and is not an earlier unison eval result"),
-])
+]
+
+
+@pytest.mark.parametrize("case_id, target, fragment", EVAL_CASES, ids=[c[0] for c in EVAL_CASES])
 def test_eval_json_is_refused_before_any_work(case_id, target, fragment, run, tmp_path, capfd):
     fill = {"run": str(run), "tmp": str(tmp_path)}
     (tmp_path / "notes.json").write_text('{"mine": 1}\n')
