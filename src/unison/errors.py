@@ -41,6 +41,11 @@ class ConfigError(UnisonError, ValueError):
     exit_code = 2
 
 
+class RunDirRefused(ConfigError):
+    """The run directory is not this run's to write: another live run owns it (`unison.training.owner`), it is
+    the data, or a resume would overwrite its later checkpoints. Nothing is written there, not even a log line."""
+
+
 class DataError(UnisonError, ValueError):
     """The data cannot be read or does not fit the configuration."""
 

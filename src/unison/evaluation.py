@@ -16,6 +16,10 @@ Example::
     unison eval --checkpoint runs/default                       # kNN + linear on the run's data
     unison eval --checkpoint runs/cifar --no-linear --knn-k 20  # kNN only
     unison eval --checkpoint runs/cifar/checkpoints/step_00000100.pt --json eval.json
+
+``--json`` replaces its own output only: an existing file there must be an earlier ``unison eval`` result
+(refused otherwise, like the checkpoint, a data file or a directory there; `unison.paths.check_output`),
+checked before anything is loaded.
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ class EvalOptions:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads; default: torch's (all cores)"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available) | cpu | cuda",
                                                   "choices": DEVICES})
-    json: str | None = field(default=None, metadata={"help": "also write the results to this JSON file",
-                                                     "metavar": "PATH"})
+    json: str | None = field(default=None, metadata={
+        "help": "also write the results to this JSON file (an existing one is replaced only if it is an earlier "
+                "unison eval result)", "metavar": "PATH"})
 
     def validate(self) -> EvalOptions:
         if not self.checkpoint:
@@ -147,7 +152,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     t2 = time.perf_counter()
     num_classes = len(train.classes)
     result: dict[str, Any] = {
-        "checkpoint": str(opts.checkpoint), "method": ckpt["method"], "backbone": cfg.backbone,
+        "unison": "eval", "checkpoint": str(opts.checkpoint), "method": ckpt["method"], "backbone": cfg.backbone,
         "step": int(ckpt["step"]), "data": data, "val": val, "train_images": len(train), "val_images": len(held),
         "feature_dim": int(train_f.shape[1]), "knn_top1": None, "linear_top1": None, "linear_train_top1": None,
         "load_time_s": t1 - t0, "feature_time_s": t2 - t1,
@@ -171,6 +176,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from unison.errors import DataError
 
     opts = EvalOptions(**overrides_from_namespace(ns, EvalOptions))
+    if opts.json:
+        check_json_path(opts)   # before the (slow) evaluation
     try:
         r = evaluate_checkpoint(opts)
     except DataError as e:   # a refused checkpoint stays a CheckpointError (exit 4)
@@ -184,11 +191,34 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         print(f"  linear top-1  {r['linear_top1']:.4f}   ({opts.linear_epochs} epochs, {opts.linear_optimizer}, "
               f"{opts.linear_norm} features; train top-1 {r['linear_train_top1']:.4f}, {r['linear_time_s']:.1f} s)")
     if opts.json:
-        path = Path(opts.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(r, indent=2) + "\n")
+        from unison.paths import write_text_atomic
+
+        path = write_text_atomic(check_json_path(opts), json.dumps(r, indent=2) + "\n", "--json")
         print(f"  wrote {path}")
     return 0
+
+
+def is_eval_result(path: Path) -> bool:
+    """`path` holds an earlier ``unison eval --json`` result (what ``--json`` may replace)."""
+    try:
+        if path.stat().st_size > 1 << 20:
+            return False
+        r = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(r, dict) and (r.get("unison") == "eval" or {"checkpoint", "knn_top1", "linear_top1"} <= set(r))
+
+
+def check_json_path(opts: EvalOptions) -> Path:
+    """``--json``, refused (one line) where it is an input, a directory or a file that is not an eval result."""
+    from unison.paths import Input, check_output
+    from unison.training.load import checkpoint_inputs
+
+    assert opts.json is not None
+    inputs = checkpoint_inputs(opts.checkpoint) if opts.checkpoint else []
+    inputs += [Input(f"--{name}", getattr(opts, name)) for name in ("data", "val") if getattr(opts, name)]
+    return check_output(opts.json, "--json", inputs=inputs, own=is_eval_result,
+                        own_text="an earlier unison eval result")
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:

@@ -11,6 +11,11 @@ or safetensors (``pip install safetensors``; not a dependency of unison). Beside
 training set's per-channel mean/std (``x = (pixels / 255 - mean) / std``) — with the
 method, backbone and step; a safetensors file carries the same in its metadata.
 
+Its own output, and nothing else, is replaced: ``--out`` may name an earlier export (a file whose
+``<name>.json`` sidecar says it is one), never the checkpoint read, a file in its run's ``checkpoints/``
+folder or any other existing file; ``--out x.json`` is refused, its sidecar would be the same file
+(`unison.paths.check_output`).
+
 ResNets trained above 64 px (``resnet18_imagenet``) are torchvision's without ``fc``: the export
 loads into ``torchvision.models.resnet18()`` as is, with only ``fc.*`` missing. The CIFAR ResNets
 (``resnet18_cifar``, what ``resnet18`` is at 64 px and below) have a 3x3 stride-1 ``conv1`` and no
@@ -39,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.errors import ConfigError
-from unison.training.load import load_method, preprocessing
+from unison.paths import check_output, write_error
+from unison.training.load import checkpoint_inputs, load_method, preprocessing
 
 if TYPE_CHECKING:   # annotations only: the functions import the training stack when called
     from unison.methods.base import SSLMethod
@@ -84,19 +90,62 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str | Path, fmt: str |
         except ImportError:
             raise ConfigError("--format safetensors needs the safetensors package: pip install safetensors "
                               "(or use --format pt)") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "safetensors":
             save_file(state, str(tmp), metadata=metadata)
         else:
-            torch.save(state, tmp)
+            _torch_save(state, tmp)
         os.chmod(tmp, 0o666 & ~_umask())   # safetensors writes 0600; an export is shared like any file (0644)
         os.replace(tmp, out)  # a reader never sees a half-written file
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):   # a full disk, a read-only folder, a file where a folder should be: one line
+            raise write_error(out, e) from None
         raise
     return out
+
+
+def _torch_save(state: dict[str, torch.Tensor], path: Path) -> None:
+    """torch.save through `atomic_write`'s writer, which keeps the real OSError (torch's zip writer reports a full
+    disk as ``unexpected pos``)."""
+    from unison.training.checkpoint.files import atomic_write
+
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def is_export(path: Path) -> bool:
+    """`path` is an earlier export (weights or sidecar): the sidecar ``<stem>.json`` says so and names it."""
+    import json
+
+    sidecar = path.with_suffix(".json")
+    try:
+        if not sidecar.is_file() or sidecar.stat().st_size > 1 << 20:
+            return False
+        info = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("unison") == "backbone" and (path == sidecar or info.get("file") == path.name)
+
+
+def check_export_paths(checkpoint: str | Path, out: str | Path) -> tuple[Path, Path]:
+    """The weights file and its sidecar, refused (one line) where they would replace an input, each other or an
+    existing file that is not an earlier export (`unison.paths.check_output`)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'backbone.pt'}")
+    sidecar = out.with_suffix(".json")
+    inputs = checkpoint_inputs(checkpoint)
+    own_text = "an earlier export (a backbone file with its .json sidecar)"
+    if out.suffix == ".json":   # the sidecar <name>.json would be the weights file itself
+        raise ConfigError(f"--out {out} would be its own sidecar (the .json beside the weights, which records their "
+                          f"preprocessing); name the weights file {out.with_suffix('.pt')} or "
+                          f"{out.with_suffix('.safetensors')}")
+    check_output(out, "--out", inputs=inputs, own=is_export, own_text=own_text)
+    check_output(sidecar, "--out", inputs=inputs, own=is_export, own_text=own_text,
+                 label=f"the sidecar {sidecar} of --out {out}")
+    return out, sidecar
 
 
 def _umask() -> int:
@@ -110,18 +159,20 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
     safetensors, in the file's metadata); return a description (path, format, counts, backbone, preprocessing)."""
     import json
 
+    from unison.paths import write_text_atomic
     from unison.version import __version__
 
+    fmt = _resolve_format(Path(out), fmt)
+    out, sidecar = check_export_paths(checkpoint, out)   # before the (slow) load: refused without work
     method, cfg, ckpt = load_method(checkpoint)
     state = backbone_state_dict(method)
-    fmt = _resolve_format(Path(out), fmt)
     info = {"unison": "backbone", "unison_version": __version__, "method": str(ckpt["method"]),
             "backbone": cfg.backbone, "backbone_args": dict(cfg.backbone_args), "step": int(ckpt["step"]),
             "feature_dim": int(method.feature_dim), **preprocessing(cfg, ckpt)}
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}   # safetensors: strings only
+    # The sidecar first: it is what marks the weights file as this command's own output (`is_export`).
+    write_text_atomic(sidecar, json.dumps({**info, "file": out.name, "format": fmt}, indent=2) + "\n")
     path = write_state_dict(state, out, fmt, metadata=meta)  # metadata: safetensors only (.pt is tensors only)
-    sidecar = path.with_suffix(".json")
-    sidecar.write_text(json.dumps({**info, "file": path.name, "format": fmt}, indent=2) + "\n")
     n_params = sum(p.numel() for p in method.backbone.parameters())
     return {**info, "path": str(path), "sidecar": str(sidecar), "format": fmt, "tensors": len(state),
             "parameters": n_params}

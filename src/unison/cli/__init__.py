@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
-from unison.errors import ConfigError, UnisonError, WatchdogTimeout
+from unison.errors import ConfigError, RunDirRefused, UnisonError, WatchdogTimeout
 from unison.training.runlog import append_run_log
 
 from .train_args import (
@@ -65,6 +65,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             if launch_env is None or launch_env.rank == 0:
                 append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
             raise WatchdogTimeout(f"{exc}; {_where_to_continue(cfg.out)}") from None
+        except RunDirRefused:
+            raise   # not this run's directory (another run's, the data): not even a line of its train.log
         except UnisonError as exc:
             if launch_env is None or launch_env.rank == 0:
                 append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
@@ -162,7 +164,11 @@ def make_parser() -> argparse.ArgumentParser:
 
     p_train = sub.add_parser("train", help="self-supervised pre-training (default: SimCLR on digits, 2 workers)",
                              description="Self-supervised pre-training: W workers with B/W images each, exactly\n"
-                                         "equivalent to 1 worker with the global batch B.",
+                                         "equivalent to 1 worker with the global batch B.\n\n"
+                                         "The run directory (--out) is the run's own output: one run at a time\n"
+                                         "(a second one is refused while the first lives), never inside the data,\n"
+                                         "and a resume never overwrites checkpoints later than the one it starts\n"
+                                         "from (pass a new --out to branch).",
                              epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)

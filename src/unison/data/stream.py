@@ -40,6 +40,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.distributed.signals import STOP_SIGNALS, die_with_parent
 from unison.errors import DataError
 
 from .augment import ViewAugmenter
@@ -76,6 +80,14 @@ class _RankJobs:
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         for epoch, rows in self.order.iter_from(self.start):
             yield epoch, rows.tolist()
+
+
+def _loader_init(parent_pid: int, worker_id: int) -> None:
+    """In each loader process: die with the training worker; SIGTERM/SIGUSR1 end it (a forked one inherits the
+    worker's stop handlers, which only record the request)."""
+    die_with_parent(parent_pid)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 class _JobDataset(torch.utils.data.Dataset):
@@ -122,10 +134,15 @@ class StreamingBatches:
         """The DataLoader of this rank's jobs from global batch `batch_number` on (what `iter_from` reads)."""
         jobs = _RankJobs(self.order, batch_number)
         workers = self.loader_workers
+        # The loader processes die with this one (a SIGKILLed run leaves none, nor the resource tracker they hold
+        # open). Forked on Linux: a spawned one (the default in unison's spawned workers) re-imports torch for
+        # seconds before it could ask, and outlived a killed run that long; a forked one asks at once.
+        fork = workers > 0 and sys.platform.startswith("linux")
         return torch.utils.data.DataLoader(
             _JobDataset(self.decoder), sampler=jobs, batch_size=None, collate_fn=_as_is, num_workers=workers,
             pin_memory=self.device.type == "cuda", prefetch_factor=self.prefetch if workers else None,
-            persistent_workers=workers > 0)
+            persistent_workers=workers > 0, worker_init_fn=functools.partial(_loader_init, os.getpid()),
+            multiprocessing_context="fork" if fork else None)
 
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
         for out in self.loader(batch_number):

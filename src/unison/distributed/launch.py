@@ -29,14 +29,12 @@ the *first* failure, the bounded shutdown, the death signal, signal forwarding a
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -50,7 +48,7 @@ from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure
 
 from . import watchdog
 from .env import exit_worker
-from .signals import STOP_SIGNALS, install_stop_handlers
+from .signals import STOP_SIGNALS, die_with_parent, install_stop_handlers
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -67,19 +65,9 @@ def find_free_port(addr: str = "127.0.0.1") -> int:
                           "its workers here: leave the default 127.0.0.1, or give this machine's own address") from None
 
 
-def _die_with_parent() -> None:
-    """Linux: deliver SIGKILL to this process when its parent exits."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except OSError:
-            pass
-
-
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
                  threads: int, result_conn: Any) -> None:
-    _die_with_parent()
+    die_with_parent()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
     os.environ.update(env)
     watchdog.attach_launcher_table(heartbeats, int(env["RANK"]))

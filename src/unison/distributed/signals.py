@@ -16,12 +16,17 @@ promptly, aborting an unfinished save.
 Install as early as possible in a worker (before the slow imports), so a signal that arrives
 during start-up is not fatal. Handlers can only be installed from the main thread; elsewhere
 the call does nothing. This module imports nothing heavy.
+
+`die_with_parent()` (Linux): a child process asks the kernel to SIGKILL it when its parent dies, so no
+worker, data-loader process or (through them) multiprocessing's resource tracker outlives a killed run.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,3 +95,17 @@ def restore_default_handlers() -> None:
             signal.signal(sig, old if old is not None else signal.SIG_DFL)  # type: ignore[arg-type]
     _REQUESTS.previous.clear()
     _REQUESTS.first, _REQUESTS.count = None, 0
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Linux: deliver SIGKILL to this process when its parent exits (PR_SET_PDEATHSIG). `parent_pid`: the parent
+    this process was started by; if it is already gone (it died before the request was made), die now."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)

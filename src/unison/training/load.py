@@ -18,7 +18,9 @@ from unison.config import TrainConfig
 from unison.errors import ConfigError
 from unison.methods.base import SSLMethod
 from unison.models.backbones import resolve_backbone
+from unison.paths import Input
 from unison.training.checkpoint import check_compatible, load_checkpoint
+from unison.training.checkpoint.files import CHECKPOINT_DIR, checkpoint_dir
 
 from .step import build_method
 
@@ -31,6 +33,18 @@ def preprocessing(cfg: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
     resolved = ckpt.get("resolved") or {}
     return {"image_size": resolved.get("image_size", cfg.image_size), "mean": resolved.get("mean"),
             "std": resolved.get("std")}
+
+
+def checkpoint_inputs(checkpoint: str | Path) -> list[Input]:
+    """What reading `checkpoint` (a run directory or a checkpoint) reads, for `unison.paths.check_output`: the path
+    itself and the run's ``checkpoints/`` folder, where a file of another command would be taken for a checkpoint."""
+    path = Path(checkpoint)
+    sharded = path.is_dir() and path.name.endswith(".dcp")
+    inputs = [Input("--checkpoint", path, tree=sharded)]
+    folder = checkpoint_dir(path) if path.is_dir() and not sharded else path.parent
+    if folder.name == CHECKPOINT_DIR:
+        inputs.append(Input("the checkpoints of --checkpoint", folder, tree=True))
+    return inputs
 
 
 def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[SSLMethod, TrainConfig, dict]:

@@ -43,6 +43,7 @@ from unison.distributed.env import (
 from unison.distributed.signals import install_stop_handlers, restore_default_handlers
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
+from unison.paths import write_text_atomic
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, resume_run
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
 from unison.training.loop_hooks import (
@@ -105,8 +106,9 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     runlog = RunLog(cfg.out, enabled=C.rank() == 0)
     step, history = _restore(run, watch, runlog)
     if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
-        (Path(cfg.out) / "config.json").write_text(
-            json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+        # a full disk, a read-only folder: one line naming the file (not an OSError traceback on every rank)
+        write_text_atomic(Path(cfg.out) / "config.json",
+                          json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
     logger = MetricsLogger(cfg.out, enabled=C.rank() == 0, kind=cfg.logger, config=cfg.to_dict())
     on_exit.callback(logger.release)
 
@@ -182,7 +184,7 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         loss_curve=log.curve, log_times_s=log.log_times, mean=run.resolved["mean"], std=run.resolved["std"],
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s]})   # per save, the final one last
     if C.rank() == 0:
-        (Path(cfg.out) / "summary.json").write_text(json.dumps(summary.to_json_dict(), indent=2) + "\n")
+        write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
     return summary
 

@@ -4,8 +4,11 @@
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
 calls too), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
-read once, by the workers) and the run directory. Image decoding and model shapes are checked by the
-workers, whose errors still reach the user as one line naming the rank.
+read once, by the workers) and the run directory: never the data folder nor inside it, and never a
+directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
+A run's own outputs are the files of its run directory; the directory has one owner while it runs
+(`unison.training.owner`). Image decoding and model shapes are checked by the workers, whose errors still
+reach the user as one line naming the rank.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from pathlib import Path
 from unison.config import TrainConfig
 from unison.data.source import open_checked
 from unison.distributed.env import restart_reason
-from unison.errors import ConfigError
-from unison.training.checkpoint import latest_checkpoint, read_header
+from unison.errors import ConfigError, RunDirRefused
+from unison.paths import Input, is_inside, same_file
+from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
+from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 
@@ -31,14 +36,57 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             warnings.simplefilter("ignore")
             open_checked(spec, role)
     out = Path(cfg.out)
+    for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
+        if inp.path and Path(inp.path).exists() and is_inside(out, inp.path):   # run files would become data
+            raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}, which this run reads; choose a run "
+                              "directory outside the data")
+    if out.name == CHECKPOINT_DIR and (out.parent / "config.json").is_file():   # resuming reads it as RUN_DIR
+        raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
+                            f"a new one, or --resume {out.parent} to continue that run")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
-        read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state, once
-    elif not launched and restart_reason() is None and latest_checkpoint(out):
-        warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
-                   f"use --resume {out} (or --resume auto) to continue it")
-        print(warning, file=sys.stderr)
-        append_run_log(out, warning)
+        header = read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state
+        if restart_reason() is None:   # a restarted/requeued attempt continues in its own directory
+            check_resume_target(Path(cfg.resume), int(header.step), out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
+
+
+def warn_fresh_run(cfg: TrainConfig, launched: bool) -> None:
+    """A run whose checkpoints do not continue those already in its directory (a fresh run, or a resume from
+    another run's) replaces them as it saves and prunes: say so (the run owns the directory by now)."""
+    out = Path(cfg.out)
+    latest = latest_checkpoint(out)
+    if launched or restart_reason() is not None or latest is None:
+        return
+    if cfg.resume:
+        resume = Path(cfg.resume)
+        source = resume if not resume.is_dir() or is_checkpoint_name(resume) else latest_checkpoint(resume)
+        if source is None or same_file(source, latest):
+            return
+        warning = (f"unison: warning: {out} holds checkpoints of another run (up to {latest.name}), which this run, "
+                   f"resumed from {cfg.resume}, will replace as it saves; pass a new --out to keep them")
+    else:
+        warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
+                   f"use --resume {out} (or --resume auto) to continue it")
+    print(warning, file=sys.stderr)
+    append_run_log(out, warning)
+
+
+def check_resume_target(resume: Path, step: int, out: Path) -> None:
+    """Resuming from `resume` (at `step`) writes the later checkpoints into `out`: refuse (one line) when `out`
+    holds checkpoints later than it that are not where it continues, i.e. `resume` is not `out`'s latest."""
+    source = resume if not resume.is_dir() or is_checkpoint_name(resume) else latest_checkpoint(resume)
+    latest = latest_checkpoint(out)
+    if source is None or latest is None or same_file(source, latest):
+        return
+    later = [p for p in list_checkpoints(out) if step_of(p) > step]
+    if not later:
+        return
+    own = is_inside(source, out)
+    what = (f"--resume {resume} is step {step} of the run in {out}, whose latest checkpoint is {latest.name}" if own
+            else f"--out {out} holds checkpoints up to {later[-1].name}, later than --resume {resume} (step {step})")
+    raise RunDirRefused(f"{what}: resuming into {out} would overwrite its later checkpoints; pass a new --out DIR to "
+                      f"branch from step {step}, or --resume {out} to continue {'its' if own else 'that run from its'} "
+                      "latest")

@@ -2,8 +2,9 @@
 
 What `unison.train` (the API), `unison train` (the CLI) and `unison check --run` all call. The run trains
 in this process when it is itself a worker (torchrun, srun, mpirun started it) or when one worker is asked
-for, else in ``world_size`` processes started by unison's launcher. A failure is a `unison.errors`
-exception with a one-line message.
+for, else in ``world_size`` processes started by unison's launcher. The run directory has one owner for
+the run's life (`unison.training.owner`): this process, or rank 0 when a launcher started the workers. A
+failure is a `unison.errors` exception with a one-line message.
 
 Example::
 
@@ -12,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from unison.config import TrainConfig
@@ -19,7 +21,8 @@ from unison.distributed.env import apply_launch_env, detect_launch_env
 from unison.distributed.launch import launch
 
 from .loop import train_worker
-from .preflight import preflight
+from .owner import RunDirLock
+from .preflight import preflight, warn_fresh_run
 from .resolve import validate_run
 from .summary import Summary
 
@@ -35,7 +38,10 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     validate_run(cfg)
     preflight(cfg, launched=launched)
-    if launched or (cfg.distributed.world_size == 1 and not isolated):
-        return Summary.from_dict(train_worker(cfg.to_dict()))
-    results = launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
-    return Summary.from_dict(results[0])
+    owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
+    with RunDirLock(cfg.out) if owner else contextlib.nullcontext():
+        warn_fresh_run(cfg, launched)
+        if launched or (cfg.distributed.world_size == 1 and not isolated):
+            return Summary.from_dict(train_worker(cfg.to_dict()))
+        results = launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
+        return Summary.from_dict(results[0])

@@ -1,0 +1,116 @@
+"""Output paths: what a command writes, checked against what it reads and against what is already there.
+
+One rule for every command that writes (``train --out`` and its files, ``export --out`` and its sidecar,
+``eval --json``), in one place so that each command applies the same check:
+
+* an output is never the same file as an input (the checkpoint read, a run directory, the data), nor inside
+  an input that is a tree (a data folder, a sharded checkpoint);
+* two outputs of one command are never the same file (``export --out x.json``: the sidecar is ``x.json``);
+* an output never replaces an existing file that is not the command's own earlier output: each command
+  says what its own output is (``own``), and anything else is refused with one line;
+* an `OSError` while writing (full disk, read-only, a file where a folder should be) is one line naming the
+  file (`write_error`), not a traceback.
+
+Example::
+
+    out = check_output("bb.pt", "--out", inputs=[Input("--checkpoint", ckpt)], own=is_export)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from unison.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Input:
+    """A path a command reads: `what` names it in messages (an option such as ``--checkpoint``); `tree`:
+    everything inside it is read too (a data folder, a sharded checkpoint, a run's checkpoints)."""
+
+    what: str
+    path: str | Path
+    tree: bool = False
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(os.path.abspath(path)).resolve()
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """`a` and `b` name the same file or directory (links and hard links included; either may not exist)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return _resolved(a) == _resolved(b)
+
+
+def is_inside(path: str | Path, directory: str | Path) -> bool:
+    """`path` is `directory` or lies below it (after resolving links)."""
+    p, d = _resolved(path), _resolved(directory)
+    return p == d or d in p.parents
+
+
+def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
+                 others: Sequence[tuple[str, str | Path]] = (), own: Callable[[Path], bool] | None = None,
+                 own_text: str = "an earlier output of this command", label: str | None = None) -> Path:
+    """Refuse (`ConfigError`, one line) an output file that is an input, lies inside an input tree, is another
+    output of the same command, is a directory, or exists without being this command's own output (`own`).
+    `label` names the file in messages (default: "`flag` `path`")."""
+    p = Path(path)
+    name = label or f"{flag} {p}"
+    for inp in inputs:
+        if same_file(p, inp.path) or (inp.tree and Path(inp.path).is_dir() and is_inside(p, inp.path)):
+            where = "is" if same_file(p, inp.path) else "lies inside"
+            raise ConfigError(f"{name} {where} {inp.path} ({inp.what}), which this command reads; writing there "
+                              f"would destroy or shadow it: choose another {flag}")
+    for other_flag, other in others:
+        if same_file(p, other):
+            raise ConfigError(f"{name} is also {other_flag}; the two outputs would overwrite each other: "
+                              f"choose another {flag}")
+    if p.is_dir():
+        raise ConfigError(f"{name} is a directory; give a file name, e.g. {p / 'result'}{p.suffix or '.json'}")
+    if p.exists() or p.is_symlink():
+        if not p.is_file():
+            raise ConfigError(f"{name} exists and is not a regular file; choose another {flag}")
+        if own is None or not own(p):
+            raise ConfigError(f"{name} already exists and is not {own_text}; it is left as it is: "
+                              f"remove it or choose another {flag}")
+    return p
+
+
+def write_error(path: str | Path, e: OSError, flag: str = "--out") -> ConfigError:
+    """The one-line error for an output that could not be written (full disk, read-only, not a folder, ...)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        return ConfigError(f"{what}: could not write {path}; free space or choose another {flag}")
+    if e.errno == errno.EROFS:
+        return ConfigError(f"read-only file system: could not write {path}; choose another {flag}")
+    blocking = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:   # mkdir's "File exists" / "Not a directory" would not say which
+        return ConfigError(f"could not write {path}: {blocking} is a file, not a folder; choose another {flag}")
+    reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
+    return ConfigError(f"could not write {path} ({reason}); choose another {flag}")
+
+
+def write_text_atomic(path: str | Path, text: str, flag: str = "--out") -> Path:
+    """Write `text` to `path` through a temporary sibling and a rename (a reader never sees half a file); an
+    `OSError` becomes `write_error`'s one line and leaves no temporary behind."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise write_error(p, e, flag) from None
+    return p

@@ -1,0 +1,108 @@
+"""One owner per run directory: a run holds ``RUN_DIR/.unison.lock`` for its whole life.
+
+Two runs writing into one directory delete each other's temporary files, mix their checkpoints and
+interleave ``metrics.csv``; the second run is refused instead (exit 2, one line naming the directory and
+the owner: pid, host, start time). The lock is ``fcntl.flock`` on that file, held by the process that
+runs the training: unison's launcher (its workers do not lock), the single in-process worker, or rank 0
+under torchrun/srun/mpirun. The kernel drops it when that process ends however it ends, so a killed or
+preempted run never blocks its own restart (torchrun restarts, SLURM requeues, ``--resume auto``), and
+the file left behind means nothing by itself. Children forked while it is held (data-loader processes)
+close their copy at once (`os.register_at_fork`), so a straggler cannot hold a dead run's directory.
+
+Example::
+
+    with RunDirLock("runs/x"):     # RunDirRefused (a ConfigError, exit 2) if another live run holds runs/x
+        train(...)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from unison.errors import RunDirRefused
+from unison.paths import write_error
+
+LOCK_NAME = ".unison.lock"
+_HELD: set[int] = set()   # lock file descriptors held by this process
+
+
+def _close_in_child() -> None:
+    for fd in list(_HELD):   # close, never unlock: LOCK_UN here would release the parent's lock too
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
+class RunDirLock:
+    """Exclusive ownership of a run directory (see the module docstring); a context manager."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        if sys.platform == "win32":   # no flock: one owner is not enforced there
+            return
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):   # no flock here (some NFS/FUSE)
+                os.close(fd)
+                print(f"unison: warning: cannot lock {self.path} ({e.strerror or e}): this file system does not "
+                      "say whether another run writes into the same directory", file=sys.stderr)
+                return
+            owner = _read_owner(fd)
+            os.close(fd)
+            raise RunDirRefused(f"run directory {self.run_dir} is in use by another run ({owner}); wait for it to "
+                              "end, or choose another --out") from None
+        self.fd = fd
+        _HELD.add(fd)
+        try:   # who holds it, for the refusal of the next run; a full disk shows here, before any worker starts
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                      .encode(), 0)
+            os.fsync(fd)
+        except OSError as e:
+            self.release()
+            raise write_error(self.path, e) from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            _HELD.discard(self.fd)
+            os.close(self.fd)   # closing drops the flock
+            self.fd = None
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())   # a file's text: bounded, printable
+    return text if text else "owner not recorded"

@@ -1,0 +1,109 @@
+"""``unison train``'s outputs, in this process at world size 1: a resume never overwrites later checkpoints (of
+its own run or of another one), the run directory is never the data, and a run directory on a full disk is one
+line before anything starts. The export/eval cases and the rules themselves are tests/unit/cli/test_outputs.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from unison.cli import main
+
+W1 = ["--world-size", "1", "--batch-size", "8", "--max-steps", "2", "--no-random-init-knn", "--no-progress",
+      "--subset", "64", "--val-subset", "16", "--knn-k", "5"]
+
+
+@pytest.fixture(autouse=True)
+def _no_image_cache(monkeypatch):
+    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A finished run with checkpoints at steps 1 and 2."""
+    run = tmp_path_factory.mktemp("outputs") / "run"
+    assert main(["train", *W1, "--checkpoint-every", "1", "--out", str(run)]) == 0
+    return run
+
+
+def _train(argv: list[str], capfd) -> tuple[int, str]:
+    capfd.readouterr()
+    code = main(["train", *argv])
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("unison: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    return code, lines[0]
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+TRAIN_CASES = [
+    ("resume-early-checkpoint-into-its-run", ["--resume", "{run}/checkpoints/step_00000001.pt", "--max-steps", "4"],
+     "--resume {run}/checkpoints/step_00000001.pt is step 1 of the run in {run}, whose latest checkpoint is "
+     "step_00000002.pt: resuming into {run} would overwrite its later checkpoints; pass a new --out DIR to branch "
+     "from step 1, or --resume {run} to continue its latest"),
+    ("resume-into-a-run-with-later-checkpoints", ["--resume", "{tmp}/early.pt", "--max-steps", "4", "--out", "{run}"],
+     "--out {run} holds checkpoints up to step_00000002.pt, later than --resume {tmp}/early.pt (step 1)"),
+    ("out-is-a-runs-checkpoints-folder", ["--out", "{run}/checkpoints"],
+     "--out {run}/checkpoints is the checkpoints folder of the run in {run}; give a run directory: a new one, or "
+     "--resume {run} to continue that run"),
+    ("out-is-the-data-folder", ["--data", "{tmp}/images", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/images"],
+     "--out {tmp}/images lies inside --data {tmp}/images, which this run reads; choose a run directory outside "
+     "the data"),
+]
+
+
+@pytest.mark.parametrize("case_id, argv, fragment", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
+def test_train_never_overwrites_another_runs_files(case_id, argv, fragment, run, tmp_path, capfd):
+    from unison.data.generated import write_image_folder
+
+    fill = {"run": str(run), "tmp": str(tmp_path)}
+    (tmp_path / "early.pt").write_bytes((run / "checkpoints" / "step_00000001.pt").read_bytes())
+    write_image_folder(tmp_path / "images", 16, classes=2, sizes=(16, 20), seed=0)
+    before, data_before = _files(run), _files(tmp_path / "images")
+    code, line = _train([*W1, *[a.format(**fill) for a in argv]], capfd)
+    assert code == 2 and fragment.format(**fill) in line, line
+    assert _files(run) == before and _files(tmp_path / "images") == data_before
+
+
+def test_resume_branches_into_a_new_out_and_continues_its_latest(run, tmp_path, capfd):
+    before = _files(run)
+    assert main(["train", *W1, "--resume", f"{run}/checkpoints/step_00000001.pt", "--max-steps", "3",
+                 "--checkpoint-every", "1", "--out", str(tmp_path / "branch")]) == 0
+    assert (tmp_path / "branch" / "checkpoints" / "step_00000003.pt").is_file() and _files(run) == before
+
+
+@contextlib.contextmanager
+def _full_tmpfs(target: Path):
+    """A tiny tmpfs, filled up (skips where mounting is not allowed, as tests/distributed/training/test_disk_faults)."""
+    target.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(target)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount ({proc.stderr.strip() or 'mount failed'}): needs root")
+    try:
+        with contextlib.suppress(OSError), open(target / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        yield target
+    finally:
+        for _ in range(20):
+            if subprocess.run(["umount", str(target)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
+
+
+def test_run_directory_on_a_full_disk_is_one_line(tmp_path, capfd):
+    with _full_tmpfs(tmp_path / "fs") as fs:
+        code, line = _train([*W1, "--out", str(fs / "run")], capfd)
+        assert code == 2
+        assert line == (f"unison: error: no space left on device: could not write {fs / 'run' / '.unison.lock'}; "
+                        "free space or choose another --out")

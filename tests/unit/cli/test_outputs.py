@@ -1,0 +1,168 @@
+"""Every output path is checked against the inputs, the other outputs and what is already there (`unison.paths`):
+``export --out`` and its sidecar, ``eval --json``, the run directory a resume writes into, its one owner.
+
+In-process: the export/eval cases read a small checkpoint written here (no training); the run-directory rules are
+called directly. What needs real processes or a training run is in tests/distributed/cli/test_outputs*.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.config import TrainConfig
+from unison.errors import ConfigError, RunDirRefused
+from unison.methods import get_method
+from unison.models import build_backbone
+from unison.paths import write_text_atomic
+from unison.training.checkpoint import save_checkpoint
+from unison.training.owner import RunDirLock
+from unison.training.preflight import check_resume_target
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A run directory with checkpoints at steps 1 and 2 (small CNN, SimCLR), plus its config.json."""
+    torch.manual_seed(0)
+    net, dim = build_backbone("small_cnn", None)
+    cls = get_method("simclr")
+    state = {"method": "simclr", "config": TrainConfig(backbone="small_cnn").to_dict(), "model": cls(net, dim, cls.Params()).state_dict()}
+    run = tmp_path_factory.mktemp("outputs") / "run"
+    for step in (1, 2):
+        save_checkpoint(run, state, step=step)
+    (run / "config.json").write_text('{"method": "simclr"}\n')
+    return run
+
+
+def _main(argv: list[str], capfd) -> tuple[int, str]:
+    capfd.readouterr()
+    code = main(argv)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("unison: error:")]
+    assert len(lines) == (1 if code else 0), err
+    return code, lines[0] if lines else ""
+
+
+def _snapshot(*paths: Path) -> dict[Path, bytes | None]:
+    return {p: p.read_bytes() if p.is_file() else None for p in paths}
+
+
+CKPT1 = "checkpoints/step_00000001.pt"
+
+
+EXPORT_CASES = [
+    ("export-out-is-its-sidecar", "{run}", "{tmp}/backbone.json", [],
+     "--out {tmp}/backbone.json would be its own sidecar (the .json beside the weights"),
+    ("export-out-is-the-checkpoint", "{run}/" + CKPT1, "{run}/" + CKPT1, ["--format", "pt"],
+     "--out {run}/" + CKPT1 + " is {run}/" + CKPT1 + " (--checkpoint), which this command reads"),
+    ("export-out-is-the-latest-checkpoint", "{run}", "{run}/checkpoints/step_00000002.pt", [],
+     "lies inside {run}/checkpoints (the checkpoints of --checkpoint)"),
+    ("export-out-in-the-checkpoint-folder", "{run}", "{run}/checkpoints/step_00000099.pt", [],
+     "lies inside {run}/checkpoints (the checkpoints of --checkpoint)"),
+    ("export-sidecar-is-the-run-config", "{run}", "{run}/config.pt", [],
+     "the sidecar {run}/config.json of --out {run}/config.pt already exists and is not an earlier export"),
+    ("export-out-is-another-file", "{run}", "{tmp}/notes.pt", [],
+     "--out {tmp}/notes.pt already exists and is not an earlier export"),
+    ("export-out-is-a-directory", "{run}", "{tmp}", [], "is a directory; give a file name such as"),
+]
+
+
+@pytest.mark.parametrize("case_id, checkpoint, out, extra, fragment", EXPORT_CASES, ids=[c[0] for c in EXPORT_CASES])
+def test_export_never_replaces_what_is_not_its_own(case_id, checkpoint, out, extra, fragment, run, tmp_path, capfd):
+    fill = {"run": str(run), "tmp": str(tmp_path)}
+    (tmp_path / "notes.pt").write_bytes(b"my notes")
+    before = _snapshot(*run.rglob("*"), tmp_path / "notes.pt", tmp_path / "backbone.json")
+    code, line = _main(["export", "--checkpoint", checkpoint.format(**fill), "--out", out.format(**fill), *extra], capfd)
+    assert code == 2, line
+    assert fragment.format(**fill) in line, line
+    assert _snapshot(*before) == before and sorted(run.rglob("*")) == sorted(p for p in before if p.is_relative_to(run))
+    assert not (tmp_path / "backbone.json").exists()
+
+
+def test_export_replaces_its_own_earlier_export(run, tmp_path, capfd):
+    out = tmp_path / "bb.pt"
+    assert _main(["export", "--checkpoint", str(run), "--out", str(out)], capfd)[0] == 0
+    sidecar = json.loads((tmp_path / "bb.json").read_text())
+    assert sidecar["unison"] == "backbone" and sidecar["file"] == "bb.pt"
+    assert _main(["export", "--checkpoint", f"{run}/{CKPT1}", "--out", str(out)], capfd)[0] == 0
+    assert json.loads((tmp_path / "bb.json").read_text())["step"] == 1   # step 2's export replaced by step 1's
+    assert torch.load(out, weights_only=True)   # a state dict of tensors
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+EVAL_CASES = [
+    ("eval-json-is-a-directory", "{tmp}", "--json {tmp} is a directory; give a file name, e.g. {tmp}/result.json"),
+    ("eval-json-is-the-checkpoint", "{run}/" + CKPT1, "(--checkpoint), which this command reads"),
+    ("eval-json-is-the-run-config", "{run}/config.json",
+     "--json {run}/config.json already exists and is not an earlier unison eval result"),
+    ("eval-json-is-another-file", "{tmp}/notes.json",
+     "--json {tmp}/notes.json already exists and is not an earlier unison eval result"),
+]
+
+
+@pytest.mark.parametrize("case_id, target, fragment", EVAL_CASES, ids=[c[0] for c in EVAL_CASES])
+def test_eval_json_is_refused_before_any_work(case_id, target, fragment, run, tmp_path, capfd):
+    fill = {"run": str(run), "tmp": str(tmp_path)}
+    (tmp_path / "notes.json").write_text('{"mine": 1}\n')
+    checkpoint = f"{run}/{CKPT1}" if case_id == "eval-json-is-the-checkpoint" else str(run)
+    before = _snapshot(*run.rglob("*"), tmp_path / "notes.json")
+    code, line = _main(["eval", "--checkpoint", checkpoint, "--json", target.format(**fill)], capfd)
+    assert code == 2 and fragment.format(**fill) in line, line
+    assert _snapshot(*before) == before
+
+
+# ------------------------------------------------------------------ the run directory a resume writes into
+def _run_dir(tmp: Path, name: str, steps: list[int], latest: int | None = None) -> Path:
+    folder = tmp / name / "checkpoints"
+    folder.mkdir(parents=True)
+    for s in steps:
+        (folder / f"step_{s:08d}.pt").write_bytes(b"x")
+    if latest is not None:
+        (folder / "latest").write_text(f"step_{latest:08d}.pt\n")
+    return tmp / name
+
+
+def test_resume_from_an_early_checkpoint_into_its_own_run_is_refused(tmp_path):
+    run = _run_dir(tmp_path, "run", [2, 4])
+    with pytest.raises(ConfigError, match=r"--resume .*step_00000002.pt is step 2 of the run in .*run, whose latest "
+                                          r"checkpoint is step_00000004.pt: resuming into .*run would overwrite its "
+                                          r"later checkpoints; pass a new --out DIR to branch from step 2, or "
+                                          r"--resume .*run to continue its latest"):
+        check_resume_target(run / "checkpoints" / "step_00000002.pt", 2, run)
+    check_resume_target(run / "checkpoints" / "step_00000004.pt", 4, run)   # its latest: continue
+    check_resume_target(run, 4, run)                                        # --resume RUN_DIR
+    check_resume_target(run / "checkpoints" / "step_00000002.pt", 2, tmp_path / "branch")   # a new --out
+
+
+def test_resume_into_a_directory_with_later_checkpoints_is_refused(tmp_path):
+    other, out = _run_dir(tmp_path, "other", [3]), _run_dir(tmp_path, "out", [2, 6], latest=6)
+    with pytest.raises(ConfigError, match=r"--out .*out holds checkpoints up to step_00000006.pt, later than --resume "
+                                          r".*step_00000003.pt \(step 3\)"):
+        check_resume_target(other / "checkpoints" / "step_00000003.pt", 3, out)
+    check_resume_target(other / "checkpoints" / "step_00000003.pt", 3, _run_dir(tmp_path, "older", [1, 2]))
+
+
+def test_a_run_directory_has_one_owner(tmp_path):
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    try:
+        with pytest.raises(RunDirRefused, match=rf"run directory {tmp_path} is in use by another run \(pid {os.getpid()} "
+                                              r"on .* since .*\); wait for it to end, or choose another --out"):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        first.release()
+    with RunDirLock(tmp_path):   # released: the next run takes it
+        pass
+
+
+def test_an_unwritable_output_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"could not write .*file/sub/out.json: .*file is a file, not a folder; "
+                                          r"choose another --json"):
+        write_text_atomic(tmp_path / "file" / "sub" / "out.json", "{}", "--json")
