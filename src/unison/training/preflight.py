@@ -47,6 +47,9 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         header = read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state
         if restart_reason() is None:   # a restarted/requeued attempt continues in its own directory
             check_resume_target(Path(cfg.resume), int(header.step), out)
+    if out.exists() and not out.is_dir():   # mkdir would say only "File exists"
+        read = " (the checkpoint --resume reads)" if cfg.resume and same_file(out, cfg.resume) else ""
+        raise RunDirRefused(f"--out {out} is a file{read}, not a run directory; give a folder for the run's files")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

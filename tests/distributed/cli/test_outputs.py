@@ -57,6 +57,9 @@ TRAIN_CASES = [
     ("out-is-the-data-folder", ["--data", "{tmp}/images", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/images"],
      "--out {tmp}/images lies inside --data {tmp}/images, which this run reads; choose a run directory outside "
      "the data"),
+    ("out-is-the-resumed-checkpoint", ["--resume", "{tmp}/early.pt", "--out", "{tmp}/early.pt"],
+     "--out {tmp}/early.pt is a file (the checkpoint --resume reads), not a run directory; give a folder for the "
+     "run's files"),
 ]
 
 
