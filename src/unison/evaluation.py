@@ -35,9 +35,18 @@ from typing import Any
 
 import torch
 
+from unison.config import TrainConfig
+from unison.config.fields import Range, check_fields
+from unison.config.train import MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
+_TRAIN_RANGES = {f.name: f.metadata["range"] for f in dataclasses.fields(TrainConfig) if "range" in f.metadata}
+
+
+def _as_in_training(name: str) -> Range:
+    """The range `unison train` states for the same option (one rule for both commands)."""
+    return _TRAIN_RANGES[name]
 
 
 @dataclass
@@ -48,26 +57,28 @@ class EvalOptions:
         "help": "reference/training data ('digits', 'cifar10' or an ImageFolder directory); default: the run's"})
     val: str | None = field(default=None, metadata={
         "help": "held-out data; default: the run's (or the held-out split of --data when --data is given)"})
-    subset: int | None = field(default=None, metadata={
+    subset: int | None = field(default=None, metadata={"range": _as_in_training("subset"),
         "help": "class-balanced subset of N training images; default: the run's when --data is the run's"})
-    val_subset: int | None = field(default=None, metadata={
+    val_subset: int | None = field(default=None, metadata={"range": _as_in_training("val_subset"),
         "help": "class-balanced subset of N held-out images; default: the run's when --val is the run's"})
     knn: bool = field(default=True, metadata={"help": "weighted kNN top-1"})
     linear: bool = field(default=True, metadata={"help": "linear probe top-1 on frozen features"})
-    knn_k: int = field(default=200, metadata={"help": "kNN neighbours"})
-    knn_t: float = field(default=0.1, metadata={"help": "kNN temperature"})
-    linear_epochs: int = field(default=100, metadata={"help": "linear-probe epochs over the frozen features"})
-    linear_lr: float | None = field(default=None, metadata={
+    knn_k: int = field(default=200, metadata={"range": _as_in_training("knn_k"), "help": "kNN neighbours"})
+    knn_t: float = field(default=0.1, metadata={"range": _as_in_training("knn_t"), "help": "kNN temperature"})
+    linear_epochs: int = field(default=100, metadata={
+        "range": Range(1, MAX_EPOCHS), "help": "linear-probe epochs over the frozen features"})
+    linear_lr: float | None = field(default=None, metadata={"range": Range(0, 1e6, lo_open=True),
         "help": "linear-probe learning rate; default: 1e-2 (adam) or 0.5 (sgd)"})
-    linear_batch_size: int = field(default=256, metadata={"help": "linear-probe mini-batch (0 = full batch)"})
+    linear_batch_size: int = field(default=256, metadata={"range": Range(0, MAX_BATCH), "help": "linear-probe mini-batch (0 = full batch)"})
     linear_optimizer: str = field(default="adam", metadata={"help": "linear-probe optimiser",
                                                             "choices": ("adam", "sgd")})
     linear_norm: str = field(default="bn", metadata={
         "help": "feature normalisation: bn (standardise with training statistics), l2 or none",
         "choices": ("bn", "l2", "none")})
-    seed: int = field(default=0, metadata={"help": "linear-probe seed (data subsets use the run's seed)"})
-    batch_size: int = field(default=512, metadata={"help": "images per forward pass when embedding"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads; default: torch's (all cores)"})
+    seed: int = field(default=0, metadata={"range": _as_in_training("seed"), "help": "linear-probe seed (data subsets use the run's seed)"})
+    batch_size: int = field(default=512, metadata={"range": Range(1, MAX_BATCH), "help": "images per forward pass when embedding"})
+    threads: int | None = field(default=None, metadata={
+        "range": _as_in_training("threads"), "help": "torch CPU threads; default: torch's (all cores)"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available) | cpu | cuda",
                                                   "choices": DEVICES})
     json: str | None = field(default=None, metadata={
@@ -79,18 +90,7 @@ class EvalOptions:
             raise ConfigError("give --checkpoint RUN_DIR_OR_FILE, e.g. unison eval --checkpoint runs/default")
         if not (self.knn or self.linear):
             raise ConfigError("nothing to evaluate: drop --no-knn or --no-linear")
-        for name in ("knn_k", "linear_epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("subset", "val_subset", "threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.knn_t <= 0:
-            raise ConfigError(f"--knn-t must be > 0, got {self.knn_t}")
-        if self.linear_batch_size < 0:
-            raise ConfigError(f"--linear-batch-size must be >= 0 (0 = full batch), got {self.linear_batch_size}")
-        if self.linear_lr is not None and not self.linear_lr > 0:
-            raise ConfigError(f"--linear-lr must be > 0, got {self.linear_lr}")
+        check_fields(self)   # types and the stated ranges, as `unison train` checks its options
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
         return self

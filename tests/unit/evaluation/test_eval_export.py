@@ -102,3 +102,19 @@ def test_linear_probe_is_seeded_and_learns_separable_features():
     b = linear_probe(x[:400], y[:400], x[400:], y[400:], 5, epochs=10, seed=1)
     assert a == b and a.top1 > 0.9
     assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
+
+
+EVAL_OPTION_CASES = [   # each was accepted before (--knn-t 1e-30 overflowed the kNN weights into a garbage top-1)
+    (["--knn-t", "1e-30"], "knn_t=1e-30 must be a finite number >= 0.02"),
+    (["--linear-lr", "1e400"], "linear_lr=inf must be a finite number > 0 and <= 1000000"),
+    (["--subset", "0"], "subset=0 must be an integer >= 1"),
+    (["--seed", "-1"], "seed=-1 must be an integer in [0, 2**64-1]"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", EVAL_OPTION_CASES, ids=[c[0][0] for c in EVAL_OPTION_CASES])
+def test_eval_options_have_the_ranges_train_states(tmp_path, capsys, argv, fragment):
+    """`unison eval` checks its options with train's field checks and ranges (one rule for both commands)."""
+    assert main(["eval", "--checkpoint", str(tmp_path / "nope"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("unison: error:") == 1 and fragment in err and "Traceback" not in err, err
