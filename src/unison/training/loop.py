@@ -43,8 +43,9 @@ from unison.distributed.env import (
 from unison.distributed.signals import install_stop_handlers, restore_default_handlers
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
-from unison.paths import write_text_atomic
-from unison.training.checkpoint import Checkpointer, latest_checkpoint, resume_run
+from unison.paths import same_file, write_text_atomic
+from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
+from unison.training.checkpoint.files import step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
 from unison.training.loop_hooks import (
     CheckpointHook,
@@ -230,14 +231,22 @@ def describe_data(run: Run) -> None:
 
 
 def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
-    """Restarted by torchrun --max-restarts or requeued by SLURM: continue from the run directory's last checkpoint."""
-    reason = restart_reason()
-    if reason and not cfg.resume and C.all_gather_object(latest_checkpoint(run_dir) is not None)[0]:  # rank 0 decides
-        cfg.resume = str(run_dir)
-        if C.rank() == 0:
-            message = f"unison: {reason}: resuming from {latest_checkpoint(run_dir)}"
-            print(message, file=sys.stderr, flush=True)
-            RunLog(run_dir).line(message)
+    """Restarted by torchrun --max-restarts or requeued by SLURM: continue from the run directory's last checkpoint,
+    also when the command names another (a run branched with ``--resume X.pt --out DIR`` goes on from DIR's latest,
+    not from X again), unless DIR holds nothing as recent as that checkpoint."""
+    if restart_reason() is None:
+        return
+    latest = latest_checkpoint(run_dir) if C.rank() == 0 else None   # rank 0 decides, every rank follows
+    if latest is not None and cfg.resume and not same_file(cfg.resume, run_dir):
+        latest = latest if step_of(latest) >= read_header(cfg.resume).step else None
+    chosen = C.all_gather_object(None if latest is None else str(latest))[0]
+    if chosen is None:
+        return
+    cfg.resume = str(run_dir)
+    if C.rank() == 0:
+        message = f"unison: {restart_reason()}: resuming from {chosen}"
+        print(message, file=sys.stderr, flush=True)
+        RunLog(run_dir).line(message)
 
 
 def start_line(run: Run, world: int, step: int) -> str:

@@ -49,7 +49,7 @@ PREEMPTED = re.compile(r"unison: error: preempted by (SIGTERM|SIGUSR1) \(receive
 LAG = 2
 
 
-# Five rounds need more steps than the other tests: 12 (two epochs of 8 steps, cut at 12).
+# The random rounds need more steps than the other tests: 12 (two epochs of 8 steps, cut at 12).
 LONG = [*TINY, "--epochs", "2", "--max-steps", "12"]
 
 
@@ -200,6 +200,25 @@ def test_a_slurm_requeue_resumes_by_itself(tmp_path, capfd, monkeypatch):
     assert main(common) == 0
     err = capfd.readouterr().err
     assert f"unison: SLURM requeue 1: resuming from {run / 'checkpoints' / f'step_{3 + LAG:08d}.pt'}" in err, err
+    assert load_checkpoint(run)["step"] == STEPS
+
+
+def test_a_requeued_branched_run_goes_on_from_its_own_latest_checkpoint(tmp_path, capfd, monkeypatch):
+    """A run branched with --resume X.pt --out DIR and then requeued (the same command again) continues from DIR's
+    latest checkpoint, not from X: it used to redo its steps from X."""
+    source, run = tmp_path / "source", tmp_path / "run"
+    code, err, _ = _preempt(source, "rank=0,step=1,kind=term", capfd, monkeypatch, ("--world-size", "1"))
+    assert code == PREEMPTED_EXIT_CODE, err
+    branched = ["train", *TINY, "--world-size", "1", "--resume", str(source / "checkpoints" / f"step_{1 + LAG:08d}.pt"),
+                "--out", str(run)]
+    monkeypatch.setenv(FAULT, "rank=0,step=4,kind=term")
+    assert main(branched) == PREEMPTED_EXIT_CODE
+    monkeypatch.delenv(FAULT)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    capfd.readouterr()
+    assert main(branched) == 0
+    err = capfd.readouterr().err
+    assert f"unison: SLURM requeue 1: resuming from {run / 'checkpoints' / f'step_{4 + LAG:08d}.pt'}" in err, err
     assert load_checkpoint(run)["step"] == STEPS
 
 
