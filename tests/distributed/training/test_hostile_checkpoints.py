@@ -26,6 +26,7 @@ from unison.cli import main
 from unison.config import TrainConfig
 from unison.training.checkpoint import read_header, read_metadata_safely, save_sharded
 from unison.training.checkpoint.contents import MAX_STEP
+from unison.training.owner import LOCK_NAME
 
 W1 = ["--world-size", "1", "--batch-size", "8", "--no-random-init-knn", "--no-progress"]
 
@@ -99,8 +100,10 @@ def _line(err: str) -> str:
 
 
 def _snapshot(directory: Path) -> dict[str, str]:
+    """Every file's hash but the run log (the error line is appended) and the owner's lock file (a refused run
+    owned the directory while it checked the checkpoint: unison.training.owner)."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "train.log"}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in ("train.log", LOCK_NAME)}
 
 
 # (id, edit, message fragment): refused by the header read in the launching process (and again by the worker)
