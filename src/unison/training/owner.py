@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -58,10 +59,7 @@ class RunDirLock:
             return
         import fcntl
 
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as e:
-            raise write_error(self.path, e) from None
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -84,6 +82,24 @@ class RunDirLock:
         except OSError as e:
             self.release()
             raise write_error(self.path, e) from None
+
+    def _open(self) -> int:
+        """The lock file, never through a link: it is truncated once locked, and a link (``.unison.lock ->
+        ~/notes.txt``, or a hard link) would have that truncate a user's file."""
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(self.path, flags, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunDirRefused(f"{self.path} is a symbolic link; unison records the run's owner in that file "
+                                    "and never writes through a link: remove the link") from None
+            raise write_error(self.path, e) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            os.close(fd)
+            what = "is not a regular file" if not stat.S_ISREG(info.st_mode) else "has other hard links"
+            raise RunDirRefused(f"{self.path} {what}; unison records the run's owner in that file: remove it")
+        return fd
 
     def release(self) -> None:
         if self.fd is not None:

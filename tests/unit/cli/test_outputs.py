@@ -21,7 +21,7 @@ from unison.methods import get_method
 from unison.models import build_backbone
 from unison.paths import write_text_atomic
 from unison.training.checkpoint import save_checkpoint
-from unison.training.owner import RunDirLock
+from unison.training.owner import LOCK_NAME, RunDirLock
 from unison.training.preflight import check_resume_target
 
 
@@ -159,6 +159,22 @@ def test_a_run_directory_has_one_owner(tmp_path):
         first.release()
     with RunDirLock(tmp_path):   # released: the next run takes it
         pass
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard-link", "fifo"])
+def test_the_lock_file_is_never_written_through_a_link(tmp_path, kind):
+    """`.unison.lock` is truncated once locked: a link to a user's file must be refused, not followed."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's file\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / LOCK_NAME
+    {"symlink": lambda: lock.symlink_to(notes), "hard-link": lambda: os.link(notes, lock),
+     "fifo": lambda: os.mkfifo(lock)}[kind]()
+    what = {"symlink": "is a symbolic link", "hard-link": "has other hard links", "fifo": "is not a regular file"}[kind]
+    with pytest.raises(RunDirRefused, match=f"{LOCK_NAME} {what}"):
+        RunDirLock(run).acquire()
+    assert notes.read_text() == "a user's file\n"
 
 
 def test_an_unwritable_output_is_one_line(tmp_path):
