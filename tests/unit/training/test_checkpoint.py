@@ -20,6 +20,7 @@ from unison.training.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     pack_rng_state,
+    read_header,
     restore_rng_state,
     save_checkpoint,
 )
@@ -367,3 +368,14 @@ def test_check_compatible_names_keys_and_shapes():
 def test_restore_rng_state_rejects_garbage():
     assert "pack_rng_state" in _error(restore_rng_state, {"python": {"version": 3}})
     assert "pack_rng_state" in _error(restore_rng_state, [1, 2])
+
+
+def test_the_latest_pointer_file_means_its_runs_latest_checkpoint(tmp_path):
+    """`--resume RUN/checkpoints/latest` (the pointer file, a name a user tab-completes to) is the run's latest
+    checkpoint; it used to be read as a checkpoint and called 'truncated or corrupt (IndexError ...)'."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, _state(step), step)
+    pointer = tmp_path / "checkpoints" / "latest"
+    assert load_checkpoint(pointer)["step"] == 2
+    with pytest.raises(CheckpointError, match="step_00000002.pt has an invalid config"):   # a test state, read
+        read_header(pointer)                                                               # as a run reads it

@@ -42,6 +42,15 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return run_dir / CHECKPOINT_DIR
 
 
+def named_checkpoint(path: str | Path) -> Path:
+    """What a user names as a checkpoint: ``RUN/checkpoints/latest`` (the pointer file) means its run's latest
+    checkpoint, i.e. the run directory; anything else is itself."""
+    path = Path(path)
+    if path.name == LATEST and path.parent.name == CHECKPOINT_DIR and path.is_file():
+        return path.parent
+    return path
+
+
 def step_of(path: Path) -> int:
     """The step in a checkpoint's name (``step_00000042.pt`` -> 42)."""
     return int(STEP_RE.fullmatch(path.name).group(1))  # type: ignore[union-attr]

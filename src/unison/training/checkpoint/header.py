@@ -32,7 +32,7 @@ from unison.distributed import collectives as C
 from unison.errors import CheckpointError, CorruptCheckpointError
 
 from .contents import MAX_STEP, check_fields, check_run_fields, shown
-from .files import checkpoint_dir, is_checkpoint_name, resume_candidates
+from .files import checkpoint_dir, is_checkpoint_name, named_checkpoint, resume_candidates
 from .safe_load import load_file, read_metadata_safely
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ def read_header(path: str | Path, *, expect_method: str | None = None) -> Checkp
     same fallback past a corrupt latest file of a run directory) without reading the weights: what the CLI and the
     pre-flight checks need.
     """
-    path = Path(path)
+    path = named_checkpoint(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; pass a checkpoint file or a run directory")
     if not path.is_dir() or is_checkpoint_name(path):

@@ -47,6 +47,7 @@ from .files import (
     checkpoint_dir,
     is_checkpoint_name,
     latest_checkpoint,
+    named_checkpoint,
     point_latest,
     prune,
     remove_temporaries,
@@ -123,7 +124,7 @@ def load_checkpoint(path: str | Path, *, expect_method: str | None = None, map_l
     whole dict (header included). Raises `CheckpointError` with a one-line message.
     To read only method, step and config, use `read_header` (no weights are read).
     """
-    path = Path(path)
+    path = named_checkpoint(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; pass a checkpoint file or a run directory")
     if not path.is_dir() or is_checkpoint_name(path):
