@@ -21,6 +21,7 @@ from typing import Any
 
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
+from unison.config.limits import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -35,7 +36,6 @@ MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overfl
 MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, far below an index overflow
 MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
 MAX_IMAGES = 2**40       # subsets: more images than any data set
-MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 8192   # crops below 8 px leave nothing to augment; 8192**2 * 3 bytes a view
 
 
 @dataclass
@@ -76,7 +76,7 @@ class TrainConfig:
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
     image_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels (or left unset: the data's size)"),
-        "help": "training crop size; default: the data's size"})
+        "help": "training crop size; default: the data's shorter side (its first image's), at most 224"})
     epochs: int = field(default=30, metadata={
         "range": Range(1, MAX_EPOCHS, above="is past 1e9; to run by steps, give --max-steps (e.g. --epochs 1e9 --max-steps 100000)"),
         "help": "training epochs"})

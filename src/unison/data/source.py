@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.config.limits import MIN_IMAGE_SIZE
 from unison.errors import ConfigError, DataError
 
 from .augment import ViewAugmenter
@@ -206,7 +207,8 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         train_set, val_set = train_set.to(device), val_set.to(device) if val_set is not None else None
     elif val_set is None:
         knn_skipped = "no held-out data was given"
-    image_size = spec.image_size or train_set.image_size
+    height, width = train_set.images.shape[-2:]
+    image_size = spec.image_size or default_image_size(height, width, spec.data)
     augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std)
     source = InMemoryBatches(train_set, augment, spec.batch_size, spec.seed)   # checks one batch fits
     knn = None
@@ -246,7 +248,7 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     if spec.subset is not None:
         positions = balanced_subset(torch.from_numpy(catalog.labels), spec.subset, spec.seed).numpy()
     n = len(positions) if positions is not None else len(catalog)
-    image_size = spec.image_size or min(STREAM_MAX_DEFAULT_SIZE, min(_first_size(catalog)))
+    image_size = spec.image_size or default_image_size(*_first_size(catalog), spec.data)
     pick = positions if positions is not None else np.arange(len(catalog))
     sample = pick[np.linspace(0, n - 1, min(n, STATS_IMAGES)).round().astype(np.int64)]
     stats_images = LazyImages(catalog, sample, image_size, torch.device("cpu"), "skip")
@@ -291,6 +293,18 @@ def _size_or_none(catalog: Catalog, i: int) -> tuple[int, int] | None:
         return h, w
     except Exception:
         return None
+
+
+def default_image_size(height: int, width: int, where: str) -> int:
+    """The view size when ``--image-size`` is not given, in both data modes: the data's shorter side (its first
+    readable image's), at most 224. A side below 8 px (a 4000 x 1 strip) is refused: the longer side used to be
+    taken, and 4000 x 4000 views of a batch asked for 32 GB."""
+    size = min(STREAM_MAX_DEFAULT_SIZE, int(height), int(width))
+    if size < MIN_IMAGE_SIZE:
+        raise DataError(f"the images of {where} are {int(width)}x{int(height)} px (the first one read), too small a "
+                        f"side for a default view size; give --image-size N (at least {MIN_IMAGE_SIZE}): views are "
+                        "resized to N x N")
+    return size
 
 
 def _first_size(catalog: Catalog) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Hostile data sources through ``unison train``: one ``unison: error:`` line, exit code 3, before any worker.
+"""Hostile data sources through ``unison train``: one ``unison: error:`` line, exit code 3, before any worker
+(or, for the strips, found by the in-process worker while it builds the data).
 
 The pre-flight (`open_checked`) finds each of these in the launching process, so no worker process
 starts (the cases run in well under a second each). The in-process cases of each rule are
@@ -35,6 +36,12 @@ def hostile(tmp_path_factory) -> Path:
     for i in range(4):
         _png(tmp / "mixed" / f"{i}.png", 30 * i)
         _png(tmp / "mixed" / "thumbs" / f"{i}.png", 30 * i)
+    from PIL import Image
+
+    for c in ("a", "b"):   # 4000 x 1 strips: the default view size was the long side (4000 x 4000 views, 32 GB)
+        for i in range(4):
+            (tmp / "strips" / c).mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (4000, 1), (30 * i, 0, 0)).save(tmp / "strips" / c / f"{i}.png")
     (tmp / "labels.txt").write_text("".join(f"mixed/{i}.png {10_000_000 if i == 3 else 0}\n" for i in range(4)))
     return tmp
 
@@ -51,6 +58,9 @@ def _no_image_cache(monkeypatch):
     ("images-beside-subfolder", ["--data", "{tmp}/mixed"],
      "holds both images (0.png, 1.png, 2.png and 1 more) and subfolders (thumbs)"),
     ("list-label-1e7", ["--data", "{tmp}/labels.txt"], "line 4: label 10000000 is past the largest class index"),
+    ("strip-images-memory", ["--data", "{tmp}/strips"], "are 4000x1 px (the first one read), too small a side for a "
+                                                         "default view size; give --image-size N (at least 8)"),
+    ("strip-images-stream", ["--data", "{tmp}/strips", "--data-mode", "stream"], "are 4000x1 px"),
 ])
 def test_hostile_data_ends_in_one_line_and_exit_3(hostile, tmp_path, capfd, case, argv, fragment):
     argv = [a.replace("{tmp}", str(hostile)) for a in argv]

@@ -1,0 +1,7 @@
+"""Limits that the configuration states and lower layers apply too (imports nothing).
+
+``MIN_IMAGE_SIZE``/``MAX_IMAGE_SIZE``: the range of ``--image-size``; the data layer refuses a default view size
+(the data's shorter side) below the same minimum.
+"""
+
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 8192   # crops below 8 px leave nothing to augment; 8192**2 * 3 bytes a view
