@@ -38,7 +38,7 @@ import torch
 from unison.config import TrainConfig
 from unison.config.fields import Range, check_fields
 from unison.config.train import MAX_BATCH, MAX_EPOCHS
-from unison.errors import ConfigError
+from unison.errors import ConfigError, DataError
 
 DEVICES = ("auto", "cpu", "cuda")
 _TRAIN_RANGES = {f.name: f.metadata["range"] for f in dataclasses.fields(TrainConfig) if "range" in f.metadata}
@@ -114,6 +114,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes)."""
     from unison.data.augment import eval_transform
     from unison.data.datasets import load_dataset
+    from unison.data.source import BUILTIN, check_held_out
     from unison.eval.linear import extract_features, linear_probe
     from unison.training.load import load_method
 
@@ -132,6 +133,10 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     own_val = val == (cfg.val or cfg.data)
     subset = opts.subset if opts.subset is not None else (cfg.subset if own_data else None)
     val_subset = opts.val_subset if opts.val_subset is not None else (cfg.val_subset if own_val else None)
+    if val == data and opts.val is None and data not in BUILTIN:   # a folder, list or shard has no held-out split
+        raise DataError(f"no held-out data: --data {data} has no held-out split and no --val was given (nor by the run);"
+                        " kNN and the linear probe would be scored on the very images they fit: give --val HELD_OUT")
+    check_held_out(val, data)
     train = load_dataset(data, "train", subset=subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed).to(device)
     held = load_dataset(val, "val", subset=val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed).to(device)
     if held.classes != train.classes:

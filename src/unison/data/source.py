@@ -53,6 +53,7 @@ import torch
 
 from unison.config.limits import MIN_IMAGE_SIZE
 from unison.errors import ConfigError, DataError
+from unison.paths import is_inside, same_file
 
 from .augment import ViewAugmenter
 from .batches import BatchSource, InMemoryBatches
@@ -154,12 +155,25 @@ def open_checked(spec: DataSpec, role: str = "data") -> Catalog | None:
     where, subset = (spec.data, spec.subset) if role == "data" else (spec.val, spec.val_subset)
     if where is None or where in BUILTIN:
         return None
+    if role == "val":
+        check_held_out(where, spec.data)
     catalog = open_catalog(where, f"--{role}")
     n = len(catalog)
     check_subset(f"--{role} {where}", n, subset)
     if role == "data":
         check_batch(f"--{role} {where}", min(n, subset or n), spec.batch_size)
     return catalog
+
+
+def check_held_out(val: str, data: str) -> None:
+    """``--val`` must not overlap ``--data`` (the same folder, list or shard, or one inside the other): the kNN
+    would score images the encoder was trained on, and report a higher top-1 than held-out data gives."""
+    if data in BUILTIN or not val or not data or not (os.path.exists(val) and os.path.exists(data)):
+        return
+    if same_file(val, data) or is_inside(val, data) or is_inside(data, val):
+        how = "is" if same_file(val, data) else "overlaps"
+        raise DataError(f"--val {val} {how} the training data (--data {data}): the kNN would score images the "
+                        "encoder trained on; give held-out images in a separate place, or leave --val out")
 
 
 def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:

@@ -60,6 +60,9 @@ def _no_image_cache(monkeypatch):
     ("list-label-1e7", ["--data", "{tmp}/labels.txt"], "line 4: label 10000000 is past the largest class index"),
     ("strip-images-memory", ["--data", "{tmp}/strips"], "are 4000x1 px (the first one read), too small a side for a "
                                                          "default view size; give --image-size N (at least 8)"),
+    ("val-is-the-data", ["--data", "{tmp}/mixed/thumbs", "--val", "{tmp}/mixed/thumbs"],
+     "is the training data (--data"),
+    ("val-inside-the-data", ["--data", "{tmp}/strips", "--val", "{tmp}/strips/b"], "overlaps the training data"),
     ("strip-images-stream", ["--data", "{tmp}/strips", "--data-mode", "stream"], "are 4000x1 px"),
 ])
 def test_hostile_data_ends_in_one_line_and_exit_3(hostile, tmp_path, capfd, case, argv, fragment):
