@@ -29,7 +29,8 @@ Errors, one line naming the file: an empty shard (no bytes, or no image members)
 truncated tar (a member runs past the end, or the end-of-archive blocks are missing), a
 missing shard of a brace pattern (names are checked as the pattern expands, at most
 `MAX_SHARDS`), a shard named twice, image members sharing one name (each sample needs its own key), a
-compressed shard, a shard that is not a regular file (a FIFO, a device), a ``.cls`` label that is not ASCII digits or is past `unison.data.files.MAX_CLASSES`.
+compressed shard, a shard that is not a regular file (a FIFO, a device), a ``.cls`` label that is not
+ASCII digits or is past `unison.data.files.MAX_CLASSES`.
 
 Example::
 

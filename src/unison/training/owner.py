@@ -6,8 +6,10 @@ the owner: pid, host, start time). The lock is ``fcntl.flock`` on that file, hel
 runs the training: unison's launcher (its workers do not lock), the single in-process worker, or rank 0
 under torchrun/srun/mpirun. The kernel drops it when that process ends however it ends, so a killed or
 preempted run never blocks its own restart (torchrun restarts, SLURM requeues, ``--resume auto``), and
-the file left behind means nothing by itself. Children forked while it is held (data-loader processes)
-close their copy at once (`os.register_at_fork`), so a straggler cannot hold a dead run's directory.
+the file left behind means nothing by itself, except that the folder is a run directory (`is_run_dir`: a
+fresh run refuses a non-empty folder that is not one, `check_run_dir`, so a user's own files are never
+replaced). Children forked while it is held (data-loader processes) close their copy at once
+(`os.register_at_fork`), so a straggler cannot hold a dead run's directory.
 
 Example::
 

@@ -4,7 +4,8 @@
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
 calls too), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
-read once, by the workers) and the run directory: never the data folder nor inside it, and never a
+read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
+folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
 directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
 A run's own outputs are the files of its run directory; the directory has one owner while it runs
 (`unison.training.owner`). Image decoding and model shapes are checked by the workers, whose errors still
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from unison.config import TrainConfig
