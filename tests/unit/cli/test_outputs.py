@@ -184,9 +184,13 @@ def test_an_unwritable_output_is_one_line(tmp_path):
         write_text_atomic(tmp_path / "file" / "sub" / "out.json", "{}", "--json")
 
 
-def test_an_empty_out_is_refused_not_read_as_the_current_folder():
-    with pytest.raises(ConfigError, match=r"^--out is empty; give a run directory, e.g. --out runs/x$"):
-        TrainConfig(out="").validate()
+@pytest.mark.parametrize("out, fragment", [("", r"^--out is empty; give a run directory, e.g. --out runs/x$"),
+                                           ("a\x00b", r"^--out 'a\\x00b' is not a path \(a NUL character\)")],
+                         ids=["empty", "nul"])
+def test_an_out_that_is_not_a_folder_name_is_refused(out, fragment):
+    """"" would be the current folder (the run's files among the user's); a NUL was a ValueError traceback."""
+    with pytest.raises(ConfigError, match=fragment):
+        TrainConfig(out=out).validate()
 
 
 def _foreign(tmp: Path) -> Path:
