@@ -62,6 +62,9 @@ TRAIN_CASES = [
      ["--data", "{tmp}/links", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/links/a/run"],
      "--out {tmp}/links/a/run lies inside --data {tmp}/links (its class folder a is a link to {tmp}/images/class_0), "
      "which this run reads"),
+    ("out-inside-a-val-class-folder-reached-through-a-link", ["--val", "{tmp}/links", "--out", "{tmp}/links/b/run"],
+     "--out {tmp}/links/b/run lies inside --val {tmp}/links (its class folder b is a link to {tmp}/images/class_1), "
+     "which this run reads"),
     ("out-is-the-resumed-checkpoint", ["--resume", "{tmp}/early.pt", "--out", "{tmp}/early.pt"],
      "--out {tmp}/early.pt is a file (the checkpoint --resume reads), not a run directory; give a folder for the "
      "run's files"),
