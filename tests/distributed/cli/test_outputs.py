@@ -72,8 +72,10 @@ TRAIN_CASES = [
 
 
 @pytest.mark.parametrize("case_id, argv, fragment", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
-def test_train_never_overwrites_another_runs_files(case_id, argv, fragment, run, tmp_path, capfd):
+def test_train_never_overwrites_another_runs_files(case_id, argv, fragment, run, tmp_path, capfd, monkeypatch):
     from unison.data.generated import write_image_folder
+
+    monkeypatch.chdir(tmp_path)   # where a run with --out '' wrote on the old code: never the checkout
 
     fill = {"run": str(run), "tmp": str(tmp_path)}
     (tmp_path / "early.pt").write_bytes((run / "checkpoints" / "step_00000001.pt").read_bytes())
