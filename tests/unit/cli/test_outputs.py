@@ -201,7 +201,8 @@ def _foreign(tmp: Path) -> Path:
     return docs
 
 
-@pytest.mark.parametrize("config", ['{"method": "simclr"}', "[1, 2]", "not json", "fifo"])
+@pytest.mark.parametrize("config", ['{"method": "simclr"}', "[1, 2]", "not json", "fifo"],
+                         ids=["config-without-resolved", "config-a-list", "config-not-json", "config-a-fifo"])
 def test_a_fresh_run_refuses_a_folder_no_unison_run_wrote(tmp_path, config):
     docs = _foreign(tmp_path)
     if config == "fifo":   # read bounded and without blocking, like every file unison reads
