@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +40,9 @@ from unison.config import TrainConfig
 from unison.config.fields import Range, check_fields
 from unison.config.train import MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from unison.data.tensor_dataset import ImageTensorDataset
 
 DEVICES = ("auto", "cpu", "cuda")
 _TRAIN_RANGES = {f.name: f.metadata["range"] for f in dataclasses.fields(TrainConfig) if "range" in f.metadata}
@@ -110,10 +114,32 @@ def _knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, val_f: torch.Tensor,
     return correct / query.shape[0]
 
 
+def _check_recorded(given: str | None, path: str, flag: str) -> None:
+    """A path taken from the run's config (`given` is None) is relative to where the run was started: when it is
+    not there from here, say so (a bare "does not exist" points at the wrong folder)."""
+    from unison.data.source import BUILTIN
+
+    if given is None and path not in BUILTIN and not Path(path).expanduser().is_absolute() \
+            and not os.path.lexists(path):
+        raise DataError(f"{path} is the run's recorded {flag}, relative to the folder the run was started in, and "
+                        f"there is no {Path(path).absolute()} from here: run unison eval from that folder, or pass "
+                        "--data and --val")
+
+
+def _load_labelled(path: str, split: str, flag: str, subset: int | None, cfg: TrainConfig) -> ImageTensorDataset:
+    """`load_dataset`, refusing data without class labels (kNN and the probe score predicted classes)."""
+    from unison.data.datasets import load_dataset
+
+    data = load_dataset(path, split, subset=subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
+    if not data.labelled:
+        raise DataError(f"{flag} {path} has no class labels; kNN and the linear probe need them: an ImageFolder (one "
+                        "subfolder per class), a labelled file list or shards with .cls")
+    return data
+
+
 def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes)."""
     from unison.data.augment import eval_transform
-    from unison.data.datasets import load_dataset
     from unison.data.source import BUILTIN, check_held_out
     from unison.eval.linear import extract_features, linear_probe
     from unison.training.load import load_method
@@ -137,8 +163,10 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
         raise DataError(f"no held-out data: --data {data} has no held-out split and no --val was given (nor by the run);"
                         " kNN and the linear probe would be scored on the very images they fit: give --val HELD_OUT")
     check_held_out(val, data)
-    train = load_dataset(data, "train", subset=subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed).to(device)
-    held = load_dataset(val, "val", subset=val_subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed).to(device)
+    _check_recorded(opts.data, data, "--data")
+    _check_recorded(opts.val, val, "--val")
+    train = _load_labelled(data, "train", "--data", subset, cfg).to(device)
+    held = _load_labelled(val, "val", "--val", val_subset, cfg).to(device)
     if held.classes != train.classes:
         raise ConfigError(f"the held-out data {val} has classes {held.classes[:5]}... but the training data {data} "
                           f"has {train.classes[:5]}...; pass matching --data and --val")

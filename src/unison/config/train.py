@@ -170,6 +170,10 @@ class TrainConfig:
             raise ConfigError(
                 f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
                 f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
+        if not self.out:   # Path("") is the current folder: the run's files would land among the user's own
+            raise ConfigError("--out is empty; give a run directory, e.g. --out runs/x")
+        if "\x00" in self.out:   # no file name holds one (os.mkdir raises ValueError)
+            raise ConfigError(f"--out {shown(self.out)} is not a path (a NUL character); give a run directory")
         if self.lr == 0:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if self.amp not in AMP_MODES:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.config.fields import shown
 from unison.errors import DataError
 
 from .files import MAX_CLASSES, MAX_IMAGE_BYTES, parse_label, read_regular
@@ -161,6 +162,17 @@ def integer_classes(values: np.ndarray) -> list[str]:
     return [str(k) for k in range(top + 1)]
 
 
+def _missing(path: str) -> str:
+    """Why a listed file cannot be found: a link to nothing (listed as it is), or a file removed since."""
+    if os.path.islink(path):
+        try:
+            target = shown(os.readlink(path))
+        except OSError:
+            target = "an unreadable target"
+        return f"data file {path} is a broken link (to {target}, which does not exist); remove it or fix the link"
+    return f"{path} does not exist (it was there when the data was listed)"
+
+
 def stat_all(paths: list[str], missing_ok: bool = False) -> list[os.stat_result | None]:
     """os.stat of every path, in a thread pool (stat releases the GIL; network file systems need the overlap)."""
     def one(p: str) -> os.stat_result | None:
@@ -169,7 +181,7 @@ def stat_all(paths: list[str], missing_ok: bool = False) -> list[os.stat_result 
         except FileNotFoundError:
             if missing_ok:
                 return None
-            raise DataError(f"{p} does not exist (it was there when the data was listed)") from None
+            raise DataError(_missing(p)) from None
 
     if len(paths) < 256:
         return [one(p) for p in paths]

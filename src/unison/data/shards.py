@@ -28,8 +28,9 @@ index is cached under ``$UNISON_CACHE_DIR/shard-index`` keyed by path, size and 
 Errors, one line naming the file: an empty shard (no bytes, or no image members), a
 truncated tar (a member runs past the end, or the end-of-archive blocks are missing), a
 missing shard of a brace pattern (names are checked as the pattern expands, at most
-`MAX_SHARDS`), a compressed shard, a shard that is not a regular file (a FIFO, a device), a
-``.cls`` label that is not ASCII digits or is past `unison.data.files.MAX_CLASSES`.
+`MAX_SHARDS`), a shard named twice, image members sharing one name (each sample needs its own key), a
+compressed shard, a shard that is not a regular file (a FIFO, a device), a ``.cls`` label that is not
+ASCII digits or is past `unison.data.files.MAX_CLASSES`.
 
 Example::
 
@@ -50,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from unison.config.fields import shown
 from unison.errors import DataError
 
 from .cache import cache_root
@@ -62,7 +64,7 @@ COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 SHARD_SUFFIXES = (".tar", *COMPRESSED)
 _IMAGE_EXTS = {e[1:] for e in IMG_EXTENSIONS}
 _LABEL_EXTS = ("cls", "label", "cls.txt", "label.txt")
-_INDEX_VERSION = 2   # 2: labels parsed strictly and bounded (older indexes may hold any integer)
+_INDEX_VERSION = 3   # 2: labels parsed strictly and bounded; 3: image members sharing a name refused
 MAX_SHARDS = 100_000
 _INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
 _NO_LABEL = -1
@@ -95,9 +97,27 @@ def shard_paths(spec: str) -> list[str]:
                         "uncompressed .tar shards (webdataset's ShardWriter writes them)")
     if not paths:
         raise DataError(f"no .tar shards in {spec}")
+    _check_distinct(paths, spec)
     for p in paths:  # a FIFO would hang tarfile, a device be read forever
         check_regular(p, "tar shard")
     return paths
+
+
+def _check_distinct(paths: list[str], spec: str) -> None:
+    """A pattern that names one shard twice (``{,}``, overlapping ranges, a link to another shard) would read its
+    samples twice an epoch: refuse it."""
+    seen: dict[tuple[int, int] | str, str] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+            key: tuple[int, int] | str = (st.st_dev, st.st_ino)
+        except OSError:   # check_regular says why
+            key = p
+        if key in seen:
+            also = "" if seen[key] == p else f" (also as {seen[key]}: the same file)"
+            raise DataError(f"{spec} names the tar shard {p} twice{also}; its samples would be read twice an "
+                            "epoch: name each shard once")
+        seen[key] = p
 
 
 def _expand(spec: str) -> Iterator[str]:
@@ -148,6 +168,7 @@ def index_shard(path: str) -> dict[str, Any]:
     offsets: list[int] = []
     sizes: list[int] = []
     labels: list[int] = []
+    images: set[str] = set()
     key = None
     try:
         with tarfile.open(path, mode="r:") as tf:
@@ -164,6 +185,11 @@ def index_shard(path: str) -> dict[str, Any]:
                     offsets.append(-1)
                     sizes.append(0)
                     labels.append(_NO_LABEL)
+                if ext in _IMAGE_EXTS and m.name in images:   # one key: these would be one sample, the rest dropped
+                    raise DataError(f"tar shard {path}: more than one image member is named {shown(m.name)}; each sample "
+                                    "needs its own key (the name up to the first dot), e.g. 000000.png, 000001.png")
+                if ext in _IMAGE_EXTS:
+                    images.add(m.name)
                 if ext in _IMAGE_EXTS and offsets[-1] < 0:
                     names[-1], offsets[-1], sizes[-1] = m.name, m.offset_data, m.size
                 elif ext in _LABEL_EXTS:

@@ -6,8 +6,10 @@ the owner: pid, host, start time). The lock is ``fcntl.flock`` on that file, hel
 runs the training: unison's launcher (its workers do not lock), the single in-process worker, or rank 0
 under torchrun/srun/mpirun. The kernel drops it when that process ends however it ends, so a killed or
 preempted run never blocks its own restart (torchrun restarts, SLURM requeues, ``--resume auto``), and
-the file left behind means nothing by itself. Children forked while it is held (data-loader processes)
-close their copy at once (`os.register_at_fork`), so a straggler cannot hold a dead run's directory.
+the file left behind means nothing by itself, except that the folder is a run directory (`is_run_dir`: a
+fresh run refuses a non-empty folder that is not one, `check_run_dir`, so a user's own files are never
+replaced). Children forked while it is held (data-loader processes) close their copy at once
+(`os.register_at_fork`), so a straggler cannot hold a dead run's directory.
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 import stat
@@ -26,8 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unison.config.fields import shown
+from unison.data.files import read_regular
 from unison.errors import RunDirRefused
 from unison.paths import write_error
+
+from .checkpoint.files import list_checkpoints
 
 LOCK_NAME = ".unison.lock"
 _HELD: set[int] = set()   # lock file descriptors held by this process
@@ -122,3 +129,33 @@ def _read_owner(fd: int) -> str:
         text = ""
     text = " ".join("".join(c if c.isprintable() else " " for c in text).split())   # a file's text: bounded, printable
     return text if text else "owner not recorded"
+
+
+def is_run_dir(path: Path) -> bool:
+    """`path` is a unison run directory: it holds a run's lock file, a checkpoint, or (runs from before the
+    lock existed) a ``config.json`` that is a run's config (a JSON object with "method" and "resolved")."""
+    if os.path.lexists(path / LOCK_NAME) or list_checkpoints(path):
+        return True
+    try:
+        config = json.loads(read_regular(   # bounded, regular files only: the folder may hold anything
+            str(path / "config.json"), limit=1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and "method" in config and "resolved" in config
+
+
+def check_run_dir(out: Path) -> None:
+    """A fresh run writes config.json, metrics.csv, plot.png, summary.json, train.log and checkpoints/ into
+    `out`, replacing what is there: refuse (one line) a non-empty folder that is not a unison run directory."""
+    if not out.is_dir() or is_run_dir(out):
+        return
+    try:
+        with os.scandir(out) as entries:
+            names = sorted(e.name for _, e in zip(range(1000), entries))
+    except OSError:
+        return   # an unreadable folder: creating the run's files there says why
+    if names:
+        some = ", ".join(shown(n, 40) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise RunDirRefused(f"--out {out} already holds files that no unison run wrote ({some}); a run writes its "
+                            "config.json, metrics.csv, plot.png, summary.json, train.log and checkpoints/ there and "
+                            "would replace them: choose a new or empty folder")

@@ -4,7 +4,8 @@
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
 calls too), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
-read once, by the workers) and the run directory: never the data folder nor inside it, and never a
+read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
+folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
 directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
 A run's own outputs are the files of its run directory; the directory has one owner while it runs
 (`unison.training.owner`). Image decoding and model shapes are checked by the workers, whose errors still
@@ -13,17 +14,21 @@ reach the user as one line naming the rank.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from unison.config import TrainConfig
+from unison.data.files import MAX_CLASSES
 from unison.data.source import open_checked
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
+from unison.training.owner import check_run_dir
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 
@@ -37,9 +42,10 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             open_checked(spec, role)
     out = Path(cfg.out)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
-        if inp.path and Path(inp.path).exists() and is_inside(out, inp.path):   # run files would become data
-            raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}, which this run reads; choose a run "
-                              "directory outside the data")
+        for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
+            if is_inside(out, folder):
+                raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}{where}, which this run reads; "
+                                    "choose a run directory outside the data")
     if out.name == CHECKPOINT_DIR and (out.parent / "config.json").is_file():   # resuming reads it as RUN_DIR
         raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
                             f"a new one, or --resume {out.parent} to continue that run")
@@ -50,10 +56,26 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
     if out.exists() and not out.is_dir():   # mkdir would say only "File exists"
         read = " (the checkpoint --resume reads)" if cfg.resume and same_file(out, cfg.resume) else ""
         raise RunDirRefused(f"--out {out} is a file{read}, not a run directory; give a folder for the run's files")
+    check_run_dir(out)   # before the lock file or any output is created in it
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
+
+
+def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:
+    """The folders a data path reads: itself and each class folder, with where each really is (a class folder
+    may be a link to a folder elsewhere, whose images the run reads all the same)."""
+    root = Path(path)
+    if not path or not root.exists():
+        return
+    yield root, ""
+    if not root.is_dir():
+        return
+    with os.scandir(root) as entries:
+        for _, e in zip(range(MAX_CLASSES + 1), entries):
+            if e.is_symlink() and os.path.isdir(e.path):
+                yield Path(e.path), f" (its class folder {e.name} is a link to {os.path.realpath(e.path)})"
 
 
 def warn_fresh_run(cfg: TrainConfig, launched: bool) -> None:

@@ -57,6 +57,14 @@ TRAIN_CASES = [
     ("out-is-the-data-folder", ["--data", "{tmp}/images", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/images"],
      "--out {tmp}/images lies inside --data {tmp}/images, which this run reads; choose a run directory outside "
      "the data"),
+    ("out-is-empty", ["--out", ""], "--out is empty; give a run directory, e.g. --out runs/x"),
+    ("out-inside-a-class-folder-reached-through-a-link",
+     ["--data", "{tmp}/links", "--subset", "8", "--val-subset", "8", "--out", "{tmp}/links/a/run"],
+     "--out {tmp}/links/a/run lies inside --data {tmp}/links (its class folder a is a link to {tmp}/images/class_0), "
+     "which this run reads"),
+    ("out-inside-a-val-class-folder-reached-through-a-link", ["--val", "{tmp}/links", "--out", "{tmp}/links/b/run"],
+     "--out {tmp}/links/b/run lies inside --val {tmp}/links (its class folder b is a link to {tmp}/images/class_1), "
+     "which this run reads"),
     ("out-is-the-resumed-checkpoint", ["--resume", "{tmp}/early.pt", "--out", "{tmp}/early.pt"],
      "--out {tmp}/early.pt is a file (the checkpoint --resume reads), not a run directory; give a folder for the "
      "run's files"),
@@ -64,16 +72,50 @@ TRAIN_CASES = [
 
 
 @pytest.mark.parametrize("case_id, argv, fragment", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
-def test_train_never_overwrites_another_runs_files(case_id, argv, fragment, run, tmp_path, capfd):
+def test_train_never_overwrites_another_runs_files(case_id, argv, fragment, run, tmp_path, capfd, monkeypatch):
     from unison.data.generated import write_image_folder
+
+    monkeypatch.chdir(tmp_path)   # where a run with --out '' wrote on the old code: never the checkout
 
     fill = {"run": str(run), "tmp": str(tmp_path)}
     (tmp_path / "early.pt").write_bytes((run / "checkpoints" / "step_00000001.pt").read_bytes())
     write_image_folder(tmp_path / "images", 16, classes=2, sizes=(16, 20), seed=0)
+    (tmp_path / "links").mkdir()
+    for name, target in (("a", "class_0"), ("b", "class_1")):   # class folders that are links to the data's
+        (tmp_path / "links" / name).symlink_to(tmp_path / "images" / target)
     before, data_before = _files(run), _files(tmp_path / "images")
     code, line = _train([*W1, *[a.format(**fill) for a in argv]], capfd)
     assert code == 2 and fragment.format(**fill) in line, line
     assert _files(run) == before and _files(tmp_path / "images") == data_before
+
+
+@pytest.mark.parametrize("how", ["fresh", "resume-auto", "resume-a-run", "current-folder"])
+def test_a_folder_of_the_users_files_is_never_a_run_directory(how, run, tmp_path, capfd, monkeypatch):
+    docs = tmp_path / "mydocs"
+    docs.mkdir()
+    for name in ("config.json", "summary.json", "metrics.csv"):
+        (docs / name).write_text(f"the user's {name}\n")
+    before = _files(docs)
+    extra = {"fresh": [], "resume-auto": ["--resume", "auto"], "resume-a-run": ["--resume", str(run)],
+             "current-folder": []}[how]
+    out = str(docs)
+    if how == "current-folder":
+        monkeypatch.chdir(docs)
+        out = "."
+    code, line = _train([*W1, *extra, "--out", out], capfd)
+    assert code == 2 and line == (f"unison: error: --out {out} already holds files that no unison run wrote "
+                                  "('config.json', 'metrics.csv', 'summary.json'); a run writes its config.json, "
+                                  "metrics.csv, plot.png, summary.json, train.log and checkpoints/ there and would "
+                                  "replace them: choose a new or empty folder")
+    assert _files(docs) == before and sorted(p.name for p in docs.iterdir()) == sorted(before)
+
+
+def test_a_run_made_before_the_lock_existed_can_run_again(run, tmp_path, capfd):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_bytes((run / "config.json").read_bytes())   # no lock file, no checkpoints
+    (old / "metrics.csv").write_text("step,loss\n")
+    assert main(["train", *W1, "--out", str(old)]) == 0
 
 
 def test_resume_branches_into_a_new_out_and_continues_its_latest(run, tmp_path, capfd):

@@ -21,7 +21,7 @@ from unison.methods import get_method
 from unison.models import build_backbone
 from unison.paths import write_text_atomic
 from unison.training.checkpoint import save_checkpoint
-from unison.training.owner import LOCK_NAME, RunDirLock
+from unison.training.owner import LOCK_NAME, RunDirLock, check_run_dir
 from unison.training.preflight import check_resume_target
 
 
@@ -182,3 +182,52 @@ def test_an_unwritable_output_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"could not write .*file/sub/out.json: .*file is a file, not a folder; "
                                           r"choose another --json"):
         write_text_atomic(tmp_path / "file" / "sub" / "out.json", "{}", "--json")
+
+
+@pytest.mark.parametrize("out, fragment", [("", r"^--out is empty; give a run directory, e.g. --out runs/x$"),
+                                           ("a\x00b", r"^--out 'a\\x00b' is not a path \(a NUL character\)")],
+                         ids=["empty", "nul"])
+def test_an_out_that_is_not_a_folder_name_is_refused(out, fragment):
+    """"" would be the current folder (the run's files among the user's); a NUL was a ValueError traceback."""
+    with pytest.raises(ConfigError, match=fragment):
+        TrainConfig(out=out).validate()
+
+
+def _foreign(tmp: Path) -> Path:
+    docs = tmp / "mydocs"
+    docs.mkdir()
+    for name in ("config.json", "summary.json", "metrics.csv", "plot.png"):
+        (docs / name).write_text(f"the user's {name}\n")
+    return docs
+
+
+@pytest.mark.parametrize("config", ['{"method": "simclr"}', "[1, 2]", "not json", "fifo"],
+                         ids=["config-without-resolved", "config-a-list", "config-not-json", "config-a-fifo"])
+def test_a_fresh_run_refuses_a_folder_no_unison_run_wrote(tmp_path, config):
+    docs = _foreign(tmp_path)
+    if config == "fifo":   # read bounded and without blocking, like every file unison reads
+        (docs / "config.json").unlink()
+        os.mkfifo(docs / "config.json")
+    else:
+        (docs / "config.json").write_text(config)
+    before = _snapshot(*docs.iterdir())
+    with pytest.raises(RunDirRefused, match=rf"^--out {docs} already holds files that no unison run wrote \('config.json'"
+                                            r", 'metrics.csv', 'plot.png', \.\.\.\); a run writes its config.json, .* "
+                                            r"there and would replace them: choose a new or empty folder$"):
+        check_run_dir(docs)
+    assert _snapshot(*docs.iterdir()) == before and not (docs / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("mark", ["lock", "checkpoint", "config-of-a-run-before-the-lock", "empty", "missing"])
+def test_a_run_directory_or_a_new_folder_is_accepted(tmp_path, mark):
+    docs = _foreign(tmp_path) if mark not in ("empty", "missing") else tmp_path / "new"
+    if mark == "empty":
+        docs.mkdir()
+    elif mark == "lock":
+        (docs / LOCK_NAME).write_text("")
+    elif mark == "checkpoint":
+        (docs / "checkpoints").mkdir()
+        (docs / "checkpoints" / "step_00000002.pt").write_bytes(b"x")
+    elif mark == "config-of-a-run-before-the-lock":
+        (docs / "config.json").write_text('{"method": "simclr", "resolved": {"backbone": "small_cnn"}}')
+    check_run_dir(docs)   # a re-run or a resume of a run made before the lock existed stays possible

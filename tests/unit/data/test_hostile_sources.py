@@ -295,3 +295,39 @@ def test_a_constant_channel_is_not_normalised_into_nan():
     images[:, 0] = torch.arange(4, dtype=torch.uint8)[:, None, None] * 60
     mean, std = channel_stats(images)
     assert std[1] == std[2] == 1.0 and 0 < std[0] < 1
+
+
+# ------------------------------------------------------------------ each sample once, named as it is
+def _png_bytes(value: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (value, value, value)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("pattern, fragment", [
+    ("s-{0000..0001}{,}.tar", "names the tar shard {tmp}/s-0000.tar twice"),
+    ("s-{{0000..0001},0001}.tar", "names the tar shard {tmp}/s-0001.tar twice"),
+    ("s-{0000..0002}.tar", "names the tar shard {tmp}/s-0002.tar twice (also as {tmp}/s-0000.tar: the same file)"),
+], ids=["brace-repeats-every-shard", "overlapping-list", "hard-link-to-a-shard"])
+def test_a_shard_named_twice_is_refused(tmp_path, pattern, fragment):
+    for k in range(2):
+        _tar(tmp_path / f"s-{k:04d}.tar", [(f"{k}_{i}.png", _png_bytes(i)) for i in range(4)])
+    os.link(tmp_path / "s-0000.tar", tmp_path / "s-0002.tar")   # a hard link: the same file under another name
+    _refused(fragment.format(tmp=tmp_path), lambda: open_catalog(str(tmp_path / pattern)))
+
+
+def test_shard_members_sharing_one_name_are_refused(tmp_path):
+    same = _tar(tmp_path / "same.tar", [("same.png", _png_bytes(i)) for i in range(16)])
+    _refused("more than one image member is named 'same.png'; each sample needs its own key", lambda: open_catalog(same))
+    ok = _tar(tmp_path / "ok.tar", [("k0.png", _png_bytes(0)), ("k0.cls", b"0"), ("k1.png", _png_bytes(1)),
+                                    ("k1.cls", b"1")])
+    assert len(open_catalog(ok)) == 2
+
+
+def test_a_dangling_link_is_named_a_broken_link(tmp_path):
+    root = _folder(tmp_path / "d")
+    os.symlink("nowhere", root / "a" / "zz.png")
+    _refused(f"data file {root / 'a' / 'zz.png'} is a broken link (to 'nowhere', which does not exist); remove it or "
+             "fix the link", lambda: open_catalog(str(root)).file_stats())   # what memory mode keys its cache by

@@ -118,3 +118,50 @@ def test_eval_options_have_the_ranges_train_states(tmp_path, capsys, argv, fragm
     assert main(["eval", "--checkpoint", str(tmp_path / "nope"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("unison: error:") == 1 and fragment in err and "Traceback" not in err, err
+
+
+def _images(root, labelled: bool, n: int = 8) -> str:
+    from PIL import Image
+
+    for i in range(n):
+        path = root / (f"c{i % 2}/{i}.png" if labelled else f"{i}.png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), (30 * i, 255 - 30 * i, 0)).save(path)
+    return str(root)
+
+
+def _eval(argv, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["eval", *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("unison: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    return code, lines[0]
+
+
+@pytest.mark.parametrize("unlabelled, probe", [("data", ["--no-linear"]), ("val", ["--no-knn", "--linear-epochs", "1"]),
+                                               ("both", ["--no-knn", "--linear-epochs", "1"])])
+def test_eval_on_unlabelled_data_is_one_line(tmp_path, capsys, unlabelled, probe):
+    """kNN and the probe score predicted classes: a flat folder of images has none (an index error on the old code)."""
+    _checkpoint(tmp_path / "run", "small_cnn")
+    data = _images(tmp_path / "data", labelled=unlabelled == "val")
+    val = _images(tmp_path / "val", labelled=unlabelled == "data")
+    flag, path = ("--val", val) if unlabelled == "val" else ("--data", data)
+    code, line = _eval(["--checkpoint", str(tmp_path / "run"), "--data", data, "--val", val, *probe], capsys)
+    assert code == 2 and line == (f"unison: error: {flag} {path} has no class labels; kNN and the linear probe need "
+                                  "them: an ImageFolder (one subfolder per class), a labelled file list or shards "
+                                  "with .cls")
+
+
+def test_eval_elsewhere_names_the_runs_recorded_relative_data(tmp_path, capsys, monkeypatch):
+    net, dim = build_backbone("small_cnn", None)
+    cls = get_method("simclr")
+    state = {"method": "simclr", "config": TrainConfig(backbone="small_cnn", data="imf", val="imv").to_dict(),
+             "model": cls(net, dim, cls.Params()).state_dict()}
+    save_checkpoint(tmp_path / "runs" / "x", state, step=1)
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    code, line = _eval(["--checkpoint", "../runs/x", "--no-linear"], capsys)
+    assert code == 2 and line == (f"unison: error: imf is the run's recorded --data, relative to the folder the run "
+                                  f"was started in, and there is no {tmp_path}/other/imf from here: run unison eval "
+                                  "from that folder, or pass --data and --val")
