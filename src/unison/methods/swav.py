@@ -89,8 +89,7 @@ class SwAVParams:
     def __post_init__(self) -> None:
         check_params(self, sizes=("proj_hidden_dim", "proj_dim", "sinkhorn_iterations"), classes=("n_prototypes",),
                      counts=("queue_length", "queue_start_step", "freeze_prototypes_steps"),
-                     temperatures=("temperature",), positive=("sinkhorn_epsilon",),
-                     sinkhorn=() if self.sinkhorn_float64 is True else ("sinkhorn_epsilon",))
+                     temperatures=("temperature",), sinkhorn=("sinkhorn_epsilon",))
 
 
 def queue_length_check(params: SwAVParams, n_local: int, w: int) -> None:
