@@ -285,6 +285,8 @@ CASES = [
      "holds Python objects that could run code when unpickled"),
     ("resume-other-method", ["--resume", "{run}", "--method", "byol", "--out", "{tmp}/o4"], 4,
      "was written by method 'simclr', this run is 'byol'"),
+    ("resume-other-backbone", ["--resume", "{run}", "--backbone", "resnet18", "--out", "{tmp}/o7"], 4,
+     "was trained with --backbone small_cnn, this run has --backbone resnet18; use --backbone small_cnn to resume it"),
     ("resume-other-shape", ["--resume", "{run}", "--param", "proj_dim=64", "--out", "{tmp}/o5"], 4,
      "checkpoint does not match the model: parameter projector"),
     ("resume-at-indivisible-world-size", ["--resume", "{run}", "--world-size", "3", "--out", "{tmp}/o6"], 2,
