@@ -207,6 +207,28 @@ LAUNCH_CASES = [
 ]
 
 
+# A model that cannot fit in memory: refused by `run_training` (validated, then the model built on the meta
+# device) before the pre-flight writes anything and before any worker; was a 4 TB allocation traceback in the worker.
+MEMORY_CASES = [
+    ("simclr-1M-wide-projector", ["--param", "proj_hidden_dim=1048576", "--param", "proj_dim=1048576"],
+     "the model needs about 12.0 TiB (parameters, gradients and optimizer state; the largest tensor is "
+     "projector.3.weight)", "lower --param proj_hidden_dim=1048576, proj_dim=1048576"),
+    ("dino-1M-wide-head", ["--method", "dino", "--param", "out_dim=1048576", "--param", "bottleneck_dim=1048576"],
+     "the model needs about 16.0 TiB", "lower --param out_dim=1048576, bottleneck_dim=1048576"),
+]
+
+
+@pytest.mark.parametrize("case_id, argv, size, lower", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_model_past_memory(case_id, argv, size, lower, capfd, tmp_path, monkeypatch):
+    import unison.training.run
+
+    monkeypatch.setattr(unison.training.run, "train_worker", _refuse)   # W=1 trains in this process
+    code, err = _run([*W1, "--out", str(tmp_path / "run"), *argv], capfd)
+    line = _line(err)
+    assert code == 2 and size in line and lower in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def _fill(argv: list[str], files: dict[str, str]) -> list[str]:
     return [a.replace("{t}", files["tmp"]) for a in argv]
 
