@@ -186,6 +186,8 @@ NUMBER_CASES = [
      "SwAV parameter sinkhorn_epsilon=0.01 must be a finite number >= 0.02 (exp(1/epsilon) past that overflows"),
     ("ibot-sinkhorn-teacher-temp-0.01", ["--method", "ibot", "--param", "centering=sinkhorn", "--param",
                                          "teacher_temp=0.01"], "IBOT parameter teacher_temp=0.01 must be a finite number >= 0.02"),
+    *[(f"{m}-batch-1", ["--method", m, "--batch-size", "1"], f"batch_size=1: {m} needs at least 2 images per step")
+      for m in ("simclr", "byol", "mocov3")],   # a loss of 0 (SimCLR), a batch-norm traceback in the worker (others)
     # what the workers would find, found by the pre-flight: the ViT's patch grid, attention heads, queue lengths
     ("vit-image-size", ["--method", "mae", "--image-size", "9"],
      "image_size=9 is not a multiple of the patch size 4 of vit_nano_p4; give --image-size a multiple of 4"),
