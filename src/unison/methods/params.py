@@ -16,7 +16,7 @@ starts, instead of a tensor-shape traceback (``proj_dim=-5``) or a zero-width he
 Ranges: ``sizes`` integers in [1, 2**20] (dimensions, counts); ``classes`` integers in [2, 2**20] (the width of
 a softmax: over one entry it is constant and the loss is 0); ``counts`` integers >= 0; ``positive`` finite numbers
 > 0 (scales); ``temperatures`` finite numbers >= `MIN_TEMPERATURE`; ``sinkhorn`` (Sinkhorn epsilons, exponentiated
-directly) finite numbers >= `MIN_SINKHORN_EPSILON`; ``non_negative`` finite numbers >= 0 (loss weights);
+directly) finite numbers >= `MIN_SINKHORN_EPSILON`; ``non_negative`` loss weights in [0, `MAX_LOSS_WEIGHT`];
 ``unit_interval`` numbers in [0, 1] (momenta, probabilities, fractions). `check_trains` refuses loss weights that
 are all 0 (a loss identically 0 trains nothing, like ``--lr 0``).
 """
@@ -40,6 +40,9 @@ MIN_TEMPERATURE = 1e-4
 # Sinkhorn-Knopp exponentiates scores <= 1 as exp(score / epsilon) in float32 and sums up to 2**40 of them:
 # exp(1 / 0.02) * 2**40 = 5.7e33 stays finite, while epsilon = 0.01 (e**100) is inf and the codes NaN.
 MIN_SINKHORN_EPSILON = 0.02
+# A loss weight multiplies a term that reaches 2**40 (Barlow Twins' squared correlations of a 2**20-wide head); past
+# 1e6 the loss or an optimizer's squared gradient overflows float32 (lambda_offdiag=1e38: an inf loss at step 0).
+MAX_LOSS_WEIGHT = 1e6
 
 
 def _label(params: Any) -> str:
@@ -88,8 +91,8 @@ def check_params(params: Any, *, sizes: Iterable[str] = (), classes: Iterable[st
             fail(name, f"a finite number >= {MIN_SINKHORN_EPSILON:g} (exp(1/epsilon) past that overflows float32)")
     for name in non_negative:
         value = getattr(params, name)
-        if not _number(value) or value < 0:
-            fail(name, "a finite number >= 0")
+        if not _number(value) or not 0 <= value <= MAX_LOSS_WEIGHT:
+            fail(name, f"a number in [0, {MAX_LOSS_WEIGHT:g}] (a loss weight; larger ones overflow float32)")
     for name in unit_interval:
         value = getattr(params, name)
         if not _number(value) or not 0 <= value <= 1:

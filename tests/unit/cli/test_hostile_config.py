@@ -188,6 +188,10 @@ NUMBER_CASES = [
                                          "teacher_temp=0.01"], "IBOT parameter teacher_temp=0.01 must be a finite number >= 0.02"),
     *[(f"{m}-batch-1", ["--method", m, "--batch-size", "1"], f"batch_size=1: {m} needs at least 2 images per step")
       for m in ("simclr", "byol", "mocov3")],   # a loss of 0 (SimCLR), a batch-norm traceback in the worker (others)
+    ("barlowtwins-weight-1e38", ["--method", "barlowtwins", "--param", "lambda_offdiag=1e38"],
+     "BarlowTwins parameter lambda_offdiag=1e+38 must be a number in [0, 1e+06] (a loss weight"),
+    ("vicreg-weight-1e38", ["--method", "vicreg", "--param", "sim_weight=1e38"],
+     "VICReg parameter sim_weight=1e+38 must be a number in [0, 1e+06]"),
     # what the workers would find, found by the pre-flight: the ViT's patch grid, attention heads, queue lengths
     ("vit-image-size", ["--method", "mae", "--image-size", "9"],
      "image_size=9 is not a multiple of the patch size 4 of vit_nano_p4; give --image-size a multiple of 4"),
