@@ -127,7 +127,7 @@ def _check_expected(ckpt: dict[str, Any], path: Path, expect: Expected) -> None:
                               f"use method {was} or a new run directory")
     config = ckpt.get("config") or {}
     for name, value in expected.items():
-        if value is not None and name in config and config[name] != value:
+        if value is not None and config.get(name) is not None and config[name] != value:   # None: the recipe's
             flag = STRUCTURE.get(name, name)
             was, now = _as_options(flag, config[name]), _as_options(flag, value)
             raise CheckpointError(f"checkpoint {path} was trained with {was}, this run has {now}; use {was} to "
