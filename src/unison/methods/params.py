@@ -38,7 +38,8 @@ MAX_SIZE = 2**20
 # squares in float32 (3.4e38); SimCLR's loss was NaN at step 1 with t = 1e-20 (1/t**2 past float32).
 MIN_TEMPERATURE = 1e-4
 # Sinkhorn-Knopp exponentiates scores <= 1 as exp(score / epsilon) in float32 and sums up to 2**40 of them:
-# exp(1 / 0.02) * 2**40 = 5.7e33 stays finite, while epsilon = 0.01 (e**100) is inf and the codes NaN.
+# exp(1 / 0.02) * 2**40 = 5.7e33 stays finite, while with epsilon = 0.01 a score of 1 (a prototype the embedding
+# has learned) is e**100 = inf and the codes NaN.
 MIN_SINKHORN_EPSILON = 0.02
 # A loss weight multiplies a term that reaches 2**40 (Barlow Twins' squared correlations of a 2**20-wide head); past
 # 1e6 the loss or an optimizer's squared gradient overflows float32 (lambda_offdiag=1e38: an inf loss at step 0).
