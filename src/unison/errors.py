@@ -16,7 +16,10 @@ what to fix. The CLI prints it as ``unison: error: <message>`` and exits with th
     75    preempted (SIGTERM/SIGUSR1): a checkpoint was  `Preempted`
           written; run again with --resume auto
     130   interrupted (Ctrl-C)
+    141   standard output is a closed pipe (``unison ... | head``): quiet
     ====  ==========================================================
+
+Warnings are one line too, ``unison: warning: <message>`` (`one_line_warnings`, in the CLI and in every worker).
 
 A worker's exception travels to the launching process by its exit code, so a `DataError`
 raised on rank 1 ends ``unison train`` with 3, as if it had been raised in the launcher.
@@ -109,6 +112,27 @@ class Preempted(UnisonError):
 
 
 INTERRUPTED_EXIT_CODE = 130
+BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE: what `yes | head -0` reports for `yes`
+
+
+class OutputError(UnisonError):
+    """Standard output or error cannot be written (a full disk, a closed pipe); `errno` says why."""
+
+    def __init__(self, message: str, errno: int | None = None, stream: str = "standard output"):
+        super().__init__(message)
+        self.errno, self.stream = errno, stream
+
+
+def one_line_warnings() -> None:
+    """Show every warning as one line ``unison: warning: MESSAGE``, without the file, line and source line of
+    the code that warned (they are for developers, and a user cannot act on them)."""
+    import warnings
+
+    def one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 line: str | None = None) -> str:
+        return f"unison: warning: {' '.join(str(message).split())}\n"
+
+    warnings.formatwarning = one_line
 
 
 class BenchError(RuntimeError):

@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import TYPE_CHECKING, Any, TextIO
 
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
-from unison.errors import ConfigError, RunDirRefused, UnisonError, WatchdogTimeout
+from unison.errors import (
+    BROKEN_PIPE_EXIT_CODE,
+    INTERRUPTED_EXIT_CODE,
+    ConfigError,
+    OutputError,
+    RunDirRefused,
+    UnisonError,
+    WatchdogTimeout,
+    one_line_warnings,
+)
 from unison.training.runlog import append_run_log
 
 from .train_args import (
@@ -73,8 +84,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             raise
     if launch_env is None or launch_env.rank == 0:   # under torchrun/srun/mpirun: rank 0 prints the result
         line = summary.result_line(time.perf_counter() - started)
+        append_run_log(cfg.out, line)   # first: the run log has it even when standard output cannot be written
         print(line, flush=True)
-        append_run_log(cfg.out, line)
     return 0
 
 
@@ -204,14 +215,89 @@ def version_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
-    ns = parser.parse_args(argv)
-    code = _run(ns)
-    if argv is None and ns.func is cmd_train and _launched_worker():
+    """Run the command of `argv` (default: the command line); its exit code. Everything it writes goes through
+    `_Checked` streams, so a full disk or a closed pipe is one line (or a quiet exit), not an OSError traceback;
+    warnings are one line; Ctrl-C at any moment (torch still importing) is ``unison: interrupted``, 130."""
+    saved = sys.stdout, sys.stderr, warnings.formatwarning
+    sys.stdout, sys.stderr = _Checked(saved[0], "standard output"), _Checked(saved[1], "standard error")
+    one_line_warnings()
+    worker = False
+    try:
+        ns = make_parser().parse_args(argv)
+        code = _run(ns)
+        worker = argv is None and ns.func is cmd_train and _launched_worker()
+        sys.stdout.flush()   # here, not in the interpreter's exit ("Exception ignored ... OSError")
+    except KeyboardInterrupt:   # outside the command (imports, parsing); the command's own is `_run`'s
+        code = _tell(saved[1], "unison: interrupted", INTERRUPTED_EXIT_CODE)
+    except OutputError as exc:
+        code = _output_failed(exc, saved[0], saved[1])
+    finally:
+        sys.stdout, sys.stderr, warnings.formatwarning = saved
+    if worker:
         from unison.distributed.env import exit_worker
 
         exit_worker(code)   # a torchrun/srun/mpirun worker: skip interpreter finalization (see exit_worker)
     return code
+
+
+class _Checked:
+    """A standard stream whose failed writes raise `OutputError` naming the stream (ENOSPC on ``>/dev/full``,
+    EPIPE under ``| head``); everything else is the stream's own."""
+
+    def __init__(self, stream: TextIO, name: str):
+        self._stream, self._name = stream, name
+
+    def _failed(self, exc: OSError) -> OutputError:
+        return OutputError(f"cannot write to {self._name} ({exc.strerror or exc})", exc.errno, self._name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _output_failed(exc: OutputError, stdout: TextIO, stderr: TextIO) -> int:
+    """Report a failed write on standard error if that one still works; a closed pipe on standard output is a
+    quiet exit, as for `yes | head`. Returns the exit code."""
+    if exc.stream == "standard error":
+        _to_devnull(stderr)
+        return exc.exit_code
+    _to_devnull(stdout)   # what could not be written would fail again in the interpreter's last flush
+    if exc.errno == errno.EPIPE:
+        return BROKEN_PIPE_EXIT_CODE
+    return _tell(stderr, f"unison: error: {exc}", exc.exit_code)
+
+
+def _tell(stderr: TextIO, line: str, code: int) -> int:
+    """Write `line` on standard error, if it can be written; returns `code`."""
+    try:
+        stderr.write(line + "\n")
+        stderr.flush()
+    except (OSError, ValueError):
+        _to_devnull(stderr)
+    return code
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point the process's standard output or error (fd 1 or 2) at /dev/null: its buffer flushes harmlessly."""
+    try:
+        fd = stream.fileno()
+        if fd in (1, 2):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _launched_worker() -> bool:
@@ -226,6 +312,8 @@ def _launched_worker() -> bool:
 def _run(ns: argparse.Namespace) -> int:
     try:
         return ns.func(ns)
+    except OutputError:
+        raise   # `main` reports it on the stream that still works
     except KeyboardInterrupt as exc:
         hint = f"; {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else ""
         print(f"unison: interrupted{hint}", file=sys.stderr)

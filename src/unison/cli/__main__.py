@@ -2,6 +2,10 @@
 
 import sys
 
-from unison.cli import main
+try:
+    from unison.cli import main
+except KeyboardInterrupt:   # Ctrl-C in the first instant: the same line as later
+    print("unison: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -44,7 +44,7 @@ from typing import Any
 
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import shown
-from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure, exit_code_of
+from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure, exit_code_of, one_line_warnings
 
 from . import watchdog
 from .env import exit_worker
@@ -68,6 +68,7 @@ def find_free_port(addr: str = "127.0.0.1") -> int:
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
                  threads: int, result_conn: Any) -> None:
     die_with_parent()
+    one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
     os.environ.update(env)
     watchdog.attach_launcher_table(heartbeats, int(env["RANK"]))

@@ -67,8 +67,8 @@ class DINOParams:
     center_momentum: float = 0.9
 
     def __post_init__(self) -> None:
-        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "out_dim", "head_layers"),
-                     positive=("student_temp", "teacher_temp", "warmup_teacher_temp"),
+        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "head_layers"), classes=("out_dim",),
+                     temperatures=("student_temp", "teacher_temp", "warmup_teacher_temp"),
                      unit_interval=("momentum_base", "teacher_temp_warmup_fraction", "center_momentum"))
 
 

@@ -53,7 +53,7 @@ from ._common import check_multicrop, multicrop_features, require_vit
 from .base import Recipe, SampleKeys
 from .distillation import SelfDistillation
 from .masking import random_masking
-from .params import check_params
+from .params import check_params, check_trains
 
 MASK_STREAM = 0x1B07_0000     # + global crop index: counter-based RNG stream of iBOT's masks
 
@@ -78,13 +78,17 @@ class IBOTParams:
     koleo_weight: float = 0.1            # DINOv2 (iBOT: no KoLeo, 0)
 
     def __post_init__(self) -> None:
-        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "out_dim", "head_layers"),
-                     positive=("student_temp", "teacher_temp", "warmup_teacher_temp"),
+        check_params(self, sizes=("hidden_dim", "bottleneck_dim", "head_layers"), classes=("out_dim",),
+                     temperatures=("student_temp", "teacher_temp", "warmup_teacher_temp"),
                      non_negative=("cls_weight", "patch_weight", "koleo_weight"),
                      unit_interval=("mask_ratio", "momentum_base", "teacher_temp_warmup_fraction", "center_momentum"))
         if self.centering not in CENTERINGS:
             raise ConfigError(f"IBOT parameter centering={self.centering!r} must be one of {', '.join(CENTERINGS)} "
                               "(--param centering=VALUE)")
+        if self.centering == "sinkhorn":   # the teacher temperatures are Sinkhorn's epsilon
+            check_params(self, sinkhorn=("teacher_temp", "warmup_teacher_temp"))
+        check_trains(self, {"cls_weight": self.cls_weight > 0, "patch_weight (with mask_ratio > 0)":
+                            self.patch_weight > 0 and self.mask_ratio > 0, "koleo_weight": self.koleo_weight > 0})
 
 
 class IBOT(SelfDistillation):

@@ -83,7 +83,7 @@ class MoCoParams:
     shuffle_seed: int = 0
 
     def __post_init__(self) -> None:
-        check_params(self, sizes=("queue_size", "proj_hidden_dim", "proj_dim"), counts=("shuffle_seed",), positive=("temperature",),
+        check_params(self, sizes=("queue_size", "proj_hidden_dim", "proj_dim"), counts=("shuffle_seed",), temperatures=("temperature",),
                      unit_interval=("momentum",))
 
 

@@ -58,7 +58,7 @@ class MoCoV3Params:
     freeze_patch_embed: bool = True     # paper: random (frozen) patch projection for ViTs
 
     def __post_init__(self) -> None:
-        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "pred_hidden_dim"), positive=("temperature",),
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "pred_hidden_dim"), temperatures=("temperature",),
                      unit_interval=("momentum_base",))
 
 

@@ -13,9 +13,12 @@ starts, instead of a tensor-shape traceback (``proj_dim=-5``) or a zero-width he
         def __post_init__(self) -> None:
             check_params(self, sizes=("proj_dim",), positive=("temperature",))
 
-Ranges: ``sizes`` integers in [1, 2**20] (dimensions, counts); ``counts`` integers >= 0; ``positive``
-finite numbers > 0 (temperatures, scales); ``non_negative`` finite numbers >= 0 (loss
-weights); ``unit_interval`` numbers in [0, 1] (momenta, probabilities, fractions).
+Ranges: ``sizes`` integers in [1, 2**20] (dimensions, counts); ``classes`` integers in [2, 2**20] (the width of
+a softmax: over one entry it is constant and the loss is 0); ``counts`` integers >= 0; ``positive`` finite numbers
+> 0 (scales); ``temperatures`` finite numbers >= `MIN_TEMPERATURE`; ``sinkhorn`` (Sinkhorn epsilons, exponentiated
+directly) finite numbers >= `MIN_SINKHORN_EPSILON`; ``non_negative`` loss weights in [0, `MAX_LOSS_WEIGHT`];
+``unit_interval`` numbers in [0, 1] (momenta, probabilities, fractions). `check_trains` refuses loss weights that
+are all 0 (a loss identically 0 trains nothing, like ``--lr 0``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ from unison.errors import ConfigError
 # A size (a width, a depth, a count of prototypes or queue entries) past 2**20 is no recipe's: refused before any
 # worker builds a model of it (a 16M-wide head is 32 G parameters, found only as an out-of-memory kill).
 MAX_SIZE = 2**20
+# A softmax temperature t scales unit-norm similarities to logits up to 1/t; the loss and its gradient grow as 1/t
+# and an optimizer's squared gradient as 1/t**2. At t >= 1e-4 the logits stay finite in float16 (65504) and the
+# squares in float32 (3.4e38); SimCLR's loss was NaN at step 1 with t = 1e-20 (1/t**2 past float32).
+MIN_TEMPERATURE = 1e-4
+# Sinkhorn-Knopp exponentiates scores <= 1 as exp(score / epsilon) in float32 and sums up to 2**40 of them:
+# exp(1 / 0.02) * 2**40 = 5.7e33 stays finite, while with epsilon = 0.01 a score of 1 (a prototype the embedding
+# has learned) is e**100 = inf and the codes NaN.
+MIN_SINKHORN_EPSILON = 0.02
+# A loss weight multiplies a term that reaches 2**40 (Barlow Twins' squared correlations of a 2**20-wide head); past
+# 1e6 the loss or an optimizer's squared gradient overflows float32 (lambda_offdiag=1e38: an inf loss at step 0).
+MAX_LOSS_WEIGHT = 1e6
 
 
 def _label(params: Any) -> str:
@@ -41,7 +55,8 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_params(params: Any, *, sizes: Iterable[str] = (), counts: Iterable[str] = (), positive: Iterable[str] = (),
+def check_params(params: Any, *, sizes: Iterable[str] = (), classes: Iterable[str] = (), counts: Iterable[str] = (),
+                 positive: Iterable[str] = (), temperatures: Iterable[str] = (), sinkhorn: Iterable[str] = (),
                  non_negative: Iterable[str] = (), unit_interval: Iterable[str] = ()) -> None:
     """Raise `ConfigError` naming the first hyper-parameter of `params` outside its stated range."""
     method = _label(params)
@@ -54,6 +69,11 @@ def check_params(params: Any, *, sizes: Iterable[str] = (), counts: Iterable[str
         value = getattr(params, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
             fail(name, "an integer >= 1" + (" and <= 2**20" if isinstance(value, int) and value > MAX_SIZE else ""))
+    for name in classes:
+        value = getattr(params, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= MAX_SIZE:
+            fail(name, "an integer >= 2" + (" and <= 2**20" if isinstance(value, int) and value > MAX_SIZE else
+                                            " (a softmax over one entry is constant: the loss is 0 and nothing trains)"))
     for name in counts:
         value = getattr(params, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
@@ -62,14 +82,31 @@ def check_params(params: Any, *, sizes: Iterable[str] = (), counts: Iterable[str
         value = getattr(params, name)
         if not _number(value) or value <= 0:
             fail(name, "a finite number > 0")
+    for name in temperatures:
+        value = getattr(params, name)
+        if not _number(value) or value < MIN_TEMPERATURE:
+            fail(name, f"a finite number >= {MIN_TEMPERATURE:g} (logits 1/t past that overflow float32)")
+    for name in sinkhorn:
+        value = getattr(params, name)
+        if not _number(value) or value < MIN_SINKHORN_EPSILON:
+            fail(name, f"a finite number >= {MIN_SINKHORN_EPSILON:g} (exp(1/epsilon) past that overflows float32)")
     for name in non_negative:
         value = getattr(params, name)
-        if not _number(value) or value < 0:
-            fail(name, "a finite number >= 0")
+        if not _number(value) or not 0 <= value <= MAX_LOSS_WEIGHT:
+            fail(name, f"a number in [0, {MAX_LOSS_WEIGHT:g}] (a loss weight; larger ones overflow float32)")
     for name in unit_interval:
         value = getattr(params, name)
         if not _number(value) or not 0 <= value <= 1:
             fail(name, "a number in [0, 1]")
+
+
+def check_trains(params: Any, terms: dict[str, bool]) -> None:
+    """`ConfigError` unless one of the loss's `terms` (a description of each, e.g. ``"sim_weight"``, mapped to
+    whether it contributes) is on: a loss identically 0 trains nothing, like ``--lr 0``."""
+    if not any(terms.values()):
+        names = ", ".join(terms)
+        raise ConfigError(f"{_label(params)} parameters {names} turn every term of the loss off: the loss is 0 and "
+                          f"nothing would train; give one of them a value > 0 (--param NAME=VALUE)")
 
 
 def check_heads(params: Any, width: str, heads: str) -> None:

@@ -33,7 +33,7 @@ class SimCLRParams:
     proj_dim: int = 128
 
     def __post_init__(self) -> None:
-        check_params(self, sizes=("proj_hidden_dim", "proj_dim"), positive=("temperature",))
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim"), temperatures=("temperature",))
 
 
 class SimCLR(SSLMethod):

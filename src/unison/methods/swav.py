@@ -87,9 +87,9 @@ class SwAVParams:
     freeze_prototypes_steps: int = 0
 
     def __post_init__(self) -> None:
-        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "n_prototypes", "sinkhorn_iterations"),
+        check_params(self, sizes=("proj_hidden_dim", "proj_dim", "sinkhorn_iterations"), classes=("n_prototypes",),
                      counts=("queue_length", "queue_start_step", "freeze_prototypes_steps"),
-                     positive=("temperature", "sinkhorn_epsilon"))
+                     temperatures=("temperature",), sinkhorn=("sinkhorn_epsilon",))
 
 
 def queue_length_check(params: SwAVParams, n_local: int, w: int) -> None:

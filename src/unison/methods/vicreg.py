@@ -32,7 +32,7 @@ from unison.models import mlp
 
 from ._common import two_views
 from .base import Recipe, SSLMethod
-from .params import check_params
+from .params import check_params, check_trains
 
 
 @dataclass
@@ -49,6 +49,7 @@ class VICRegParams:
     def __post_init__(self) -> None:
         check_params(self, sizes=("proj_hidden_dim", "proj_dim", "proj_layers"), non_negative=("sim_weight", "var_weight", "cov_weight"),
                      positive=("gamma", "eps"))
+        check_trains(self, {name: getattr(self, name) > 0 for name in ("sim_weight", "var_weight", "cov_weight")})
 
 
 class VICReg(SSLMethod):

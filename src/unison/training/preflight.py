@@ -28,6 +28,7 @@ from unison.errors import ConfigError, RunDirRefused
 from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
+from unison.training.checkpoint.header import structure
 from unison.training.owner import check_run_dir
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
@@ -50,7 +51,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
                             f"a new one, or --resume {out.parent} to continue that run")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
-        header = read_header(cfg.resume, expect_method=cfg.method)   # the header only: the worker loads the state
+        header = read_header(cfg.resume, expect_method=structure(cfg))   # header only (method, backbone): no weights
         if restart_reason() is None:   # a restarted/requeued attempt continues in its own directory
             check_resume_target(Path(cfg.resume), int(header.step), out)
     if out.exists() and not out.is_dir():   # mkdir would say only "File exists"

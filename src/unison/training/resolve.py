@@ -103,6 +103,9 @@ def validated_method_params(method: str, given: dict[str, Any], *, global_batch:
         default = getattr(params_cls(), name)
         raise ConfigError(f"--param {name}={shown(value)} must be {article(typ)} {typ} (default {default!r})")
     checked = params_cls(**params)   # the ranges: a one-line ConfigError from check_params
+    if global_batch is not None and global_batch < 2:   # every loss compares or normalises over a step's images
+        raise ConfigError(f"batch_size={global_batch}: {method} needs at least 2 images per step (over one image a "
+                          "contrastive loss is 0 and batch norm fails); give --batch-size 2 or more")
     if global_batch is not None:
         get_method(method).check_run(checked, global_batch=global_batch, world_size=world_size,
                                      shared_queue=shared_queue)

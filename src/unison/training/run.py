@@ -20,6 +20,7 @@ from unison.config import TrainConfig
 from unison.distributed.env import apply_launch_env, detect_launch_env
 from unison.distributed.launch import launch
 
+from .footprint import check_model_memory
 from .loop import train_worker
 from .owner import RunDirLock
 from .preflight import preflight, warn_fresh_run
@@ -37,6 +38,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
     if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     validate_run(cfg)
+    check_model_memory(cfg)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
     preflight(cfg, launched=launched)
     owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
     with RunDirLock(cfg.out) if owner else contextlib.nullcontext():

@@ -96,3 +96,16 @@ def test_env_detection_for_launchers():
 
     with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         detect_launch_env({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def _format_a_warning(payload):
+    import warnings
+
+    return warnings.formatwarning("skipped 1 unreadable\nimage", UserWarning, "/src/unison/data/memory.py", 86,
+                                  "    warnings.warn(...)")
+
+
+def test_a_worker_shows_warnings_as_one_line():
+    # was Python's format: "/src/unison/data/memory.py:86: UserWarning: ..." and the line of unison's source
+    assert launch(_format_a_warning, None, DistributedConfig(backend="gloo", world_size=1)) == [
+        "unison: warning: skipped 1 unreadable image\n"]

@@ -166,6 +166,32 @@ NUMBER_CASES = [
     ("threads-1e6", ["--threads", "1e6"], "threads=1000000 must be an integer >= 1 and <= 4096"),
     ("knn-k-1e9", ["--knn-k", "1e9"], "knn_k=1000000000 must be an integer >= 1 and <= 1000000"),
     ("knn-t-overflows", ["--knn-t", "1e-30"], "knn_t=1e-30 must be a finite number >= 0.02"),
+    # a loss identically 0 (nothing trains, like --lr 0) or overflowing float32 at step 1 (NaN blamed on --lr)
+    ("vicreg-all-weights-0", ["--method", "vicreg", "--param", "sim_weight=0", "--param", "var_weight=0",
+                              "--param", "cov_weight=0"],
+     "VICReg parameters sim_weight, var_weight, cov_weight turn every term of the loss off: the loss is 0"),
+    ("ibot-all-weights-0", ["--method", "ibot", "--param", "cls_weight=0", "--param", "koleo_weight=0",
+                            "--param", "mask_ratio=0"], "IBOT parameters cls_weight, patch_weight (with mask_ratio"),
+    ("swav-1-prototype", ["--method", "swav", "--param", "n_prototypes=1"],
+     "SwAV parameter n_prototypes=1 must be an integer >= 2 (a softmax over one entry is constant"),
+    ("dino-out-dim-1", ["--method", "dino", "--param", "out_dim=1"], "DINO parameter out_dim=1 must be an integer >= 2"),
+    ("ibot-out-dim-1", ["--method", "ibot", "--param", "out_dim=1"], "IBOT parameter out_dim=1 must be an integer >= 2"),
+    ("simclr-temperature-1e-30", ["--param", "temperature=1e-30"],
+     "SimCLR parameter temperature=1e-30 must be a finite number >= 0.0001 (logits 1/t past that overflow float32)"),
+    ("moco-temperature-1e-9", ["--method", "moco", "--param", "temperature=1e-9"], "MoCo parameter temperature=1e-09"),
+    ("mocov3-temperature-1e-9", ["--method", "mocov3", "--param", "temperature=1e-9"], "must be a finite number >= 0.0001"),
+    ("dino-teacher-temp-1e-9", ["--method", "dino", "--param", "teacher_temp=1e-9"], "DINO parameter teacher_temp=1e-09"),
+    ("dino-student-temp-1e-9", ["--method", "dino", "--param", "student_temp=1e-9"], "DINO parameter student_temp=1e-09"),
+    ("swav-epsilon-0.01", ["--method", "swav", "--param", "sinkhorn_epsilon=0.01"],
+     "SwAV parameter sinkhorn_epsilon=0.01 must be a finite number >= 0.02 (exp(1/epsilon) past that overflows"),
+    ("ibot-sinkhorn-teacher-temp-0.01", ["--method", "ibot", "--param", "centering=sinkhorn", "--param",
+                                         "teacher_temp=0.01"], "IBOT parameter teacher_temp=0.01 must be a finite number >= 0.02"),
+    *[(f"{m}-batch-1", ["--method", m, "--batch-size", "1"], f"batch_size=1: {m} needs at least 2 images per step")
+      for m in ("simclr", "byol", "mocov3")],   # a loss of 0 (SimCLR), a batch-norm traceback in the worker (others)
+    ("barlowtwins-weight-1e38", ["--method", "barlowtwins", "--param", "lambda_offdiag=1e38"],
+     "BarlowTwins parameter lambda_offdiag=1e+38 must be a number in [0, 1e+06] (a loss weight"),
+    ("vicreg-weight-1e38", ["--method", "vicreg", "--param", "sim_weight=1e38"],
+     "VICReg parameter sim_weight=1e+38 must be a number in [0, 1e+06]"),
     # what the workers would find, found by the pre-flight: the ViT's patch grid, attention heads, queue lengths
     ("vit-image-size", ["--method", "mae", "--image-size", "9"],
      "image_size=9 is not a multiple of the patch size 4 of vit_nano_p4; give --image-size a multiple of 4"),
@@ -185,6 +211,28 @@ LAUNCH_CASES = [
     ("master-addr-not-here-port-given", ["--master-addr", "8.8.8.8", "--master-port", "29999"],
      "--master-addr '8.8.8.8' is not an address of this machine"),
 ]
+
+
+# A model that cannot fit in memory: refused by `run_training` (validated, then the model built on the meta
+# device) before the pre-flight writes anything and before any worker; was a 4 TB allocation traceback in the worker.
+MEMORY_CASES = [
+    ("simclr-1M-wide-projector", ["--param", "proj_hidden_dim=1048576", "--param", "proj_dim=1048576"],
+     "the model needs about 12.0 TiB (parameters, gradients and optimizer state; the largest tensor is "
+     "projector.3.weight)", "lower --param proj_hidden_dim=1048576, proj_dim=1048576"),
+    ("dino-1M-wide-head", ["--method", "dino", "--param", "out_dim=1048576", "--param", "bottleneck_dim=1048576"],
+     "the model needs about 16.0 TiB", "lower --param out_dim=1048576, bottleneck_dim=1048576"),
+]
+
+
+@pytest.mark.parametrize("case_id, argv, size, lower", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_model_past_memory(case_id, argv, size, lower, capfd, tmp_path, monkeypatch):
+    import unison.training.run
+
+    monkeypatch.setattr(unison.training.run, "train_worker", _refuse)   # W=1 trains in this process
+    code, err = _run([*W1, "--out", str(tmp_path / "run"), *argv], capfd)
+    line = _line(err)
+    assert code == 2 and size in line and lower in line, line
+    assert not (tmp_path / "run").exists()
 
 
 def _fill(argv: list[str], files: dict[str, str]) -> list[str]:

@@ -66,6 +66,20 @@ def test_header_of_a_dcp_checkpoint_builds_no_model_and_reads_no_shard(tmp_path,
         read_header(tmp_path, expect_method="moco")
 
 
+def test_header_read_refuses_another_backbone(tmp_path):
+    # was found by the worker: "checkpoint does not match the model: 120 missing keys (...); 24 unexpected keys"
+    from unison.training.checkpoint.header import structure
+
+    cfg = TrainConfig(method="byol", backbone="small_cnn")
+    save_checkpoint(tmp_path / "pt", {"method": "byol", "config": cfg.to_dict(), "model": {}}, 1)
+    assert load_checkpoint(tmp_path / "pt", expect_method=structure(cfg))["step"] == 1
+    for field, value, shown in (("backbone", "resnet18", "--backbone small_cnn, this run has --backbone resnet18"),
+                                ("backbone_args", {"depth": 2}, "no --backbone-arg, this run has --backbone-arg depth=2")):
+        other = TrainConfig(method="byol", **{"backbone": "small_cnn", field: value})
+        with pytest.raises(CheckpointError, match="was trained with " + shown):
+            load_checkpoint(tmp_path / "pt", expect_method=structure(other))
+
+
 def test_header_read_refuses_what_a_full_load_refuses(tmp_path):
     path = _sharded_checkpoint(tmp_path)
     (path / ".metadata").write_bytes(b"\x80\x04garbage")   # a damaged shard index is found without the shards

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from unison.training.step import Run
 
 T = TypeVar("T")
+# What a checkpoint's tensors are the tensors of, beside its method: the configuration fields that name and shape
+# them, with the option that sets each. A resume with another value would load nothing that fits.
+STRUCTURE = {"backbone": "--backbone", "backbone_args": "--backbone-arg"}
+Expected = str | Mapping[str, Any] | None   # a method name, or `structure(cfg)`
 
 FORMAT = "unison-checkpoint"
 VERSION = 1
@@ -107,8 +111,40 @@ def validate_state(state: Any, step: Any, keep: Any) -> None:
     _check_plain(state, "state")
 
 
-def check_header(ckpt: Any, path: Path, expect_method: str | None, run: bool = False) -> None:
-    """Raise `CheckpointError` unless `ckpt` (read from `path`) has a valid header (and method `expect_method`).
+def structure(cfg: Any) -> dict[str, Any]:
+    """What a checkpoint of a run with (validated) configuration `cfg` must agree on to be resumed by it: its
+    method and `STRUCTURE` (``expect_method=structure(cfg)``)."""
+    return {"method": cfg.method, **{name: getattr(cfg, name) for name in STRUCTURE}}
+
+
+def _check_expected(ckpt: dict[str, Any], path: Path, expect: Expected) -> None:
+    """Raise `CheckpointError` unless `ckpt` has the method (and the `STRUCTURE` fields) of `expect`."""
+    expected = {"method": expect} if isinstance(expect, str) else dict(expect or {})
+    method = expected.pop("method", None)
+    if method is not None and ckpt["method"] != method:
+        was = shown(ckpt["method"])
+        raise CheckpointError(f"checkpoint {path} was written by method {was}, this run is '{method}'; "
+                              f"use method {was} or a new run directory")
+    config = ckpt.get("config") or {}
+    for name, value in expected.items():
+        if value is not None and config.get(name) is not None and config[name] != value:   # None: the recipe's
+            flag = STRUCTURE.get(name, name)
+            was, now = _as_options(flag, config[name]), _as_options(flag, value)
+            raise CheckpointError(f"checkpoint {path} was trained with {was}, this run has {now}; use {was} to "
+                                  "resume it, or a new --out (without --resume) to train anew")
+
+
+def _as_options(flag: str, value: Any) -> str:
+    """`value` as the command line gives it (``--backbone small_cnn``, ``--backbone-arg depth=2``), bounded."""
+    if isinstance(value, dict):
+        items = [f"{flag} {shown(str(k), 40).strip(chr(39))}={shown(v, 40)}" for k, v in list(value.items())[:4]]
+        return " ".join(items) + (" ..." if len(value) > 4 else "") if items else f"no {flag}"
+    return f"{flag} {shown(value, 60).strip(chr(39))}"
+
+
+def check_header(ckpt: Any, path: Path, expect_method: Expected, run: bool = False) -> None:
+    """Raise `CheckpointError` unless `ckpt` (read from `path`) has a valid header (and method `expect_method`, or
+    the method and model structure of `structure(cfg)`).
 
     `run`: a training run's checkpoint, whose config, history, RNG and extra state are checked too
     (`contents.check_run_fields`): what a resume, ``unison eval`` and ``unison export`` read."""
@@ -128,11 +164,7 @@ def check_header(ckpt: Any, path: Path, expect_method: str | None, run: bool = F
         raise CheckpointError(
             f"checkpoint {path} has format version {shown(version)}, this unison reads up to {VERSION}; upgrade unison")
     check_fields(ckpt, path)
-    if expect_method is not None and ckpt["method"] != expect_method:
-        method = shown(ckpt["method"])
-        raise CheckpointError(
-            f"checkpoint {path} was written by method {method}, this run is '{expect_method}'; "
-            f"use method {method} or a new run directory")
+    _check_expected(ckpt, path, expect_method)
     if run:
         check_run_fields(ckpt, path)
 
@@ -149,7 +181,7 @@ class CheckpointHeader:
     version: int = VERSION
 
 
-def _read_one(path: Path, expect_method: str | None) -> CheckpointHeader:
+def _read_one(path: Path, expect_method: Expected) -> CheckpointHeader:
     if path.is_dir():
         ckpt = load_file(path / DCP_HEADER, "cpu")
         check_header(ckpt, path, expect_method, run=True)
@@ -160,7 +192,7 @@ def _read_one(path: Path, expect_method: str | None) -> CheckpointHeader:
     return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]))
 
 
-def read_header(path: str | Path, *, expect_method: str | None = None) -> CheckpointHeader:
+def read_header(path: str | Path, *, expect_method: Expected = None) -> CheckpointHeader:
     """The header of a training run's checkpoint file, ``.dcp`` directory, or the latest complete checkpoint of a
     run directory.
 

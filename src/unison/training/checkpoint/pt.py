@@ -53,7 +53,7 @@ from .files import (
     remove_temporaries,
     write_failure_message,
 )
-from .header import check_header, first_loadable, make_header, validate_state
+from .header import Expected, check_header, first_loadable, make_header, validate_state
 from .safe_load import load_file
 
 
@@ -101,7 +101,7 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3,
     return final
 
 
-def _load_one(path: Path, map_location: Any, expect_method: str | None, run: bool) -> dict:
+def _load_one(path: Path, map_location: Any, expect_method: Expected, run: bool) -> dict:
     # A directory is a sharded run's checkpoint (torch.distributed.checkpoint), consolidated here.
     if path.is_dir():   # a --shard full checkpoint: torch.distributed.checkpoint is imported when one is read
         from .dcp import load_consolidated
@@ -113,13 +113,14 @@ def _load_one(path: Path, map_location: Any, expect_method: str | None, run: boo
     return ckpt
 
 
-def load_checkpoint(path: str | Path, *, expect_method: str | None = None, map_location: Any = "cpu",
+def load_checkpoint(path: str | Path, *, expect_method: Expected = None, map_location: Any = "cpu",
                     run: bool = False) -> dict:
     """Load a checkpoint file (or ``.dcp`` directory), or the latest complete checkpoint of a run directory.
 
     Always ``torch.load(weights_only=True)``. For a run directory, a truncated or
     corrupt latest file is skipped with a warning in favour of the next most recent
-    one. Checks the header, and the method if `expect_method` is given; `run`: a training run's checkpoint,
+    one. Checks the header, and the method (or the method and model structure, `header.structure`) if
+    `expect_method` is given; `run`: a training run's checkpoint,
     whose every field is checked as a run reads it (`contents.check_run_fields`). Returns the
     whole dict (header included). Raises `CheckpointError` with a one-line message.
     To read only method, step and config, use `read_header` (no weights are read).

@@ -28,7 +28,7 @@ from .background import Checkpointer
 from .compat import check_compatible
 from .contents import check_optimizer_state, check_step_in_run
 from .files import is_sharded_checkpoint, latest_checkpoint
-from .header import DCP_HEADER, check_header, run_header
+from .header import DCP_HEADER, check_header, run_header, structure
 from .pt import load_checkpoint
 from .rng_state import pack_rng_state, restore_run_rng
 from .safe_load import load_file, read_metadata_safely
@@ -80,7 +80,7 @@ def resume_run(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
 
 def _load_run_checkpoint(run: Run, path: str | Path) -> dict[str, Any]:
     """A ``.pt`` checkpoint, every field checked against this run (step, model, optimizer) before anything loads."""
-    ckpt = load_checkpoint(path, expect_method=run.cfg.method, map_location=run.device, run=True)
+    ckpt = load_checkpoint(path, expect_method=structure(run.cfg), map_location=run.device, run=True)
     check_step_in_run(ckpt["step"], run.total_steps, path)
     check_compatible(run.method, ckpt.get("model"), path)
     check_optimizer_state(run.optimizer, ckpt.get("optimizer"), path)
@@ -112,7 +112,7 @@ def resume_sharded(run: Run, path: str | Path) -> tuple[int, dict[str, Any]]:
     if not is_sharded_checkpoint(directory):
         return _resume_full_from_pt(run, path)
     header = load_file(directory / DCP_HEADER, "cpu")
-    check_header(header, directory, run.cfg.method, run=True)
+    check_header(header, directory, structure(run.cfg), run=True)
     check_step_in_run(header["step"], run.total_steps, directory)
     _load_dcp_into(run, directory)
     return _restore_rest(run, header)
