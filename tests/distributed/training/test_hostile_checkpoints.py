@@ -14,17 +14,15 @@ import hashlib
 import os
 import pickle
 import shutil
-import types
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.dcp_checkpoint import small_sharded_checkpoint
 
 from unison.cli import main
-from unison.config import TrainConfig
-from unison.training.checkpoint import read_header, read_metadata_safely, save_sharded
+from unison.training.checkpoint import read_header, read_metadata_safely
 from unison.training.checkpoint.contents import MAX_STEP
 from unison.training.owner import LOCK_NAME
 
@@ -212,16 +210,7 @@ def test_hostile_checkpoint_is_refused_by_eval_and_export(command, case_id, good
 
 
 def _dcp(tmp_path: Path) -> Path:
-    """A ``.dcp`` checkpoint written in this process (no process group: DCP saves as one rank)."""
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    run = types.SimpleNamespace(method=model, optimizer=opt, cfg=TrainConfig(method="byol", keep_checkpoints=2),
-                                resolved={"backbone": "small_cnn"})
-    with warnings.catch_warnings():   # DCP without a process group warns that it saves as one process
-        warnings.simplefilter("ignore")
-        return save_sharded(run, tmp_path / "sharded", 3, {"knn_top1": 0.5})
+    return small_sharded_checkpoint(tmp_path / "sharded", 3)
 
 
 def test_hostile_dcp_header_is_refused(good, tmp_path, capfd):

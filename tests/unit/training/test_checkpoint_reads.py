@@ -7,12 +7,10 @@ The worker reads the full state once. Both kinds carry the same header, ``extra`
 
 from __future__ import annotations
 
-import types
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
+from helpers.dcp_checkpoint import small_sharded_checkpoint
 
 import unison.cli.train_args
 import unison.training.checkpoint.dcp as dcp_io
@@ -24,7 +22,6 @@ from unison.training.checkpoint import (
     load_checkpoint,
     read_header,
     save_checkpoint,
-    save_sharded,
 )
 
 
@@ -36,17 +33,8 @@ def _env(monkeypatch):
 
 
 def _sharded_checkpoint(run_dir: Path, step: int = 3) -> Path:
-    """A ``.dcp`` checkpoint written in this process (no process group: DCP saves as one rank)."""
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    run = types.SimpleNamespace(method=model, optimizer=opt, cfg=TrainConfig(method="byol", keep_checkpoints=2),
-                                resolved={"backbone": "small_cnn"})
-    with warnings.catch_warnings():   # DCP without a process group warns that it saves as one process
-        warnings.simplefilter("ignore")
-        return save_sharded(run, run_dir, step, {"knn_top1": 0.5}, {"scaler": {"per_rank": False, "world_size": 1,
-                                                                            "state": {"scale": 2.0}}})
+    return small_sharded_checkpoint(run_dir, step, {"scaler": {"per_rank": False, "world_size": 1,
+                                                               "state": {"scale": 2.0}}})
 
 
 def _refuse(*args, **kwargs):
