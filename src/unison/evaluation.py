@@ -140,9 +140,9 @@ def _load_labelled(path: str, split: str, flag: str, subset: int | None, cfg: Tr
 def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes)."""
     from unison.data.augment import eval_transform
-    from unison.data.source import BUILTIN, check_held_out
+    from unison.data.source import BUILTIN, check_held_out, default_image_size
     from unison.eval.linear import extract_features, linear_probe
-    from unison.training.load import load_method
+    from unison.training.load import load_method, preprocessing
 
     opts.validate()
     assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
@@ -173,7 +173,8 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     if val == data and data not in ("digits", "cifar10"):
         print(f"unison: warning: no held-out folder, evaluating on the training folder {data}; pass --val",
               file=sys.stderr)
-    image_size = cfg.image_size or train.images.shape[-1]
+    height, width = train.images.shape[-2:]   # the size the encoder was trained at, else training's default rule
+    image_size = preprocessing(cfg, ckpt)["image_size"] or default_image_size(height, width, data)
     dtype = getattr(torch, cfg.precision)
 
     def to_eval(x: torch.Tensor) -> torch.Tensor:  # as in training: the *training* set's mean/std

@@ -42,3 +42,10 @@ def test_eval_never_scores_a_folder_against_itself(tmp_path, capfd):
         err = capfd.readouterr().err
         assert err.count("unison: error:") == 1 and fragment in err and "Traceback" not in err, err
     assert main(["eval", "--checkpoint", str(run), *fast, "--val", str(tmp_path / "held")]) == 0
+    from PIL import Image
+
+    for c in ("class_0", "class_1"):   # 4000 x 1 strips: eval embeds at the run's image size (it took the width: 32 GB)
+        (tmp_path / "strips" / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (4000, 1), (60 * i, 0, 0)).save(tmp_path / "strips" / c / f"{i}.png")
+    assert main(["eval", "--checkpoint", str(run), *fast, "--val", str(tmp_path / "strips")]) == 0
