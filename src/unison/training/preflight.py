@@ -88,7 +88,7 @@ def warn_fresh_run(cfg: TrainConfig, launched: bool) -> None:
         return
     if cfg.resume:
         resume = Path(cfg.resume)
-        source = resume if not resume.is_dir() or is_checkpoint_name(resume) else latest_checkpoint(resume)
+        source = resumed_checkpoint(resume)
         if source is None or same_file(source, latest):
             return
         warning = (f"unison: warning: {out} holds checkpoints of another run (up to {latest.name}), which this run, "
@@ -100,10 +100,15 @@ def warn_fresh_run(cfg: TrainConfig, launched: bool) -> None:
     append_run_log(out, warning)
 
 
+def resumed_checkpoint(resume: Path) -> Path | None:
+    """The checkpoint ``--resume`` names: the file (or ``.dcp``) itself, or a run directory's latest."""
+    return resume if not resume.is_dir() or is_checkpoint_name(resume) else latest_checkpoint(resume)
+
+
 def check_resume_target(resume: Path, step: int, out: Path) -> None:
     """Resuming from `resume` (at `step`) writes the later checkpoints into `out`: refuse (one line) when `out`
     holds checkpoints later than it that are not where it continues, i.e. `resume` is not `out`'s latest."""
-    source = resume if not resume.is_dir() or is_checkpoint_name(resume) else latest_checkpoint(resume)
+    source = resumed_checkpoint(resume)
     latest = latest_checkpoint(out)
     if source is None or latest is None or same_file(source, latest):
         return
