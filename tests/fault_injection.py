@@ -13,7 +13,9 @@ interrupted workers end the run cleanly.
 
 KIND: ``kill`` (SIGKILL, the default), ``raise`` (a RuntimeError), ``nan`` (a NaN loss: the step's
 ``run.forward`` returns its loss times NaN), ``hang`` (sleep forever), ``stop`` (SIGSTOP: frozen until SIGCONT),
-``term``, ``usr1``, ``int`` (send SIGTERM, SIGUSR1 or SIGINT). ``to=launcher`` sends the signal to the parent process
+``term``, ``usr1``, ``int`` (send SIGTERM, SIGUSR1 or SIGINT), ``wait`` (block until this process receives a stop
+signal, SIGTERM or SIGUSR1, at most 60 s, then run the step: a run that a test signals from outside at a known
+step, e.g. with ``scancel --signal=USR1``, instead of sleeping and hoping). ``to=launcher`` sends the signal to the parent process
 (unison's launcher) instead of this worker.
 
 AT: ``step`` (default; before step S, in the step phase), ``data`` (while the batch of step S is
@@ -34,12 +36,14 @@ import torch
 
 from unison.config import TrainConfig
 from unison.distributed.env import restart_count
+from unison.distributed.signals import stop_requests
 from unison.errors import ConfigError
 from unison.training.hooks import HOOKS_ENV, StepEnd, TrainHook
 from unison.training.step import Batch, Run
 
 FAULT_ENV = "UNISON_FAULT_INJECT"
-FAULT_KINDS = ("kill", "raise", "nan", "hang", "stop", "term", "usr1", "int")
+FAULT_KINDS = ("kill", "raise", "nan", "hang", "stop", "term", "usr1", "int", "wait")
+WAIT_MAX_S = 60.0
 FAULT_PLACES = ("step", "data", "save")
 _SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "usr1": "SIGUSR1", "int": "SIGINT"}
 _SAVE_AFTER_BYTES = 1 << 20
@@ -59,7 +63,7 @@ def _faults_from_env() -> list[dict[str, Any]]:
     """TESTING ONLY: the faults that ``UNISON_FAULT_INJECT`` asks for in this restart attempt.
 
     A fault fires in restart attempt ``attempt`` only (default 0), so a worker restarted by
-    torchrun does not fail again. Steps are 0-based: step 3 comes after 3 completed steps.
+    torchrun, or a job requeued by SLURM, does not fail again. Steps are 0-based: step 3 comes after 3 completed steps.
     """
     spec = os.environ.get(FAULT_ENV, "").strip()
     if not spec:
@@ -70,7 +74,13 @@ def _faults_from_env() -> list[dict[str, Any]]:
         raise ConfigError(f"{FAULT_ENV}={spec!r} must look like 'rank=1,step=3[,kind={'|'.join(FAULT_KINDS)}]"
                           f"[,at={'|'.join(FAULT_PLACES)}][,to=self|launcher][,attempt=0]' (';' between faults); "
                           "it is for testing only, unset it") from None
-    return [f for f in faults if f["attempt"] == restart_count()]
+    return [f for f in faults if f["attempt"] == _attempt()]
+
+
+def _attempt() -> int:
+    """torchrun's restart count, else SLURM's requeue count (``SLURM_RESTART_COUNT``), else 0."""
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+    return restart_count() or (int(requeued) if requeued.isdigit() else 0)
 
 
 def _fire(fault: dict[str, Any], rank: int, step: int) -> bool:
@@ -92,6 +102,9 @@ def _fire(fault: dict[str, Any], rank: int, step: int) -> bool:
         raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV})")
     while fault["kind"] == "hang":
         time.sleep(3600)
+    deadline = time.monotonic() + WAIT_MAX_S
+    while fault["kind"] == "wait" and not stop_requests().requested and time.monotonic() < deadline:
+        time.sleep(0.05)
     return fault["kind"] == "nan"
 
 

@@ -6,22 +6,39 @@ Recognised launchers (first match wins):
   ``MASTER_ADDR``, ``MASTER_PORT``.
 * Open MPI (``mpirun``): ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
   ``OMPI_COMM_WORLD_LOCAL_RANK``; PMI (MPICH, Intel MPI): ``PMI_RANK``, ``PMI_SIZE``.
-* SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``.
+* SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, in a job step
+  (``SLURM_STEP_ID`` set: only srun's tasks have it). An ``sbatch`` script's own shell also has
+  ``SLURM_PROCID=0`` and, with ``--ntasks``, ``SLURM_NTASKS``, but no step: ``unison train`` run
+  there directly is no SLURM worker and starts its workers itself, as on any machine.
 
 PyPI wheels of torch have no MPI backend, so an mpirun/SLURM launch communicates over
-gloo (CPU) or NCCL (GPU); ``MASTER_ADDR``/``MASTER_PORT`` must then be exported (for
-SLURM, typically the first host of ``SLURM_JOB_NODELIST``).
+gloo (CPU) or NCCL (GPU) and needs a rendezvous address and port (``MASTER_ADDR``/``MASTER_PORT``).
+
+Under srun nothing has to be set by hand (`slurm_rendezvous`); in order of precedence:
+
+* address: ``MASTER_ADDR``, else ``--master-addr`` (when not the default 127.0.0.1), else derived from the
+  step's node list (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``, SLURM's compressed syntax
+  ``node[01-03,7]``, see `expand_hostlist`): ``127.0.0.1`` when the step runs on one node (every task is on
+  this machine; loopback keeps the rendezvous off the network, as unison's own launcher does), else the
+  list's first host name, where task 0 runs (srun places tasks in node-list order), which must resolve on
+  every node to an address of that node.
+* port: ``MASTER_PORT``, else ``--master-port`` (when not 0), else derived from ``SLURM_JOB_ID`` and
+  ``SLURM_STEP_ID`` (`slurm_port`): a port in [10000, 30000), below Linux's ephemeral range, different for
+  the steps of one job (two ``srun &`` in one script) and for jobs near in number (sharing a node); a
+  requeued job gets its port again (its previous processes are gone).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import re
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +46,8 @@ import torch.distributed as dist
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import parse_int, shown
 from unison.errors import ConfigError, WorkerError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,10 @@ class LaunchEnv:
     master_addr: str | None
     master_port: int | None
     source: str  # "torchrun" (also unison's launcher), "mpi", "slurm"
+    # The launcher's own rendezvous (srun: derived from the job), used where neither MASTER_ADDR/MASTER_PORT
+    # nor --master-addr/--master-port give one.
+    default_addr: str | None = None
+    default_port: int | None = None
 
 
 def _int(environ: dict[str, str], key: str) -> int:
@@ -78,10 +101,107 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv | None
     if "PMI_RANK" in env:
         return LaunchEnv(_int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
                          _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0, addr, port, "mpi")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _slurm_step(env) is not None:
+        default_addr, default_port = slurm_rendezvous(env)
         return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
-                         _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm")
+                         _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm",
+                         default_addr, default_port)
     return None
+
+
+def _slurm_step(env: dict[str, str]) -> int | None:
+    """The job step of an srun task (``SLURM_STEP_ID``, older SLURM ``SLURM_STEPID``); None outside srun."""
+    key = "SLURM_STEP_ID" if "SLURM_STEP_ID" in env else "SLURM_STEPID" if "SLURM_STEPID" in env else None
+    return _int(env, key) if key else None
+
+
+SLURM_PORT_BASE = 10000
+SLURM_PORT_SPAN = 20000
+MAX_HOSTLIST_CHARS = 1 << 16
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The rendezvous port of step `step_id` of SLURM job `job_id`, in [10000, 30000).
+
+    ``job * 31 + step`` modulo 20000 (31 is prime to 20000): step 0 of two jobs shares a port only when
+    their numbers differ by a multiple of 20000, and steps 0-30 of jobs fewer than 645 apart never do.
+    The range stays below Linux's ephemeral ports (32768 up), which outgoing connections hold."""
+    return SLURM_PORT_BASE + (job_id * 31 + step_id) % SLURM_PORT_SPAN
+
+
+_HOSTLIST_ITEM = re.compile(r"([^\[\],]*)(\[[^\[\]]*\])?")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def expand_hostlist(text: str) -> Iterator[str]:
+    """The host names of a SLURM node list in its compressed syntax, in order: ``node[01-03,7],gpu-a[1-2]`` gives
+    node01 node02 node03 node7 gpu-a1 gpu-a2 (zero padding kept; several brackets in a name expand as a product).
+    A generator: a list of a million nodes costs nothing until walked. Raises ValueError on a malformed list.
+
+    Why not ``scontrol show hostnames``: it is a process per rank and needs the SLURM client on the task's
+    PATH, which containers started by srun (enroot, Apptainer) usually lack; the syntax is small."""
+    if not text or len(text) > MAX_HOSTLIST_CHARS or not text.isascii() or any(c.isspace() for c in text):
+        raise ValueError(text)
+    for item in _split_top_level(text):
+        parts: list[list[str]] = []
+        pos = 0
+        while pos < len(item):
+            m = _HOSTLIST_ITEM.match(item, pos)
+            if m is None or m.end() == pos:
+                raise ValueError(text)
+            parts.append([m.group(1)])
+            if m.group(2):
+                parts.append(list(_expand_ranges(m.group(2)[1:-1], text)))
+            pos = m.end()
+        yield from ("".join(p) for p in itertools.product(*parts))
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if depth not in (0, 1):
+            raise ValueError(text)
+        if c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(text)
+    items.append(text[start:])
+    if any(not item for item in items):
+        raise ValueError(text)
+    return items
+
+
+def _expand_ranges(spec: str, text: str) -> Iterator[str]:
+    """``01-03,7`` -> 01 02 03 7 (the width of a range's first number pads the others)."""
+    for part in spec.split(","):
+        m = _RANGE.fullmatch(part)
+        if m is None:
+            raise ValueError(text)
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if len(lo) > 12 or len(hi) > 12 or int(hi) < int(lo):
+            raise ValueError(text)
+        yield from (str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+
+
+def slurm_rendezvous(env: dict[str, str]) -> tuple[str | None, int | None]:
+    """The rendezvous address and port that an srun step implies (see the module docstring); None where the
+    variables it is derived from are missing. Raises `ConfigError` on a malformed node list or number."""
+    key = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+    addr = None
+    if key in env:
+        try:
+            hosts = expand_hostlist(env[key])
+            first, second = next(hosts), next(hosts, None)
+        except ValueError:
+            raise ConfigError(f"environment variable {key}={shown(env[key][:200])} is not a SLURM node list "
+                              "(like node[01-03,7]); set MASTER_ADDR to the host of task 0") from None
+        addr = "127.0.0.1" if second is None else first
+    step = _slurm_step(env)
+    port = slurm_port(_int(env, "SLURM_JOB_ID"), step or 0) if "SLURM_JOB_ID" in env else None
+    return addr, port
 
 
 def apply_launch_env(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedConfig:
@@ -92,10 +212,16 @@ def apply_launch_env(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedCo
         cfg,
         rank=launch.rank,
         world_size=launch.world_size,
-        master_addr=launch.master_addr or cfg.master_addr,
-        master_port=launch.master_port if launch.master_port is not None else cfg.master_port,
+        master_addr=launch.master_addr or _given_or(cfg.master_addr, DistributedConfig.master_addr, launch.default_addr),
+        master_port=(launch.master_port if launch.master_port is not None
+                     else _given_or(cfg.master_port, DistributedConfig.master_port, launch.default_port)),
         backend="mpi" if launch.source in ("mpi", "slurm") and cfg.backend == "auto" else cfg.backend,
     )
+
+
+def _given_or(value: T, default: T, launchers: T | None) -> T:
+    """`value` where the user gave one (it is not the option's default), else the launcher's own, else `value`."""
+    return launchers if value == default and launchers is not None else value
 
 
 def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
