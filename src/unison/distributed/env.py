@@ -118,6 +118,7 @@ def _slurm_step(env: dict[str, str]) -> int | None:
 SLURM_PORT_BASE = 10000
 SLURM_PORT_SPAN = 20000
 MAX_HOSTLIST_CHARS = 1 << 16
+MAX_HOST_RANGES = 16   # bracketed ranges in one host name (SLURM itself writes one or two)
 
 
 def slurm_port(job_id: int, step_id: int) -> int:
@@ -136,24 +137,58 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 def expand_hostlist(text: str) -> Iterator[str]:
     """The host names of a SLURM node list in its compressed syntax, in order: ``node[01-03,7],gpu-a[1-2]`` gives
     node01 node02 node03 node7 gpu-a1 gpu-a2 (zero padding kept; several brackets in a name expand as a product).
-    A generator: a list of a million nodes costs nothing until walked. Raises ValueError on a malformed list.
+    The whole list is checked first, then names are made as they are walked: a list of a million nodes costs
+    nothing until then. Raises ValueError on a malformed list.
 
     Why not ``scontrol show hostnames``: it is a process per rank and needs the SLURM client on the task's
     PATH, which containers started by srun (enroot, Apptainer) usually lack; the syntax is small."""
     if not text or len(text) > MAX_HOSTLIST_CHARS or not text.isascii() or any(c.isspace() for c in text):
         raise ValueError(text)
-    for item in _split_top_level(text):
-        parts: list[list[str]] = []
-        pos = 0
-        while pos < len(item):
-            m = _HOSTLIST_ITEM.match(item, pos)
-            if m is None or m.end() == pos:
-                raise ValueError(text)
-            parts.append([m.group(1)])
-            if m.group(2):
-                parts.append(list(_expand_ranges(m.group(2)[1:-1], text)))
-            pos = m.end()
-        yield from ("".join(p) for p in itertools.product(*parts))
+    items = [_parse_host_pattern(item, text) for item in _split_top_level(text)]
+    return itertools.chain.from_iterable(_names(parts) for parts in items)
+
+
+# A host pattern: literal text and number ranges (first, last, zero-padded width), in order.
+_Part = str | list[tuple[int, int, int]]
+
+
+def _parse_host_pattern(item: str, text: str) -> list[_Part]:
+    parts: list[_Part] = []
+    pos = 0
+    while pos < len(item):
+        m = _HOSTLIST_ITEM.match(item, pos)
+        if m is None or m.end() == pos:
+            raise ValueError(text)
+        parts.append(m.group(1))
+        if m.group(2):
+            parts.append([_parse_range(r, text) for r in m.group(2)[1:-1].split(",")])
+        pos = m.end()
+        if len(parts) > 2 * MAX_HOST_RANGES:   # `_names` recurses once per part
+            raise ValueError(text)
+    return parts
+
+
+def _parse_range(spec: str, text: str) -> tuple[int, int, int]:
+    """``01-03`` -> (1, 3, 2): the width of the first number pads the others."""
+    m = _RANGE.fullmatch(spec)
+    if m is None:
+        raise ValueError(text)
+    lo, hi = m.group(1), m.group(2) or m.group(1)
+    if len(lo) > 12 or len(hi) > 12 or int(hi) < int(lo):
+        raise ValueError(text)
+    return int(lo), int(hi), len(lo)
+
+
+def _names(parts: list[_Part]) -> Iterator[str]:
+    """The names of one host pattern, made one at a time (itertools.product would build every range first)."""
+    if not parts:
+        yield ""
+        return
+    head, rest = parts[0], parts[1:]
+    choices = [head] if isinstance(head, str) else (str(n).zfill(w) for lo, hi, w in head for n in range(lo, hi + 1))
+    for choice in choices:
+        for tail in _names(rest):
+            yield choice + tail
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -172,18 +207,6 @@ def _split_top_level(text: str) -> list[str]:
     if any(not item for item in items):
         raise ValueError(text)
     return items
-
-
-def _expand_ranges(spec: str, text: str) -> Iterator[str]:
-    """``01-03,7`` -> 01 02 03 7 (the width of a range's first number pads the others)."""
-    for part in spec.split(","):
-        m = _RANGE.fullmatch(part)
-        if m is None:
-            raise ValueError(text)
-        lo, hi = m.group(1), m.group(2) or m.group(1)
-        if len(lo) > 12 or len(hi) > 12 or int(hi) < int(lo):
-            raise ValueError(text)
-        yield from (str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
 
 
 def slurm_rendezvous(env: dict[str, str]) -> tuple[str | None, int | None]:

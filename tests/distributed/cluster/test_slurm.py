@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import FAULT, assert_same_training_state
+from helpers.slurm_cluster import SlurmCluster, skip_reason
 
 import unison
-from helpers.slurm_cluster import SlurmCluster, skip_reason
 from unison.cli import main
 from unison.training.checkpoint import load_checkpoint
 

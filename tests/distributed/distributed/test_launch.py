@@ -90,7 +90,7 @@ def test_env_detection_for_launchers():
     assert (m.rank, m.world_size, m.source) == (2, 4, "mpi")
     p = detect_launch_env({"PMI_RANK": "1", "PMI_SIZE": "2"})
     assert (p.rank, p.world_size, p.source) == (1, 2, "mpi")
-    s = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1"})
+    s = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"})
     assert (s.rank, s.world_size, s.local_rank, s.source) == (5, 6, 1, "slurm")
     from unison.errors import ConfigError
 
