@@ -214,7 +214,7 @@ def slurm_rendezvous(env: dict[str, str]) -> tuple[str | None, int | None]:
     variables it is derived from are missing. Raises `ConfigError` on a malformed node list or number."""
     key = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
     addr = None
-    if key in env:
+    if key in env and "MASTER_ADDR" not in env:   # (a given address needs no node list, even a broken one)
         try:
             hosts = expand_hostlist(env[key])
             first, second = next(hosts), next(hosts, None)

@@ -70,6 +70,7 @@ def test_rendezvous_is_loopback_on_one_node_and_the_first_host_on_several():
 def test_malformed_node_list_is_one_line_naming_the_variable_and_the_fix():
     with pytest.raises(ConfigError, match=r"SLURM_STEP_NODELIST='n\[1-' is not a SLURM node list .*set MASTER_ADDR"):
         detect_launch_env({**SRUN_TASK, "SLURM_STEP_NODELIST": "n[1-"})
+    assert detect_launch_env({**SRUN_TASK, "SLURM_STEP_NODELIST": "n[1-", "MASTER_ADDR": "n1"}).master_addr == "n1"
 
 
 def test_srun_task_is_a_slurm_worker_and_the_batch_shell_is_not():
