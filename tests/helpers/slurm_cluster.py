@@ -12,11 +12,14 @@ Choices, and why:
   and the partition is ``OverSubscribe=FORCE``: a test never waits for resources on a 2-core machine.
 * ``cred_expire=5`` (in ``AuthInfo``): a requeued job waits this long before it may start again (default 120 s).
 * ``NodeAddr=127.0.0.1``: the daemons talk over loopback, whatever the machine's host name resolves to.
+* ``FirstJobId`` random: unison derives the rendezvous port from the job id, so two test sessions on one machine
+  (each with its own cluster, counting jobs from the same first id) would otherwise ask for the same ports.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -109,6 +112,7 @@ SlurmdParameters=config_overrides
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
+FirstJobId={random.randrange(1000, 1_000_000)}
 KillWait=5
 MinJobAge=300
 SlurmctldTimeout=30
