@@ -9,17 +9,40 @@ Recognised launchers (first match wins):
 * SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``.
 
 PyPI wheels of torch have no MPI backend, so an mpirun/SLURM launch communicates over
-gloo (CPU) or NCCL (GPU); ``MASTER_ADDR``/``MASTER_PORT`` must then be exported (for
-SLURM, typically the first host of ``SLURM_JOB_NODELIST``).
+gloo (CPU) or NCCL (GPU); ``--backend mpi`` means exactly that (launched by mpirun, talks
+gloo/NCCL) and is refused without an MPI launcher (`check_backend_launcher`).
+
+The rendezvous under mpirun, each value the first that is set (`mpi_rendezvous`):
+
+* port: ``MASTER_PORT``, ``--master-port``, else derived from the job id every rank of one job
+  shares (``OMPI_MCA_ess_base_jobid``: Open MPI 4; ``PMIX_NAMESPACE``: Open MPI 5 and other PMIx
+  launchers), hashed (CRC-32) into ``MPI_PORT_RANGE`` (20000-29999, below Linux's ephemeral ports).
+* address: ``MASTER_ADDR``, ``--master-addr``, else 127.0.0.1 when every rank runs on one node
+  (``OMPI_COMM_WORLD_LOCAL_SIZE`` == ``OMPI_COMM_WORLD_SIZE``; PMI: ``MPI_LOCALNRANKS`` == ``PMI_SIZE``);
+  on several nodes a loopback address is refused: ``mpirun -x MASTER_ADDR=<rank 0's host>``.
+
+For SLURM, ``MASTER_ADDR``/``MASTER_PORT`` must be exported (typically the first host of
+``SLURM_JOB_NODELIST``).
+
+Network interface (`gloo_interface`): unless ``GLOO_SOCKET_IFNAME`` is set, gloo uses the interface
+that holds the address through which this host reaches the rendezvous (``MASTER_ADDR``): loopback
+for one machine, the cluster network for several (gloo's own choice, the host name's address, may not
+exist on the host, e.g. in a container or network namespace, and then falls back to loopback).
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
 import os
 import re
+import secrets
 import socket
+import struct
 import sys
+import time
+import zlib
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -39,6 +62,23 @@ class LaunchEnv:
     master_addr: str | None
     master_port: int | None
     source: str  # "torchrun" (also unison's launcher), "mpi", "slurm"
+    job_port: int | None = None   # mpirun: the port derived from the job id (`mpi_rendezvous`)
+    one_node: bool | None = None  # mpirun: every rank on this node (None: the launcher does not say)
+
+
+# Ports derived from an MPI job id: below Linux's ephemeral range (32768-60999), where the OS picks ports.
+MPI_PORT_RANGE = (20000, 29999)
+# The variables naming an MPI job, the same on every rank of it (Open MPI 4; PMIx: Open MPI 5, srun --mpi=pmix).
+MPI_JOB_ID_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
+
+
+def _mpi_job(env: dict[str, str], size: int, local_size_var: str) -> tuple[int | None, bool | None]:
+    """The port derived from the MPI job's id (None: no id) and whether all `size` ranks run on this node."""
+    job = next((env[var] for var in MPI_JOB_ID_VARS if env.get(var, "").strip()), None)
+    low, high = MPI_PORT_RANGE
+    port = None if job is None else low + zlib.crc32(job.strip().encode("utf-8", "replace")) % (high - low + 1)
+    one_node = _int(env, local_size_var) == size if local_size_var in env else None
+    return port, one_node
 
 
 def _int(environ: dict[str, str], key: str) -> int:
@@ -72,12 +112,15 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv | None
         return LaunchEnv(_int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
                          addr, port, "torchrun")
     if "OMPI_COMM_WORLD_RANK" in env:
-        return LaunchEnv(_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
+        size = _int(env, "OMPI_COMM_WORLD_SIZE")
+        return LaunchEnv(_int(env, "OMPI_COMM_WORLD_RANK"), size,
                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0,
-                         addr, port, "mpi")
+                         addr, port, "mpi", *_mpi_job(env, size, "OMPI_COMM_WORLD_LOCAL_SIZE"))
     if "PMI_RANK" in env:
-        return LaunchEnv(_int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
-                         _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0, addr, port, "mpi")
+        size = _int(env, "PMI_SIZE")
+        return LaunchEnv(_int(env, "PMI_RANK"), size,
+                         _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0, addr, port, "mpi",
+                         *_mpi_job(env, size, "MPI_LOCALNRANKS"))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
                          _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm")
@@ -88,14 +131,51 @@ def apply_launch_env(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedCo
     """A copy of `cfg` whose rank, world size and rendezvous come from the launcher."""
     from dataclasses import replace
 
-    return replace(
+    return mpi_rendezvous(replace(
         cfg,
         rank=launch.rank,
         world_size=launch.world_size,
         master_addr=launch.master_addr or cfg.master_addr,
         master_port=launch.master_port if launch.master_port is not None else cfg.master_port,
         backend="mpi" if launch.source in ("mpi", "slurm") and cfg.backend == "auto" else cfg.backend,
-    )
+    ), launch)
+
+
+def mpi_rendezvous(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedConfig:
+    """Under mpirun: the port derived from the job id where none is given, and a loopback address refused
+    when the ranks run on several nodes (see the module docstring). Other launchers: `cfg` unchanged."""
+    from dataclasses import replace
+
+    if launch.source != "mpi":
+        return cfg
+    if not cfg.master_port:
+        if launch.job_port is None:
+            raise ConfigError("no rendezvous port: this mpirun names no job (none of "
+                              f"{', '.join(MPI_JOB_ID_VARS)} is set) to derive one from; pass one to every rank: "
+                              "mpirun -x MASTER_PORT=<port> (MPICH: -genv MASTER_PORT <port>) or --master-port")
+        cfg = replace(cfg, master_port=launch.job_port)
+    if launch.one_node is not True and _is_loopback(cfg.master_addr):
+        where = ("on several nodes" if launch.one_node is False
+                 else "without saying whether all run on one node (no OMPI_COMM_WORLD_LOCAL_SIZE/MPI_LOCALNRANKS)")
+        raise ConfigError(f"mpirun started the {launch.world_size} ranks {where}, so the rendezvous cannot be "
+                          f"on loopback ({cfg.master_addr}); give every rank rank 0's host: "
+                          "mpirun -x MASTER_ADDR=<rank 0's host> (or --master-addr)")
+    return cfg
+
+
+def check_backend_launcher(cfg: DistributedConfig, launch: LaunchEnv | None) -> None:
+    """``--backend mpi`` means "started by an MPI launcher" (it talks gloo/NCCL): refuse it without one."""
+    if cfg.backend == "mpi" and (launch is None or launch.source not in ("mpi", "slurm")):
+        who = "no launcher started this one" if launch is None else f"{launch.source} started this one"
+        raise ConfigError(f"--backend mpi is for workers started by mpirun (or srun) and {who}: run mpirun -n N "
+                          "unison train ..., or use --backend auto (or gloo, nccl) to let unison start the workers")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() in ("localhost", "localhost.localdomain")
 
 
 def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
@@ -118,6 +198,7 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     if cfg.resolved_backend() == "local":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return device
+    gloo_interface(cfg.master_addr)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(comm, store=torchrun_attempt_store(cfg, timeout), rank=cfg.rank,
@@ -125,6 +206,7 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
         else:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves a fresh store in every attempt
             dist.init_process_group(comm, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
                                     timeout=timeout)
+        _agree_on_restart(device)
         return device
     if not cfg.master_port:
         raise ConfigError("no rendezvous port: set MASTER_PORT (torchrun/unison set it) or --master-port")
@@ -136,8 +218,11 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     return device
 
 
+_ATTEMPT_PROBE_S = 2.0   # connecting to the store a dead rank 0 served fails (refused) within this
+
+
 def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's shared store, seen through a prefix of this restart attempt.
+    """A fresh store for this restart attempt, served by rank 0 and announced through torchrun's shared store.
 
     Why: since torch 2.5 torchrun's agent serves the workers' store itself (``TORCHELASTIC_USE_AGENT_STORE``,
     unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and that server lives as long as the agent: it is
@@ -146,15 +231,70 @@ def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) 
     assumption that every retry gets a new server, which torch 2.14's ``DynamicRendezvousHandler`` does
     not do. Restarted workers then share the namespace ``default_pg/`` with the dead ones and can read
     their gloo addresses: ``failed to connect ... Connection refused`` and a rendezvous that hangs until
-    ``--timeout-s`` (seen in 1 of 3 restarts of a 2-worker gloo run). A prefix per attempt, as torch <= 2.4
-    had, gives every attempt fresh keys. Caveat (the reason torch dropped it): the attempt number is each
-    agent's own count, so a multi-node job whose agents restarted a different number of times (a node
-    replaced mid-job) must set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
-    https://github.com/pytorch/pytorch/issues/135712
+    ``--timeout-s`` (seen in 1 of 3 restarts of a 2-worker gloo run). A prefix per attempt number does not
+    do either: the number (``TORCHELASTIC_RESTART_COUNT``) is each agent's own count, and in a multi-node
+    job only the failed node's agent counts a restart (a healthy one restarts its workers for the waiting
+    node without counting), so the hosts' workers would use different prefixes and hang.
+
+    So rank 0 serves a store of its own (on its address towards ``MASTER_ADDR``, not a wildcard) and
+    publishes ``<nonce> <addr> <port>`` in the agent's store; the others connect to what is published.
+    A stale announcement, a dead rank 0's, is recognised by its store being gone (by the time any worker
+    of a round runs, every agent has stopped its previous workers) or not holding the nonce: they wait
+    for the next one. https://github.com/pytorch/pytorch/issues/135712
     """
-    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    return dist.PrefixStore(f"unison/{run_id}/attempt_{restart_count()}", store)
+    agent = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
+    key = f"unison/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt_store"
+    if cfg.rank == 0:
+        addr = _source_address(cfg.master_addr) or cfg.master_addr
+        nonce = secrets.token_hex(16)
+        store = _listening_store(addr, 0, cfg.world_size, timeout, wait_for_workers=False)
+        store.set("unison/nonce", nonce)
+        agent.set(key, f"{nonce} {addr} {store.port}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    stale: set[bytes] = set()
+    while time.monotonic() < deadline:
+        announced = agent.get(key) if agent.check([key]) else b""
+        if announced and announced not in stale:
+            joined = _attempt_store_at(announced, cfg.world_size, timeout)
+            if joined is not None:
+                return joined
+            stale.add(announced)
+        time.sleep(0.1)
+    raise WorkerError(f"rank {cfg.rank} found no store of this restart attempt served by rank 0 (announced in "
+                      f"torchrun's store at {cfg.master_addr}:{cfg.master_port}) within {cfg.timeout_s:g} s; "
+                      "check that rank 0's worker started")
+
+
+def _attempt_store_at(announced: bytes, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store rank 0 announced, or None when it is a dead attempt's (gone, or without the nonce)."""
+    parts = announced.decode("ascii", "replace").split(" ")
+    if len(parts) != 3 or not parts[2].isdigit() or not 0 < int(parts[2]) < 65536 or len(parts[1]) > 253:
+        return None
+    nonce, addr, port = parts[0], parts[1], int(parts[2])
+    probe = datetime.timedelta(seconds=_ATTEMPT_PROBE_S)
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=probe, wait_for_workers=False)
+        if store.get("unison/nonce").decode("ascii", "replace") != nonce:
+            return None
+    except (dist.DistError, RuntimeError):   # refused, unreachable, or not a store: a dead attempt's
+        return None
+    store.set_timeout(timeout)
+    return store
+
+
+_agreed_restart: int | None = None
+
+
+def _agree_on_restart(device: torch.device) -> None:
+    """Every worker takes the largest restart count of the group as the attempt number (`restart_count`).
+
+    In a multi-node torchrun job only the agent of the node that failed counts a restart; the others would
+    start over from scratch (no resume) while the restarted node's workers resume: they must agree."""
+    global _agreed_restart
+    count = torch.tensor([_env_restart_count()], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    _agreed_restart = int(count.item())
 
 
 def _rendezvous_failure(cfg: DistributedConfig, error: str) -> str:
@@ -179,24 +319,95 @@ def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> di
     """
     if cfg.rank != 0:
         return dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
-    family = socket.AF_INET6 if ":" in cfg.master_addr else socket.AF_INET
+    return _listening_store(cfg.master_addr, cfg.master_port, cfg.world_size, timeout)
+
+
+def _listening_store(addr: str, port: int, world_size: int, timeout: datetime.timedelta,
+                     wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore server listening on `addr` only (port 0: a free one); see `_rendezvous_store`."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.master_addr, cfg.master_port))
-        sock.listen(max(128, cfg.world_size))
+        sock.bind((addr, port))
+        sock.listen(max(128, world_size))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {cfg.master_addr}:{cfg.master_port} for the rendezvous ({exc.strerror}); "
+        raise ConfigError(f"cannot listen on {addr}:{port} for the rendezvous ({exc.strerror}); "
                           "choose another --master-port or --master-addr") from None
-    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=True, timeout=timeout,
-                          master_listen_fd=sock.fileno())
+    store = dist.TCPStore(addr, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                          master_listen_fd=sock.fileno(), wait_for_workers=wait_for_workers)
     sock.detach()  # the store serves on this descriptor from now on; Python must not close it
     return store
 
 
+def _source_address(host: str) -> str | None:
+    """This host's address on the route to `host` (no packet is sent), or None when `host` is unreachable."""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect(sockaddr)
+                return str(sock.getsockname()[0])
+            except OSError:
+                continue
+    return None
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def _interface_with(addr: str) -> str | None:
+    """The name of the network interface holding address `addr` (Linux), or None."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+    except ValueError:
+        return None
+    if ip.version == 6:   # /proc/net/if_inet6: "<32 hex digits> <index> <prefix> <scope> <flags> <name>"
+        try:
+            with open("/proc/net/if_inet6") as f:
+                rows = [line.split() for line in f.read(1 << 20).splitlines()]
+        except OSError:
+            return None
+        return next((row[5] for row in rows if len(row) == 6 and row[0] == ip.exploded.replace(":", "")), None)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:   # no IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) == str(ip):
+                return name
+    return None
+
+
+def gloo_interface(master_addr: str) -> str | None:
+    """Point gloo at the interface through which this host reaches `master_addr` (``GLOO_SOCKET_IFNAME``, unless
+    the user set it); the interface's name, or None when left to gloo.
+
+    gloo otherwise takes the address of the host name, which in a container or network namespace may be
+    an address the host does not have (gloo then falls back to loopback and its peers on other hosts get
+    127.0.0.1), or another network than the cluster's. With it, gloo listens on that interface's address,
+    not on every interface: loopback for a single machine (``MASTER_ADDR`` 127.0.0.1)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    source = _source_address(master_addr)
+    name = _interface_with(source) if source else None
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name   # read by every gloo group this process creates
+    return name
+
+
 def restart_count() -> int:
-    """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun)."""
+    """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun): once the group
+    is joined, the one all its workers agreed on (`_agree_on_restart`), else this node's agent's count."""
+    return _env_restart_count() if _agreed_restart is None else _agreed_restart
+
+
+def _env_restart_count() -> int:
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
     try:
         return parse_int(value) if value.isdigit() else 0
