@@ -273,6 +273,10 @@ def _attempt_store_at(announced: bytes, world_size: int, timeout: datetime.timed
         return None
     nonce, addr, port = parts[0], parts[1], int(parts[2])
     probe = datetime.timedelta(seconds=_ATTEMPT_PROBE_S)
+    try:   # a plain connect first: a dead store is refused at once, without torch's retries and log lines
+        socket.create_connection((addr, port), timeout=_ATTEMPT_PROBE_S).close()
+    except OSError:
+        return None
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=probe, wait_for_workers=False)
         if store.get("unison/nonce").decode("ascii", "replace") != nonce:
