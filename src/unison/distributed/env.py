@@ -17,9 +17,9 @@ The rendezvous under mpirun, each value the first that is set (`mpi_rendezvous`)
 * port: ``MASTER_PORT``, ``--master-port``, else derived from the job id every rank of one job
   shares (``OMPI_MCA_ess_base_jobid``: Open MPI 4; ``PMIX_NAMESPACE``: Open MPI 5 and other PMIx
   launchers), hashed (CRC-32) into ``MPI_PORT_RANGE`` (20000-29999, below Linux's ephemeral ports).
-* address: ``MASTER_ADDR``, ``--master-addr``, else 127.0.0.1 when every rank runs on one node
-  (``OMPI_COMM_WORLD_LOCAL_SIZE`` == ``OMPI_COMM_WORLD_SIZE``; PMI: ``MPI_LOCALNRANKS`` == ``PMI_SIZE``);
-  on several nodes a loopback address is refused: ``mpirun -x MASTER_ADDR=<rank 0's host>``.
+* address: ``MASTER_ADDR``, ``--master-addr``, else 127.0.0.1, which is refused when the ranks run on
+  several nodes (``OMPI_COMM_WORLD_LOCAL_SIZE`` < ``OMPI_COMM_WORLD_SIZE``; PMI: ``MPI_LOCALNRANKS`` <
+  ``PMI_SIZE``): ``mpirun -x MASTER_ADDR=<rank 0's host>``.
 
 For SLURM, ``MASTER_ADDR``/``MASTER_PORT`` must be exported (typically the first host of
 ``SLURM_JOB_NODELIST``).
@@ -154,11 +154,9 @@ def mpi_rendezvous(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedConf
                               f"{', '.join(MPI_JOB_ID_VARS)} is set) to derive one from; pass one to every rank: "
                               "mpirun -x MASTER_PORT=<port> (MPICH: -genv MASTER_PORT <port>) or --master-port")
         cfg = replace(cfg, master_port=launch.job_port)
-    if launch.one_node is not True and _is_loopback(cfg.master_addr):
-        where = ("on several nodes" if launch.one_node is False
-                 else "without saying whether all run on one node (no OMPI_COMM_WORLD_LOCAL_SIZE/MPI_LOCALNRANKS)")
-        raise ConfigError(f"mpirun started the {launch.world_size} ranks {where}, so the rendezvous cannot be "
-                          f"on loopback ({cfg.master_addr}); give every rank rank 0's host: "
+    if launch.one_node is False and _is_loopback(cfg.master_addr):
+        raise ConfigError(f"mpirun started the {launch.world_size} ranks on several nodes, so the rendezvous cannot "
+                          f"be on loopback ({cfg.master_addr}); give every rank rank 0's host: "
                           "mpirun -x MASTER_ADDR=<rank 0's host> (or --master-addr)")
     return cfg
 
