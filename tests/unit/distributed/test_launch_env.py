@@ -6,10 +6,13 @@ mpirun and the two-host torchrun in tests/distributed/cluster/.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from unison.config.distributed import DistributedConfig
 from unison.distributed import env as E
+from unison.distributed import network as N
 from unison.errors import ConfigError
 
 OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
@@ -72,10 +75,10 @@ def test_backend_mpi_needs_an_mpi_launcher(environ):
 
 def test_gloo_uses_the_interface_towards_the_rendezvous(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    loopback = E._interface_with("127.0.0.1")
-    assert loopback and E._source_address("127.0.0.1") == "127.0.0.1"
-    assert E.gloo_interface("127.0.0.1") == loopback   # one machine: loopback, as before
-    assert E.os.environ["GLOO_SOCKET_IFNAME"] == loopback
+    loopback = N._interface_with("127.0.0.1")
+    assert loopback and N._source_address("127.0.0.1") == "127.0.0.1"
+    assert N.gloo_interface("127.0.0.1") == loopback   # one machine: loopback, as before
+    assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")   # the user's choice stands
-    assert E.gloo_interface("127.0.0.1") is None and E.os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
-    assert E._interface_with("198.18.255.254") is None and E._source_address("no-such-host.invalid") is None
+    assert N.gloo_interface("127.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert N._interface_with("198.18.255.254") is None and N._source_address("no-such-host.invalid") is None
