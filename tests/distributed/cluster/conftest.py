@@ -14,7 +14,7 @@ STEPS = 4
 # step 3 resumes from step 2.
 TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "256", "--val-subset", "64",
         "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
-        "--log-every", "1"]
+        "--log-every", "1", "--no-random-init-knn"]
 
 
 @pytest.fixture(scope="session")
