@@ -24,10 +24,11 @@ The rendezvous under mpirun, each value the first that is set (`mpi_rendezvous`)
 For SLURM, ``MASTER_ADDR``/``MASTER_PORT`` must be exported (typically the first host of
 ``SLURM_JOB_NODELIST``).
 
-Network interface (`unison.distributed.network.gloo_interface`): unless ``GLOO_SOCKET_IFNAME`` is set, gloo uses the interface
-that holds the address through which this host reaches the rendezvous (``MASTER_ADDR``): loopback
-for one machine, the cluster network for several (gloo's own choice, the host name's address, may not
-exist on the host, e.g. in a container or network namespace, and then falls back to loopback).
+Network interface (`unison.distributed.network.gloo_interface`): unless ``GLOO_SOCKET_IFNAME`` is set,
+gloo uses the interface that holds the address through which this host reaches the rendezvous
+(``MASTER_ADDR``): loopback for one machine, the cluster network for several (gloo's own choice, the
+host name's address, may not exist on the host, e.g. in a container or network namespace, and then
+falls back to loopback).
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ def check_backend_launcher(cfg: DistributedConfig, launch: LaunchEnv | None) -> 
     """``--backend mpi`` means "started by an MPI launcher" (it talks gloo/NCCL): refuse it without one."""
     if cfg.backend == "mpi" and (launch is None or launch.source not in ("mpi", "slurm")):
         who = "no launcher started this one" if launch is None else f"{launch.source} started this one"
-        raise ConfigError(f"--backend mpi is for workers started by mpirun (or srun) and {who}: run mpirun -n N "
-                          "unison train ..., or use --backend auto (or gloo, nccl) to let unison start the workers")
+        raise ConfigError(f"--backend mpi is for workers started by mpirun (or srun) and {who}: start them with "
+                          "mpirun -n N unison train ..., or use --backend auto, gloo or nccl")
 
 
 def _is_loopback(host: str) -> bool:
