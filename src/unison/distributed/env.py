@@ -12,13 +12,23 @@ Recognised launchers (first match wins):
   there directly is no SLURM worker and starts its workers itself, as on any machine.
 
 PyPI wheels of torch have no MPI backend, so an mpirun/SLURM launch communicates over
-gloo (CPU) or NCCL (GPU) and needs a rendezvous address and port (``MASTER_ADDR``/``MASTER_PORT``).
+gloo (CPU) or NCCL (GPU); ``--backend mpi`` means exactly that (launched by mpirun, talks
+gloo/NCCL) and is refused without an MPI launcher (`check_backend_launcher`).
+
+The rendezvous under mpirun, each value the first that is set (`mpi_rendezvous`):
+
+* port: ``MASTER_PORT``, ``--master-port``, else derived from the job id every rank of one job
+  shares (``OMPI_MCA_ess_base_jobid``: Open MPI 4; ``PMIX_NAMESPACE``: Open MPI 5 and other PMIx
+  launchers), hashed (CRC-32) into ``MPI_PORT_RANGE`` (20000-29999, below Linux's ephemeral ports).
+* address: ``MASTER_ADDR``, ``--master-addr``, else 127.0.0.1, which is refused when the ranks run on
+  several nodes (``OMPI_COMM_WORLD_LOCAL_SIZE`` < ``OMPI_COMM_WORLD_SIZE``; PMI: ``MPI_LOCALNRANKS`` <
+  ``PMI_SIZE``): ``mpirun -x MASTER_ADDR=<rank 0's host>``.
 
 Under srun nothing has to be set by hand (`slurm_rendezvous`); in order of precedence:
 
 * address: ``MASTER_ADDR``, else ``--master-addr`` (when not the default 127.0.0.1), else derived from the
   step's node list (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``, SLURM's compressed syntax
-  ``node[01-03,7]``, see `expand_hostlist`): ``127.0.0.1`` when the step runs on one node (every task is on
+  ``node[01-03,7]``, see `unison.distributed.hostlist`): ``127.0.0.1`` when the step runs on one node (every task is on
   this machine; loopback keeps the rendezvous off the network, as unison's own launcher does), else the
   list's first host name, where task 0 runs (srun places tasks in node-list order), which must resolve on
   every node to an address of that node.
@@ -26,17 +36,22 @@ Under srun nothing has to be set by hand (`slurm_rendezvous`); in order of prece
   ``SLURM_STEP_ID`` (`slurm_port`): a port in [10000, 30000), below Linux's ephemeral range, different for
   the steps of one job (two ``srun &`` in one script) and for jobs near in number (sharing a node); a
   requeued job gets its port again (its previous processes are gone).
+
+Network interface (`unison.distributed.network.gloo_interface`): unless ``GLOO_SOCKET_IFNAME`` is set,
+gloo uses the interface that holds the address through which this host reaches the rendezvous
+(``MASTER_ADDR``): loopback for one machine, the cluster network for several (gloo's own choice, the
+host name's address, may not exist on the host, e.g. in a container or network namespace, and then
+falls back to loopback).
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
+import ipaddress
 import os
 import re
-import socket
 import sys
-from collections.abc import Iterator
+import zlib
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -47,7 +62,14 @@ from unison.config.distributed import DistributedConfig
 from unison.config.fields import parse_int, shown
 from unison.errors import ConfigError, WorkerError
 
+from .hostlist import expand_hostlist, slurm_port
+from .network import gloo_interface, listening_store, torchrun_attempt_store
+
 T = TypeVar("T")
+
+__all__ = ["LaunchEnv", "apply_launch_env", "check_backend_launcher", "detect_launch_env", "exit_worker",
+           "gloo_interface", "init_distributed", "mpi_rendezvous", "restart_count", "restart_reason",
+           "shutdown_distributed", "slurm_rendezvous", "torchrun_attempt_store"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +80,30 @@ class LaunchEnv:
     master_addr: str | None
     master_port: int | None
     source: str  # "torchrun" (also unison's launcher), "mpi", "slurm"
-    # The launcher's own rendezvous (srun: derived from the job), used where neither MASTER_ADDR/MASTER_PORT
-    # nor --master-addr/--master-port give one.
+    # The launcher's own rendezvous (srun: from the job step; mpirun: the port from the job id), used where
+    # neither MASTER_ADDR/MASTER_PORT nor --master-addr/--master-port give one.
     default_addr: str | None = None
     default_port: int | None = None
+    one_node: bool | None = None  # mpirun: every rank on this node (None: the launcher does not say)
+
+
+# Ports derived from an MPI job id: below Linux's ephemeral range (32768-60999), where the OS picks ports.
+MPI_PORT_RANGE = (20000, 29999)
+# The variables naming an MPI job, the same on every rank of it (Open MPI 4; PMIx: Open MPI 5, srun --mpi=pmix).
+MPI_JOB_ID_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
+
+
+def _mpi_launch(env: dict[str, str], rank_var: str, size_var: str, local_rank_var: str, local_size_var: str,
+                addr: str | None, port: int | None) -> LaunchEnv:
+    """An MPI rank: its launcher's variables, the port derived from the MPI job's id (None: no id) and whether all
+    ranks run on this node."""
+    size = _int(env, size_var)
+    job = next((env[var] for var in MPI_JOB_ID_VARS if env.get(var, "").strip()), None)
+    low, high = MPI_PORT_RANGE
+    job_port = None if job is None else low + zlib.crc32(job.strip().encode("utf-8", "replace")) % (high - low + 1)
+    one_node = _int(env, local_size_var) == size if local_size_var in env else None
+    return LaunchEnv(_int(env, rank_var), size, _int(env, local_rank_var) if local_rank_var in env else 0, addr, port,
+                     "mpi", default_port=job_port, one_node=one_node)
 
 
 def _int(environ: dict[str, str], key: str) -> int:
@@ -95,12 +137,10 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv | None
         return LaunchEnv(_int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
                          addr, port, "torchrun")
     if "OMPI_COMM_WORLD_RANK" in env:
-        return LaunchEnv(_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
-                         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0,
-                         addr, port, "mpi")
+        return _mpi_launch(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                           "OMPI_COMM_WORLD_LOCAL_SIZE", addr, port)
     if "PMI_RANK" in env:
-        return LaunchEnv(_int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
-                         _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0, addr, port, "mpi")
+        return _mpi_launch(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", addr, port)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _slurm_step(env) is not None:
         default_addr, default_port = slurm_rendezvous(env)
         return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
@@ -113,100 +153,6 @@ def _slurm_step(env: dict[str, str]) -> int | None:
     """The job step of an srun task (``SLURM_STEP_ID``, older SLURM ``SLURM_STEPID``); None outside srun."""
     key = "SLURM_STEP_ID" if "SLURM_STEP_ID" in env else "SLURM_STEPID" if "SLURM_STEPID" in env else None
     return _int(env, key) if key else None
-
-
-SLURM_PORT_BASE = 10000
-SLURM_PORT_SPAN = 20000
-MAX_HOSTLIST_CHARS = 1 << 16
-MAX_HOST_RANGES = 16   # bracketed ranges in one host name (SLURM itself writes one or two)
-
-
-def slurm_port(job_id: int, step_id: int) -> int:
-    """The rendezvous port of step `step_id` of SLURM job `job_id`, in [10000, 30000).
-
-    ``job * 31 + step`` modulo 20000 (31 is prime to 20000): step 0 of two jobs shares a port only when
-    their numbers differ by a multiple of 20000, and steps 0-30 of jobs fewer than 645 apart never do.
-    The range stays below Linux's ephemeral ports (32768 up), which outgoing connections hold."""
-    return SLURM_PORT_BASE + (job_id * 31 + step_id) % SLURM_PORT_SPAN
-
-
-_HOSTLIST_ITEM = re.compile(r"([^\[\],]*)(\[[^\[\]]*\])?")
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
-
-
-def expand_hostlist(text: str) -> Iterator[str]:
-    """The host names of a SLURM node list in its compressed syntax, in order: ``node[01-03,7],gpu-a[1-2]`` gives
-    node01 node02 node03 node7 gpu-a1 gpu-a2 (zero padding kept; several brackets in a name expand as a product).
-    The whole list is checked first, then names are made as they are walked: a list of a million nodes costs
-    nothing until then. Raises ValueError on a malformed list.
-
-    Why not ``scontrol show hostnames``: it is a process per rank and needs the SLURM client on the task's
-    PATH, which containers started by srun (enroot, Apptainer) usually lack; the syntax is small."""
-    if not text or len(text) > MAX_HOSTLIST_CHARS or not text.isascii() or any(c.isspace() for c in text):
-        raise ValueError(text)
-    items = [_parse_host_pattern(item, text) for item in _split_top_level(text)]
-    return itertools.chain.from_iterable(_names(parts) for parts in items)
-
-
-# A host pattern: literal text and number ranges (first, last, zero-padded width), in order.
-_Part = str | list[tuple[int, int, int]]
-
-
-def _parse_host_pattern(item: str, text: str) -> list[_Part]:
-    parts: list[_Part] = []
-    pos = 0
-    while pos < len(item):
-        m = _HOSTLIST_ITEM.match(item, pos)
-        if m is None or m.end() == pos:
-            raise ValueError(text)
-        parts.append(m.group(1))
-        if m.group(2):
-            parts.append([_parse_range(r, text) for r in m.group(2)[1:-1].split(",")])
-        pos = m.end()
-        if len(parts) > 2 * MAX_HOST_RANGES:   # `_names` recurses once per part
-            raise ValueError(text)
-    return parts
-
-
-def _parse_range(spec: str, text: str) -> tuple[int, int, int]:
-    """``01-03`` -> (1, 3, 2): the width of the first number pads the others."""
-    m = _RANGE.fullmatch(spec)
-    if m is None:
-        raise ValueError(text)
-    lo, hi = m.group(1), m.group(2) or m.group(1)
-    if len(lo) > 12 or len(hi) > 12 or int(hi) < int(lo):
-        raise ValueError(text)
-    return int(lo), int(hi), len(lo)
-
-
-def _names(parts: list[_Part]) -> Iterator[str]:
-    """The names of one host pattern, made one at a time (itertools.product would build every range first)."""
-    if not parts:
-        yield ""
-        return
-    head, rest = parts[0], parts[1:]
-    choices = [head] if isinstance(head, str) else (str(n).zfill(w) for lo, hi, w in head for n in range(lo, hi + 1))
-    for choice in choices:
-        for tail in _names(rest):
-            yield choice + tail
-
-
-def _split_top_level(text: str) -> list[str]:
-    """`text` split at the commas outside brackets."""
-    items, depth, start = [], 0, 0
-    for i, c in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(c, 0)
-        if depth not in (0, 1):
-            raise ValueError(text)
-        if c == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(text)
-    items.append(text[start:])
-    if any(not item for item in items):
-        raise ValueError(text)
-    return items
 
 
 def slurm_rendezvous(env: dict[str, str]) -> tuple[str | None, int | None]:
@@ -231,7 +177,7 @@ def apply_launch_env(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedCo
     """A copy of `cfg` whose rank, world size and rendezvous come from the launcher."""
     from dataclasses import replace
 
-    return replace(
+    return mpi_rendezvous(replace(
         cfg,
         rank=launch.rank,
         world_size=launch.world_size,
@@ -239,12 +185,43 @@ def apply_launch_env(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedCo
         master_port=(launch.master_port if launch.master_port is not None
                      else _given_or(cfg.master_port, DistributedConfig.master_port, launch.default_port)),
         backend="mpi" if launch.source in ("mpi", "slurm") and cfg.backend == "auto" else cfg.backend,
-    )
+    ), launch)
 
 
 def _given_or(value: T, default: T, launchers: T | None) -> T:
     """`value` where the user gave one (it is not the option's default), else the launcher's own, else `value`."""
     return launchers if value == default and launchers is not None else value
+
+
+def mpi_rendezvous(cfg: DistributedConfig, launch: LaunchEnv) -> DistributedConfig:
+    """Under mpirun, `cfg` (whose port is the one derived from the job id where none was given) refused when it has
+    no port or a loopback address while the ranks run on several nodes (see the module docstring)."""
+    if launch.source != "mpi":
+        return cfg
+    if not cfg.master_port:
+        raise ConfigError("no rendezvous port: this mpirun names no job (none of "
+                          f"{', '.join(MPI_JOB_ID_VARS)} is set) to derive one from; pass one to every rank: "
+                          "mpirun -x MASTER_PORT=<port> (MPICH: -genv MASTER_PORT <port>) or --master-port")
+    if launch.one_node is False and _is_loopback(cfg.master_addr):
+        raise ConfigError(f"mpirun started the {launch.world_size} ranks on several nodes, so the rendezvous cannot "
+                          f"be on loopback ({cfg.master_addr}); give every rank rank 0's host: "
+                          "mpirun -x MASTER_ADDR=<rank 0's host> (or --master-addr)")
+    return cfg
+
+
+def check_backend_launcher(cfg: DistributedConfig, launch: LaunchEnv | None) -> None:
+    """``--backend mpi`` means "started by an MPI launcher" (it talks gloo/NCCL): refuse it without one."""
+    if cfg.backend == "mpi" and (launch is None or launch.source not in ("mpi", "slurm")):
+        who = "no launcher started this one" if launch is None else f"{launch.source} started this one"
+        raise ConfigError(f"--backend mpi is for workers started by mpirun (or srun) and {who}: start them with "
+                          "mpirun -n N unison train ..., or use --backend auto, gloo or nccl")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() in ("localhost", "localhost.localdomain")
 
 
 def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
@@ -267,6 +244,7 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     if cfg.resolved_backend() == "local":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return device
+    gloo_interface(cfg.master_addr)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(comm, store=torchrun_attempt_store(cfg, timeout), rank=cfg.rank,
@@ -274,6 +252,7 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
         else:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves a fresh store in every attempt
             dist.init_process_group(comm, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
                                     timeout=timeout)
+        _agree_on_restart(device)
         return device
     if not cfg.master_port:
         raise ConfigError("no rendezvous port: set MASTER_PORT (torchrun/unison set it) or --master-port")
@@ -285,25 +264,18 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     return device
 
 
-def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's shared store, seen through a prefix of this restart attempt.
+_agreed_restart: int | None = None
 
-    Why: since torch 2.5 torchrun's agent serves the workers' store itself (``TORCHELASTIC_USE_AGENT_STORE``,
-    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and that server lives as long as the agent: it is
-    created at the first rendezvous and reused for every restart. torch <= 2.4 gave each attempt its own
-    key prefix (``/worker/attempt_N``); the fix of pytorch#135712 (PR #135957) removed the prefix on the
-    assumption that every retry gets a new server, which torch 2.14's ``DynamicRendezvousHandler`` does
-    not do. Restarted workers then share the namespace ``default_pg/`` with the dead ones and can read
-    their gloo addresses: ``failed to connect ... Connection refused`` and a rendezvous that hangs until
-    ``--timeout-s`` (seen in 1 of 3 restarts of a 2-worker gloo run). A prefix per attempt, as torch <= 2.4
-    had, gives every attempt fresh keys. Caveat (the reason torch dropped it): the attempt number is each
-    agent's own count, so a multi-node job whose agents restarted a different number of times (a node
-    replaced mid-job) must set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
-    https://github.com/pytorch/pytorch/issues/135712
-    """
-    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    return dist.PrefixStore(f"unison/{run_id}/attempt_{restart_count()}", store)
+
+def _agree_on_restart(device: torch.device) -> None:
+    """Every worker takes the largest restart count of the group as the attempt number (`restart_count`).
+
+    In a multi-node torchrun job only the agent of the node that failed counts a restart; the others would
+    start over from scratch (no resume) while the restarted node's workers resume: they must agree."""
+    global _agreed_restart
+    count = torch.tensor([_env_restart_count()], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    _agreed_restart = int(count.item())
 
 
 def _rendezvous_failure(cfg: DistributedConfig, error: str) -> str:
@@ -328,24 +300,16 @@ def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> di
     """
     if cfg.rank != 0:
         return dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
-    family = socket.AF_INET6 if ":" in cfg.master_addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.master_addr, cfg.master_port))
-        sock.listen(max(128, cfg.world_size))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {cfg.master_addr}:{cfg.master_port} for the rendezvous ({exc.strerror}); "
-                          "choose another --master-port or --master-addr") from None
-    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=True, timeout=timeout,
-                          master_listen_fd=sock.fileno())
-    sock.detach()  # the store serves on this descriptor from now on; Python must not close it
-    return store
+    return listening_store(cfg.master_addr, cfg.master_port, cfg.world_size, timeout)
 
 
 def restart_count() -> int:
-    """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun)."""
+    """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun): once the group
+    is joined, the one all its workers agreed on (`_agree_on_restart`), else this node's agent's count."""
+    return _env_restart_count() if _agreed_restart is None else _agreed_restart
+
+
+def _env_restart_count() -> int:
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
     try:
         return parse_int(value) if value.isdigit() else 0

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 
 from unison.config import TrainConfig
-from unison.distributed.env import apply_launch_env, detect_launch_env
+from unison.distributed.env import apply_launch_env, check_backend_launcher, detect_launch_env
 from unison.distributed.launch import launch
 
 from .footprint import check_model_memory
@@ -35,6 +35,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
     and thread settings are its own)."""
     launch_env = detect_launch_env()
     launched = launch_env is not None
+    check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
     if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     validate_run(cfg)

@@ -164,6 +164,8 @@ CASES = [
     ("zero-workers", ["--world-size", "0"], 2, "distributed.world_size=0 must be an integer >= 1"),
     ("nccl-without-cuda", ["--backend", "nccl"], 2, "needs CUDA GPUs and none is available; use --backend gloo"),
     ("local-backend-with-2-workers", ["--backend", "local"], 2, "use --world-size 1 or --backend gloo"),
+    ("backend-mpi-without-mpirun", ["--backend", "mpi"], 2,
+     "--backend mpi is for workers started by mpirun (or srun) and no launcher started this one"),
     ("bf16-compression-on-gloo", ["--grad-compression", "bf16"], 2, "needs CUDA + NCCL"),
     ("powersgd-start-iter-1", ["--grad-compression", "powersgd", "--powersgd-start-iter", "1"], 2,
      "powersgd_start_iter=1 must be an integer >= 2"),
@@ -317,6 +319,17 @@ ENV_CASES = [
     ("world-size-disagrees-with-launcher", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
                                             "MASTER_PORT": "{port}"}, [*TINY, "--world-size", "4"], 2,
      "--world-size 4 but mpirun started 2 worker processes; the launcher decides the world size"),
+    # --- issue 28: mpirun's rendezvous (port from the job id; loopback only on one node), --backend mpi's launcher
+    ("backend-mpi-under-torchrun", {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "{port}"},
+     [*W1, "--backend", "mpi", "--out", "{tmp}/o16"], 2, "--backend mpi is for workers started by mpirun (or srun) "
+     "and torchrun started this one"),
+    ("mpirun-on-two-nodes-without-master-addr", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                                 "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "OMPI_MCA_ess_base_jobid": "7"},
+     [*TINY, "--out", "{tmp}/o17"], 2, "mpirun started the 2 ranks on several nodes, so the rendezvous cannot be on "
+     "loopback (127.0.0.1); give every rank rank 0's host: mpirun -x MASTER_ADDR=<rank 0's host>"),
+    ("mpirun-without-job-id-or-port", {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, [*TINY, "--out", "{tmp}/o18"], 2,
+     "no rendezvous port: this mpirun names no job"),
     ("fault-injection-malformed", {"UNISON_TRAIN_HOOKS": "fault_injection", "UNISON_FAULT_INJECT": "rank=one"},
      [*W1, "--out", "{tmp}/o9"], 2,
      "UNISON_FAULT_INJECT='rank=one' must look like"),

@@ -1,20 +1,13 @@
 """SLURM launches without rendezvous variables: the node-list parser, the port of a job step, what is detected
-as an srun task, and the precedence of MASTER_*, --master-* and what srun implies (unison.distributed.env)."""
+as an srun task, and the precedence of MASTER_*, --master-* and what srun implies (unison.distributed.env, unison.distributed.hostlist)."""
 
 from __future__ import annotations
 
 import pytest
 
 from unison.config.distributed import DistributedConfig
-from unison.distributed.env import (
-    SLURM_PORT_BASE,
-    SLURM_PORT_SPAN,
-    apply_launch_env,
-    detect_launch_env,
-    expand_hostlist,
-    slurm_port,
-    slurm_rendezvous,
-)
+from unison.distributed.env import apply_launch_env, detect_launch_env, slurm_rendezvous
+from unison.distributed.hostlist import SLURM_PORT_BASE, SLURM_PORT_SPAN, expand_hostlist, slurm_port
 from unison.errors import ConfigError
 
 # What SLURM 22.05 set, recorded on a one-node test cluster: an srun task (srun -n2), and the shell of

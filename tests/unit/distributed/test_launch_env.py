@@ -1,0 +1,84 @@
+"""What unison derives from a launcher's variables: mpirun's rendezvous, the gloo interface, torchrun's attempt store.
+
+In-process only; the attempt store is tested in tests/distributed/distributed/test_attempt_store.py, the real
+mpirun and the two-host torchrun in tests/distributed/cluster/.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from unison.config.distributed import DistributedConfig
+from unison.distributed import env as E
+from unison.distributed import network as N
+from unison.errors import ConfigError
+
+OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "453378049"}
+
+
+def _applied(environ: dict[str, str], **cfg) -> DistributedConfig:
+    launch = E.detect_launch_env(environ)
+    assert launch is not None
+    return E.apply_launch_env(DistributedConfig(**cfg), launch)
+
+
+def test_mpirun_on_one_node_needs_no_master_variables():
+    cfg = _applied(OMPI)
+    low, high = E.MPI_PORT_RANGE
+    assert (cfg.rank, cfg.world_size, cfg.master_addr) == (1, 2, "127.0.0.1")
+    assert low <= cfg.master_port <= high
+    assert _applied({**OMPI, "OMPI_COMM_WORLD_RANK": "0"}).master_port == cfg.master_port   # every rank agrees
+    assert _applied({**OMPI, "OMPI_MCA_ess_base_jobid": "453378050"}).master_port != cfg.master_port   # per job
+    assert cfg.backend == "mpi" and cfg.communication_backend(cuda_available=False) == "gloo"   # auto: as --backend mpi
+
+
+def test_open_mpi_5_and_pmix_name_the_job_by_namespace():
+    environ = {k: v for k, v in OMPI.items() if k != "OMPI_MCA_ess_base_jobid"}
+    ours = _applied({**environ, "PMIX_NAMESPACE": "prterun-node1-4242@1"}).master_port
+    assert ours == E.MPI_PORT_RANGE[0] + E.zlib.crc32(b"prterun-node1-4242@1") % 10000
+    assert _applied({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "2", "PMIX_NAMESPACE": "j"}).master_port
+
+
+def test_given_rendezvous_values_win_over_derived_ones():
+    assert _applied({**OMPI, "MASTER_PORT": "12345"}).master_port == 12345
+    assert _applied(OMPI, master_port=23456).master_port == 23456   # --master-port
+    several = {**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+    assert _applied({**several, "MASTER_ADDR": "10.1.2.3"}).master_addr == "10.1.2.3"
+    assert _applied(several, master_addr="node07").master_addr == "node07"   # --master-addr
+
+
+@pytest.mark.parametrize("environ, fragment", [
+    ({**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, "several nodes, so the rendezvous cannot be on loopback (127.0.0.1); "
+     "give every rank rank 0's host: mpirun -x MASTER_ADDR=<rank 0's host>"),
+    ({**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "MASTER_ADDR": "localhost"}, "cannot be on loopback (localhost)"),
+    ({k: v for k, v in OMPI.items() if k != "OMPI_MCA_ess_base_jobid"}, "no rendezvous port: this mpirun names no job "
+     "(none of OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE is set) to derive one from; pass one to every rank: mpirun -x "
+     "MASTER_PORT=<port>"),
+])
+def test_mpirun_rendezvous_that_cannot_work_is_one_line(environ, fragment):
+    with pytest.raises(ConfigError) as err:
+        _applied(environ)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("environ", [{}, {"RANK": "0", "WORLD_SIZE": "1"}])
+def test_backend_mpi_needs_an_mpi_launcher(environ):
+    launch = E.detect_launch_env(environ)
+    with pytest.raises(ConfigError, match=r"--backend mpi is for workers started by mpirun \(or srun\)"):
+        E.check_backend_launcher(DistributedConfig(backend="mpi"), launch)
+    E.check_backend_launcher(DistributedConfig(backend="mpi"), E.detect_launch_env(OMPI))
+    E.check_backend_launcher(DistributedConfig(backend="gloo"), None)
+
+
+def test_gloo_uses_the_interface_towards_the_rendezvous(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    loopback = N._interface_with("127.0.0.1")
+    assert loopback and N._source_address("127.0.0.1") == "127.0.0.1"
+    assert N.gloo_interface("127.0.0.1") == loopback   # one machine: loopback, as before
+    assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")   # the user's choice stands
+    assert N.gloo_interface("127.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert N._interface_with("198.18.255.254") is None and N._source_address("no-such-host.invalid") is None
