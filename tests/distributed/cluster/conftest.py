@@ -1,4 +1,4 @@
-"""What the cluster tests (a real mpirun, two network-namespace hosts under torchrun) share: the tiny run and its
+"""What the cluster tests (a real SLURM, a real mpirun, two network-namespace hosts under torchrun) share: the tiny run and its
 uninterrupted 2-worker reference, trained once per session by unison's own launcher."""
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ from fault_helpers import FAULT, assert_same_training_state
 from helpers.slurm_cluster import SlurmCluster, skip_reason
 
 import unison
-from unison.cli import main
 from unison.training.checkpoint import load_checkpoint
+
+from .conftest import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,9 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
 SRC = Path(unison.__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-# digits subset, batch 64, float64; a stop requested before step 1 is acted on after step 3 (the ranks agree one
-# step late, unison.training.preemption), so the requeued job resumes from step 3 and runs step 4.
-ARGS = ["--batch-size", "64", "--epochs", "1", "--max-steps", "4", "--subset", "256", "--val-subset", "64",
-        "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
-        "--log-every", "1"]
+# A stop requested before step 1 is acted on after step 3 (the ranks agree one step late,
+# unison.training.preemption), so the requeued job resumes from step 3 and runs step 4 of TINY's 4.
+ARGS = TINY
 UNISON = [sys.executable, "-m", "unison.cli"]
 
 
@@ -54,12 +53,10 @@ def cluster(tmp_path_factory):
     slurm.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cluster) -> dict:
-    """The final checkpoint of an uninterrupted 2-worker run started by unison's own launcher."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    assert main(["train", *ARGS, "--out", str(out)]) == 0
-    return load_checkpoint(out)
+@pytest.fixture
+def reference(cluster, cluster_reference) -> dict:
+    """The uninterrupted 2-worker run of unison's own launcher (conftest.py), once the cluster is up."""
+    return cluster_reference
 
 
 @pytest.fixture
