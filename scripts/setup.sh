@@ -12,4 +12,4 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
 fi
 # Every time: a no-op when nothing changed, and it picks up dependencies added to pyproject.toml since.
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, torchvision, unison, pytest" || { echo "setup failed: see the pip output above" >&2; exit 1; }
+.venv/bin/python -c "import torch, torchvision, unison, pytest, xdist" || { echo "setup failed: see the pip output above" >&2; exit 1; }

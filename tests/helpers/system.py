@@ -8,12 +8,23 @@ unison itself; a user's cluster brings its own scheduler.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 APT_TIMEOUT_S = 600
+APT_LOCK = "/tmp/unison-tests-apt.lock"   # two pytest workers (scripts/test.sh) may both need packages
+
+
+@contextlib.contextmanager
+def _one_installer() -> Iterator[None]:
+    with open(APT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @functools.cache
@@ -55,8 +66,9 @@ def ensure_programs(programs: dict[str, str]) -> str | None:
         return f"needs {', '.join(packages)} (missing {', '.join(missing)}) and installing them needs root"
     if shutil.which("apt-get") is None:
         return f"needs {', '.join(packages)} (missing {', '.join(missing)}) and this machine has no apt-get"
-    if (error := _install(packages)) is not None:
-        return error
+    with _one_installer():
+        if missing_programs(programs) and (error := _install(packages)) is not None:   # the other worker's may be done
+            return error
     still = missing_programs(programs)
     return f"installed {', '.join(packages)} but {', '.join(still)} is still missing" if still else None
 
