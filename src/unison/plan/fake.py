@@ -1,0 +1,188 @@
+"""A simulated W-rank NCCL job on a simulated CUDA device, in this process, with no GPU and no memory behind it.
+
+`fake_cluster(world)` gives rank 0 of a ``"fake"`` process group (torch's FakeStore: every collective returns at
+once) and a `FakeTensorMode` in which tensors on ``cuda`` have shapes, dtypes and devices but no storage. What has
+to be patched for the production step to run there, and why:
+
+* ``torch.autocast("cuda")`` disables itself when CUDA is unavailable: `amp_definitely_not_available` and
+  `is_bf16_supported` answer as on a GPU, so the AutocastCUDA dispatch key casts the fake CUDA tensors as it would;
+* `Module.to` must swap FakeTensor parameters, which fails while the fake converter's memo holds weak references
+  to them: the memo of this mode holds them strongly instead (metadata only, nothing is allocated);
+* DDP's C++ reducer records CUDA timers at every forward: DDP runs its Python reducer (the one used under
+  compiled autograd: one all-reduce of each gradient), and its construction-time checks of the other ranks'
+  shapes and its broadcast from rank 0 (every rank is seeded identically) are skipped;
+* FSDP2's default mesh is a CUDA mesh of the fake group, created before entering fake mode;
+* torch.nn.SyncBatchNorm's CUDA kernels get shape-only Meta kernels (`_register_syncbn_meta`).
+
+Host synchronisations (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask indexing) cannot run on fake tensors:
+`HostSyncRecorder` records each with the first frame outside torch that caused it and lets the step go on (a
+boolean mask counts as all True, a scalar as 1 / True).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_SYNCBN_LIB: Any = None
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(__file__)
+
+
+def _register_syncbn_meta() -> None:
+    """Shape-only kernels of the CUDA-only ops torch.nn.SyncBatchNorm calls (no meta kernel in torch)."""
+    global _SYNCBN_LIB
+    if _SYNCBN_LIB is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+
+    def channels(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+        return [x.new_empty(x.shape[1], dtype=torch.float32) for _ in range(n)]
+
+    def gather(x, mean, invstd, running_mean, running_var, momentum, eps, counts):
+        return mean.new_empty(mean.shape[-1]), mean.new_empty(mean.shape[-1])
+
+    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+        c = [mean.new_empty(x.shape[1]) for _ in range(4)]
+        return (c[0] if input_g else None, c[1] if input_g else None, c[2] if weight_g else None,
+                c[3] if bias_g else None)
+
+    lib.impl("batch_norm_stats", lambda x, eps: tuple(channels(x, 2)), "Meta")
+    lib.impl("batch_norm_gather_stats_with_counts", gather, "Meta")
+    lib.impl("batch_norm_elemt", lambda x, *rest: torch.empty_like(x), "Meta")
+    lib.impl("batch_norm_backward_reduce", backward_reduce, "Meta")
+    lib.impl("batch_norm_backward_elemt", lambda dy, x, *rest: torch.empty_like(x), "Meta")
+    _SYNCBN_LIB = lib
+
+
+@dataclass(frozen=True)
+class HostSync:
+    op: str       # the aten op that needs the value on the host
+    where: str    # file:line (function) of the first frame outside torch
+    inside: str   # the innermost frame (in torch when torch itself synchronises), else ""
+
+    def __str__(self) -> str:
+        return f"{self.op} at {self.where}" + (f" (inside {self.inside})" if self.inside else "")
+
+
+def _frames() -> tuple[str, str]:
+    stack = [f for f in traceback.extract_stack() if not f.filename.startswith(_HERE)]
+    def fmt(f: traceback.FrameSummary) -> str:
+        name = f.filename
+        for root in (_TORCH_DIR, os.path.dirname(os.path.dirname(_HERE))):
+            if name.startswith(root):
+                name = os.path.relpath(name, os.path.dirname(root))
+        return f"{name}:{f.lineno} ({f.name})"
+    outside = [f for f in stack if not f.filename.startswith(_TORCH_DIR) and "contextlib" not in f.filename]
+    where = fmt(outside[-1]) if outside else "?"
+    inner = stack[-1] if stack else None
+    inside = fmt(inner) if inner is not None and inner.filename.startswith(_TORCH_DIR) else ""
+    # the innermost torch frame that is not dispatch machinery
+    for f in reversed(stack):
+        if f.filename.startswith(_TORCH_DIR) and "/utils/_python_dispatch" not in f.filename \
+                and "/_subclasses/" not in f.filename and "/_tools/" not in f.filename \
+                and "/_ops.py" not in f.filename and "/utils/_stats" not in f.filename and "/_dynamo/" not in f.filename:
+            inside = fmt(f)
+            break
+    return where, inside if inside and outside and outside[-1] is not stack[-1] else ""
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Entered inside `FakeTensorMode`: records every op whose result depends on tensor values and substitutes
+    a value of the right shape, so the simulated step runs to its end and lists them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[HostSync] = []
+
+    def _record(self, op: str) -> None:
+        self.syncs.append(HostSync(op, *_frames()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            self._record("item()/bool()/float() (_local_scalar_dense)")
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        if func in (aten.nonzero.default, aten.argwhere.default):
+            self._record(f"{func.__name__} (output size depends on values)")
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if func is aten.masked_select.default:
+            self._record("masked_select (output size depends on values)")
+            x, mask = args[0], args[1]
+            return torch.empty(torch.broadcast_shapes(x.shape, mask.shape).numel(), dtype=x.dtype, device=x.device)
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+            indices = args[1]
+            if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+                self._record(f"{func.__name__} with a boolean mask (output size depends on values)")
+                args = (args[0], _all_true(indices), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _all_true(indices: list[Any]) -> list[Any]:
+    """Boolean masks -> the long indices of an all-True mask of the same shape."""
+    out: list[Any] = []
+    for i in indices:
+        if i is None or i.dtype not in (torch.bool, torch.uint8):
+            out.append(i)
+            continue
+        grids = torch.meshgrid(*[torch.arange(n, device=i.device) for n in i.shape], indexing="ij")
+        out.extend(g.reshape(-1) for g in grids)
+    return out
+
+
+class _StrongMemo(dict):
+    """The fake converter's memo, holding its values strongly (`Module.to` cannot swap weakly referenced ones)."""
+
+
+@contextlib.contextmanager
+def fake_cluster(world: int) -> Iterator[tuple[Any, torch.device]]:
+    """Rank 0 of a simulated `world`-rank NCCL job on fake CUDA devices; yields (fake mode, device)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("unison plan needs this process without a process group")
+    device = torch.device("cpu")   # see the module docstring: autograd cannot run backward on fake CUDA here
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with contextlib.ExitStack() as stack:
+            for target, value in _patches().items():
+                stack.enter_context(mock.patch(target, value))
+            mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+            for where in ("_fsdp_init", "_fully_shard"):   # fully_shard's own name of it, and the original
+                stack.enter_context(mock.patch(f"torch.distributed.fsdp._fully_shard.{where}._init_default_mesh",
+                                               lambda *a, **k: mesh))
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            mode.fake_tensor_converter.meta_converter.tensor_memo = _StrongMemo()  # type: ignore[assignment]
+            with mode:
+                yield mode, device
+    finally:
+        dist.destroy_process_group()
+
+
+def _patches() -> dict[str, Any]:
+    import torch._dynamo  # noqa: F401  (the config patched below)
+
+    none = lambda *a, **k: None  # noqa: E731
+    return {
+        "torch.cuda.amp.common.amp_definitely_not_available": lambda: False,
+        "torch.cuda.is_bf16_supported": lambda *a, **k: True,
+        "torch.cuda.current_device": lambda: 0,
+        "torch.cuda.device_count": lambda: 1,
+        "torch._dynamo.config.optimize_ddp": "python_reducer",
+        "torch.nn.parallel.distributed._verify_param_shape_across_processes": none,
+        "torch.nn.parallel.distributed._sync_module_states": none,
+    }
