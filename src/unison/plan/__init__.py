@@ -65,9 +65,9 @@ def _synthetic_train_set(cfg: TrainConfig):
     return synthetic_dataset(cfg.batch_size, 8)   # tiny real images: build_run checks one batch, views are made here
 
 
-def simulate(cfg: TrainConfig) -> StepFigures:
-    """Rank 0's figures for one step of `cfg` (``cfg.batch_size`` global, ``world_size`` ranks), simulated."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
+    """Rank 0's figures for one step of `cfg` (``cfg.batch_size`` global, ``world_size`` ranks), simulated.
+    `warmup`: measure the second step (the first creates the optimizer's state); False for host syncs only."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from unison.training.step import Batch, build_run, forward_backward, optimizer_step
@@ -84,11 +84,12 @@ def simulate(cfg: TrainConfig) -> StepFigures:
         if cfg.channels_last:
             views = [v.contiguous(memory_format=torch.channels_last) for v in views]
         batch = Batch(0, 0, 0, torch.arange(local, device=device), views)
-        with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
-            forward_backward(run, batch)
-            optimizer_step(run, batch.step)
-        batch.step = 1
-        tracker = MemTracker()
+        if warmup:
+            with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
+                forward_backward(run, batch)
+                optimizer_step(run, batch.step)
+            batch.step = 1
+        tracker = _tracker_class()()
         tracker.track_external(run.parallel_model, run.optimizer)
         flops = FlopCounterMode(display=False)
         with tracker, CommMeter() as meter, flops, HostSyncRecorder() as syncs:
@@ -103,6 +104,27 @@ def simulate(cfg: TrainConfig) -> StepFigures:
             comm.update(_fsdp_bytes(run, cfg.distributed.reshard_after_forward))
         return StepFigures(local, *_memory(peak), grads, _optimizer_bytes(run), *_activations(peak), int(
             flops.get_total_flops()), comm, syncs.syncs)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        """MemTracker hooks the gradient of every parameter, which torch refuses for frozen ones (momentum
+        teachers; FSDP2 swaps in their unsharded parameters at each forward): those get none."""
+
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return Tracker
 
 
 def _memory(peak: dict) -> tuple[int, int]:
@@ -224,9 +246,6 @@ def _counted(items: list[str]) -> list[str]:
 
 def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
     """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits."""
-    world = cfg.distributed.world_size
-    if cfg.batch_size % world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not a multiple of --world-size {world}")
     if cfg.distributed.grad_compression != "none":
         raise ConfigError("unison plan does not simulate --grad-compression; leave it at none")
     if cfg.compile:

@@ -6,6 +6,7 @@ to be patched for the production step to run there, and why:
 
 * ``torch.autocast("cuda")`` disables itself when CUDA is unavailable: `amp_definitely_not_available` and
   `is_bf16_supported` answer as on a GPU, so the AutocastCUDA dispatch key casts the fake CUDA tensors as it would;
+* the model is built on the meta device outside fake mode (`_built_on_meta`), then moved onto the fake device;
 * `Module.to` must swap FakeTensor parameters, which fails while the fake converter's memo holds weak references
   to them: the memo of this mode holds them strongly instead (metadata only, nothing is allocated);
 * DDP's C++ reducer records CUDA timers at every forward: DDP runs its Python reducer (the one used under
@@ -75,25 +76,25 @@ class HostSync:
 
 
 def _frames() -> tuple[str, str]:
+    """(the innermost frame outside torch, the innermost torch frame below it that is torch's own code)."""
     stack = [f for f in traceback.extract_stack() if not f.filename.startswith(_HERE)]
+
     def fmt(f: traceback.FrameSummary) -> str:
         name = f.filename
         for root in (_TORCH_DIR, os.path.dirname(os.path.dirname(_HERE))):
             if name.startswith(root):
                 name = os.path.relpath(name, os.path.dirname(root))
         return f"{name}:{f.lineno} ({f.name})"
-    outside = [f for f in stack if not f.filename.startswith(_TORCH_DIR) and "contextlib" not in f.filename]
-    where = fmt(outside[-1]) if outside else "?"
-    inner = stack[-1] if stack else None
-    inside = fmt(inner) if inner is not None and inner.filename.startswith(_TORCH_DIR) else ""
-    # the innermost torch frame that is not dispatch machinery
-    for f in reversed(stack):
-        if f.filename.startswith(_TORCH_DIR) and "/utils/_python_dispatch" not in f.filename \
-                and "/_subclasses/" not in f.filename and "/_tools/" not in f.filename \
-                and "/_ops.py" not in f.filename and "/utils/_stats" not in f.filename and "/_dynamo/" not in f.filename:
-            inside = fmt(f)
-            break
-    return where, inside if inside and outside and outside[-1] is not stack[-1] else ""
+    last = max((i for i, f in enumerate(stack) if not f.filename.startswith(_TORCH_DIR)
+                and "contextlib" not in f.filename), default=-1)
+    where = fmt(stack[last]) if last >= 0 else "?"
+    # the torch module that synchronised, when torch itself did (SyncBatchNorm, an optimizer, DDP, FSDP)
+    inside = next((fmt(f) for f in reversed(stack[last + 1:]) if any(f"/torch/{part}/" in f.filename for part in _TORCH_PARTS)
+                   and "/_tools/" not in f.filename), "")
+    return where, inside
+
+
+_TORCH_PARTS = ("nn", "optim", "distributed", "amp")
 
 
 class HostSyncRecorder(TorchDispatchMode):
@@ -153,6 +154,8 @@ def fake_cluster(world: int) -> Iterator[tuple[Any, torch.device]]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from unison.training.step import build_method
+
     if dist.is_initialized():
         raise RuntimeError("unison plan needs this process without a process group")
     device = torch.device("cpu")   # see the module docstring: autograd cannot run backward on fake CUDA here
@@ -165,12 +168,26 @@ def fake_cluster(world: int) -> Iterator[tuple[Any, torch.device]]:
             for where in ("_fsdp_init", "_fully_shard"):   # fully_shard's own name of it, and the original
                 stack.enter_context(mock.patch(f"torch.distributed.fsdp._fully_shard.{where}._init_default_mesh",
                                                lambda *a, **k: mesh))
+            stack.enter_context(mock.patch("unison.training.step.build_method", _built_on_meta(build_method)))
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             mode.fake_tensor_converter.meta_converter.tensor_memo = _StrongMemo()  # type: ignore[assignment]
             with mode:
                 yield mode, device
     finally:
         dist.destroy_process_group()
+
+
+def _built_on_meta(build_method: Any) -> Any:
+    """`build_method` run outside fake mode on the meta device (FakeTensorMode cannot deepcopy a module, which
+    the momentum teachers do), then moved onto the fake device: the same model, never allocated."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def build(cfg: Any, total_steps: int, dtype: torch.dtype, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily(), torch.device("meta"):
+            method = build_method(cfg, total_steps, dtype, torch.device("meta"), *args, **kwargs)
+        return method.to(device, dtype)
+
+    return build
 
 
 def _patches() -> dict[str, Any]:

@@ -1,0 +1,139 @@
+"""unison plan: the production step on a simulated W-rank job (fake process group, fake tensors), its host
+synchronisations, the figures it reports against measured ones, and the command's bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.config import TrainConfig
+from unison.config.distributed import DistributedConfig
+from unison.methods import METHODS
+from unison.plan import simulate
+from unison.training.resolve import validate_run
+
+VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
+# Host synchronisations each step is allowed, by where they happen (file:line (function) prefix), and why.
+KNOWN_SYNCS = {
+    "src/unison/training/step.py": "the finite-loss check (one per micro-batch, by design)",
+    "src/unison/distributed/sync_batchnorm.py": "GlobalBatchNorm's global count (the CPU path; GPUs run "
+                                                "torch.nn.SyncBatchNorm, which synchronises on its own)",
+    "src/unison/methods/dino.py": "the teacher temperature schedule reads the step counter",
+    "src/unison/methods/ibot.py": "the teacher temperature schedule reads the step counter",
+}
+
+
+def _cfg(method: str, shard: str = "full", amp: str = "bf16", world: int = 8, local: int = 2) -> TrainConfig:
+    vit = method in VIT_ONLY   # I-JEPA needs room for its context block: 8 x 8 patches
+    cfg = TrainConfig(method=method, data="synthetic", backbone="vit_nano_p4" if vit else "small_cnn",
+                      batch_size=local * world, image_size=32 if method == "ijepa" else 16, amp=amp, progress=False,
+                      distributed=DistributedConfig(backend="nccl", world_size=world, shard=shard))
+    return validate_run(cfg, cuda_available=True)
+
+
+def _unexpected(figures) -> list[str]:
+    return [str(h) for h in figures.host_syncs if not any(h.where.startswith(k) for k in KNOWN_SYNCS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method):
+    figures = simulate(_cfg(method), warmup=False)
+    assert figures.flops > 0 and figures.peak > 0
+    assert not _unexpected(figures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["none", "optimizer", "full"])
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_simclr_every_shard_and_amp_lists_only_known_host_syncs(shard, amp):
+    figures = simulate(_cfg("simclr", shard, amp, world=2), warmup=False)
+    assert not _unexpected(figures)
+    assert any(h.where.startswith("src/unison/training/step.py") for h in figures.host_syncs)   # isfinite(loss)
+
+
+@pytest.mark.slow
+def test_sharding_divides_the_parameters_per_rank():
+    none = simulate(_cfg("simclr", "none", "none", world=4))
+    zero1 = simulate(_cfg("simclr", "optimizer", "none", world=4))
+    full = simulate(_cfg("simclr", "full", "none", world=4))
+    assert zero1.params == none.params and zero1.optimizer < none.optimizer * 0.6
+    assert full.grads < none.grads * 0.4 and full.optimizer < none.optimizer * 0.4
+    assert none.comm_bytes["all_reduce"] >= none.grads   # DDP's gradient all-reduce
+    assert full.comm_bytes["reduce_scatter_tensor"] > 0
+
+
+def test_figures_match_the_measured_cpu_step():
+    """Parameters, gradients and optimizer state of the plan equal a real one-process CPU step's; FLOPs equal
+    `unison.bench.flops` (the global batch's, here one rank's at W=1)."""
+    from unison.bench.flops import training_step_flops
+    from unison.data.synthetic import synthetic_dataset
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
+
+    cfg = TrainConfig(method="simclr", data="synthetic", backbone="small_cnn", batch_size=4, image_size=16,
+                      progress=False, channels_last=False, distributed=DistributedConfig(backend="local"))
+    cfg = validate_run(cfg)
+    plan = simulate(cfg)
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(4, 16))
+        batch = next(batches(run))
+        forward_backward(run, batch)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
+        optimizer_step(run, 0)
+        params = sum(p.numel() * p.element_size() for p in run.method.parameters())
+        opt = sum(v.numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor))
+    finally:
+        dist.destroy_process_group()
+    assert abs(plan.params - params) <= 0.05 * params
+    assert abs(plan.grads - grads) <= 0.05 * grads
+    assert abs(plan.optimizer - opt) <= 0.05 * opt
+    assert plan.flops == training_step_flops("simclr", "small_cnn", batch=4, image_size=16)
+
+
+def _run(argv: list[str], capfd) -> tuple[int, str, str]:
+    capfd.readouterr()
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err, err
+    return code, out, err
+
+
+TINY = ["--method", "simclr", "--backbone", "small_cnn", "--image-size", "16", "--batch-size", "4",
+        "--world-size", "2", "--backend", "nccl", "--amp", "bf16", "--shard", "full"]
+
+
+def test_json_reports_every_figure(capfd):
+    code, out, err = _run([*TINY, "--json", "--gpu", "a100-40"], capfd)
+    assert code == 0, err
+    report = json.loads(out)
+    for key in ("parameters_mib", "gradients_mib", "optimizer_state_mib", "activations_at_peak_mib", "peak_mib",
+                "gpu_memory_mib", "max_local_batch", "matrix_flops_per_step", "collective_bytes_per_step",
+                "estimate_step_s", "estimate_images_per_s", "host_syncs"):
+        assert key in report
+    assert report["fits"] and report["max_local_batch"] > 2 and report["world_size"] == 2
+    assert report["gpu"].startswith("A100") and report["gpu_memory_mib"] == round(39.4 * 1024)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--gpu", "h900"], "--gpu 'h900' is unknown"),
+    (["--gpu", "0"], "the memory must be in"),
+    (["--gpu", "nan"], "the memory must be in"),
+    (["--mfu", "0"], "--mfu 0.0 must be in (0, 1]"),
+    (["--world-size", "2", "--batch-size", "3"], "cannot be split evenly"),
+    (["--grad-compression", "fp16", "--world-size", "2", "--backend", "nccl"], "--grad-compression"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, fragment, capfd):
+    code, _, err = _run(["--backbone", "small_cnn", *argv], capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code == 2 and len(lines) == 1 and fragment in lines[0], err
