@@ -1,19 +1,20 @@
-"""A simulated W-rank NCCL job on a simulated CUDA device, in this process, with no GPU and no memory behind it.
+"""A simulated W-rank job in this process, with no GPU and no memory behind its tensors.
 
 `fake_cluster(world)` gives rank 0 of a ``"fake"`` process group (torch's FakeStore: every collective returns at
-once) and a `FakeTensorMode` in which tensors on ``cuda`` have shapes, dtypes and devices but no storage. What has
-to be patched for the production step to run there, and why:
+once) and a `FakeTensorMode` in which tensors have shapes, dtypes and devices but no storage. The device is the
+CPU: fake *CUDA* tensors run a forward (autocast included, with `amp_definitely_not_available` and
+`is_bf16_supported` patched), but the autograd engine's CUDA device threads need a CUDA runtime for the backward
+(``hasPrimaryContext expects a valid device index``), so the whole step is simulated on fake CPU tensors.
+What has to be patched for the production step to run there, and why:
 
-* ``torch.autocast("cuda")`` disables itself when CUDA is unavailable: `amp_definitely_not_available` and
-  `is_bf16_supported` answer as on a GPU, so the AutocastCUDA dispatch key casts the fake CUDA tensors as it would;
 * the model is built on the meta device outside fake mode (`_built_on_meta`), then moved onto the fake device;
 * `Module.to` must swap FakeTensor parameters, which fails while the fake converter's memo holds weak references
   to them: the memo of this mode holds them strongly instead (metadata only, nothing is allocated);
-* DDP's C++ reducer records CUDA timers at every forward: DDP runs its Python reducer (the one used under
+* DDP's C++ reducer cannot run on storage-less tensors (nor record its CUDA timers): DDP runs its Python reducer (the one used under
   compiled autograd: one all-reduce of each gradient), and its construction-time checks of the other ranks'
   shapes and its broadcast from rank 0 (every rank is seeded identically) are skipped;
-* FSDP2's default mesh is a CUDA mesh of the fake group, created before entering fake mode;
-* torch.nn.SyncBatchNorm's CUDA kernels get shape-only Meta kernels (`_register_syncbn_meta`).
+* FSDP2's default mesh is a mesh of the fake group, created before entering fake mode (``init_device_mesh``
+  reads the ranks' coordinates from tensor values).
 
 Host synchronisations (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask indexing) cannot run on fake tensors:
 `HostSyncRecorder` records each with the first frame outside torch that caused it and lets the step go on (a
@@ -34,35 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_SYNCBN_LIB: Any = None
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(__file__)
-
-
-def _register_syncbn_meta() -> None:
-    """Shape-only kernels of the CUDA-only ops torch.nn.SyncBatchNorm calls (no meta kernel in torch)."""
-    global _SYNCBN_LIB
-    if _SYNCBN_LIB is not None:
-        return
-    lib = torch.library.Library("aten", "IMPL")
-
-    def channels(x: torch.Tensor, n: int) -> list[torch.Tensor]:
-        return [x.new_empty(x.shape[1], dtype=torch.float32) for _ in range(n)]
-
-    def gather(x, mean, invstd, running_mean, running_var, momentum, eps, counts):
-        return mean.new_empty(mean.shape[-1]), mean.new_empty(mean.shape[-1])
-
-    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-        c = [mean.new_empty(x.shape[1]) for _ in range(4)]
-        return (c[0] if input_g else None, c[1] if input_g else None, c[2] if weight_g else None,
-                c[3] if bias_g else None)
-
-    lib.impl("batch_norm_stats", lambda x, eps: tuple(channels(x, 2)), "Meta")
-    lib.impl("batch_norm_gather_stats_with_counts", gather, "Meta")
-    lib.impl("batch_norm_elemt", lambda x, *rest: torch.empty_like(x), "Meta")
-    lib.impl("batch_norm_backward_reduce", backward_reduce, "Meta")
-    lib.impl("batch_norm_backward_elemt", lambda dy, x, *rest: torch.empty_like(x), "Meta")
-    _SYNCBN_LIB = lib
 
 
 @dataclass(frozen=True)
@@ -164,7 +138,9 @@ def fake_cluster(world: int) -> Iterator[tuple[Any, torch.device]]:
         with contextlib.ExitStack() as stack:
             for target, value in _patches().items():
                 stack.enter_context(mock.patch(target, value))
-            mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+            world_group = dist.group.WORLD
+            assert world_group is not None   # initialised above
+            mesh = DeviceMesh.from_group(world_group, device.type)
             for where in ("_fsdp_init", "_fully_shard"):   # fully_shard's own name of it, and the original
                 stack.enter_context(mock.patch(f"torch.distributed.fsdp._fully_shard.{where}._init_default_mesh",
                                                lambda *a, **k: mesh))
