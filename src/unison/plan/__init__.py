@@ -40,6 +40,7 @@ from .gpus import GPU, resolve_gpu
 
 MIB = 2**20
 DEFAULT_MFU = 0.4
+DEFAULT_IMAGE_SIZE = 224   # without --image-size (train's default for images of 224 px and more)
 __all__ = ["GPU", "PlanReport", "plan", "resolve_gpu", "simulate"]
 
 
@@ -245,13 +246,17 @@ def _counted(items: list[str]) -> list[str]:
 
 
 def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
-    """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits."""
+    """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
+    The data is not read (synthetic images stand in): without ``--image-size`` the views are 224 px."""
     if cfg.distributed.grad_compression != "none":
         raise ConfigError("unison plan does not simulate --grad-compression; leave it at none")
     if cfg.compile:
         raise ConfigError("unison plan does not simulate --compile; leave it off")
     if not 0 < mfu <= 1 or math.isnan(mfu):
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
+    if cfg.image_size is None:   # the data is not read: the size `train` takes for large images
+        cfg = copy.deepcopy(cfg)
+        cfg.image_size = DEFAULT_IMAGE_SIZE
     step = simulate(cfg)
     double = copy.deepcopy(cfg)
     double.batch_size = 2 * cfg.batch_size
