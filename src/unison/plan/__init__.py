@@ -58,6 +58,7 @@ class StepFigures:
     flops: int
     comm_bytes: dict[str, int]
     host_syncs: list[HostSync] = field(default_factory=list)
+    ddp_buckets: int = 0  # DDP's gradient buckets (allocated at its construction, outside the tracked step)
 
 
 def _synthetic_train_set(cfg: TrainConfig):
@@ -103,8 +104,9 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
             comm["all_reduce"] = comm.get("all_reduce", 0) + _ddp_grad_bytes(run)
         else:   # FSDP2's collectives bypass torch.distributed's Python names: its shards, gathered per pass
             comm.update(_fsdp_bytes(run, cfg.distributed.reshard_after_forward))
+        buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
         return StepFigures(local, *_memory(peak), grads, _optimizer_bytes(run), *_activations(peak), int(
-            flops.get_total_flops()), comm, syncs.syncs)
+            flops.get_total_flops()), comm, syncs.syncs, buckets)
 
 
 class _NoHook:
@@ -186,12 +188,17 @@ class PlanReport:
     mfu: float
 
     @property
+    def peak(self) -> int:
+        """The step's tracked peak plus DDP's gradient buckets (not a copy of the gradients under FSDP)."""
+        return self.step.peak + self.step.ddp_buckets
+
+    @property
     def fits(self) -> bool:
-        return self.step.peak <= self.gpu.memory_gib * 2**30
+        return self.peak <= self.gpu.memory_gib * 2**30
 
     @property
     def max_local_batch(self) -> int:
-        room = self.gpu.memory_gib * 2**30 - (self.step.peak - self.per_image_bytes * self.step.local_batch)
+        room = self.gpu.memory_gib * 2**30 - (self.peak - self.per_image_bytes * self.step.local_batch)
         return max(0, int(room // self.per_image_bytes)) if self.per_image_bytes > 0 else 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -207,7 +214,7 @@ class PlanReport:
             "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
             "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
             "optimizer_state_mib": s.optimizer / MIB, "activations_at_peak_mib": s.activations / MIB,
-            "peak_mib": s.peak / MIB, "fits": self.fits, "max_local_batch": self.max_local_batch,
+            "ddp_buckets_mib": s.ddp_buckets / MIB, "peak_mib": self.peak / MIB, "fits": self.fits, "max_local_batch": self.max_local_batch,
             "max_local_batch_method": "linear fit of the simulated peak at two local batches",
             "matrix_flops_per_step": s.flops, "collective_bytes_per_step": comm,
             "collective_bytes_by_kind": dict(s.comm_bytes),
@@ -222,7 +229,8 @@ class PlanReport:
         lines = [f"unison plan: {d['method']} on {d['backbone']} at {d['image_size']} px, {d['world_size']} ranks x "
                  f"{d['local_batch']} images, --shard {d['shard']}, --amp {d['amp']}, on {d['gpu']} (simulated)",
                  "per rank:"]
-        for key in ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "peak"):
+        for key in ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "ddp_buckets",
+                    "peak"):
             lines.append(f"  {key.replace('_', ' '):<22}{d[key + '_mib']:>12,.1f} MiB")
         verdict = "fits" if d["fits"] else "does NOT fit"
         lines.append(f"  {verdict} in {d['gpu_memory_mib']:,} MiB; largest local batch that fits: "
