@@ -11,11 +11,14 @@ on one local batch, under torch's `MemTracker`, `FlopCounterMode` and `CommMeter
 * matrix FLOPs per step (the `FlopCounterMode` count `unison.bench.flops` uses) and bytes handed to collectives
   (`CommMeter`, plus DDP's gradient all-reduce, one payload of the synchronised gradients), the time those bytes
   take at the GPU's interconnect bandwidth and an *estimated* step time and images/s at a stated MFU;
-* every host synchronisation the step makes (`HostSyncRecorder`), with where it happens.
+* every host synchronisation the step makes (`HostSyncRecorder`), with where it happens;
+* `cuda_check`: the same step's GPU code path on fake CUDA tensors, all but the backward (AutocastCUDA,
+  torch.nn.SyncBatchNorm, DDP on a device, the optimizer and EMA updates): device mismatches and host syncs.
 
-What is simulated and what is not: the tensors are fake CPU tensors, because the autograd engine cannot run a
-backward on fake CUDA tensors without a CUDA runtime; ``--amp bf16|fp16`` is autocast on the CPU with that dtype
-(what AutocastCUDA would cast, near enough: both cast matmuls and convolutions). SyncBN is unison's CPU
+What is simulated and what is not: the measured step's tensors are fake CPU tensors, because the autograd
+engine cannot run a backward on fake CUDA tensors without a CUDA runtime (`cuda_check` runs the rest there);
+``--amp bf16|fp16`` is autocast on the CPU with that dtype (what AutocastCUDA would cast, near enough: both
+cast matmuls and convolutions). SyncBN is unison's CPU
 `GlobalBatchNorm` (same collectives as torch's: a gather of 2C+1 and an all-reduce of 2C per layer), FSDP2
 keeps fp32 parameters (its bf16 mixed-precision policy is GPU-only), and kernel speed, NCCL and fragmentation of
 the CUDA caching allocator are not simulated: GPU figures are estimates.
@@ -41,7 +44,7 @@ from .gpus import GPU, resolve_gpu
 MIB = 2**20
 DEFAULT_MFU = 0.4
 DEFAULT_IMAGE_SIZE = 224   # without --image-size (train's default for images of 224 px and more)
-__all__ = ["GPU", "PlanReport", "plan", "resolve_gpu", "simulate"]
+__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "resolve_gpu", "simulate"]
 
 
 @dataclass
@@ -72,7 +75,7 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
     `warmup`: measure the second step (the first creates the optimizer's state); False for host syncs only."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from unison.training.step import Batch, build_run, forward_backward, optimizer_step
+    from unison.training.step import build_run, forward_backward, optimizer_step
 
     world = cfg.distributed.world_size
     local = cfg.batch_size // world
@@ -82,10 +85,7 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
             run = build_run(cfg, device, train_set=train_set)
         if cfg.amp != "none":   # AutocastCUDA cannot be simulated (see the module docstring): the CPU's autocast
             run.autocast_dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float16
-        views = [torch.randn(local, 3, s, s, device=device, dtype=run.dtype) for s in run.augment.view_sizes]
-        if cfg.channels_last:
-            views = [v.contiguous(memory_format=torch.channels_last) for v in views]
-        batch = Batch(0, 0, 0, torch.arange(local, device=device), views)
+        batch = _batch(run, local, device)
         if warmup:
             with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
                 forward_backward(run, batch)
@@ -107,6 +107,66 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
         buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
         return StepFigures(local, *_memory(peak), grads, _optimizer_bytes(run), *_activations(peak), int(
             flops.get_total_flops()), comm, syncs.syncs, buckets)
+
+
+@dataclass
+class CudaCheck:
+    """The step's GPU code path on fake CUDA tensors, everything but the backward (see `cuda_check`)."""
+
+    host_syncs: list[HostSync]
+    device_error: str | None    # a CPU tensor met a CUDA one: the error and where
+    skipped: str | None = None  # why the check could not run
+
+
+def cuda_check(cfg: TrainConfig) -> CudaCheck:
+    """`forward_backward` (its backward skipped: the autograd engine needs a CUDA runtime) and `optimizer_step`
+    on fake CUDA tensors: AutocastCUDA, torch.nn.SyncBatchNorm, FSDP2's bf16 policy, DDP on a device and the
+    EMA/queue/centre updates, each op checked for device mismatches; gradients are zeros of the parameters."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    from unison.training.step import build_run, forward_backward, optimizer_step
+
+    if cfg.distributed.shard == "full":
+        return CudaCheck([], None, "FSDP2 creates CUDA streams at its first forward, which needs a CUDA runtime")
+    local = cfg.batch_size // cfg.distributed.world_size
+    train_set = _synthetic_train_set(cfg)
+    with fake_cluster(cfg.distributed.world_size, "cuda") as (_, device):
+        with HostSyncRecorder():
+            run = build_run(cfg, device, train_set=train_set)
+        batch = _batch(run, local, device)
+        with HostSyncRecorder() as syncs:
+            try:
+                with mock.patch.object(torch.Tensor, "backward", lambda *a, **k: None):
+                    forward_backward(run, batch)
+                for p in run.trainable:
+                    p.grad = torch.zeros_like(p)
+                optimizer_step(run, batch.step)
+            except FakeTensorDeviceMismatchError as exc:
+                return CudaCheck(syncs.syncs, f"{exc} at {_where(exc)}")
+    return CudaCheck(syncs.syncs, None)
+
+
+def _where(exc: BaseException) -> str:
+    """file:line (function) of the innermost frame of `exc` outside torch and this package."""
+    import os
+    import traceback
+
+    torch_dir, here = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((torch_dir, here)) and "contextlib" not in f.filename]
+    return f"{frames[-1].filename.split('/src/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
+
+
+def _batch(run: Any, local: int, device: torch.device) -> Any:
+    """One local batch of random views of the run's sizes, dtype and memory format."""
+    from unison.training.step import Batch
+
+    views = [torch.randn(local, 3, s, s, device=device, dtype=run.dtype) for s in run.augment.view_sizes]
+    if run.cfg.channels_last:
+        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+    return Batch(0, 0, 0, torch.arange(local, device=device), views)
 
 
 class _NoHook:
@@ -186,6 +246,7 @@ class PlanReport:
     step: StepFigures
     per_image_bytes: float     # slope of the peak in the local batch (the linear fit)
     mfu: float
+    cuda: CudaCheck
 
     @property
     def peak(self) -> int:
@@ -222,6 +283,8 @@ class PlanReport:
             "estimate_comm_s": comm_s, "estimate_compute_s": compute_s, "estimate_mfu": self.mfu,
             "estimate_step_s": step_s, "estimate_images_per_s": self.cfg.batch_size / step_s if step_s else None,
             "host_syncs": [str(h) for h in s.host_syncs],
+            "cuda_path_skipped": self.cuda.skipped, "cuda_path_device_error": self.cuda.device_error,
+            "cuda_path_host_syncs": [str(h) for h in self.cuda.host_syncs],
         }
 
     def text(self) -> str:
@@ -243,6 +306,11 @@ class PlanReport:
                      "(compute + communication, no overlap)")
         lines.append(f"host synchronisations in the step: {len(d['host_syncs'])}")
         lines += [f"  {h}" for h in _counted(d["host_syncs"])]
+        lines.append("GPU code path on fake CUDA tensors (forward, optimizer, EMA; no backward): " + (
+            f"not run ({self.cuda.skipped})" if self.cuda.skipped else
+            f"DEVICE MISMATCH: {self.cuda.device_error}" if self.cuda.device_error else
+            f"no device mismatch, {len(self.cuda.host_syncs)} host synchronisations"))
+        lines += [f"  {h}" for h in _counted(d["cuda_path_host_syncs"])]
         return "\n".join(lines)
 
 
@@ -270,4 +338,4 @@ def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
     double.batch_size = 2 * cfg.batch_size
     other = simulate(double)
     per_image = (other.peak - step.peak) / step.local_batch
-    return PlanReport(cfg, gpu, step, per_image, mfu)
+    return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg))

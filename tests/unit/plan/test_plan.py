@@ -12,7 +12,7 @@ from unison.cli import main
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
 from unison.methods import METHODS
-from unison.plan import _device_snapshot, _tracker_class, simulate
+from unison.plan import _device_snapshot, _tracker_class, cuda_check, simulate
 from unison.training.resolve import validate_run
 
 VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
@@ -62,6 +62,35 @@ def test_simclr_every_shard_and_amp_lists_only_known_host_syncs(shard, amp):
     figures = simulate(_cfg("simclr", shard, amp, world=2), warmup=False)
     assert not _unexpected(figures)
     assert any(h.where.startswith("src/unison/training/step.py") for h in figures.host_syncs)   # isfinite(loss)
+
+
+@pytest.mark.parametrize("method, shard", [("simclr", "none"), ("moco", "optimizer"), ("dino", "none")])
+def test_gpu_code_path_on_fake_cuda_has_no_device_mismatch(method, shard):
+    """AutocastCUDA, torch.nn.SyncBatchNorm, DDP on a device, the optimizer and EMA/queue updates on fake CUDA
+    tensors: no CPU tensor meets a CUDA one; torch's SyncBatchNorm synchronises (its empty-rank mask), and
+    Adam's step counter is a CPU tensor (a host read, no device sync)."""
+    check = cuda_check(_cfg(method, shard, "bf16"))
+    assert check.device_error is None and check.skipped is None
+    torch_syncbn = [h for h in check.host_syncs if "torch/nn/modules/_functions.py" in h.inside]
+    assert torch_syncbn and not _unexpected_cuda(check)
+
+
+def test_a_cpu_tensor_in_the_gpu_step_is_found(monkeypatch):
+    from unison.methods.simclr import SimCLR
+
+    forward = SimCLR.forward
+
+    def planted(self, views, **kwargs):   # a CPU tensor made inside the step, as `torch.zeros(1)` would
+        return (forward(self, views, **kwargs).reshape(1) + torch.zeros(1)).sum()
+
+    monkeypatch.setattr(SimCLR, "forward", planted)
+    check = cuda_check(_cfg("simclr", "none", "bf16"))
+    assert check.device_error and "test_plan.py" in check.device_error, check.device_error
+
+
+def _unexpected_cuda(check) -> list[str]:
+    return [str(h) for h in check.host_syncs if not _known(h) and "torch/nn/modules/_functions.py" not in h.inside
+            and not h.host_only]
 
 
 def test_sharding_divides_the_parameters_per_rank():
