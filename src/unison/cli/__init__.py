@@ -1,4 +1,4 @@
-"""The `unison` command: train, check, eval, export, bench (the top layer: it dispatches, the layers below work).
+"""The `unison` command: train, check, plan, eval, export, bench (the top layer: it dispatches, the layers below work).
 
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
