@@ -22,6 +22,8 @@ KNOWN_SYNCS = [
     ("src/unison/training/step.py", "(forward_backward)", "", "the finite-loss check, by design"),
     ("src/unison/training/step.py", "(optimizer_step)", "optimizer.py", "torch's optimizer reads its step counter "
      "(a CPU tensor on GPUs too: no device sync there)"),
+    ("src/unison/training/step.py", "(optimizer_step)", "grad_scaler.py", "fp16's GradScaler reads found_inf "
+     "before stepping (torch's design: one device sync per step)"),
     ("src/unison/distributed/sync_batchnorm.py", "(_global_statistics)", "", "GlobalBatchNorm's global count "
      "(the CPU path: GPUs run torch.nn.SyncBatchNorm)"),
     ("src/unison/methods/dino.py", "(forward)", "", "teacher temperature schedule of the step counter"),
@@ -64,12 +66,13 @@ def test_simclr_every_shard_and_amp_lists_only_known_host_syncs(shard, amp):
     assert any(h.where.startswith("src/unison/training/step.py") for h in figures.host_syncs)   # isfinite(loss)
 
 
-@pytest.mark.parametrize("method, shard", [("simclr", "none"), ("moco", "optimizer"), ("dino", "none")])
-def test_gpu_code_path_on_fake_cuda_has_no_device_mismatch(method, shard):
+@pytest.mark.parametrize("method, shard, amp", [("simclr", "none", "bf16"), ("moco", "optimizer", "bf16"),
+                                               ("dino", "none", "bf16"), ("simclr", "none", "fp16")])
+def test_gpu_code_path_on_fake_cuda_has_no_device_mismatch(method, shard, amp):
     """AutocastCUDA, torch.nn.SyncBatchNorm, DDP on a device, the optimizer and EMA/queue updates on fake CUDA
     tensors: no CPU tensor meets a CUDA one; torch's SyncBatchNorm synchronises (its empty-rank mask), and
     Adam's step counter is a CPU tensor (a host read, no device sync)."""
-    check = cuda_check(_cfg(method, shard, "bf16"))
+    check = cuda_check(_cfg(method, shard, amp))
     assert check.device_error is None and check.skipped is None
     torch_syncbn = [h for h in check.host_syncs if "torch/nn/modules/_functions.py" in h.inside]
     assert torch_syncbn and not _unexpected_cuda(check)
