@@ -333,9 +333,14 @@ def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
     if cfg.image_size is None:   # the data is not read: the size `train` takes for large images
         cfg = copy.deepcopy(cfg)
         cfg.image_size = DEFAULT_IMAGE_SIZE
-    step = simulate(cfg)
-    double = copy.deepcopy(cfg)
-    double.batch_size = 2 * cfg.batch_size
-    other = simulate(double)
+    try:
+        step = simulate(cfg)
+        double = copy.deepcopy(cfg)
+        double.batch_size = 2 * cfg.batch_size
+        other = simulate(double)
+    except (AssertionError, RuntimeError, ValueError) as exc:   # what the run itself would hit at its first step
+        raise ConfigError(f"this configuration's step fails on the simulated {cfg.distributed.world_size}-rank job "
+                          f"(as it would at the first step of the run): {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:300]} (at {_where(exc)})") from None
     per_image = (other.peak - step.peak) / step.local_batch
     return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg))

@@ -91,6 +91,20 @@ def test_a_cpu_tensor_in_the_gpu_step_is_found(monkeypatch):
     assert check.device_error and "test_plan.py" in check.device_error, check.device_error
 
 
+def test_a_step_that_fails_is_one_line_naming_where(monkeypatch, capfd):
+    """A configuration whose step raises (DINO's 96 px crops into timm's 224-px-only ViT) is the run's own
+    failure at step 1: one line with the error and where, exit 2, before any GPU is booked."""
+    from unison.methods.simclr import SimCLR
+
+    def planted(self, views, **kwargs):
+        raise AssertionError("Input height (96) doesn't match model (224).")
+
+    monkeypatch.setattr(SimCLR, "forward", planted)
+    code, _, err = _run(TINY, capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code == 2 and len(lines) == 1 and "doesn't match model (224)" in lines[0] and "test_plan.py" in lines[0]
+
+
 def _unexpected_cuda(check) -> list[str]:
     return [str(h) for h in check.host_syncs if not _known(h) and "torch/nn/modules/_functions.py" not in h.inside
             and not h.host_only]
