@@ -1,4 +1,4 @@
-"""The `unison` command: train, check, eval, export, bench (the top layer: it dispatches, the layers below work).
+"""The `unison` command: train, check, plan, eval, export, bench (the top layer: it dispatches, the layers below work).
 
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
@@ -166,6 +166,23 @@ def cmd_check(ns: argparse.Namespace) -> int:
     return 0 if all(report.passed for report in reports) else 1
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    """`unison plan`: one rank's memory, FLOPs, collective bytes and host syncs, from a simulated step."""
+    import json
+
+    from unison.plan import plan, resolve_gpu
+
+    gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
+    if getattr(ns, "config", None):
+        from unison.config import TrainConfig
+
+        check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
+    cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
+    report = plan(cfg, gpu, mfu=ns.mfu)
+    print(json.dumps(report.as_dict(), indent=1) if ns.json else report.text(), flush=True)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     from unison.equivalence import CheckSpec, CurveSpec
 
@@ -183,6 +200,20 @@ def make_parser() -> argparse.ArgumentParser:
                              epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
+
+    p_plan = sub.add_parser("plan", help="what a run needs per GPU (memory, FLOPs, bytes, host syncs), simulated here",
+                            description="Run one step of `unison train`'s options on a simulated W-rank GPU job\n"
+                                        "(fake process group, fake tensors: nothing is allocated) and report one\n"
+                                        "rank's memory, the largest local batch that fits --gpu, FLOPs, collective\n"
+                                        "bytes and host synchronisations. Times and images/s are estimates.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(p_plan)
+    p_plan.add_argument("--gpu", default="h100", metavar="NAME|GIB",
+                        help="target GPU: h100 (default), h100-pcie, h200, a100-80, a100-40, l40s, l4, 4090, "
+                             "or a memory size in GiB")
+    p_plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the step-time estimate")
+    p_plan.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p_plan.set_defaults(func=cmd_plan)
 
     p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)")
     p_check.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")

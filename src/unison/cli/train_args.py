@@ -77,7 +77,9 @@ def resume_base(resume: str) -> dict[str, Any]:
     return dict(read_header(resume).config)   # the header only: the worker reads the weights, once
 
 
-def build_train_config(ns: argparse.Namespace) -> TrainConfig:
+def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = None) -> TrainConfig:
+    """The run's configuration from flags, ``--config`` and the resumed run, validated (`cuda_available`: as on a
+    machine with or without CUDA; None: this machine; ``unison plan`` validates for the GPUs it simulates)."""
     base: dict[str, Any] = {}
     resume = getattr(ns, "resume", None)
     if resume:
@@ -104,7 +106,7 @@ def build_train_config(ns: argparse.Namespace) -> TrainConfig:
         cfg.resume = resume
     from unison.training.resolve import validate_run  # the registries below import torch: not for --help
 
-    return validate_run(cfg)
+    return validate_run(cfg, cuda_available)
 
 
 def parse_train_args(argv: list[str]) -> TrainConfig:

@@ -1,0 +1,346 @@
+"""`unison plan`: what one rank of a W-rank job will need, from the production step run on simulated tensors.
+
+`plan(cfg, gpu)` builds the step `unison train` runs (`unison.training.step.build_run`) for rank 0 of a simulated
+W-rank job (`unison.plan.fake.fake_cluster`: torch's fake process group, `FakeTensorMode`, nothing the size of
+the model or the batch allocated) and runs one full step (forward, backward, optimizer, EMA/queue/centre updates)
+on one local batch, under torch's `MemTracker`, `FlopCounterMode` and `CommMeter`:
+
+* memory per rank at the step's peak: parameters, gradients, optimizer state, activations (+ temporaries);
+* the largest local batch that fits the GPU: a linear fit of the simulated peak at two local batches
+  (peak = fixed + per-image x batch; activations are linear in the batch);
+* matrix FLOPs per step (the `FlopCounterMode` count `unison.bench.flops` uses) and bytes handed to collectives
+  (`CommMeter`, plus DDP's gradient all-reduce, one payload of the synchronised gradients), the time those bytes
+  take at the GPU's interconnect bandwidth and an *estimated* step time and images/s at a stated MFU;
+* every host synchronisation the step makes (`HostSyncRecorder`), with where it happens;
+* `cuda_check`: the same step's GPU code path on fake CUDA tensors, all but the backward (AutocastCUDA,
+  torch.nn.SyncBatchNorm, DDP on a device, the optimizer and EMA updates): device mismatches and host syncs.
+
+What is simulated and what is not: the measured step's tensors are fake CPU tensors, because the autograd
+engine cannot run a backward on fake CUDA tensors without a CUDA runtime (`cuda_check` runs the rest there);
+``--amp bf16|fp16`` is autocast on the CPU with that dtype (what AutocastCUDA would cast, near enough: both
+cast matmuls and convolutions). SyncBN is unison's CPU
+`GlobalBatchNorm` (same collectives as torch's: a gather of 2C+1 and an all-reduce of 2C per layer), FSDP2
+keeps fp32 parameters (its bf16 mixed-precision policy is GPU-only), and kernel speed, NCCL and fragmentation of
+the CUDA caching allocator are not simulated: GPU figures are estimates.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unison.config import TrainConfig
+from unison.distributed.comm_meter import CommMeter
+from unison.distributed.tagging import rank_local_state_names
+from unison.errors import ConfigError
+
+from .fake import HostSync, HostSyncRecorder, fake_cluster
+from .gpus import GPU, resolve_gpu
+
+MIB = 2**20
+DEFAULT_MFU = 0.4
+DEFAULT_IMAGE_SIZE = 224   # without --image-size (train's default for images of 224 px and more)
+__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "resolve_gpu", "simulate"]
+
+
+@dataclass
+class StepFigures:
+    """One simulated step of one rank at one local batch (bytes)."""
+
+    local_batch: int
+    params: int
+    buffers: int
+    grads: int
+    optimizer: int
+    activations: int     # activations + temporaries at the peak
+    peak: int            # everything at the step's peak
+    flops: int
+    comm_bytes: dict[str, int]
+    host_syncs: list[HostSync] = field(default_factory=list)
+    ddp_buckets: int = 0  # DDP's gradient buckets (allocated at its construction, outside the tracked step)
+
+
+def _synthetic_train_set(cfg: TrainConfig):
+    from unison.data.synthetic import synthetic_dataset
+
+    return synthetic_dataset(cfg.batch_size, 8)   # tiny real images: build_run checks one batch, views are made here
+
+
+def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
+    """Rank 0's figures for one step of `cfg` (``cfg.batch_size`` global, ``world_size`` ranks), simulated.
+    `warmup`: measure the second step (the first creates the optimizer's state); False for host syncs only."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unison.training.step import build_run, forward_backward, optimizer_step
+
+    world = cfg.distributed.world_size
+    local = cfg.batch_size // world
+    train_set = _synthetic_train_set(cfg)
+    with fake_cluster(world) as (_, device):
+        with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): once, not per step
+            run = build_run(cfg, device, train_set=train_set)
+        if cfg.amp != "none":   # AutocastCUDA cannot be simulated (see the module docstring): the CPU's autocast
+            run.autocast_dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float16
+        batch = _batch(run, local, device)
+        if warmup:
+            with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
+                forward_backward(run, batch)
+                optimizer_step(run, batch.step)
+            batch.step = 1
+        tracker = _tracker_class()()
+        tracker.track_external(run.parallel_model, run.optimizer)
+        flops = FlopCounterMode(display=False)
+        with tracker, CommMeter() as meter, flops, HostSyncRecorder() as syncs:
+            forward_backward(run, batch)
+            grads = _grad_bytes(run)
+            optimizer_step(run, batch.step)
+        peak = tracker.get_tracker_snapshot("peak")
+        comm = dict(meter.bytes)
+        if cfg.distributed.shard != "full":   # DDP's all-reduce (its Python reducer here, invisible to CommMeter)
+            comm["all_reduce"] = comm.get("all_reduce", 0) + _ddp_grad_bytes(run)
+        else:   # FSDP2's collectives bypass torch.distributed's Python names: its shards, gathered per pass
+            comm.update(_fsdp_bytes(run, cfg.distributed.reshard_after_forward))
+        buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
+        return StepFigures(local, *_memory(peak), grads, _optimizer_bytes(run), *_activations(peak), int(
+            flops.get_total_flops()), comm, syncs.syncs, buckets)
+
+
+@dataclass
+class CudaCheck:
+    """The step's GPU code path on fake CUDA tensors, everything but the backward (see `cuda_check`)."""
+
+    host_syncs: list[HostSync]
+    device_error: str | None    # a CPU tensor met a CUDA one: the error and where
+    skipped: str | None = None  # why the check could not run
+
+
+def cuda_check(cfg: TrainConfig) -> CudaCheck:
+    """`forward_backward` (its backward skipped: the autograd engine needs a CUDA runtime) and `optimizer_step`
+    on fake CUDA tensors: AutocastCUDA, torch.nn.SyncBatchNorm, FSDP2's bf16 policy, DDP on a device and the
+    EMA/queue/centre updates, each op checked for device mismatches; gradients are zeros of the parameters."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    from unison.training.step import build_run, forward_backward, optimizer_step
+
+    if cfg.distributed.shard == "full":
+        return CudaCheck([], None, "FSDP2 creates CUDA streams at its first forward, which needs a CUDA runtime")
+    local = cfg.batch_size // cfg.distributed.world_size
+    train_set = _synthetic_train_set(cfg)
+    with fake_cluster(cfg.distributed.world_size, "cuda") as (_, device):
+        with HostSyncRecorder():
+            run = build_run(cfg, device, train_set=train_set)
+        batch = _batch(run, local, device)
+        with HostSyncRecorder() as syncs:
+            try:
+                with mock.patch.object(torch.Tensor, "backward", lambda *a, **k: None):
+                    forward_backward(run, batch)
+                for p in run.trainable:
+                    p.grad = torch.zeros_like(p)
+                optimizer_step(run, batch.step)
+            except FakeTensorDeviceMismatchError as exc:
+                return CudaCheck(syncs.syncs, f"{exc} at {_where(exc)}")
+    return CudaCheck(syncs.syncs, None)
+
+
+def _where(exc: BaseException) -> str:
+    """file:line (function) of the innermost frame of `exc` outside torch and this package."""
+    import os
+    import traceback
+
+    torch_dir, here = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((torch_dir, here)) and "contextlib" not in f.filename]
+    return f"{frames[-1].filename.split('/src/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
+
+
+def _batch(run: Any, local: int, device: torch.device) -> Any:
+    """One local batch of random views of the run's sizes, dtype and memory format."""
+    from unison.training.step import Batch
+
+    views = [torch.randn(local, 3, s, s, device=device, dtype=run.dtype) for s in run.augment.view_sizes]
+    if run.cfg.channels_last:
+        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+    return Batch(0, 0, 0, torch.arange(local, device=device), views)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        """MemTracker hooks the gradient of every parameter, which torch refuses for frozen ones (momentum
+        teachers; FSDP2 swaps in their unsharded parameters at each forward): those get none."""
+
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return Tracker
+
+
+def _memory(peak: dict) -> tuple[int, int]:
+    dev = _device_snapshot(peak)
+    return int(dev.get("Parameter", 0)), int(dev.get("Buffer", 0))
+
+
+def _activations(peak: dict) -> tuple[int, int]:
+    dev = _device_snapshot(peak)
+    return int(dev.get("Activation", 0) + dev.get("Temp", 0)), int(dev.get("Total", 0))
+
+
+def _device_snapshot(peak: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for stats in peak.values():   # one device (the simulated one)
+        for key, value in stats.items():
+            out[str(getattr(key, "value", key))] = out.get(str(getattr(key, "value", key)), 0) + int(value)
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t   # FSDP2: this rank's shard of a DTensor
+
+
+def _grad_bytes(run: Any) -> int:
+    return sum(_local(p.grad).numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
+
+
+def _ddp_grad_bytes(run: Any) -> int:
+    ignored = set(rank_local_state_names(run.method))
+    return sum(p.numel() * p.element_size() for n, p in run.method.named_parameters()
+               if p.requires_grad and n not in ignored)
+
+
+def _fsdp_bytes(run: Any, reshard_after_forward: bool) -> dict[str, int]:
+    """Per step: each unit's shard all-gathered in the forward and again in the backward (once if it stays
+    gathered), each gradient reduce-scattered (payload: the whole gradient, as `CommMeter` counts it)."""
+    shards = sum(_local(p).numel() * p.element_size() for p in run.method.parameters())
+    full = sum(p.numel() * p.element_size() for p in run.method.parameters() if p.requires_grad)
+    return {"all_gather_into_tensor": shards * (2 if reshard_after_forward else 1), "reduce_scatter_tensor": full}
+
+
+def _optimizer_bytes(run: Any) -> int:
+    from unison.parallel.zero import ShardedOptimizer
+
+    if isinstance(run.optimizer, ShardedOptimizer):
+        return run.optimizer.local_state_bytes()
+    return sum(_local(v).numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+@dataclass
+class PlanReport:
+    cfg: TrainConfig
+    gpu: GPU
+    step: StepFigures
+    per_image_bytes: float     # slope of the peak in the local batch (the linear fit)
+    mfu: float
+    cuda: CudaCheck
+
+    @property
+    def peak(self) -> int:
+        """The step's tracked peak plus DDP's gradient buckets (not a copy of the gradients under FSDP)."""
+        return self.step.peak + self.step.ddp_buckets
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu.memory_gib * 2**30
+
+    @property
+    def max_local_batch(self) -> int:
+        room = self.gpu.memory_gib * 2**30 - (self.peak - self.per_image_bytes * self.step.local_batch)
+        return max(0, int(room // self.per_image_bytes)) if self.per_image_bytes > 0 else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        s, world = self.step, self.cfg.distributed.world_size
+        comm = sum(s.comm_bytes.values())
+        comm_s = comm / (self.gpu.interconnect_gb_s * 1e9)
+        compute_s = s.flops / (self.gpu.bf16_tflops * 1e12 * self.mfu)
+        step_s = compute_s + comm_s
+        return {
+            "method": self.cfg.method, "backbone": self.cfg.backbone, "image_size": self.cfg.image_size,
+            "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
+            "local_batch": s.local_batch, "global_batch": self.cfg.batch_size,
+            "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
+            "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
+            "optimizer_state_mib": s.optimizer / MIB, "activations_at_peak_mib": s.activations / MIB,
+            "ddp_buckets_mib": s.ddp_buckets / MIB, "peak_mib": self.peak / MIB, "fits": self.fits, "max_local_batch": self.max_local_batch,
+            "max_local_batch_method": "linear fit of the simulated peak at two local batches",
+            "matrix_flops_per_step": s.flops, "collective_bytes_per_step": comm,
+            "collective_bytes_by_kind": dict(s.comm_bytes),
+            "interconnect": f"{self.gpu.interconnect} {self.gpu.interconnect_gb_s:g} GB/s",
+            "estimate_comm_s": comm_s, "estimate_compute_s": compute_s, "estimate_mfu": self.mfu,
+            "estimate_step_s": step_s, "estimate_images_per_s": self.cfg.batch_size / step_s if step_s else None,
+            "host_syncs": [str(h) for h in s.host_syncs],
+            "cuda_path_skipped": self.cuda.skipped, "cuda_path_device_error": self.cuda.device_error,
+            "cuda_path_host_syncs": [str(h) for h in self.cuda.host_syncs],
+        }
+
+    def text(self) -> str:
+        d = self.as_dict()
+        lines = [f"unison plan: {d['method']} on {d['backbone']} at {d['image_size']} px, {d['world_size']} ranks x "
+                 f"{d['local_batch']} images, --shard {d['shard']}, --amp {d['amp']}, on {d['gpu']} (simulated)",
+                 "per rank:"]
+        for key in ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "ddp_buckets",
+                    "peak"):
+            lines.append(f"  {key.replace('_', ' '):<22}{d[key + '_mib']:>12,.1f} MiB")
+        verdict = "fits" if d["fits"] else "does NOT fit"
+        lines.append(f"  {verdict} in {d['gpu_memory_mib']:,} MiB; largest local batch that fits: "
+                     f"{d['max_local_batch']} ({d['max_local_batch_method']})")
+        lines.append(f"  matrix FLOPs per step   {d['matrix_flops_per_step'] / 1e12:,.3f} TFLOP")
+        lines.append(f"  collectives per step    {d['collective_bytes_per_step'] / MIB:,.1f} MiB "
+                     f"({d['estimate_comm_s'] * 1e3:.2f} ms at {d['interconnect']})")
+        lines.append(f"  estimate: {d['estimate_step_s'] * 1e3:.1f} ms per step, "
+                     f"{d['estimate_images_per_s'] or 0:,.0f} images/s at {d['estimate_mfu']:.0%} MFU "
+                     "(compute + communication, no overlap)")
+        lines.append(f"host synchronisations in the step: {len(d['host_syncs'])}")
+        lines += [f"  {h}" for h in _counted(d["host_syncs"])]
+        lines.append("GPU code path on fake CUDA tensors (forward, optimizer, EMA; no backward): " + (
+            f"not run ({self.cuda.skipped})" if self.cuda.skipped else
+            f"DEVICE MISMATCH: {self.cuda.device_error}" if self.cuda.device_error else
+            f"no device mismatch, {len(self.cuda.host_syncs)} host synchronisations"))
+        lines += [f"  {h}" for h in _counted(d["cuda_path_host_syncs"])]
+        return "\n".join(lines)
+
+
+def _counted(items: list[str]) -> list[str]:
+    counts: dict[str, int] = {}
+    for i in items:
+        counts[i] = counts.get(i, 0) + 1
+    return [f"{n} x {i}" if n > 1 else i for i, n in counts.items()]
+
+
+def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
+    """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
+    The data is not read (synthetic images stand in): without ``--image-size`` the views are 224 px."""
+    if cfg.distributed.grad_compression != "none":
+        raise ConfigError("unison plan does not simulate --grad-compression; leave it at none")
+    if cfg.compile:
+        raise ConfigError("unison plan does not simulate --compile; leave it off")
+    if not 0 < mfu <= 1 or math.isnan(mfu):
+        raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
+    if cfg.image_size is None:   # the data is not read: the size `train` takes for large images
+        cfg = copy.deepcopy(cfg)
+        cfg.image_size = DEFAULT_IMAGE_SIZE
+    try:
+        step = simulate(cfg)
+        double = copy.deepcopy(cfg)
+        double.batch_size = 2 * cfg.batch_size
+        other = simulate(double)
+    except (AssertionError, RuntimeError, ValueError) as exc:   # what the run itself would hit at its first step
+        raise ConfigError(f"this configuration's step fails on the simulated {cfg.distributed.world_size}-rank job "
+                          f"(as it would at the first step of the run): {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:300]} (at {_where(exc)})") from None
+    per_image = (other.peak - step.peak) / step.local_batch
+    return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg))

@@ -1,0 +1,202 @@
+"""unison plan: the production step on a simulated W-rank job (fake process group, fake tensors), its host
+synchronisations, the figures it reports against measured ones, and the command's bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.config import TrainConfig
+from unison.config.distributed import DistributedConfig
+from unison.methods import METHODS
+from unison.plan import _device_snapshot, _tracker_class, cuda_check, simulate
+from unison.training.resolve import validate_run
+
+VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
+# Host synchronisations a step may make: (where it happens: file and function, torch's frame below it, why).
+# Each is one small read per step (per BN layer for GlobalBatchNorm); see docs/benchmarks.md, "unison plan".
+KNOWN_SYNCS = [
+    ("src/unison/training/step.py", "(forward_backward)", "", "the finite-loss check, by design"),
+    ("src/unison/training/step.py", "(optimizer_step)", "optimizer.py", "torch's optimizer reads its step counter "
+     "(a CPU tensor on GPUs too: no device sync there)"),
+    ("src/unison/training/step.py", "(optimizer_step)", "grad_scaler.py", "fp16's GradScaler reads found_inf "
+     "before stepping (torch's design: one device sync per step)"),
+    ("src/unison/distributed/sync_batchnorm.py", "(_global_statistics)", "", "GlobalBatchNorm's global count "
+     "(the CPU path: GPUs run torch.nn.SyncBatchNorm)"),
+    ("src/unison/methods/dino.py", "(forward)", "", "teacher temperature schedule of the step counter"),
+    ("src/unison/methods/ibot.py", "(forward)", "", "teacher temperature schedule of the step counter"),
+    ("src/unison/methods/lejepa.py", "(forward)", "", "the step's random directions are seeded by the step counter"),
+    ("src/unison/methods/swav.py", "(forward)", "", "prototypes frozen for the first steps (step counter)"),
+    ("src/unison/methods/moco.py", "(_enqueue)", "", "the queue pointer"),
+]
+
+
+def _known(h) -> bool:
+    return any(h.where.startswith(f) and h.where.endswith(fn) and inside in h.inside for f, fn, inside, _ in KNOWN_SYNCS)
+
+
+def _cfg(method: str, shard: str = "full", amp: str = "bf16", world: int = 8, local: int = 2) -> TrainConfig:
+    vit = method in VIT_ONLY   # I-JEPA needs room for its context block: 8 x 8 patches
+    cfg = TrainConfig(method=method, data="synthetic", backbone="vit_nano_p4" if vit else "small_cnn",
+                      batch_size=local * world, image_size=32 if method == "ijepa" else 16, amp=amp, progress=False,
+                      distributed=DistributedConfig(backend="nccl", world_size=world, shard=shard))
+    return validate_run(cfg, cuda_available=True)
+
+
+def _unexpected(figures) -> list[str]:
+    return [str(h) for h in figures.host_syncs if not _known(h)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method):
+    figures = simulate(_cfg(method), warmup=False)
+    assert figures.flops > 0 and figures.peak > 0
+    assert not _unexpected(figures)
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer", "full"])
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_simclr_every_shard_and_amp_lists_only_known_host_syncs(shard, amp):
+    figures = simulate(_cfg("simclr", shard, amp, world=2), warmup=False)
+    assert not _unexpected(figures)
+    assert any(h.where.startswith("src/unison/training/step.py") for h in figures.host_syncs)   # isfinite(loss)
+
+
+@pytest.mark.parametrize("method, shard, amp", [("simclr", "none", "bf16"), ("moco", "optimizer", "bf16"),
+                                               ("dino", "none", "bf16"), ("simclr", "none", "fp16")])
+def test_gpu_code_path_on_fake_cuda_has_no_device_mismatch(method, shard, amp):
+    """AutocastCUDA, torch.nn.SyncBatchNorm, DDP on a device, the optimizer and EMA/queue updates on fake CUDA
+    tensors: no CPU tensor meets a CUDA one; torch's SyncBatchNorm synchronises (its empty-rank mask), and
+    Adam's step counter is a CPU tensor (a host read, no device sync)."""
+    check = cuda_check(_cfg(method, shard, amp))
+    assert check.device_error is None and check.skipped is None
+    torch_syncbn = [h for h in check.host_syncs if "torch/nn/modules/_functions.py" in h.inside]
+    assert torch_syncbn and not _unexpected_cuda(check)
+
+
+def test_a_cpu_tensor_in_the_gpu_step_is_found(monkeypatch):
+    from unison.methods.simclr import SimCLR
+
+    forward = SimCLR.forward
+
+    def planted(self, views, **kwargs):   # a CPU tensor made inside the step, as `torch.zeros(1)` would
+        return (forward(self, views, **kwargs).reshape(1) + torch.zeros(1)).sum()
+
+    monkeypatch.setattr(SimCLR, "forward", planted)
+    check = cuda_check(_cfg("simclr", "none", "bf16"))
+    assert check.device_error and "test_plan.py" in check.device_error, check.device_error
+
+
+def test_a_step_that_fails_is_one_line_naming_where(monkeypatch, capfd):
+    """A configuration whose step raises (DINO's 96 px crops into timm's 224-px-only ViT) is the run's own
+    failure at step 1: one line with the error and where, exit 2, before any GPU is booked."""
+    from unison.methods.simclr import SimCLR
+
+    def planted(self, views, **kwargs):
+        raise AssertionError("Input height (96) doesn't match model (224).")
+
+    monkeypatch.setattr(SimCLR, "forward", planted)
+    code, _, err = _run(TINY, capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code == 2 and len(lines) == 1 and "doesn't match model (224)" in lines[0] and "test_plan.py" in lines[0]
+
+
+def _unexpected_cuda(check) -> list[str]:
+    return [str(h) for h in check.host_syncs if not _known(h) and "torch/nn/modules/_functions.py" not in h.inside
+            and not h.host_only]
+
+
+def test_sharding_divides_the_parameters_per_rank():
+    none = simulate(_cfg("simclr", "none", "none", world=4))
+    zero1 = simulate(_cfg("simclr", "optimizer", "none", world=4))
+    full = simulate(_cfg("simclr", "full", "none", world=4))
+    assert zero1.params == none.params and zero1.optimizer < none.optimizer * 0.6
+    assert full.grads < none.grads * 0.4 and full.optimizer < none.optimizer * 0.4
+    assert none.comm_bytes["all_reduce"] >= none.grads   # DDP's gradient all-reduce
+    assert full.comm_bytes["reduce_scatter_tensor"] > 0
+
+
+def test_figures_match_the_measured_cpu_step():
+    """Parameters, gradients and optimizer state of the plan equal a real one-process CPU step's; FLOPs equal
+    `unison.bench.flops` (the global batch's, here one rank's at W=1)."""
+    from unison.bench.flops import training_step_flops
+    from unison.data.synthetic import synthetic_dataset
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
+
+    cfg = TrainConfig(method="simclr", data="synthetic", backbone="small_cnn", batch_size=4, image_size=16,
+                      progress=False, channels_last=False, max_steps=2, distributed=DistributedConfig(backend="local", world_size=1))
+    cfg = validate_run(cfg)
+    plan = simulate(cfg)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # in this process
+    try:
+        run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(4, 16))
+        stream = batches(run)
+        forward_backward(run, next(stream))   # step 0 creates the optimizer's state, as in the plan
+        optimizer_step(run, 0)
+        tracker = _tracker_class()()
+        tracker.track_external(run.parallel_model, run.optimizer)
+        with tracker:
+            forward_backward(run, next(stream))
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
+            optimizer_step(run, 1)
+        measured = _device_snapshot(tracker.get_tracker_snapshot("peak"))
+        params = sum(p.numel() * p.element_size() for p in run.method.parameters())
+        opt = sum(v.numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor))
+    finally:
+        dist.destroy_process_group()
+    assert abs(plan.params - params) <= 0.05 * params
+    assert abs(plan.grads - grads) <= 0.05 * grads
+    assert abs(plan.optimizer - opt) <= 0.05 * opt
+    activations = measured.get("Activation", 0) + measured.get("Temp", 0)
+    assert abs(plan.activations - activations) <= 0.25 * activations, (plan.activations, activations)
+    assert abs(plan.peak - measured["Total"]) <= 0.25 * measured["Total"]
+    assert plan.flops == training_step_flops("simclr", "small_cnn", batch=4, image_size=16)
+
+
+def _run(argv: list[str], capfd) -> tuple[int, str, str]:
+    capfd.readouterr()
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err, err
+    return code, out, err
+
+
+TINY = ["--method", "simclr", "--backbone", "small_cnn", "--image-size", "16", "--batch-size", "4",
+        "--world-size", "2", "--backend", "nccl", "--amp", "bf16", "--shard", "full"]
+
+
+def test_json_reports_every_figure(capfd):
+    code, out, err = _run([*TINY, "--json", "--gpu", "a100-40"], capfd)
+    assert code == 0, err
+    report = json.loads(out)
+    for key in ("parameters_mib", "gradients_mib", "optimizer_state_mib", "activations_at_peak_mib", "peak_mib",
+                "gpu_memory_mib", "max_local_batch", "matrix_flops_per_step", "collective_bytes_per_step",
+                "estimate_step_s", "estimate_images_per_s", "host_syncs"):
+        assert key in report
+    assert all(h.startswith("item()/bool()/float()") for h in report["host_syncs"])
+    assert report["fits"] and report["max_local_batch"] > 2 and report["world_size"] == 2
+    assert report["gpu"].startswith("A100") and report["gpu_memory_mib"] == round(39.4 * 1024)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--gpu", "h900"], "--gpu 'h900' is unknown"),
+    (["--gpu", "0"], "the memory must be in"),
+    (["--gpu", "nan"], "the memory must be in"),
+    (["--mfu", "0"], "--mfu 0.0 must be in (0, 1]"),
+    (["--world-size", "2", "--batch-size", "3"], "cannot be split evenly"),
+    (["--grad-compression", "fp16", "--world-size", "2", "--backend", "nccl"], "--grad-compression"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, fragment, capfd):
+    code, _, err = _run(["--backbone", "small_cnn", *argv], capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code == 2 and len(lines) == 1 and fragment in lines[0], err
