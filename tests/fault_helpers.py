@@ -21,8 +21,10 @@ TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--sub
 
 
 def children() -> set[int]:
-    """Live child processes of this test process (multiprocessing's resource tracker excepted)."""
-    me, found = os.getpid(), set()
+    """Live processes started by this test process: its children and theirs (multiprocessing's resource tracker
+    and fork server excepted: they live as long as this process; the launcher's workers are the fork server's
+    children, and are counted)."""
+    parent_of, cmdline_of = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -30,12 +32,17 @@ def children() -> set[int]:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
+                cmdline_of[int(entry)] = f.read()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-            found.add(int(entry))
-    return found
+        if fields[0] != "Z":
+            parent_of[int(entry)] = int(fields[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parent_of.items() if parent in frontier} - found
+        found |= frontier
+    return {pid for pid in found if b"resource_tracker" not in cmdline_of.get(pid, b"")
+            and b"forkserver" not in cmdline_of.get(pid, b"")}
 
 
 def error_dirs() -> set[str]:

@@ -93,7 +93,9 @@ def _fire(fault: dict[str, Any], rank: int, step: int) -> bool:
     sys.stderr.flush()
     if fault["kind"] in _SIGNALS:
         sig = getattr(signal, _SIGNALS[fault["kind"]], signal.SIGTERM)
-        os.kill(os.getppid() if fault["to"] == "launcher" else os.getpid(), sig)
+        # The launcher: unison's (its workers are the fork server's children) or torchrun's agent (the parent).
+        launcher = int(os.environ.get("UNISON_LAUNCHER_PID", os.getppid()))
+        os.kill(launcher if fault["to"] == "launcher" else os.getpid(), sig)
         if fault["kind"] in ("term", "usr1", "int"):
             # let the signal take effect here, inside the step or the save (a save waits longer: the signal may
             # travel through the launcher and back to this process)

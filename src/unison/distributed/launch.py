@@ -1,9 +1,15 @@
 """Start N local worker processes that rendezvous on loopback, and end them all together.
 
-``launch(target, payload, cfg)`` spawns ``cfg.world_size`` processes (``spawn`` start
-method, so no CUDA or thread state leaks in), each with the variables torchrun would
+``launch(target, payload, cfg)`` starts ``cfg.world_size`` processes, each with the variables torchrun would
 set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so the
 worker code path is identical under unison, torchrun, SLURM and mpirun.
+
+Start method: ``forkserver`` (``spawn`` where there is none). The workers are forked from a server process that
+started clean and imported torch and the target's module once; it never ran an op, so no CUDA, thread or
+OpenMP state of the launcher leaks in (the reason not to fork the launcher itself), and a worker starts with a
+fork instead of a new interpreter importing torch (seconds of CPU per worker). The server lives as long as the
+launching process, so further launches from it (a Python session, the test suite) start workers at once. Each
+worker gets the launcher's environment as it is at launch (the server's is that of its own start).
 
 Failure policy: the parent polls its children. When one exits non-zero or is killed,
 the others are ended (SIGTERM, then SIGKILL after a grace period; SIGINT after a Ctrl-C) and `WorkerFailure` is
@@ -65,11 +71,37 @@ def find_free_port(addr: str = "127.0.0.1") -> int:
                           "its workers here: leave the default 127.0.0.1, or give this machine's own address") from None
 
 
+class _LauncherStream:
+    """The launcher's stdout or stderr as it is at launch (a test's capture, a redirect), handed to a worker: the
+    fork server's own are those of its start. Pickled into a descriptor the worker inherits (`attach`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_InheritedStream, (reduction.DupFd(self.fd), self.fd))   # runs while the worker is started
+
+
+class _InheritedStream:
+    def __init__(self, dup: Any, fd: int) -> None:
+        self.dup, self.fd = dup, fd
+
+    def attach(self) -> None:
+        inherited = self.dup.detach()
+        os.dup2(inherited, self.fd)
+        os.close(inherited)
+
+
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
-                 threads: int, result_conn: Any) -> None:
+                 threads: int, result_conn: Any, streams: tuple[Any, ...] = ()) -> None:
+    for stream in streams:
+        stream.attach()
     die_with_parent()
     one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
+    os.environ.clear()   # the launcher's environment at launch, not the one the fork server started with
     os.environ.update(env)
     watchdog.attach_launcher_table(heartbeats, int(env["RANK"]))
     try:
@@ -187,6 +219,16 @@ def _check_watchdog(procs: list[BaseProcess], heartbeats: Any, limit_s: float) -
     return WatchdogTimeout(report)
 
 
+def _start_context(target: Callable[[Any], Any]) -> Any:   # a ForkServerContext or SpawnContext
+    """The forkserver context (see the module docstring), its server importing torch and `target`'s module when it
+    starts; spawn where the platform has no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", target.__module__])   # used by the first launch only: it starts the server
+    return ctx
+
+
 def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
            poll_s: float = 0.05, grace_s: float = 5.0, settle_s: float = 3.0, threads_per_worker: int | None = None,
            extra_env: dict[str, str] | None = None) -> list[Any]:
@@ -200,7 +242,8 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     free = find_free_port(cfg.master_addr)   # also refuses, before any worker, an address not of this machine
     port = cfg.master_port or free
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _start_context(target)
+    streams = (_LauncherStream(1), _LauncherStream(2)) if ctx.get_start_method() == "forkserver" else ()
     heartbeats = watchdog.new_table(ctx, cfg.world_size)
     procs: list[BaseProcess] = []
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
@@ -210,10 +253,11 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     try:
         with _ForwardStopSignals(procs):
             for r in range(cfg.world_size):
-                env = {"RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
+                env = {**os.environ, "UNISON_LAUNCHER_PID": str(os.getpid()),   # (a test's fault hook signals it)
+                       "RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
                        "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
-                p = ctx.Process(target=_worker_main, args=(target, payload, env, heartbeats, threads, pipes[r][1]),
+                p = ctx.Process(target=_worker_main, args=(target, payload, env, heartbeats, threads, pipes[r][1], streams),
                                 name=f"unison-rank{r}", daemon=False)
                 p.start()
                 pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
