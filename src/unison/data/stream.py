@@ -135,8 +135,8 @@ class StreamingBatches:
         jobs = _RankJobs(self.order, batch_number)
         workers = self.loader_workers
         # The loader processes die with this one (a SIGKILLed run leaves none, nor the resource tracker they hold
-        # open). Forked on Linux: a spawned one (the default in unison's spawned workers) re-imports torch for
-        # seconds before it could ask, and outlived a killed run that long; a forked one asks at once.
+        # open). Forked on Linux: a spawned one re-imports torch for seconds before it could ask, and outlived a
+        # killed run that long; a forked one asks at once.
         fork = workers > 0 and sys.platform.startswith("linux")
         return torch.utils.data.DataLoader(
             _JobDataset(self.decoder), sampler=jobs, batch_size=None, collate_fn=_as_is, num_workers=workers,

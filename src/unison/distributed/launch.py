@@ -94,10 +94,30 @@ class _InheritedStream:
         os.close(inherited)
 
 
+def _release_fork_server() -> None:
+    """Close this worker's copy of the fork server's "launcher alive" pipe.
+
+    Why: Python gives every child of the fork server the write end of that pipe (so that a child could start
+    processes through the server too), and the server exits only when every copy is closed. The workers'
+    copies kept it alive after a SIGKILLed launcher, and it kept them alive (they die with their parent, the
+    server): a run that outlived its launcher. Workers start no processes through the server."""
+    try:
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver
+        alive_fd = getattr(server, "_forkserver_alive_fd", None)
+        if alive_fd is not None:
+            os.close(alive_fd)
+            server._forkserver_alive_fd = None   # type: ignore[attr-defined]
+    except (AttributeError, OSError):   # another Python's internals, or already closed: nothing held
+        pass
+
+
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
                  threads: int, result_conn: Any, streams: tuple[Any, ...] = ()) -> None:
     for stream in streams:
         stream.attach()
+    _release_fork_server()
     die_with_parent()
     one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
@@ -226,6 +246,12 @@ def _start_context(target: Callable[[Any], Any]) -> Any:   # a ForkServerContext
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", target.__module__])   # used by the first launch only: it starts the server
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    except OSError:   # e.g. "AF_UNIX path too long": the server's socket lives in the temporary folder (TMPDIR)
+        return mp.get_context("spawn")
     return ctx
 
 
