@@ -91,7 +91,7 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
                 forward_backward(run, batch)
                 optimizer_step(run, batch.step)
             batch.step = 1
-        tracker = _tracker_class()()
+        tracker = tracker_class()()
         tracker.track_external(run.parallel_model, run.optimizer)
         flops = FlopCounterMode(display=False)
         with tracker, CommMeter() as meter, flops, HostSyncRecorder() as syncs:
@@ -174,7 +174,7 @@ class _NoHook:
         pass
 
 
-def _tracker_class() -> type:
+def tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class Tracker(MemTracker):
@@ -191,16 +191,16 @@ def _tracker_class() -> type:
 
 
 def _memory(peak: dict) -> tuple[int, int]:
-    dev = _device_snapshot(peak)
+    dev = device_snapshot(peak)
     return int(dev.get("Parameter", 0)), int(dev.get("Buffer", 0))
 
 
 def _activations(peak: dict) -> tuple[int, int]:
-    dev = _device_snapshot(peak)
+    dev = device_snapshot(peak)
     return int(dev.get("Activation", 0) + dev.get("Temp", 0)), int(dev.get("Total", 0))
 
 
-def _device_snapshot(peak: dict) -> dict[str, int]:
+def device_snapshot(peak: dict) -> dict[str, int]:
     out: dict[str, int] = {}
     for stats in peak.values():   # one device (the simulated one)
         for key, value in stats.items():

@@ -12,7 +12,7 @@ from unison.cli import main
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
 from unison.methods import METHODS
-from unison.plan import _device_snapshot, _tracker_class, cuda_check, simulate
+from unison.plan import cuda_check, simulate
 from unison.training.resolve import validate_run
 
 VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
@@ -124,39 +124,20 @@ def test_figures_match_the_measured_cpu_step():
     """Parameters, gradients and optimizer state of the plan equal a real one-process CPU step's; FLOPs equal
     `unison.bench.flops` (the global batch's, here one rank's at W=1)."""
     from unison.bench.flops import training_step_flops
-    from unison.data.synthetic import synthetic_dataset
-    from unison.training.step import batches, build_run, forward_backward, optimizer_step
+    from unison.plan.measure import measure_cpu_step
 
     cfg = TrainConfig(method="simclr", data="synthetic", backbone="small_cnn", batch_size=4, image_size=16,
                       progress=False, channels_last=False, max_steps=2, distributed=DistributedConfig(backend="local", world_size=1))
     cfg = validate_run(cfg)
     plan = simulate(cfg)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # in this process
-    try:
-        run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(4, 16))
-        stream = batches(run)
-        forward_backward(run, next(stream))   # step 0 creates the optimizer's state, as in the plan
-        optimizer_step(run, 0)
-        tracker = _tracker_class()()
-        tracker.track_external(run.parallel_model, run.optimizer)
-        with tracker:
-            forward_backward(run, next(stream))
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
-            optimizer_step(run, 1)
-        measured = _device_snapshot(tracker.get_tracker_snapshot("peak"))
-        params = sum(p.numel() * p.element_size() for p in run.method.parameters())
-        opt = sum(v.numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor))
-    finally:
-        dist.destroy_process_group()
+    measured = measure_cpu_step(cfg, 16)
+    params, grads, opt = measured["parameters"], measured["gradients"], measured["optimizer state"]
     assert abs(plan.params - params) <= 0.05 * params
     assert abs(plan.grads - grads) <= 0.05 * grads
     assert abs(plan.optimizer - opt) <= 0.05 * opt
-    activations = measured.get("Activation", 0) + measured.get("Temp", 0)
+    activations = measured["activations at peak"]
     assert abs(plan.activations - activations) <= 0.25 * activations, (plan.activations, activations)
-    assert abs(plan.peak - measured["Total"]) <= 0.25 * measured["Total"]
+    assert abs(plan.peak - measured["peak"]) <= 0.25 * measured["peak"]
     assert plan.flops == training_step_flops("simclr", "small_cnn", batch=4, image_size=16)
 
 
