@@ -109,3 +109,38 @@ def test_a_worker_shows_warnings_as_one_line():
     # was Python's format: "/src/unison/data/memory.py:86: UserWarning: ..." and the line of unison's source
     assert launch(_format_a_warning, None, DistributedConfig(backend="gloo", world_size=1)) == [
         "unison: warning: skipped 1 unreadable image\n"]
+
+
+_START_METHOD = """
+import multiprocessing as mp, os, sys
+from unison.config.distributed import DistributedConfig
+from unison.distributed.launch import launch
+def rank_env(_):
+    return os.environ["RANK"], os.environ.get("SET_AFTER_START"), mp.get_start_method(allow_none=True)
+if __name__ == "__main__":
+    first = launch(rank_env, None, DistributedConfig(world_size=2))
+    os.environ["SET_AFTER_START"] = "seen"   # the fork server started above; workers get the environment of now
+    second = launch(rank_env, None, DistributedConfig(world_size=2))
+    print(first, second, sep="\\n")
+"""
+
+
+@pytest.mark.parametrize("tmpdir_length", [0, 120])
+def test_workers_get_the_launchers_environment_also_where_the_fork_server_cannot_start(tmp_path, tmpdir_length):
+    """Workers are forked from a fork server that started with the first launch; a later launch's environment
+    reaches them. A TMPDIR too long for the server's socket (AF_UNIX paths end at 107 bytes) falls back to spawn."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if tmpdir_length:
+        long_tmp = tmp_path / ("d" * tmpdir_length)
+        long_tmp.mkdir()
+        env["TMPDIR"] = str(long_tmp)
+    script = tmp_path / "start.py"
+    script.write_text(_START_METHOD)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    method = "spawn" if tmpdir_length else "forkserver"
+    assert proc.stdout.splitlines() == [f"[('0', None, '{method}'), ('1', None, '{method}')]",
+                                        f"[('0', 'seen', '{method}'), ('1', 'seen', '{method}')]"], proc.stdout
