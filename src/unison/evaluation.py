@@ -58,7 +58,8 @@ class EvalOptions:
     checkpoint: str | None = field(default=None, metadata={
         "help": "run directory (its latest checkpoint) or checkpoint file; required", "required": True, "metavar": "RUN_DIR_OR_FILE"})
     data: str | None = field(default=None, metadata={
-        "help": "reference/training data ('digits', 'cifar10' or an ImageFolder directory); default: the run's"})
+        "help": "reference/training data (as train's --data: 'digits', 'cifar10', an image folder, a file "
+                "list or .tar shards); default: the run's"})
     val: str | None = field(default=None, metadata={
         "help": "held-out data; default: the run's (or the held-out split of --data when --data is given)"})
     subset: int | None = field(default=None, metadata={"range": _as_in_training("subset"),

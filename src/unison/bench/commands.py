@@ -1,4 +1,4 @@
-"""`unison bench table|comm|lightly|scaling|all`: the CLI of the benchmarks.
+"""`unison bench table|comm|lightly|scaling|data|all`: the CLI of the benchmarks.
 
 Options are generated from `BenchConfig` (``--preset cpu|gpu|gpu1`` picks the preset, every
 other flag overrides one field of it); each part offers the options it reads

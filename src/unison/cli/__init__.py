@@ -215,7 +215,12 @@ def make_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p_plan.set_defaults(func=cmd_plan)
 
-    p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)")
+    p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)",
+                             description="Run the production step of --method on W worker processes (B/W images each)\n"
+                                         "and on one process with the global batch B, and compare the losses,\n"
+                                         "gradients and parameters step by step; exit 1 when they differ. --run\n"
+                                         "compares whole `unison train` runs at W=1 and W=2 (their loss curves).",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p_check.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")
     add_dataclass_arguments(p_check, CheckSpec, skip=("method_params",))
     add_dataclass_arguments(p_check, CurveSpec, group_title="whole training runs (--run)")
