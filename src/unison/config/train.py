@@ -129,7 +129,9 @@ class TrainConfig:
     precision: str = field(default="float32", metadata={
         "help": "parameter/compute dtype: float32, or float64 for exactness and resume checks",
         "choices": ("float32", "float64")})
-    amp: str = field(default="none", metadata={"help": "mixed precision on GPU: none | bf16 | fp16", "choices": AMP_MODES})
+    amp: str = field(default="none", metadata={
+        "help": "mixed precision (autocast): none | bf16 (GPU or CPU) | fp16 (GPU only: with a gradient scaler; "
+                "refused on a machine without CUDA)", "choices": AMP_MODES})
     channels_last: bool = field(default=True, metadata={
         "help": "channels_last (NHWC) memory format for conv backbones: oneDNN on CPU and tensor cores on GPU are faster "
                 "with it (the CPU SimCLR step about 1.3x)"})
@@ -178,6 +180,9 @@ class TrainConfig:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if self.amp not in AMP_MODES:
             raise ConfigError(f"amp={shown(self.amp)} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.amp == "fp16" and not _cuda(cuda_available):   # CPU autocast in fp16 + CUDA's scaler: not run
+            raise ConfigError("amp='fp16' is for CUDA GPUs and this machine has none; use --amp bf16 (CPU autocast) "
+                              "or --amp none")
         if self.distributed.shard == "full" and self.amp == "fp16":
             raise ConfigError("amp='fp16' needs a gradient scaler for sharded gradients, which --shard full does not "
                               "have; use --amp bf16 (FSDP mixed precision: bf16 parameters, fp32 reduction)")
@@ -212,11 +217,7 @@ class TrainConfig:
         if self.decode not in DECODERS:
             raise ConfigError(f"decode={shown(self.decode)} is unknown; use cpu or gpu")
         if self.decode == "gpu":
-            if cuda_available is None:
-                import torch
-
-                cuda_available = torch.cuda.is_available()
-            if not cuda_available:
+            if not _cuda(cuda_available):
                 raise ConfigError("--decode gpu decodes JPEGs on the GPU and this machine has no CUDA device; "
                                   "use --decode cpu")
             if self.data_mode == "memory":
@@ -245,3 +246,12 @@ class TrainConfig:
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
         return cls(**data, distributed=DistributedConfig.from_dict(dist, top_level_names=known))
+
+
+def _cuda(cuda_available: bool | None) -> bool:
+    """`cuda_available` as given (tests), else whether this machine has a CUDA device (the workers' device)."""
+    if cuda_available is None:
+        import torch
+
+        return torch.cuda.is_available()
+    return cuda_available

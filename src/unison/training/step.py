@@ -18,7 +18,7 @@ Everything that decides what a step computes lives here and nowhere else:
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
   state to lose in a checkpoint);
 * precision: the parameter dtype (float32, or float64 for exactness checks), bf16/fp16
-  autocast on GPU, and a GradScaler for fp16.
+  autocast (bf16 on GPU or CPU, fp16 on GPU), and a GradScaler for fp16.
 
 `unison check` records gradients between `forward_backward` and `optimizer_step` of exactly
 this step, so what it proves is what users run.
@@ -209,7 +209,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if cfg.distributed.shard == "optimizer":
         optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
+    # bf16 autocasts on the CPU too; fp16 is refused there (`TrainConfig.validate`): its scaler is CUDA's.
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
     run = Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
               image_size=image_size,
