@@ -21,7 +21,7 @@ from typing import Any
 
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
-from unison.config.limits import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
+from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -77,6 +77,14 @@ class TrainConfig:
     image_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels (or left unset: the data's size)"),
         "help": "training crop size; default: the data's shorter side (its first image's), at most 224"})
+    local_crops: int | None = field(default=None, metadata={
+        "range": Range(0, MAX_LOCAL_CROPS),
+        "help": "multi-crop methods (dino, ibot, swav, lejepa): number of local crops besides the 2 global ones; "
+                "default: the augmentation's (4)"})
+    local_crop_size: int | None = field(default=None, metadata={
+        "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels"),
+        "help": "multi-crop methods: side of the local crops; default: 3/7 of the image size (96 for 224, 14 for "
+                "32), at least 8; with a ViT, a multiple of its patch size"})
     epochs: int = field(default=30, metadata={
         "range": Range(1, MAX_EPOCHS, above="is past 1e9; to run by steps, give --max-steps (e.g. --epochs 1e9 --max-steps 100000)"),
         "help": "training epochs"})

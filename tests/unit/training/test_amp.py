@@ -10,7 +10,7 @@ import torch
 
 from unison.cli import main
 
-_TINY = ["train", "--world-size", "1", "--max-steps", "1", "--batch-size", "16", "--subset", "64", "--val-subset", "32",
+_TINY = ["train", "--world-size", "1", "--max-steps", "1", "--batch-size", "8", "--subset", "32", "--val-subset", "16",
          "--knn-k", "5", "--no-progress", "--no-random-init-knn"]
 
 
