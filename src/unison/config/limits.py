@@ -5,3 +5,4 @@
 """
 
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 8192   # crops below 8 px leave nothing to augment; 8192**2 * 3 bytes a view
+MAX_LOCAL_CROPS = 16   # multi-crop: DINO and SwAV use 6 to 10; each local crop is one more backbone pass per image

@@ -21,7 +21,7 @@ from typing import Any
 
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
-from unison.config.limits import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
+from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -77,6 +77,14 @@ class TrainConfig:
     image_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels (or left unset: the data's size)"),
         "help": "training crop size; default: the data's shorter side (its first image's), at most 224"})
+    local_crops: int | None = field(default=None, metadata={
+        "range": Range(0, MAX_LOCAL_CROPS),
+        "help": "multi-crop methods (dino, ibot, swav, lejepa): number of local crops besides the 2 global ones; "
+                "default: the augmentation's (4)"})
+    local_crop_size: int | None = field(default=None, metadata={
+        "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels"),
+        "help": "multi-crop methods: side of the local crops; default: 3/7 of the image size (96 for 224, 14 for "
+                "32), at least 8; with a ViT, a multiple of its patch size"})
     epochs: int = field(default=30, metadata={
         "range": Range(1, MAX_EPOCHS, above="is past 1e9; to run by steps, give --max-steps (e.g. --epochs 1e9 --max-steps 100000)"),
         "help": "training epochs"})
@@ -129,7 +137,9 @@ class TrainConfig:
     precision: str = field(default="float32", metadata={
         "help": "parameter/compute dtype: float32, or float64 for exactness and resume checks",
         "choices": ("float32", "float64")})
-    amp: str = field(default="none", metadata={"help": "mixed precision on GPU: none | bf16 | fp16", "choices": AMP_MODES})
+    amp: str = field(default="none", metadata={
+        "help": "mixed precision (autocast): none | bf16 (GPU or CPU) | fp16 (GPU only: with a gradient scaler; "
+                "refused on a machine without CUDA)", "choices": AMP_MODES})
     channels_last: bool = field(default=True, metadata={
         "help": "channels_last (NHWC) memory format for conv backbones: oneDNN on CPU and tensor cores on GPU are faster "
                 "with it (the CPU SimCLR step about 1.3x)"})
@@ -178,6 +188,9 @@ class TrainConfig:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if self.amp not in AMP_MODES:
             raise ConfigError(f"amp={shown(self.amp)} is unknown; use one of {', '.join(AMP_MODES)}")
+        if self.amp == "fp16" and not _cuda(cuda_available):   # CPU autocast in fp16 + CUDA's scaler: not run
+            raise ConfigError("amp='fp16' is for CUDA GPUs and this machine has none; use --amp bf16 (CPU autocast) "
+                              "or --amp none")
         if self.distributed.shard == "full" and self.amp == "fp16":
             raise ConfigError("amp='fp16' needs a gradient scaler for sharded gradients, which --shard full does not "
                               "have; use --amp bf16 (FSDP mixed precision: bf16 parameters, fp32 reduction)")
@@ -212,11 +225,7 @@ class TrainConfig:
         if self.decode not in DECODERS:
             raise ConfigError(f"decode={shown(self.decode)} is unknown; use cpu or gpu")
         if self.decode == "gpu":
-            if cuda_available is None:
-                import torch
-
-                cuda_available = torch.cuda.is_available()
-            if not cuda_available:
+            if not _cuda(cuda_available):
                 raise ConfigError("--decode gpu decodes JPEGs on the GPU and this machine has no CUDA device; "
                                   "use --decode cpu")
             if self.data_mode == "memory":
@@ -245,3 +254,12 @@ class TrainConfig:
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
         return cls(**data, distributed=DistributedConfig.from_dict(dist, top_level_names=known))
+
+
+def _cuda(cuda_available: bool | None) -> bool:
+    """`cuda_available` as given (tests), else whether this machine has a CUDA device (the workers' device)."""
+    if cuda_available is None:
+        import torch
+
+        return torch.cuda.is_available()
+    return cuda_available

@@ -69,7 +69,7 @@ from unison.rng import sample_normal, sample_uniform
 
 from .presets import PRESETS
 
-__all__ = ["PRESETS", "ViewAugmenter", "eval_transform"]
+__all__ = ["PRESETS", "ViewAugmenter", "eval_transform", "view_sizes"]
 
 _N_ATTEMPTS = 10
 # Column layout of the per-view uniforms (fixed, so switching an op off leaves the others' draws unchanged).
@@ -83,6 +83,13 @@ _NOISE_STREAM = 1_000  # + view index; per-pixel draws live in their own stream
 _GRAY_W64 = torch.tensor([0.2989, 0.587, 0.114], dtype=torch.float64)  # ITU-R 601 luma, as torchvision
 _RGB2YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]], dtype=torch.float64)
 _YIQ2RGB = torch.linalg.inv(_RGB2YIQ)
+
+
+def view_sizes(params: dict, image_size: int) -> list[int]:
+    """The size of each view of a preset's parameters (`PRESETS[name]` with any overrides): ``n_global`` global
+    views of `image_size`, then ``n_local`` local ones of ``local_size`` (default 3/7 of it, at least 8)."""
+    local = params["local_size"] or max(8, round(image_size * 3 / 7))
+    return [int(image_size)] * params["n_global"] + [int(local)] * params["n_local"]
 
 
 def _per_view(value, n_views: int, name: str) -> list[float]:
@@ -110,8 +117,7 @@ class ViewAugmenter:
         p = {**PRESETS[preset], **overrides}
         self.preset, self.image_size, self.params = preset, int(image_size), p
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
-        local = p["local_size"] or max(8, round(self.image_size * 3 / 7))
-        self.view_sizes: list[int] = [self.image_size] * p["n_global"] + [int(local)] * p["n_local"]
+        self.view_sizes: list[int] = view_sizes(p, self.image_size)
         self.num_views = len(self.view_sizes)
         if self.num_views == 0:
             raise ValueError("augmentation needs at least one view (n_global + n_local > 0)")

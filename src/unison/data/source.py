@@ -55,7 +55,7 @@ from unison.config.limits import MIN_IMAGE_SIZE
 from unison.errors import ConfigError, DataError
 from unison.paths import is_inside, same_file
 
-from .augment import ViewAugmenter
+from .augment import PRESETS, ViewAugmenter, view_sizes
 from .batches import BatchSource, InMemoryBatches
 from .catalog import open_catalog
 from .datasets import load_dataset
@@ -63,7 +63,7 @@ from .decode import decode_centre
 from .files import open_image
 from .memory import load_catalog
 from .samples import Catalog
-from .spec import BUILTIN, DataSpec, check_batch, check_subset
+from .spec import BUILTIN, BUILTIN_SIZES, DataSpec, check_batch, check_subset
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
 
@@ -223,7 +223,7 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         knn_skipped = "no held-out data was given"
     height, width = train_set.images.shape[-2:]
     image_size = spec.image_size or default_image_size(height, width, spec.data)
-    augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std)
+    augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std, **spec.augment_overrides())
     source = InMemoryBatches(train_set, augment, spec.batch_size, spec.seed)   # checks one batch fits
     knn = None
     if val_set is not None:
@@ -269,7 +269,7 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mean, std = channel_stats(stats_images.decode())
-    augment = ViewAugmenter(augmentation, image_size, mean, std)
+    augment = ViewAugmenter(augmentation, image_size, mean, std, **spec.augment_overrides())
     workers = spec.loader_workers if spec.loader_workers is not None else default_loader_workers(
         spec.world_size)
     source = StreamingBatches(catalog, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
@@ -319,6 +319,18 @@ def default_image_size(height: int, width: int, where: str) -> int:
                         f"side for a default view size; give --image-size N (at least {MIN_IMAGE_SIZE}): views are "
                         "resized to N x N")
     return size
+
+
+def planned_view_sizes(spec: DataSpec, augmentation: str, catalog: Catalog | None) -> list[int]:
+    """The view sizes the workers' `ViewAugmenter` will make (`catalog`: `open_checked`'s), for the pre-flight:
+    ``--image-size``, else the data's default (a built-in set's size, or the first readable image's)."""
+    size = spec.image_size
+    if size is None and catalog is not None:
+        size = default_image_size(*_first_size(catalog), spec.data)
+    size = size or BUILTIN_SIZES.get(spec.data)
+    if size is None:   # images given in memory (`unison check`'s): their size is known only to the build
+        return []
+    return view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, size)
 
 
 def _first_size(catalog: Catalog) -> tuple[int, int]:

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 from unison.errors import DataError
 
-__all__ = ["BUILTIN", "DataSpec", "check_batch", "check_subset"]
+__all__ = ["BUILTIN", "BUILTIN_SIZES", "DataSpec", "check_batch", "check_subset"]
 
 BUILTIN = ("digits", "cifar10")   # held in memory always; no catalog to list
+BUILTIN_SIZES = {"digits": 16, "cifar10": 32}   # their image sides: the default view size
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,13 @@ class DataSpec:
     loader_workers: int | None = None  # loader processes per rank; None: from the cores per rank
     image_size: int | None = None      # training crop size; None: from the data
     world_size: int = 1                # ranks sharing this machine's cores (default loader_workers)
+    local_crops: int | None = None     # multi-crop: number of local crops; None: the augmentation's
+    local_crop_size: int | None = None  # ... their size; None: the augmentation's (3/7 of image_size)
+
+    def augment_overrides(self) -> dict[str, int]:
+        """The multi-crop settings given, as `ViewAugmenter` overrides (``n_local``, ``local_size``)."""
+        given = {"n_local": self.local_crops, "local_size": self.local_crop_size}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 def check_subset(what: str, n: int, subset: int | None) -> None:

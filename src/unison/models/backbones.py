@@ -22,7 +22,7 @@ images [B, 3, H, W] to features [B, feature_dim] (no classifier).
   the masked-image methods (`unison.models.vit`).
 * ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``), with the
   run's ``--backbone-arg NAME=VALUE`` settings and ``img_size`` = the training crop size when the
-  model takes one (`timm_backbone`).
+  model takes one (`timm_backbone`); with crops of several sizes (multi-crop), ``dynamic_img_size=True``.
 
 Example::
 
@@ -33,12 +33,16 @@ Example::
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
-from .vit import VIT_BACKBONES, build_vit
+from unison.errors import ConfigError
+
+from .vit import VIT_BACKBONES, build_vit, vit_patch_size
 
 CIFAR_STEM_MAX_SIZE = 64
 RESNETS = ("resnet18", "resnet50")
@@ -84,9 +88,11 @@ def resnet(name: str) -> tuple[nn.Module, int]:
     return model, dim
 
 
-def build_backbone(name: str, image_size: int | None = None, *,
-                   backbone_args: dict[str, Any] | None = None) -> tuple[nn.Module, int]:
-    """`image_size` picks the ResNet stem and reaches timm models; `backbone_args` reach timm models only."""
+def build_backbone(name: str, image_size: int | None = None, *, backbone_args: dict[str, Any] | None = None,
+                   view_sizes: Sequence[int] = ()) -> tuple[nn.Module, int]:
+    """`image_size` picks the ResNet stem and reaches timm models; `backbone_args` reach timm models only.
+    `view_sizes`: the sizes of the views the backbone will see (multi-crop: global and local crops), checked
+    against a ViT's patch size (`check_view_sizes`); a timm model then takes them all (``dynamic_img_size``)."""
     name = resolve_backbone(name, image_size)
     if name == "small_cnn":
         cnn = SmallCNN()
@@ -94,21 +100,53 @@ def build_backbone(name: str, image_size: int | None = None, *,
     if name in PINNED_RESNETS:
         return resnet(name)
     if name in VIT_BACKBONES:
+        check_view_sizes(name, vit_patch_size(name), None, view_sizes)
         vit = build_vit(name)
         return vit, vit.feature_dim
     if name.startswith("timm:"):
-        return timm_backbone(name[5:], image_size, backbone_args or {})
+        return timm_backbone(name[5:], image_size, backbone_args or {}, view_sizes)
     raise ValueError(f"unknown backbone {name!r}; use one of {', '.join(BACKBONES)} or timm:<model>")
 
 
-def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> tuple[nn.Module, int]:
+def check_view_sizes(what: str, patch: int | None, fixed: int | None, view_sizes: Sequence[int]) -> None:
+    """One-line `ConfigError` for a view a patch-based backbone cannot take: a crop other than the image size
+    (``view_sizes[0]``, the global crops) that is smaller than one patch or not a multiple of the patch size,
+    or any other size where the model takes only `fixed` px inputs. The pre-flight (`check_backbone`) and the
+    workers' build call it, so both refuse with the same words."""
+    if not view_sizes:
+        return
+    image = view_sizes[0]
+    for size in sorted(set(view_sizes) - {image}):
+        if patch and size % patch:
+            raise ConfigError(f"the local crops of {size} px are not a multiple of the patch size {patch} of "
+                              f"{what}; give --local-crop-size a multiple of {patch} (e.g. "
+                              f"{max(patch, size // patch * patch)}) or --local-crops 0")
+        if fixed and size != fixed:
+            raise ConfigError(f"{what} takes only {fixed} px inputs and the local crops are {size} px; give "
+                              f"--local-crop-size {fixed}, --local-crops 0, or a model that takes any size "
+                              "(--backbone-arg dynamic_img_size=true)")
+
+
+def _create_timm(timm: Any, model: str, image_size: int | None, kwargs: dict[str, Any]) -> nn.Module:
+    """``timm.create_model`` with ``img_size=image_size`` when the model takes one and `kwargs` sets none."""
+    if image_size is not None and "img_size" not in kwargs:
+        try:
+            return timm.create_model(model, img_size=image_size, **kwargs)
+        except TypeError as exc:
+            if not re.search(r"\bimg_size\b", str(exc)):   # the model takes no image size (CNNs): build it without
+                raise
+    return timm.create_model(model, **kwargs)
+
+
+def timm_backbone(model: str, image_size: int | None, args: dict[str, Any],
+                  view_sizes: Sequence[int] = ()) -> tuple[nn.Module, int]:
     """``timm.create_model(model, num_classes=0, **args)``, with ``img_size=image_size`` when the model takes an
-    image size and `args` does not set one (ViTs, Swin, ...: their patch grid and position embeddings follow it).
+    image size and `args` does not set one (ViTs, Swin, ...: their patch grid and position embeddings follow it),
+    and ``dynamic_img_size=True`` when `view_sizes` holds several sizes (multi-crop), the model takes it and
+    `args` does not set it (timm ViTs then resample their position embeddings to each crop's grid).
 
     `args` are the run's ``--backbone-arg NAME=VALUE`` (``drop_path_rate``, ``patch_size``, ...). An unknown
-    model or an argument the model does not take is a one-line `ConfigError`."""
-    from unison.errors import ConfigError
-
+    model, an argument the model does not take or a crop size it cannot take is a one-line `ConfigError`."""
     try:
         import timm
     except ImportError:
@@ -119,20 +157,33 @@ def timm_backbone(model: str, image_size: int | None, args: dict[str, Any]) -> t
         raise ConfigError(f"timm has no model {model!r}{hint}; see timm.list_models()")
     kwargs = {"pretrained": False, "num_classes": 0, **args}
     try:
-        if image_size is not None and "img_size" not in args:
+        m = None
+        if len(set(view_sizes)) > 1 and "dynamic_img_size" not in args:
             try:
-                m = timm.create_model(model, img_size=image_size, **kwargs)
-                return m, _num_features(m)
+                m = _create_timm(timm, model, image_size, {**kwargs, "dynamic_img_size": True})
             except TypeError as exc:
-                if "img_size" not in str(exc):   # the model takes no image size (CNNs): build it without
+                if "dynamic_img_size" not in str(exc):   # the model takes no dynamic size: the check below says so
                     raise
-        m = timm.create_model(model, **kwargs)
+        m = m if m is not None else _create_timm(timm, model, image_size, kwargs)
     except (TypeError, ValueError, AssertionError) as exc:
         given = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no --backbone-arg"
         raise ConfigError(f"timm model {model!r} cannot be built with {given}"
                           f"{f' and img_size={image_size}' if image_size else ''}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    patch, fixed = _timm_patch_and_fixed_size(m)
+    check_view_sizes(f"timm:{model}", patch, fixed, view_sizes)
     return m, _num_features(m)
+
+
+def _timm_patch_and_fixed_size(model: nn.Module) -> tuple[int | None, int | None]:
+    """A timm model's patch size (None: no patch embedding) and the one input size it takes (None: any)."""
+    embed = getattr(model, "patch_embed", None)
+    patch = getattr(embed, "patch_size", None)
+    patch = patch[0] if isinstance(patch, (tuple, list)) else patch
+    img = getattr(embed, "img_size", None)
+    img = img[0] if isinstance(img, (tuple, list)) else img
+    strict = getattr(embed, "strict_img_size", False) and not getattr(model, "dynamic_img_size", False)
+    return (int(patch) if patch else None), (int(img) if strict and img else None)
 
 
 def _num_features(model: nn.Module) -> int:
@@ -140,9 +191,12 @@ def _num_features(model: nn.Module) -> int:
     return int(cast(int, model.num_features))
 
 
-def check_backbone(name: str, image_size: int | None = None, backbone_args: dict[str, Any] | None = None) -> None:
-    """Build `name` on the meta device (no memory, no weights): a bad timm model name or argument is a one-line
-    `ConfigError` before any worker starts."""
+def check_backbone(name: str, image_size: int | None = None, backbone_args: dict[str, Any] | None = None,
+                   view_sizes: Sequence[int] = ()) -> None:
+    """Build `name` on the meta device (no memory, no weights): a bad timm model name or argument, or a view size
+    the backbone cannot take (`check_view_sizes`), is a one-line `ConfigError` before any worker starts."""
     if name.startswith("timm:"):
         with torch.device("meta"):
-            timm_backbone(name[5:], image_size, backbone_args or {})
+            timm_backbone(name[5:], image_size, backbone_args or {}, view_sizes)
+    elif name in VIT_BACKBONES:
+        check_view_sizes(name, vit_patch_size(name), None, view_sizes)

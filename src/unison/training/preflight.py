@@ -3,7 +3,8 @@
 `preflight(cfg)` runs before any worker starts (`unison.train` calls it, after `TrainConfig.validate`,
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
-calls too), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
+calls too), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
+size), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
 read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
 folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
 directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
@@ -22,14 +23,17 @@ from pathlib import Path
 
 from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
-from unison.data.source import open_checked
+from unison.data.samples import Catalog
+from unison.data.source import open_checked, planned_view_sizes
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
+from unison.models.backbones import check_backbone
 from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
 from unison.training.owner import check_run_dir
+from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 
@@ -37,10 +41,12 @@ from unison.training.step import data_spec
 def preflight(cfg: TrainConfig, launched: bool) -> None:
     """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on."""
     spec = data_spec(cfg)
+    catalogs = {}
     for role in ("data", "val"):   # the rules every build applies (`open_checked`), before W workers start
         with warnings.catch_warnings():  # the workers repeat the scan and its warnings
             warnings.simplefilter("ignore")
-            open_checked(spec, role)
+            catalogs[role] = open_checked(spec, role)
+    check_crops(cfg, catalogs["data"])
     out = Path(cfg.out)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
@@ -62,6 +68,16 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
+
+
+def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
+    """The views the workers' augmenter will make (multi-crop: global and local crops), against what the backbone
+    takes (a ViT's patch size, a timm model built for one input size): the workers' build applies the same rule
+    (`unison.models.backbones.check_view_sizes`), here before any of them starts."""
+    recipe = resolve_recipe(cfg)
+    sizes = planned_view_sizes(data_spec(cfg), recipe.augmentation, catalog)
+    if len(set(sizes)) > 1:
+        check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
 
 
 def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:

@@ -62,10 +62,22 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainC
     if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
         raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
+    _validate_local_crops(cfg)
     cfg.method_params = validated_method_params(
         cfg.method, cfg.method_params, global_batch=cfg.batch_size, world_size=cfg.distributed.world_size,
         shared_queue=cfg.distributed.shared_queue)
     return cfg
+
+
+def _validate_local_crops(cfg: TrainConfig) -> None:
+    """--local-crops / --local-crop-size are for multi-crop augmentations (whose methods take any number of
+    local crops); the others' methods expect a fixed number of views."""
+    given = [f for f, v in (("--local-crops", cfg.local_crops), ("--local-crop-size", cfg.local_crop_size))
+             if v is not None]
+    augmentation = resolve_recipe(cfg).augmentation
+    if given and not PRESETS[augmentation]["n_local"]:
+        raise ConfigError(f"{' and '.join(given)} set the local crops of multi-crop methods (dino, ibot, swav, "
+                          f"lejepa); {cfg.method} with the {augmentation} augmentation has none: leave them out")
 
 
 def _validate_backbone(cfg: TrainConfig) -> None:

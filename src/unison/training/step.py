@@ -18,7 +18,7 @@ Everything that decides what a step computes lives here and nowhere else:
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
   state to lose in a checkpoint);
 * precision: the parameter dtype (float32, or float64 for exactness checks), bf16/fp16
-  autocast on GPU, and a GradScaler for fp16.
+  autocast (bf16 on GPU or CPU, fp16 on GPU), and a GradScaler for fp16.
 
 `unison check` records gradients between `forward_backward` and `optimizer_step` of exactly
 this step, so what it proves is what users run.
@@ -30,7 +30,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -139,13 +139,15 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
-                 image_size: int | None = None, backbone: str | None = None) -> SSLMethod:
+                 image_size: int | None = None, backbone: str | None = None,
+                 view_sizes: Sequence[int] = ()) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
-    training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one."""
+    training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
+    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
     encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
-                                          backbone_args=cfg.backbone_args)
+                                          backbone_args=cfg.backbone_args, view_sizes=view_sizes)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -160,7 +162,8 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
     return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
                     val_subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, data_mode=cfg.data_mode, decode=cfg.decode,
                     loader_workers=cfg.loader_workers, image_size=cfg.image_size,
-                    world_size=cfg.distributed.world_size)
+                    world_size=cfg.distributed.world_size, local_crops=cfg.local_crops,
+                    local_crop_size=cfg.local_crop_size)
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
@@ -180,7 +183,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         total_steps = min(total_steps, cfg.max_steps)
 
     # ---- model: SyncBN, memory format, DDP
-    method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone)
+    method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
+                          view_sizes=augment.view_sizes)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
@@ -209,7 +213,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if cfg.distributed.shard == "optimizer":
         optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if device.type == "cuda" else None
+    # bf16 autocasts on the CPU too; fp16 is refused there (`TrainConfig.validate`): its scaler is CUDA's.
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
     run = Run(cfg=cfg, device=device, dtype=dtype, train_set=data.train_set, val_set=data.val_set,
               image_size=image_size,
