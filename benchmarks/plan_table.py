@@ -16,12 +16,11 @@ import sys
 import time
 
 BACKBONES = {"ViT-B/16": "vit_base", "ViT-L/16": "timm:vit_large_patch16_224", "ResNet-50": "resnet50"}
-# Combinations that cannot run, and why (unison has no ViT-L of its own; timm's takes 224 px only and has no
-# patch-token interface): a row saying so instead of a figure.
+# Combinations that cannot run, and why (unison has no ViT-L of its own; timm's has no patch-token interface):
+# a row saying so instead of a figure.
 UNSUPPORTED = {
     ("ResNet-50", "mae"): "MAE needs a ViT",
     ("ViT-L/16", "mae"): "MAE needs unison's ViT (patch tokens); there is no vit_large",
-    ("ViT-L/16", "dino"): "timm's ViT-L takes 224 px only: DINO's 96 px local crops fail at the first step",
 }
 
 
