@@ -17,8 +17,8 @@ on one local batch, under torch's `MemTracker`, `FlopCounterMode` and `CommMeter
 
 What is simulated and what is not: the measured step's tensors are fake CPU tensors, because the autograd
 engine cannot run a backward on fake CUDA tensors without a CUDA runtime (`cuda_check` runs the rest there);
-``--amp bf16|fp16`` is autocast on the CPU with that dtype (what AutocastCUDA would cast, near enough: both
-cast matmuls and convolutions). SyncBN is unison's CPU
+``--amp bf16|fp16`` is autocast on the CPU with that dtype (as `build_run` sets it on any device; what
+AutocastCUDA would cast, near enough: both cast matmuls and convolutions). SyncBN is unison's CPU
 `GlobalBatchNorm` (same collectives as torch's: a gather of 2C+1 and an all-reduce of 2C per layer), FSDP2
 keeps fp32 parameters (its bf16 mixed-precision policy is GPU-only), and kernel speed, NCCL and fragmentation of
 the CUDA caching allocator are not simulated: GPU figures are estimates.
@@ -83,8 +83,6 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
     with fake_cluster(world) as (_, device):
         with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): once, not per step
             run = build_run(cfg, device, train_set=train_set)
-        if cfg.amp != "none":   # AutocastCUDA cannot be simulated (see the module docstring): the CPU's autocast
-            run.autocast_dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float16
         batch = _batch(run, local, device)
         if warmup:
             with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
@@ -96,7 +94,7 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
         flops = FlopCounterMode(display=False)
         with tracker, CommMeter() as meter, flops, HostSyncRecorder() as syncs:
             forward_backward(run, batch)
-            grads = _grad_bytes(run)
+            grads = grad_bytes(run)
             optimizer_step(run, batch.step)
         peak = tracker.get_tracker_snapshot("peak")
         comm = dict(meter.bytes)
@@ -105,7 +103,7 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
         else:   # FSDP2's collectives bypass torch.distributed's Python names: its shards, gathered per pass
             comm.update(_fsdp_bytes(run, cfg.distributed.reshard_after_forward))
         buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
-        return StepFigures(local, *_memory(peak), grads, _optimizer_bytes(run), *_activations(peak), int(
+        return StepFigures(local, *_memory(peak), grads, optimizer_bytes(run), *_activations(peak), int(
             flops.get_total_flops()), comm, syncs.syncs, buckets)
 
 
@@ -212,7 +210,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t   # FSDP2: this rank's shard of a DTensor
 
 
-def _grad_bytes(run: Any) -> int:
+def grad_bytes(run: Any) -> int:
+    """This rank's gradient bytes (FSDP2: its shards)."""
     return sum(_local(p.grad).numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
 
 
@@ -230,7 +229,8 @@ def _fsdp_bytes(run: Any, reshard_after_forward: bool) -> dict[str, int]:
     return {"all_gather_into_tensor": shards * (2 if reshard_after_forward else 1), "reduce_scatter_tensor": full}
 
 
-def _optimizer_bytes(run: Any) -> int:
+def optimizer_bytes(run: Any) -> int:
+    """This rank's optimizer state bytes (ZeRO-1: the state of the parameters it owns; FSDP2: its shards)."""
     from unison.parallel.zero import ShardedOptimizer
 
     if isinstance(run.optimizer, ShardedOptimizer):

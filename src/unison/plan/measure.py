@@ -13,7 +13,7 @@ from unison.config import TrainConfig
 from unison.data.synthetic import synthetic_dataset
 from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
-from . import device_snapshot, tracker_class
+from . import device_snapshot, grad_bytes, optimizer_bytes, tracker_class
 
 
 def measure_cpu_step(cfg: TrainConfig, image_size: int) -> dict[str, int]:
@@ -29,13 +29,12 @@ def measure_cpu_step(cfg: TrainConfig, image_size: int) -> dict[str, int]:
         tracker.track_external(run.parallel_model, run.optimizer)
         with tracker:
             forward_backward(run, next(stream))
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
+            grads = grad_bytes(run)
             optimizer_step(run, 1)
         snap = device_snapshot(tracker.get_tracker_snapshot("peak"))
-        opt = sum(v.numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor))
         return {"parameters": sum(p.numel() * p.element_size() for p in run.method.parameters()), "gradients": grads,
-                "optimizer state": opt, "activations at peak": snap.get("Activation", 0) + snap.get("Temp", 0),
+                "optimizer state": optimizer_bytes(run),
+                "activations at peak": snap.get("Activation", 0) + snap.get("Temp", 0),
                 "peak": snap["Total"]}
     finally:
         dist.destroy_process_group()
