@@ -20,29 +20,50 @@ TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--sub
         "--log-every", "1"]
 
 
-def children() -> set[int]:
-    """Live processes started by this test process: its children and theirs (multiprocessing's resource tracker
-    and fork server excepted: they live as long as this process; the launcher's workers are the fork server's
-    children, and are counted)."""
-    parent_of, cmdline_of = {}, {}
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline_of[int(entry)] = f.read()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parent_of[int(entry)] = int(fields[1])
-    found, frontier = set(), {os.getpid()}
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return parents
+
+
+def descendants(pid: int, parents: dict[int, int] | None = None) -> set[int]:
+    """Every process below `pid` (children, theirs, ...), zombies included."""
+    parents = _parents() if parents is None else parents
+    found, frontier = set(), {pid}
     while frontier:
-        frontier = {pid for pid, parent in parent_of.items() if parent in frontier} - found
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
-    return {pid for pid in found if b"resource_tracker" not in cmdline_of.get(pid, b"")
-            and b"forkserver" not in cmdline_of.get(pid, b"")}
+    return found
+
+
+def _live_cmdline(pid: int) -> bytes | None:
+    """The command line of live (not zombie) process `pid`, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except (OSError, IndexError):
+        return None
+
+
+def children() -> set[int]:
+    """Live processes started by this test process: its children and theirs, except multiprocessing's resource
+    tracker and fork server, which live as long as this process. The launcher's workers are the fork server's
+    children and are counted (forked, not exec'd: they carry the server's command line, so only the server
+    itself, a direct child of this process, is left out by it)."""
+    me, parents = os.getpid(), _parents()
+    found = {pid: _live_cmdline(pid) for pid in descendants(me, parents)}
+    return {pid for pid, cmdline in found.items() if cmdline is not None and b"resource_tracker" not in cmdline
+            and not (b"forkserver" in cmdline and parents.get(pid) == me)}
 
 
 def error_dirs() -> set[str]:

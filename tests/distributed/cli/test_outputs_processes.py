@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_helpers import descendants
 
 from unison.cli import main
 
@@ -55,24 +56,6 @@ def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path, capfd, 
     assert main(["train", *W1, "--out", str(run)]) == 0
 
 
-def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        kids = {c for c, pp in parents.items() if pp == p}
-        todo += list(kids - found)
-        found |= kids
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -96,13 +79,13 @@ def test_sigkilled_streaming_run_leaves_no_process(tmp_path):
     try:
         deadline, family = time.monotonic() + 120, set()
         while time.monotonic() < deadline:   # 2 workers with 2 loader processes each, and the resource tracker
-            family = _descendants(launcher.pid)
+            family = descendants(launcher.pid)
             if len(family) >= 7 and (tmp_path / "run" / "metrics.csv").exists():
                 break
             assert launcher.poll() is None, launcher.communicate()[1]
             time.sleep(0.5)
         assert len(family) >= 7, family
-        family = _descendants(launcher.pid)
+        family = descendants(launcher.pid)
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 5
@@ -112,7 +95,7 @@ def test_sigkilled_streaming_run_leaves_no_process(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        for p in _descendants(launcher.pid):
+        for p in descendants(launcher.pid):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
