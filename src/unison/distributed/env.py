@@ -51,6 +51,7 @@ import ipaddress
 import os
 import re
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -60,7 +61,7 @@ import torch.distributed as dist
 
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import parse_int, shown
-from unison.errors import ConfigError, WorkerError
+from unison.errors import ConfigError, Preempted, WorkerError
 
 from .hostlist import expand_hostlist, slurm_port
 from .network import gloo_interface, listening_store, torchrun_attempt_store
@@ -348,6 +349,34 @@ def exit_worker(code: int) -> NoReturn:
     os._exit(code)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+_shutdowns = 0   # process groups this process has left: every rank leaves the same sequence, so keys match
+
+
+def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -> None:
+    """Leave the process group. After a clean end (`error` None, or `Preempted`: every rank stopped after the same
+    step), first wait until every rank has returned from its last collective (a counter in the rendezvous store).
+
+    Why: a collective's last message may still be in flight to a slower peer when a rank returns from it;
+    tearing gloo's connections down then reset that peer's read ("pair.cc: Read error") and, seen once in CI,
+    aborted the leaving rank in gloo's teardown ("double free or corruption"). A rank that failed leaves at once:
+    its peers may be stuck in a collective it will never join, and its error must reach the launcher now.
+    The wait is bounded (`wait_s`); the store gone means rank 0, its host, saw every rank arrive and left."""
+    global _shutdowns
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _shutdowns += 1
+    if (error is None or isinstance(error, Preempted)) and dist.get_world_size() > 1:
+        _wait_for_every_rank(f"unison/left/{_shutdowns}", dist.get_world_size(), wait_s)
+    dist.destroy_process_group()
+
+
+def _wait_for_every_rank(key: str, world: int, wait_s: float) -> None:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        arrived = store.add(key, 1)
+        deadline = time.monotonic() + wait_s
+        while arrived < world and time.monotonic() < deadline:
+            time.sleep(0.005)
+            arrived = store.add(key, 0)
+    except (RuntimeError, ValueError, OSError):   # the store's host (rank 0) left: it saw every rank arrive
+        pass

@@ -33,11 +33,15 @@ def _run_one(payload: dict[str, Any]) -> Any:
                             master_addr=launch_env.master_addr or "127.0.0.1", master_port=launch_env.master_port or 0,
                             timeout_s=payload["timeout_s"])
     init_distributed(cfg, launch_env.local_rank)
+    error: BaseException | None = None
     try:
         torch.manual_seed(payload["seed"] + launch_env.rank)
         return payload["fn"](*payload["args"])
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(error)
 
 
 def run_in_workers(fn: Callable[..., Any], world_size: int, args: tuple = (), *, backend: str = "gloo",
@@ -49,7 +53,7 @@ def run_in_workers(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
             torch.manual_seed(seed)
             return [fn(*args)]
         finally:
-            shutdown_distributed()
+            shutdown_distributed(None)   # one process: nothing to wait for
     cfg = DistributedConfig(backend=backend, world_size=world_size, timeout_s=timeout_s)
     payload = {"fn": fn, "args": args, "backend": backend, "seed": seed, "timeout_s": timeout_s}
     return launch(_run_one, payload, cfg, threads_per_worker=threads_per_worker)

@@ -71,10 +71,14 @@ def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
     if launch_env is not None:
         cfg.distributed = apply_launch_env(cfg.distributed, launch_env)
     device = init_distributed(cfg.distributed, launch_env.local_rank if launch_env else 0)
+    error: BaseException | None = None
     try:
         return train(cfg, device).to_dict()
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(error)
 
 
 def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = ()) -> Summary:

@@ -20,6 +20,7 @@ def _worker(payload):
     init_distributed(cfg)
     with open(os.path.join(payload["dir"], f"pid{env.rank}"), "w") as f:
         f.write(str(os.getpid()))
+    error: BaseException | None = None
     try:
         C.barrier()
         if env.rank == payload["bad_rank"]:
@@ -32,8 +33,11 @@ def _worker(payload):
         # the healthy rank waits in a collective its peer will never join
         C.barrier()
         time.sleep(60)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(error)
 
 
 def _alive(pid: int) -> bool:
