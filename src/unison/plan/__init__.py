@@ -40,11 +40,12 @@ from unison.errors import ConfigError
 
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
+from .syncs import explain
 
 MIB = 2**20
 DEFAULT_MFU = 0.4
 DEFAULT_IMAGE_SIZE = 224   # without --image-size (train's default for images of 224 px and more)
-__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "resolve_gpu", "simulate"]
+__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "resolve_gpu", "simulate", "step_host_syncs"]
 
 
 @dataclass
@@ -105,6 +106,22 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
         buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
         return StepFigures(local, *_memory(peak), grads, optimizer_bytes(run), *_activations(peak), int(
             flops.get_total_flops()), comm, syncs.syncs, buckets)
+
+
+def step_host_syncs(cfg: TrainConfig) -> list[HostSync]:
+    """Every host synchronisation of one simulated step of `cfg` (rank 0), without the memory and FLOP figures
+    (a few times cheaper than `simulate`: the suite runs it for every method x shard x amp)."""
+    from unison.training.step import build_run, forward_backward, optimizer_step
+
+    train_set = _synthetic_train_set(cfg)
+    with fake_cluster(cfg.distributed.world_size) as (_, device):
+        with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): not the step's
+            run = build_run(cfg, device, train_set=train_set)
+        batch = _batch(run, cfg.batch_size // cfg.distributed.world_size, device)
+        with HostSyncRecorder() as syncs:
+            forward_backward(run, batch)
+            optimizer_step(run, batch.step)
+    return syncs.syncs
 
 
 @dataclass
@@ -283,8 +300,10 @@ class PlanReport:
             "estimate_comm_s": comm_s, "estimate_compute_s": compute_s, "estimate_mfu": self.mfu,
             "estimate_step_s": step_s, "estimate_images_per_s": self.cfg.batch_size / step_s if step_s else None,
             "host_syncs": [str(h) for h in s.host_syncs],
+            "host_syncs_unexplained": [str(h) for h in s.host_syncs if explain(h) is None],
             "cuda_path_skipped": self.cuda.skipped, "cuda_path_device_error": self.cuda.device_error,
             "cuda_path_host_syncs": [str(h) for h in self.cuda.host_syncs],
+            "cuda_path_host_syncs_unexplained": [str(h) for h in self.cuda.host_syncs if explain(h) is None],
         }
 
     def text(self) -> str:
@@ -305,20 +324,25 @@ class PlanReport:
                      f"{d['estimate_images_per_s'] or 0:,.0f} images/s at {d['estimate_mfu']:.0%} MFU "
                      "(compute + communication, no overlap)")
         lines.append(f"host synchronisations in the step: {len(d['host_syncs'])}")
-        lines += [f"  {h}" for h in _counted(d["host_syncs"])]
+        lines += _explained(self.step.host_syncs)
         lines.append("GPU code path on fake CUDA tensors (forward, optimizer, EMA; no backward): " + (
             f"not run ({self.cuda.skipped})" if self.cuda.skipped else
             f"DEVICE MISMATCH: {self.cuda.device_error}" if self.cuda.device_error else
             f"no device mismatch, {len(self.cuda.host_syncs)} host synchronisations"))
-        lines += [f"  {h}" for h in _counted(d["cuda_path_host_syncs"])]
+        lines += _explained(self.cuda.host_syncs)
         return "\n".join(lines)
 
 
-def _counted(items: list[str]) -> list[str]:
-    counts: dict[str, int] = {}
-    for i in items:
-        counts[i] = counts.get(i, 0) + 1
-    return [f"{n} x {i}" if n > 1 else i for i, n in counts.items()]
+def _explained(syncs: list[HostSync]) -> list[str]:
+    """One line per distinct host sync (counted), each followed by why it is there (`unison.plan.syncs`)."""
+    counts: dict[str, list[HostSync]] = {}
+    for h in syncs:
+        counts.setdefault(str(h), []).append(h)
+    lines = []
+    for text, same in counts.items():
+        lines.append(f"  {len(same)} x {text}" if len(same) > 1 else f"  {text}")
+        lines.append(f"      why: {explain(same[0]) or 'NOT EXPLAINED: a defect, please report it'}")
+    return lines
 
 
 def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
