@@ -360,7 +360,7 @@ def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -
     tearing gloo's connections down then reset that peer's read ("pair.cc: Read error") and, seen once in CI,
     aborted the leaving rank in gloo's teardown ("double free or corruption"). A rank that failed leaves at once:
     its peers may be stuck in a collective it will never join, and its error must reach the launcher now.
-    The wait is bounded (`wait_s`); the store gone means rank 0, its host, saw every rank arrive and left."""
+    The wait is bounded (`wait_s`)."""
     global _shutdowns
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -371,12 +371,21 @@ def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -
 
 
 def _wait_for_every_rank(key: str, world: int, wait_s: float) -> None:
+    """Count this rank in under `key`, wait for all. Then rank 0, which hosts the store, waits until every rank
+    has also counted itself out, so no rank's last store request meets a store already gone (the store client
+    prints a 'Connection reset by peer' warning with a C++ stack then)."""
+    deadline = time.monotonic() + wait_s
+
+    def wait_for(counter: str) -> None:
+        while store.add(counter, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     try:
         store = dist.distributed_c10d._get_default_store()
-        arrived = store.add(key, 1)
-        deadline = time.monotonic() + wait_s
-        while arrived < world and time.monotonic() < deadline:
-            time.sleep(0.005)
-            arrived = store.add(key, 0)
-    except (RuntimeError, ValueError, OSError):   # the store's host (rank 0) left: it saw every rank arrive
+        store.add(f"{key}/in", 1)
+        wait_for(f"{key}/in")
+        store.add(f"{key}/out", 1)
+        if dist.get_rank() == 0:
+            wait_for(f"{key}/out")
+    except (RuntimeError, ValueError, OSError):   # the store is gone: nothing left to wait for
         pass

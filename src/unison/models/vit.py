@@ -27,7 +27,7 @@ implementations that MAE, DINOv2, I-JEPA and MoCo v3 build on; only the token-le
 forward above is written here.
 
 Sizes (`VIT_SIZES`; embedding dim / depth / heads): ``nano`` 128/6/4 (1.2 M parameters, for
-CPU runs), ``tiny`` 192/12/3, ``small`` 384/12/6, ``base`` 768/12/12 (DeiT / ViT).
+CPU runs), ``tiny`` 192/12/3, ``small`` 384/12/6, ``base`` 768/12/12, ``large`` 1024/24/16 (DeiT / ViT).
 Backbone names (`VIT_BACKBONES`): ``vit_<size>`` has 16 px patches on 224 px images;
 ``vit_<size>_p4`` 4 px patches on 32 px images (CIFAR: 8 x 8 patches); ``vit_<size>_p2``
 2 px patches on 16 px images (the embedded digits: 8 x 8 patches).
@@ -52,6 +52,7 @@ VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
     "tiny": (192, 12, 3),
     "small": (384, 12, 6),
     "base": (768, 12, 12),
+    "large": (1024, 24, 16),
 }
 _PATCHES = {"": (16, 224), "_p4": (4, 32), "_p2": (2, 16)}   # name suffix -> (patch size, image size)
 VIT_BACKBONES: tuple[str, ...] = tuple(f"vit_{size}{suffix}" for size in VIT_SIZES for suffix in _PATCHES)

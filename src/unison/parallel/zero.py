@@ -48,19 +48,25 @@ def _params_of(groups: Iterable[Any]) -> list[torch.Tensor]:
     return groups
 
 
+def tensor_identity(t: torch.Tensor) -> tuple[int, int, int]:
+    """What makes two tensors the same memory: their storage (by its C++ identity, which fake tensors, whose
+    data pointers are all 0, have too), offset and size."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return int(StorageWeakRef(t.untyped_storage()).cdata), int(t.storage_offset()), int(t.numel())
+
+
 def _state_bytes(*states: dict[Any, Any]) -> int:
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[int, int, int]] = set()
     total = 0
     for state in states:
         for per_param in state.values():
             if not isinstance(per_param, dict):
                 continue  # ZeroRedundancyOptimizer stores None for parameters other ranks own
             for v in per_param.values():
-                if isinstance(v, torch.Tensor):
-                    key = (str(v.device), v.untyped_storage().data_ptr())
-                    if key not in seen:  # count aliased tensors once
-                        seen.add(key)
-                        total += v.numel() * v.element_size()
+                if isinstance(v, torch.Tensor) and tensor_identity(v) not in seen:  # aliased tensors once
+                    seen.add(tensor_identity(v))
+                    total += v.numel() * v.element_size()
     return total
 
 

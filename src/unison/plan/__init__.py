@@ -53,7 +53,7 @@ class StepFigures:
     """One simulated step of one rank at one local batch (bytes)."""
 
     local_batch: int
-    params: int
+    params: int          # this rank's parameters (FSDP2: its shards)
     buffers: int
     grads: int
     optimizer: int
@@ -63,6 +63,7 @@ class StepFigures:
     comm_bytes: dict[str, int]
     host_syncs: list[HostSync] = field(default_factory=list)
     ddp_buckets: int = 0  # DDP's gradient buckets (allocated at its construction, outside the tracked step)
+    gathered_params: int = 0   # FSDP2: whole parameters all-gathered and held at the peak, beyond the shards
 
 
 def _synthetic_train_set(cfg: TrainConfig):
@@ -104,8 +105,10 @@ def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
         else:   # FSDP2's collectives bypass torch.distributed's Python names: its shards, gathered per pass
             comm.update(_fsdp_bytes(run, cfg.distributed.reshard_after_forward))
         buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
-        return StepFigures(local, *_memory(peak), grads, optimizer_bytes(run), *_activations(peak), int(
-            flops.get_total_flops()), comm, syncs.syncs, buckets)
+        params_at_peak, buffers = _memory(peak)
+        params = param_bytes(run)
+        return StepFigures(local, params, buffers, grads, optimizer_bytes(run), *_activations(peak), int(
+            flops.get_total_flops()), comm, syncs.syncs, buckets, max(0, params_at_peak - params))
 
 
 def step_host_syncs(cfg: TrainConfig) -> list[HostSync]:
@@ -246,14 +249,30 @@ def _fsdp_bytes(run: Any, reshard_after_forward: bool) -> dict[str, int]:
     return {"all_gather_into_tensor": shards * (2 if reshard_after_forward else 1), "reduce_scatter_tensor": full}
 
 
+def param_bytes(run: Any) -> int:
+    """This rank's parameter bytes (FSDP2: its shards), each storage once."""
+    return _tensor_bytes(_local(p) for p in run.method.parameters())
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    from unison.parallel.zero import tensor_identity
+
+    seen, total = set(), 0
+    for t in tensors:
+        if tensor_identity(t) not in seen:
+            seen.add(tensor_identity(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
 def optimizer_bytes(run: Any) -> int:
     """This rank's optimizer state bytes (ZeRO-1: the state of the parameters it owns; FSDP2: its shards)."""
     from unison.parallel.zero import ShardedOptimizer
 
     if isinstance(run.optimizer, ShardedOptimizer):
         return run.optimizer.local_state_bytes()
-    return sum(_local(v).numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    return _tensor_bytes(_local(v) for s in run.optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor))
 
 
 @dataclass
@@ -292,7 +311,8 @@ class PlanReport:
             "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
             "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
             "optimizer_state_mib": s.optimizer / MIB, "activations_at_peak_mib": s.activations / MIB,
-            "ddp_buckets_mib": s.ddp_buckets / MIB, "peak_mib": self.peak / MIB, "fits": self.fits, "max_local_batch": self.max_local_batch,
+            "ddp_buckets_mib": s.ddp_buckets / MIB, "gathered_parameters_at_peak_mib": s.gathered_params / MIB,
+            "peak_mib": self.peak / MIB, "fits": self.fits, "max_local_batch": self.max_local_batch,
             "max_local_batch_method": "linear fit of the simulated peak at two local batches",
             "matrix_flops_per_step": s.flops, "collective_bytes_per_step": comm,
             "collective_bytes_by_kind": dict(s.comm_bytes),
@@ -312,7 +332,7 @@ class PlanReport:
                  f"{d['local_batch']} images, --shard {d['shard']}, --amp {d['amp']}, on {d['gpu']} (simulated)",
                  "per rank:"]
         for key in ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "ddp_buckets",
-                    "peak"):
+                    "gathered_parameters_at_peak", "peak"):
             lines.append(f"  {key.replace('_', ' '):<22}{d[key + '_mib']:>12,.1f} MiB")
         verdict = "fits" if d["fits"] else "does NOT fit"
         lines.append(f"  {verdict} in {d['gpu_memory_mib']:,} MiB; largest local batch that fits: "
