@@ -165,6 +165,12 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
     _resume_after_restart(cfg, Path(cfg.out))
     step, history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
     runlog.line(start_line(run, C.world_size(), step))
+    if "resumed_from_total_steps" in run.resolved and C.rank() == 0:
+        replanned = (f"unison: the checkpoint's run was planned for {run.resolved['resumed_from_total_steps']} steps, "
+                     f"this one for {run.total_steps} (--epochs/--max-steps): from step {step} the learning rate "
+                     "(warm-up, cosine) and the method's schedules follow the new length, as if it had been planned so")
+        print(replanned, file=sys.stderr, flush=True)
+        runlog.line(replanned)
     if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:
         with watch.phase("eval", step):
             history["random_init_knn_top1"] = knn_top1(run)

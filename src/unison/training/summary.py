@@ -54,8 +54,9 @@ class Summary:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def result_line(self, wall_s: float | None = None) -> str:
-        """The line `unison train` ends with."""
-        took = f", {wall_s:.0f} s" if wall_s is not None else ""
+        """The line `unison train` ends with; `wall_s` its whole run time (start-up and evaluation included),
+        else (the library's summary) the training loop's time."""
+        took = f", {wall_s:.0f} s" if wall_s is not None else f", {self.train_time_s:.0f} s training"
         knn = "kNN not measured" if self.knn_top1 is None else f"kNN top-1 {self.knn_top1:.4f}"
         base = "" if self.random_init_knn_top1 is None else f" vs random init {self.random_init_knn_top1:.4f}"
         return f"{self.method} x{self.world_size} workers, {self.steps} steps{took}: {knn}{base} (run dir {self.out})"

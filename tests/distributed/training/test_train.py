@@ -1,6 +1,7 @@
 """End to end: `unison train` with real worker processes, its outputs, and resume across world sizes."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -64,3 +65,4 @@ def test_unison_train_and_check_stay_callable_after_their_packages_are_imported(
     second = unison.train(cfg)
     assert first.steps == second.steps == 2 and first.knn_top1 == second.knn_top1
     assert callable(unison.check) and callable(unison.evaluate)
+    assert re.search(r", 2 steps, \d+ s training: kNN top-1 0\.\d{4}", first.result_line())   # the library's line

@@ -91,6 +91,9 @@ def _restore_rest(run: Run, ckpt: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """What every kind of resume restores after model and optimizer: extra state, RNG; (step, history)."""
     run.extra_state.restore(ckpt.get("extra"))
     restore_run_rng(ckpt)
+    planned = (ckpt.get("resolved") or {}).get("total_steps")
+    if isinstance(planned, int) and planned != run.total_steps:   # the loop says so: the schedules follow this run
+        run.resolved["resumed_from_total_steps"] = planned
     return int(ckpt["step"]), dict(ckpt.get("history") or {})
 
 
