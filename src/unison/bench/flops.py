@@ -12,7 +12,8 @@ workers at B/W each do the work of one worker at B.
 NVIDIA's datasheets (their headline "with sparsity" figures are twice these). A GPU that
 is not listed reports its achieved TFLOP/s without a fraction, unless ``--peak-tflops``
 names its peak. CPUs have no entry: the peak of a CPU depends on its clock, cores
-and vector units, so only achieved TFLOP/s is reported there.
+and vector units, so there `matmul_rate` *measures* the machine's dense fp32 matrix rate (``torch.mm``
+at 1024 and 2048, the sides' thread count) in the same run, and a step's rate is given as a fraction of it.
 
 Example::
 
@@ -68,3 +69,27 @@ def training_step_flops(method: str, backbone: str, batch: int, image_size: int)
     with counter:
         model(views).backward()
     return int(counter.get_total_flops())
+
+
+def matmul_rate(threads: int, sizes: tuple[int, ...] = (1024, 2048), repeats: int = 5,
+                device: str = "cpu") -> float:
+    """FLOP/s of the best dense fp32 ``torch.mm`` (n x n by n x n, 2 n^3 FLOPs) over `sizes`, each the best of
+    `repeats` after one warm-up, with `threads` torch threads: what this machine's matrix units reach now."""
+    import time
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = 0.0
+    try:
+        for n in sizes:
+            a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+            torch.mm(a, b)
+            for _ in range(repeats):
+                started = time.perf_counter()
+                torch.mm(a, b)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                best = max(best, 2 * n**3 / (time.perf_counter() - started))
+    finally:
+        torch.set_num_threads(previous)
+    return best

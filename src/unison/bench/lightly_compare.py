@@ -207,8 +207,20 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
                      "load_1m_after": (loadavg() or [None])[0], "version": _version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})
+    _add_warmup(rows)
     _add_flops(rows, cfg, s["image_size"], device)
     return rows
+
+
+def _add_warmup(rows: list[dict[str, Any]]) -> None:
+    """Each side's warm-up (the steps before the steady window: first step, compile, loader start) in seconds and
+    as a share of its training time; above `WARMUP_SHARE` the steady rate is the one to quote."""
+    for r in rows:
+        if r.get("error") or not r.get("steady_images_per_s"):
+            continue
+        steady_s = (r["steps"] - r["steady_from_step"]) * r["global_batch"] / r["steady_images_per_s"]
+        r["warmup_s"] = max(0.0, r["train_time_s"] - steady_s)
+        r["warmup_share"] = r["warmup_s"] / r["train_time_s"]
 
 
 def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, image_size: int, device: str) -> None:
@@ -219,18 +231,23 @@ def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, image_size: int, de
     """
     import torch
 
-    from .flops import bf16_peak_tflops, training_step_flops
+    from .flops import bf16_peak_tflops, matmul_rate, training_step_flops
 
     step_flops = training_step_flops("simclr", cfg.backbone, cfg.batch_size, image_size)
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else None
     peak = cfg.peak_tflops or bf16_peak_tflops(device_name)
+    matmul = matmul_rate(side_threads(cfg), device=device) if device == "cpu" else None   # now, same threads
     for r in rows:
         if r.get("error"):
             continue
         r["step_gflop"] = step_flops / 1e9
         r["tflops_per_s"] = step_flops * r["steps"] / r["train_time_s"] / 1e12
+        steady = r.get("steady_images_per_s")
+        r["steady_tflops_per_s"] = step_flops * steady / cfg.batch_size / 1e12 if steady else None
         r["bf16_peak_tflops"] = peak
         r["peak_fraction"] = r["tflops_per_s"] / peak if peak else None
+        r["matmul_tflops_per_s"] = matmul / 1e12 if matmul else None
+        r["matmul_fraction"] = (r["steady_tflops_per_s"] or r["tflops_per_s"]) * 1e12 / matmul if matmul else None
 
 
 def _first_logged_interval(summary: dict[str, Any]) -> tuple[int, float]:
@@ -252,41 +269,54 @@ def _version(dist: str) -> str:
         return "n/a"
 
 
+WARMUP_SHARE = 0.05   # a side's warm-up above this share of its time: the all-steps rate understates it
+
+
 def lightly_markdown(rows: list[dict[str, Any]]) -> str:
     steady_from = next((r.get("steady_from_step") for r in rows if r.get("steady_from_step")), None)
     headers = ["Side", "Version", "Pipeline", "Threads", "Loader workers", "Steps x batch", "Training time",
-               "img/s (all steps)", f"img/s (after step {steady_from})", "TFLOP/s", "of bf16 peak", "kNN acc", "Peak mem",
-               "Load 1 min before / after"]
+               "Warm-up", f"img/s (steady, after step {steady_from})", "img/s (all steps)", "TFLOP/s (steady)",
+               "of measured fp32 matmul", "of bf16 peak", "kNN acc", "Peak mem", "Load 1 min before / after"]
     body = []
     for r in rows:
         if r.get("error"):
-            body.append([r["side"], "-", f"not measured: {r['error']}"] + ["-"] * 11)
+            body.append([r["side"], "-", f"not measured: {r['error']}"] + ["-"] * (len(headers) - 3))
             continue
         steady = r.get("steady_images_per_s")
+        warmup = "n/a" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} s ({100 * r['warmup_share']:.0f} %)"
+        tflops = r.get("steady_tflops_per_s") or r.get("tflops_per_s")
         body.append([r["side"], r["version"], r["pipeline"], r["threads"], r["loader_workers"],
-                     f"{r['steps']} x {r['global_batch']}", fmt_duration(r["train_time_s"]), f"{r['images_per_s']:.1f}",
-                     "n/a" if steady is None else f"{steady:.1f}",
-                     "n/a" if r.get("tflops_per_s") is None else f"{r['tflops_per_s']:.3f}",
+                     f"{r['steps']} x {r['global_batch']}", fmt_duration(r["train_time_s"]), warmup,
+                     "n/a" if steady is None else f"{steady:.1f}", f"{r['images_per_s']:.1f}",
+                     "n/a" if tflops is None else f"{tflops:.3f}",
+                     "n/a" if r.get("matmul_fraction") is None else f"{100 * r['matmul_fraction']:.0f} %",
                      "n/a (peak unknown)" if r.get("peak_fraction") is None else f"{100 * r['peak_fraction']:.1f} %",
-                     f"{r['knn_top1']:.3f}",
-                     f"{r['peak_memory_mib']:.0f} MiB", load_pair(r)])
+                     f"{r['knn_top1']:.3f}", f"{r['peak_memory_mib']:.0f} MiB", load_pair(r)])
     text = markdown_table(headers, body)
     measured = {r["side"]: r for r in rows if not r.get("error")}
     if "unison" in measured and "lightly" in measured:
         u, lt = measured["unison"], measured["lightly"]
-        ratio = u["images_per_s"] / lt["images_per_s"]
-        text += f"\n**Throughput ratio unison / Lightly: {ratio:.2f}x** over all steps"
+        text += "\n**Throughput ratio unison / Lightly: "
         if u.get("steady_images_per_s") and lt.get("steady_images_per_s"):
-            text += f", {u['steady_images_per_s'] / lt['steady_images_per_s']:.2f}x after step {steady_from}"
-        text += (" (images/s of the training loop; all steps include the first step's warm-up on both sides and, "
-                 "for Lightly, starting its loader workers at every epoch).\n")
+            text += f"{u['steady_images_per_s'] / lt['steady_images_per_s']:.2f}x at steady state** (after step " \
+                    f"{steady_from}), "
+        else:
+            text += "** "
+        text += (f"{u['images_per_s'] / lt['images_per_s']:.2f}x over all steps (images/s of the training loop; all "
+                 "steps include each side's warm-up and, for Lightly, starting its loader workers at every epoch).\n")
+        long_warmup = [r["side"] for r in (u, lt) if (r.get("warmup_share") or 0) > WARMUP_SHARE]
+        if long_warmup:
+            text += (f"\nThe warm-up is over {WARMUP_SHARE:.0%} of the time of {' and '.join(long_warmup)}: quote the "
+                     "steady rate, or raise --lightly-steps.\n")
     flop_row = next((r for r in rows if r.get("step_gflop")), None)
     if flop_row is not None:
-        peak = flop_row.get("bf16_peak_tflops")
+        peak, matmul = flop_row.get("bf16_peak_tflops"), flop_row.get("matmul_tflops_per_s")
         text += (f"\nTFLOP/s: {flop_row['step_gflop']:.1f} GFLOP of matrix work per step (forward + backward, "
-                 "counted by `torch.utils.flop_counter` via `unison.bench.flops`) x steps / training time; "
-                 + (f"of bf16 peak: against {peak:g} TFLOPS dense bf16.\n" if peak else
-                    "no bf16 peak is known for this device (CPU, or a GPU not in `BF16_PEAK_TFLOPS`; "
+                 "counted by `torch.utils.flop_counter` via `unison.bench.flops`) x steady images/s / batch"
+                 + (f"; of measured fp32 matmul: against {matmul * 1e3:.0f} GFLOP/s, the best `torch.mm` (1024, 2048) "
+                    "with the sides' threads, measured in this run" if matmul else "")
+                 + (f"; of bf16 peak: against {peak:g} TFLOPS dense bf16.\n" if peak else
+                    "; no bf16 peak is known for this device (CPU, or a GPU not in `BF16_PEAK_TFLOPS`; "
                     "pass --peak-tflops).\n"))
     return text
 

@@ -76,11 +76,18 @@ def test_lightly_writer_reports_ratio_or_why_not(tmp_path):
             {"side": "lightly", "pipeline": "b", "loader_workers": 2, "images_per_s": 100.0,
              "steady_images_per_s": 160.0, **common}]
     md = write_lightly(rows, tmp_path)["md"].read_text()
-    assert "3.00x" in md and "2.00x after step 10" in md and _md_table_ok(md, 2)
+    assert "2.00x at steady state** (after step 10), 3.00x over all steps" in md and _md_table_ok(md, 2)
+    assert "warm-up is over" not in md   # no warm-up measured: nothing to warn about
     for r, tflops in zip(rows, (0.5, 0.1)):   # a GPU with a known peak: the fraction is printed
         r.update(step_gflop=3411.7, tflops_per_s=tflops, bf16_peak_tflops=989.4, peak_fraction=tflops / 989.4)
     md = write_lightly(rows, tmp_path)["md"].read_text()
-    assert "| 0.500 | 0.1 % |" in md and "against 989.4 TFLOPS dense bf16" in md and _md_table_ok(md, 2)
+    assert "| 0.500 | n/a | 0.1 % |" in md and "against 989.4 TFLOPS dense bf16" in md and _md_table_ok(md, 2)
+    for r, share in zip(rows, (0.02, 0.3)):   # on a CPU: the measured matmul rate, and a long warm-up named
+        r.update(bf16_peak_tflops=None, peak_fraction=None, steady_tflops_per_s=0.08, matmul_tflops_per_s=0.16,
+                 matmul_fraction=0.5, warmup_s=share * 50.0, warmup_share=share)
+    md = write_lightly(rows, tmp_path)["md"].read_text()
+    assert "| 15.0 s (30 %) |" in md and "| 0.080 | 50 % |" in md and "against 160 GFLOP/s" in md
+    assert "warm-up is over 5% of the time of lightly" in md and _md_table_ok(md, 2)
     rows[1] = {"side": "lightly", "pipeline": "not measured", "backbone": "small_cnn", "global_batch": 256,
                "steps": 40, "error": "ImportError: no module named lightly (pip install lightly)"}
     md = write_lightly(rows, tmp_path)["md"].read_text()
@@ -161,3 +168,14 @@ def test_bench_data_runs_both_loaders_side_by_side(tmp_path, capsys):
     assert "unison bench data" in table and "load average" in table
     rows = (tmp_path / "data.csv").read_text().splitlines()
     assert rows[0].startswith("side,images_per_s") and len(rows) == 4   # + the loader without the colour ops
+
+
+def test_matmul_rate_counts_two_n_cubed_flops_per_product(monkeypatch):
+    """The rate is 2 n^3 / the best time: with the clock mocked to 1 s per product, n=1024 gives 2.147 GFLOP/s."""
+    import itertools
+
+    from unison.bench import flops
+
+    ticks = itertools.count()
+    monkeypatch.setattr("time.perf_counter", lambda: float(next(ticks)))
+    assert flops.matmul_rate(1, sizes=(1024,), repeats=2) == pytest.approx(2 * 1024**3)
