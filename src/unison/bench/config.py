@@ -61,7 +61,7 @@ class BenchConfig:
         "help": "steps per comm-report configuration (PowerSGD compresses from step 3 on; steps 3+ are reported)"})
     lightly_steps: int = field(default=200, metadata={
         "help": "optimiser steps of each side of the Lightly comparison (enough that each side's warm-up is under "
-                "5 % of its time, reported apart)"})
+                "5 percent of its time, reported apart)"})
     lightly_loader_workers: int = field(default=2, metadata={
         "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
     lightly_threads: int | None = field(default=None, metadata={
