@@ -184,7 +184,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from unison.equivalence import CheckSpec, CurveSpec
+    from unison.config.check import CheckSpec, CurveSpec  # not unison.equivalence: torch is not needed for --help
 
     parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=version_text())

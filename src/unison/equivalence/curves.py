@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from unison.config.check import CURVE_TOLERANCE, CurveSpec
 
 # ---------------------------------------------------------------------------------------------------
 # Whole training runs: `unison check --run`
@@ -41,29 +43,6 @@ import torch
 # rounding level in either precision; every step must stay within the drift bound.
 # `unison check --run` runs in float64 by default, where one tight bound covers every step.
 # ---------------------------------------------------------------------------------------------------
-
-# (bound at step 1, bound at every step) on the relative loss difference. Measured (SimCLR,
-# small CNN, digits, global batch 64, 1 vs 2 workers): float64 <= 2e-15 at every step over 200
-# steps; float32 1e-7 at step 1, then drifting to 7e-3 by step 25 and 2.5e-2 over 200 steps.
-CURVE_TOLERANCE = {"float64": (1e-8, 1e-8), "float32": (1e-5, 5e-2)}
-
-
-@dataclass
-class CurveSpec:
-    """Options of ``unison check --run`` (the other `CheckSpec` options map onto the runs as noted)."""
-
-    run: bool = field(default=False, metadata={
-        "help": "train whole runs instead (`unison train` on digits) at 1 and --world-size workers, same seed and "
-                "global batch, and compare the loss curves step by step (float64: 1e-8 at every step; float32: 1e-5 "
-                "at step 1, then a 5e-2 drift bound); --steps/--local-batch/--image-size/--lr apply to the step check "
-                "only"})
-    run_steps: int = field(default=200, metadata={
-        "help": "optimiser steps of each run (--run); the default takes about 2.5 minutes on 2 CPU cores"})
-    run_batch_size: int = field(default=64, metadata={"help": "global batch of each run (--run)"})
-    run_out: str | None = field(default=None, metadata={
-        "help": "keep the run directories (w1/, w2/: metrics.csv, plot.png, ...) here (--run); default: a temporary "
-                "directory", "metavar": "DIR"})
-
 
 @dataclass
 class CurvesReport:
@@ -190,7 +169,7 @@ def run_curves_for_check(method: str, check: dict[str, Any], curve: dict[str, An
                          method_params: dict[str, Any] | None = None) -> CurvesReport:
     """`unison check --run`: map the `CheckSpec` options the user gave onto `run_curves`."""
     spec = CurveSpec(**{k: v for k, v in curve.items() if k in {f.name for f in dataclasses.fields(CurveSpec)}})
-    from .steps import CheckSpec
+    from unison.config.check import CheckSpec
 
     defaults = CheckSpec()
     return run_curves(method, spec.run_steps, (1, check.get("world_size", defaults.world_size)),

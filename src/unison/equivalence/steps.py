@@ -28,45 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from unison.config.check import TOLERANCE, CheckSpec
 
 from .compare import max_rel_difference
 
 if TYPE_CHECKING:   # annotations only; the functions below import them when called
     from unison.config import TrainConfig
     from unison.data.tensor_dataset import ImageTensorDataset
-
-TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
-
-
-@dataclass
-class CheckSpec:
-    method: str = field(default="simclr", metadata={"help": "method to check, or 'all'"})
-    world_size: int = field(default=2, metadata={"help": "worker processes of the distributed run"})
-    steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
-    local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})
-    image_size: int = field(default=16, metadata={"help": "image size of the synthetic data"})
-    backbone: str | None = field(default=None, metadata={
-        "help": "backbone; default: the method's recipe (small_cnn, or a ViT for the methods that need one)"})
-    dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
-                                                     "choices": tuple(TOLERANCE)})
-    sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})
-    gather_distributed: bool = field(default=True, metadata={"help": "global-batch losses", "flag": "gather"})
-    shared_queue: bool = field(default=True, metadata={"help": "MoCo-style queues shared by all workers"})
-    shard: str = field(default="none", metadata={
-        "help": "sharding of the distributed run: none (DDP) | optimizer (ZeRO-1) | full (FSDP2); the reference "
-                "process is never sharded", "choices": ("none", "optimizer", "full")})
-    seed: int = field(default=0, metadata={"help": "seed"})
-    lr: float | None = field(default=None, metadata={
-        "help": "base learning rate per 256 images; default: the method's recipe, as in unison train"})
-    data: str | None = field(default=None, metadata={
-        "help": "check on these images instead of synthetic ones: a folder, file list or tar shards, streamed "
-                "(each worker decodes its slice of every batch in a loader process) at --image-size"})
-    method_params: dict[str, Any] = field(default_factory=dict)
-
 
 @dataclass
 class CheckReport:
