@@ -136,9 +136,9 @@ class TrainConfig:
         "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "
                 "result line; --no-random-init-knn skips it)"})
     signals_every: int = field(default=0, metadata={
-        "range": Range(0, MAX_STEPS, hint=" (0 = automatic: about 10 times a run)"),
+        "range": Range(0, MAX_STEPS, hint=" (0 = every max(50, steps / 50) steps)"),
         "help": "measure the label-free quality signals (RankMe, embedding std, alignment, uniformity) every N "
-                "optimiser steps, and at the start and end (0 = automatically, about 10 times a run)"})
+                "optimiser steps, and at the start and end (0 = every max(50, steps / 50) steps)"})
     signal_images: int = field(default=512, metadata={
         "range": Range(0, MAX_SIGNAL_IMAGES, hint=" (0 = no signals)"),
         "help": "held-back training images the signals are measured on (chosen from --seed; 0 = no signals)"})

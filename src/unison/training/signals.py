@@ -2,14 +2,17 @@
 
 * `SignalsHook`: the signals of `unison.eval.signals` (RankMe, embedding std, alignment, uniformity) on a fixed
   held-back set of ``--signal-images`` training images (default 512; chosen from ``--seed`` only, no labels
-  needed), at the start, every ``--signals-every`` steps (0: about 10 times a run) and at the end. They go to
+  needed), at the start, every ``--signals-every`` steps (0: every max(50, steps / 50) steps: one evaluation costs
+  about one training step at batch 256, so at most 2 % of a run, plus the start and the end) and at the end. They go to
   ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
 * Collapse: `COLLAPSE_EVALS` evaluations in a row with the embedding std below `COLLAPSE_STD` (of the
   ``1/sqrt(d)`` of a uniform embedding) or RankMe below `COLLAPSE_RANK` of ``min(N, d)`` -> one warning line
   (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there (`StepEnd.stop`), its
   checkpoint and summary written like any run's end.
 * `ProbeHook`: with labelled training data (``--online-probe``, on by default), a linear classifier on the
-  detached features of each step's first view; its accuracy on each batch before it learns from it is logged.
+  detached features of the first view of about `PROBE_IMAGES` images of each step (those whose index is a
+  multiple of ``global batch / 64``: the same images at any W); its accuracy on each batch before it learns from
+  it is logged.
 
 Identical for any world size: the held-back images are embedded in fixed chunks of `CHUNK` images (the same
 chunks, so the same arithmetic, at any W), each rank embedding a contiguous run of chunks; the features are
@@ -18,12 +21,17 @@ own augmentation drawn at the keys (seed, `SIGNAL_EPOCH`, image index), an epoch
 they are the same at any W and at every evaluation. Streamed data: the held-back images are decoded at the
 training size (shorter side resized, centre square) before they are augmented.
 
-The probe never changes the encoder's training: it reads the features under ``no_grad`` in eval mode (no
-batch-norm statistics move), its weights start at zero (no random draws), it has its own optimizer, and under
-DDP its small gradient is all-reduced by itself (never through the method's DDP), so it learns the same at any
+The probe standardises the features with their running mean and variance (global sums, momentum
+`PROBE_MOMENTUM`): a backbone's raw features can sit at 0.01 +- 0.01, where a plain linear layer learns nothing
+in a few hundred steps. It never changes the encoder's training: it reads the features under ``no_grad`` in eval
+mode (no batch-norm statistics move), its weights start at zero (no random draws), it has its own optimizer, and
+under DDP its small gradient is all-reduced by itself (never through the method's DDP), so it learns the same at any
 W. Its state is not checkpointed: a resumed run's probe starts again (a linear probe catches up in a few
-hundred steps). Why on by default: it costs one no-grad forward of one view per step (measured in
-docs/benchmarks.md) and is the accuracy curve a labelled run is otherwise missing between kNN evaluations.
+hundred steps). Why on by default: it costs one no-grad forward of 64 images per step (a few % of a batch-256
+step, measured in docs/benchmarks.md) and is the accuracy curve a labelled run otherwise lacks between kNN
+evaluations. Why the augmented first view and not an un-augmented image: the view is already on the device in
+the step's format for memory and streamed data alike (an un-augmented image of streamed data would be decoded
+again), as solo-learn's and Lightly's online classifiers do.
 """
 
 from __future__ import annotations
@@ -48,12 +56,15 @@ from unison.training.step import Batch, Run
 
 CHUNK = 64                  # images per embedding call: the same chunks at any world size
 SIGNAL_EPOCH = 2**61        # the augmentation key of the two views: past any training epoch (at most 1e9)
-AUTO_EVALUATIONS = 10       # --signals-every 0: about this many evaluations per run
+AUTO_EVALUATIONS = 50       # --signals-every 0: about this many evaluations in a long run,
+AUTO_MIN_EVERY = 50         # and at most one every 50 steps (one evaluation costs about one step at batch 256)
 COLLAPSE_STD = COLLAPSE_STD_LINE   # 0.05: embedding std x sqrt(d) below this: collapsed (see `collapsed`)
 COLLAPSE_RANK = 0.01        # RankMe below this fraction of min(N, d), and below 2 at least: collapsed
 COLLAPSE_RANK_FLOOR = 2.0
 COLLAPSE_EVALS = 2          # ... for this many evaluations in a row
-PROBE_LR = 1e-2             # Adam on the probe's weights
+PROBE_IMAGES = 64           # the probe learns from about this many images of each step (index % stride == 0)
+PROBE_MOMENTUM = 0.5        # of the running feature statistics the probe standardises with
+PROBE_LR = 3e-2             # Adam on the probe's weights
 
 
 def held_back_indices(num_images: int, count: int, seed: int) -> np.ndarray:
@@ -160,14 +171,14 @@ COLLAPSE_ADVICE = ("what usually helps: a lower --lr, a longer --warmup-epochs, 
 
 
 class SignalsHook(TrainHook):
-    """The signals at the start, every ``--signals-every`` steps (auto: about 10 per run) and at the end; the
+    """The signals at the start, every ``--signals-every`` steps (see the module docstring) and at the end; the
     collapse warning and ``--stop-on-collapse``. `latest` holds the last values (the progress bar shows them)."""
 
     def __init__(self, run: Run, watch: Watchdog, logger: MetricsLogger, runlog: RunLog) -> None:
         self.run, self.watch, self.logger, self.runlog = run, watch, logger, runlog
         count = run.cfg.signal_images
         self.held = HeldBack(run, count) if count and run.data.num_images >= 2 else None
-        self.every = run.cfg.signals_every or max(1, run.total_steps // AUTO_EVALUATIONS)
+        self.every = run.cfg.signals_every or max(AUTO_MIN_EVERY, math.ceil(run.total_steps / AUTO_EVALUATIONS))
         self.latest: dict[str, float] = {}
         self.streak = 0
         self.collapse: dict[str, Any] | None = None   # {"step", "what"} once warned
@@ -241,8 +252,11 @@ class ProbeHook(TrainHook):
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.mean: torch.Tensor | None = None   # running feature statistics (float64, from global sums)
+        self.var: torch.Tensor | None = None
         self.pending: Batch | None = None
-        self.counts = torch.zeros(2, dtype=torch.float64)   # correct, seen since the last `accuracy`
+        self.counts = torch.zeros(2, dtype=torch.float64, device=run.device)   # correct, seen since `accuracy`
+        self.stride = max(1, run.global_batch * run.accumulate // PROBE_IMAGES)
         self.train_s = 0.0
 
     def on_batch(self, run: Run, batch: Batch) -> None:
@@ -260,38 +274,60 @@ class ProbeHook(TrainHook):
         self.train_s += time.perf_counter() - started
 
     def _learn(self, run: Run, batch: Batch) -> None:
-        with torch.no_grad():
+        """One probe step on the step's images whose index is a multiple of `stride` (the same images at any W)."""
+        idx = batch.indices.to(run.device)
+        chosen = idx % self.stride == 0
+        rows = chosen if bool(chosen.any()) else torch.arange(len(idx), device=run.device) == 0   # embed >= 1 image:
+        with torch.no_grad():                                           # a sharded encoder's collectives need it
             was_training = run.method.training
             run.method.eval()
             try:
                 with torch.autocast(run.device.type, dtype=torch.bfloat16,
                                     enabled=run.autocast_dtype is torch.bfloat16):
-                    feats = run.method.embed(batch.views[0]).float().reshape(len(batch.indices), -1)
+                    feats = run.method.embed(batch.views[0][rows]).float().flatten(1)
             finally:
                 run.method.train(was_training)
-        labels = run.data.labels_at(batch.indices.to(run.device))
+        labels = run.data.labels_at(idx[rows])
+        keep = chosen[rows] & (labels >= 0)
+        feats, labels = feats[keep].double(), labels[keep]
+        sums = torch.cat([feats.sum(0), feats.square().sum(0), torch.ones(1, device=run.device,
+                                                                          dtype=torch.float64) * len(feats)])
         if self.weight is None:   # zeros: a convex problem needs no random start, and draws nothing
-            self.weight = torch.zeros(self.classes, feats.shape[1], device=run.device, requires_grad=True)
-            self.bias = torch.zeros(self.classes, device=run.device, requires_grad=True)
-            self.optimizer = torch.optim.Adam([self.weight, self.bias], lr=PROBE_LR)
-        assert self.bias is not None and self.optimizer is not None
-        keep = labels >= 0
-        logits = F.linear(feats, self.weight, self.bias)
-        total = C.all_reduce_no_grad(torch.tensor([float(keep.sum())], device=run.device))
-        loss = F.cross_entropy(logits[keep], labels[keep], reduction="sum") / total.clamp_min(1)
+            self._start(run, C.all_reduce_no_grad(sums))
+        assert self.weight is not None and self.bias is not None and self.optimizer is not None
+        assert self.mean is not None and self.var is not None
+        # standardised with the features' running statistics (the raw features' scale is the backbone's own)
+        logits = F.linear(((feats - self.mean) / (self.var + 1e-12).sqrt()).float(), self.weight, self.bias)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for p in (self.weight, self.bias):   # the global batch's mean gradient, synced here, not by DDP
-            assert p.grad is not None
-            p.grad.copy_(C.all_reduce_no_grad(p.grad))
+        F.cross_entropy(logits, labels, reduction="sum").backward()   # this rank's sum; averaged below
+        assert self.weight.grad is not None and self.bias.grad is not None
+        correct = (logits.detach().argmax(1) == labels).sum().double()
+        # one all-reduce of the probe's own gradient, feature sums and counts (never through the method's DDP)
+        flat = C.all_reduce_no_grad(torch.cat([self.weight.grad.flatten().double(), self.bias.grad.double(),
+                                               sums, correct[None]]))
+        seen, nw, d = flat[-2].clamp_min(1), self.weight.numel(), self.mean.numel()
+        self.weight.grad.copy_((flat[:nw] / seen).view_as(self.weight))
+        self.bias.grad.copy_(flat[nw:nw + self.classes] / seen)
         self.optimizer.step()
-        correct = (logits.detach().argmax(1)[keep] == labels[keep]).sum().double()
-        self.counts += C.all_reduce_no_grad(torch.stack([correct, keep.sum().double()])).cpu()
+        mean, square = flat[-2 - 2 * d:-2 - d] / seen, flat[-2 - d:-2] / seen
+        self.mean.mul_(PROBE_MOMENTUM).add_(mean, alpha=1 - PROBE_MOMENTUM)
+        self.var.mul_(PROBE_MOMENTUM).add_((square - mean.square()).clamp_min(0), alpha=1 - PROBE_MOMENTUM)
+        self.counts += torch.stack([flat[-1], flat[-2]])
+
+    def _start(self, run: Run, sums: torch.Tensor) -> None:
+        """The probe's weights (zeros), optimizer, and feature statistics from the first step's global sums."""
+        d = (len(sums) - 1) // 2
+        seen = sums[-1].clamp_min(1)
+        self.mean = sums[:d] / seen
+        self.var = (sums[d:2 * d] / seen - self.mean.square()).clamp_min(0)
+        self.weight = torch.zeros(self.classes, d, device=run.device, requires_grad=True)
+        self.bias = torch.zeros(self.classes, device=run.device, requires_grad=True)
+        self.optimizer = torch.optim.Adam([self.weight, self.bias], lr=PROBE_LR)
 
     def accuracy(self) -> float | None:
         """The probe's accuracy on the batches since the last call (each predicted before it learnt from it)."""
         if not self.enabled or self.counts[1] == 0:
             return None
-        acc = float(self.counts[0] / self.counts[1])
+        acc = float(self.counts[0] / self.counts[1])   # one host sync per logged step
         self.counts.zero_()
         return acc
