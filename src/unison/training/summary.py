@@ -66,6 +66,8 @@ class Summary:
         if collapse:
             rank += f", collapsed at step {collapse['step']}"
         stopped = " (stopped on collapse)" if self.signals.get("stopped_on_collapse") else ""
+        if self.probe_top1 is not None:
+            rank += f", online probe {self.probe_top1:.4f}"
         return (f"{self.method} x{self.world_size} workers, {self.steps} steps{stopped}{took}: {knn}{base}{rank} "
                 f"(run dir {self.out})")
 
