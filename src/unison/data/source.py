@@ -33,6 +33,9 @@ kNN evaluation needs labelled held-out data, and never scores training images:
   ``--val-subset``), decoded at the training size (shorter side resized, centre square) each time
   kNN runs, in chunks: memory holds the features, never the images.
 
+Training images outside the batches: `TrainData.images_at` (uint8, or decoded on demand when streamed) and
+`TrainData.labels_at` serve the label-free signals' held-back set and the online probe (`unison.training.signals`).
+
 Example::
 
     data = build_batch_source(DataSpec(data="/data/photos", batch_size=256), device, "simclr")
