@@ -36,6 +36,7 @@ MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overfl
 MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, far below an index overflow
 MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
 MAX_IMAGES = 2**40       # subsets: more images than any data set
+MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 values (64 MiB at 4096)
 
 
 @dataclass
@@ -134,6 +135,19 @@ class TrainConfig:
     random_init_knn: bool = field(default=True, metadata={
         "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "
                 "result line; --no-random-init-knn skips it)"})
+    signals_every: int = field(default=0, metadata={
+        "range": Range(0, MAX_STEPS, hint=" (0 = every max(50, steps / 50) steps)"),
+        "help": "measure the label-free quality signals (RankMe, embedding std, alignment, uniformity) every N "
+                "optimiser steps, and at the start and end (0 = every max(50, steps / 50) steps)"})
+    signal_images: int = field(default=512, metadata={
+        "range": Range(0, MAX_SIGNAL_IMAGES, hint=" (0 = no signals)"),
+        "help": "held-back training images the signals are measured on (chosen from --seed; 0 = no signals)"})
+    stop_on_collapse: bool = field(default=False, metadata={
+        "help": "end the run (final checkpoint and summary kept) when the signals say the representation collapsed; "
+                "without it the run only warns"})
+    online_probe: bool = field(default=True, metadata={
+        "help": "with labelled training data: train a linear classifier on the detached features of each batch's "
+                "first view beside the encoder (never changing its training) and log its accuracy"})
     precision: str = field(default="float32", metadata={
         "help": "parameter/compute dtype: float32, or float64 for exactness and resume checks",
         "choices": ("float32", "float64")})

@@ -33,6 +33,9 @@ kNN evaluation needs labelled held-out data, and never scores training images:
   ``--val-subset``), decoded at the training size (shorter side resized, centre square) each time
   kNN runs, in chunks: memory holds the features, never the images.
 
+Training images outside the batches: `TrainData.images_at` (uint8, or decoded on demand when streamed) and
+`TrainData.labels_at` serve the label-free signals' held-back set and the online probe (`unison.training.signals`).
+
 Example::
 
     data = build_batch_source(DataSpec(data="/data/photos", batch_size=256), device, "simclr")
@@ -104,6 +107,39 @@ class TrainData:
     val_set: ImageTensorDataset | None
     knn: KnnSets | None
     knn_skipped: str | None                    # why there is no kNN evaluation, when there is none
+    catalog: Catalog | None = None             # streamed: the listed images, and the training set's positions
+    positions: np.ndarray | None = None        # in it (None: all of them)
+    on_corrupt: str = "skip"
+
+    @property
+    def labelled(self) -> bool:
+        """Whether the training images have labels (the online probe's condition)."""
+        if self.train_set is not None:
+            return self.train_set.labelled
+        return self.catalog is not None and self.catalog.labelled
+
+    @property
+    def num_classes(self) -> int:
+        classes = self.train_set.classes if self.train_set is not None else self.catalog.classes if self.catalog else []
+        return len(classes)
+
+    def images_at(self, indices: np.ndarray, device: torch.device) -> Any:
+        """Training images at `indices` (0 .. num_images-1) as uint8: a tensor (memory) or `LazyImages` decoded at
+        the training size, shorter side resized and centre square (stream)."""
+        if self.train_set is not None:
+            return self.train_set.images[torch.from_numpy(indices).to(self.train_set.images.device)]
+        assert self.catalog is not None
+        where = self.positions[indices] if self.positions is not None else indices
+        return LazyImages(self.catalog, where, self.image_size, device, self.on_corrupt)
+
+    def labels_at(self, indices: torch.Tensor) -> torch.Tensor:
+        """int64 labels (-1: none) of training images at `indices`, on the device of `indices`."""
+        if self.train_set is not None:
+            return self.train_set.labels.to(indices.device)[indices]
+        assert self.catalog is not None
+        idx = indices.cpu().numpy()
+        where = self.positions[idx] if self.positions is not None else idx
+        return torch.from_numpy(self.catalog.labels[where]).to(indices.device)
 
 
 class LazyImages:
@@ -275,7 +311,8 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     source = StreamingBatches(catalog, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
                               on_corrupt=spec.on_corrupt, positions=positions, decode=spec.decode)
     knn, knn_skipped = _stream_knn(spec, catalog, pick, image_size, device)
-    return TrainData(source, augment, "stream", image_size, mean, std, n, None, None, knn, knn_skipped)
+    return TrainData(source, augment, "stream", image_size, mean, std, n, None, None, knn, knn_skipped,
+                     catalog=catalog, positions=positions, on_corrupt=spec.on_corrupt)
 
 
 def _stream_knn(spec: DataSpec, catalog: Catalog, pick: np.ndarray, size: int,

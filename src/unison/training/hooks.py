@@ -11,8 +11,10 @@ The loop (`unison.training.loop`) calls every hook of a run, on every rank, at t
     hook.close()                    after the last step (not after a failure), in reverse order
 
 A hook subclasses `TrainHook` and overrides what it needs; the others do nothing. The loop's own
-hooks (`unison.training.loop_hooks`: logging, kNN evaluation, checkpoint timing, the stop
-agreement) run first, in that order, then the extra hooks, in the order given.
+hooks (the online probe, logging, kNN evaluation, the label-free signals, checkpoint timing, the stop
+agreement: `unison.training.loop_hooks`, `unison.training.signals`) run first, in that order, then the
+extra hooks, in the order given. A hook may set ``end.stop`` to end the run after the step, through its
+normal end (every rank must set it at the same step).
 
 Extra hooks come from ``train(cfg, device, hooks=[...])`` (in-process runs), or, for workers that
 are separate processes (unison's launcher, torchrun, srun, mpirun), from the environment:
@@ -47,6 +49,8 @@ class StepEnd:
     epoch_done: bool          # the step completed an epoch
     last: bool                # the run's last step (the end of the run saves and evaluates anyway)
     saved: bool = False       # a hook wrote this step's checkpoint (`CheckpointHook`; the stop agreement reads it)
+    stop: bool = False        # a hook ends the run after this step, through the normal end (every rank must agree:
+                              # `unison.training.signals.SignalsHook` decides from values every rank shares)
 
     @classmethod
     def of(cls, run: Run, step: int, lr: float, loss_sum: torch.Tensor) -> StepEnd:

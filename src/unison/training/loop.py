@@ -8,11 +8,12 @@
    or SLURM requeued the job), or record the random-initialisation kNN baseline; then write ``config.json``
    (after the restore, so that a refused checkpoint leaves the run directory as it was).
 3. The step loop: for each of this rank's micro-batches `forward_backward`; after the last one of a
-   step `optimizer_step`, then the hooks (`unison.training.loop_hooks`), in this order: logging,
-   kNN evaluation, checkpoint timing (rank 0 writes, in the background: `Checkpointer`), the stop
-   agreement (preemption signals, a failed save); then any extra hooks (`unison.training.hooks`:
+   step `optimizer_step`, then the hooks, in this order: the online probe, logging, kNN evaluation,
+   the label-free signals (`unison.training.signals`: they may end the run, ``--stop-on-collapse``),
+   checkpoint timing (rank 0 writes, in the background: `Checkpointer`), the stop agreement
+   (preemption signals, a failed save) (`unison.training.loop_hooks`); then any extra hooks (`unison.training.hooks`:
    ``train(..., hooks=...)`` or ``UNISON_TRAIN_HOOKS``, which the fault-injection tests use).
-4. The end: kNN evaluation, the last checkpoint, ``summary.json``, and the `Summary` returned to
+4. The end: kNN evaluation, the signals, the last checkpoint, ``summary.json``, and the `Summary` returned to
    the caller (rank 0's is what `unison.train` returns).
 
 Throughout, a heartbeat says which phase each rank is in (`unison.distributed.watchdog`), so a
@@ -57,6 +58,7 @@ from unison.training.loop_hooks import (
 )
 from unison.training.metrics import MetricsLogger
 from unison.training.runlog import RunLog
+from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
 from unison.training.summary import Summary, peak_memory_mib
 
@@ -118,10 +120,12 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     on_exit.callback(logger.release)
 
     # ---- the hooks, in the order they run after every step
-    log = LogHook(run, logger, runlog, step)
+    probe = ProbeHook(run)
+    signals = SignalsHook(run, watch, logger, runlog)
+    log = LogHook(run, logger, runlog, step, probe=probe, signals=signals)
     knn = KnnEvalHook(run, watch, logger, runlog)
     saver = CheckpointHook(run, checkpointer, watch, history)
-    hooks = Hooks([log, knn, saver, StopHook(run, checkpointer, watch, history), *extra.hooks])
+    hooks = Hooks([probe, log, knn, signals, saver, StopHook(run, checkpointer, watch, history), *extra.hooks])
 
     # ---- the loop
     run.method.train()
@@ -136,15 +140,20 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
             continue
         lr = optimizer_step(run, batch.step)
         step = batch.step + 1
-        hooks.after_step(run, StepEnd.of(run, step, lr, loss_sum))
+        end = StepEnd.of(run, step, lr, loss_sum)
+        hooks.after_step(run, end)
         watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
+        if end.stop:   # --stop-on-collapse: the run ends here, through the normal end below
+            break
     hooks.close()
 
     # ---- the end: evaluation, last checkpoint, summary
     knn.final(step, history)
+    signals.final(step)
     saver.final(step)
     watch.enter("done", step)
-    return _summary(run, step, history, log, checkpointer, logger)
+    history["signals"] = signals.summary()
+    return _summary(run, step, history, log, checkpointer, logger, probe.train_s)
 
 
 def _build(cfg: TrainConfig, device: torch.device) -> Run:
@@ -180,7 +189,7 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
 
 
 def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpointer: Checkpointer,
-             logger: MetricsLogger) -> Summary:
+             logger: MetricsLogger, probe_s: float = 0.0) -> Summary:
     """The run's `Summary` (the same on every rank); rank 0 writes ``summary.json`` and closes the metrics."""
     cfg, device, train_time = run.cfg, run.device, log.train_time_s
     summary = Summary(
@@ -193,7 +202,9 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(Path(cfg.out)),
         loss_curve=log.curve, log_times_s=log.log_times, mean=run.resolved["mean"], std=run.resolved["std"],
-        extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s]})   # per save, the final one last
+        signals=history.get("signals", {}), probe_top1=log.probe_top1,
+        extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s],   # per save, the final one last
+               "probe_s": round(probe_s, 3)})   # the online probe's time (in the step loop)
     if C.rank() == 0:
         write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))

@@ -58,9 +58,12 @@ class DataWaitWarning:
 class LogHook(TrainHook):
     """Metrics, ``train.log`` lines and the progress bar; keeps what the run's `Summary` reports of them."""
 
-    def __init__(self, run: Run, logger: MetricsLogger, runlog: RunLog, start_step: int) -> None:
+    def __init__(self, run: Run, logger: MetricsLogger, runlog: RunLog, start_step: int, *, probe: Any = None,
+                 signals: Any = None) -> None:
         master = C.rank() == 0
         self.run, self.logger, self.runlog = run, logger, runlog
+        self.probe, self.signals = probe, signals   # `ProbeHook`, `SignalsHook`: their values join the log lines
+        self.probe_top1: float | None = None
         self.first_step = start_step + 1   # logged too, so the loss shows from the first step on
         self.progress = (progress_bar(run.total_steps, start_step, f"{run.cfg.method} x{C.world_size()}")
                          if master and run.cfg.progress else None)
@@ -96,12 +99,20 @@ class LogHook(TrainHook):
         ips = self.images_since_log / max(now - self.t_log, 1e-9)
         data_wait = min(1.0, self.wait_since_log / max(now - self.t_log, 1e-9))   # this rank's share of the window
         self.t_log, self.images_since_log, self.wait_since_log = now, 0, 0.0
+        probe = self.probe.accuracy() if self.probe is not None else None
+        self.probe_top1 = probe if probe is not None else self.probe_top1
         self.logger.log(step=step, epoch=step / run.steps_per_epoch, loss=self.final_loss, lr=end.lr,
-                        images_per_s=ips, data_wait=round(data_wait, 4))
-        if self.progress is not None:
-            self.progress.set_postfix(loss=f"{self.final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}")
+                        images_per_s=ips, data_wait=round(data_wait, 4), probe_top1=probe)
+        latest = self.signals.latest if self.signals is not None else {}
+        if self.progress is not None:   # short: the signals' last RankMe and std, the probe's accuracy
+            extra = {"rankme": f"{latest['rankme']:.1f}", "std": f"{latest['emb_std']:.2f}"} if latest else {}
+            if probe is not None:
+                extra["probe"] = f"{probe:.2f}"
+            self.progress.set_postfix(loss=f"{self.final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}",
+                                      **extra)
+        shown = f", online probe {probe:.3f}" if probe is not None else ""
         self.runlog.line(f"step {step}/{run.total_steps} (epoch {step / run.steps_per_epoch:.2f}): loss "
-                         f"{self.final_loss:.4f}, lr {end.lr:.4g}, {ips:.0f} img/s")
+                         f"{self.final_loss:.4f}, lr {end.lr:.4g}, {ips:.0f} img/s{shown}")
         if self.waits is not None:
             self.waits.observe(step, data_wait)
 

@@ -4,9 +4,10 @@
 
 * ``csv`` (default): ``metrics.csv``, one row per logged event with columns step, epoch, loss,
   lr, images_per_s, knn_top1, data_wait (the share of the logging window the step waited for
-  data, on rank 0; empty where not measured), and ``plot.png`` at the end: the
-  training loss and the kNN accuracy against epochs, with the random-initialisation kNN as a
-  dashed line.
+  data, on rank 0), the label-free signals rankme, emb_std, align, uniform
+  (`unison.training.signals`) and probe_top1 (the online probe); empty where not measured. At the
+  end ``plot.png`` (`unison.training.plots`): loss, learning rate, kNN / probe accuracy (the
+  random-initialisation kNN dashed) and the signals against epochs.
 * ``tensorboard``: the same, plus event files in ``<run dir>/tensorboard``
   (``pip install tensorboard``; ``tensorboard --logdir runs``).
 * ``wandb``: the same, plus a Weights & Biases run (``pip install wandb``; the project is
@@ -25,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait")
+COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait", "rankme", "emb_std", "align",
+           "uniform", "probe_top1")
 
 
 class MetricsLogger:
@@ -116,48 +118,18 @@ def progress_bar(total: int, initial: int, desc: str) -> Any:
     return tqdm(total=total, initial=initial, desc=desc, unit="step", mininterval=1.0, dynamic_ncols=True)
 
 
-FEW_POINTS = 30   # up to this many points, each is drawn with a marker (a run of one logged step is one dot)
-
-
 def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None) -> Any:
-    """The figure of ``plot.png``: training loss and kNN accuracy against epochs, the random-init kNN dashed."""
-    import matplotlib
+    """The figure of ``plot.png`` (`unison.training.plots`): loss, learning rate, accuracy (the random-init kNN
+    dashed), and the label-free signals, against epochs."""
+    from unison.training.plots import runs_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return runs_figure([(None, rows, random_init_knn_top1)], collapse_std=COLLAPSE_STD_LINE)
 
-    loss = [(r["epoch"], r["loss"]) for r in rows if r.get("loss") is not None]
-    knn = [(r["epoch"], r["knn_top1"]) for r in rows if r.get("knn_top1") is not None]
-    fig, (ax_loss, ax_knn) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if loss:
-        ax_loss.plot(*zip(*loss), color="tab:blue", marker="o" if len(loss) <= FEW_POINTS else None, markersize=4)
-    ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
-    if knn:
-        ax_knn.plot(*zip(*knn), marker="o", color="tab:green", label="trained encoder")
-    if random_init_knn_top1 is not None:
-        ax_knn.axhline(random_init_knn_top1, color="tab:gray", linestyle="--",
-                       label=f"random init ({random_init_knn_top1:.3f})")
-    values = [v for _, v in knn] + ([random_init_knn_top1] if random_init_knn_top1 is not None else [])
-    if values:   # accuracies: a range around the values, inside [0, 1], so one point is not a flat empty axis
-        low, high = min(values), max(values)
-        pad = max(0.02, 0.15 * (high - low))
-        ax_knn.set_ylim(max(0.0, low - pad), min(1.0, high + pad))
-        ax_knn.legend(loc="best", fontsize="small")
-    epochs = [e for e, _ in loss + knn]
-    if epochs:
-        for ax in (ax_loss, ax_knn):   # both panels on the run's epoch range (the baseline spans it)
-            ax.set_xlim(0.0, max(epochs) * 1.05 or 1.0)
-    ax_knn.set(xlabel="epoch", ylabel="kNN top-1", title="kNN accuracy (held-out)")
-    for ax in (ax_loss, ax_knn):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+
+COLLAPSE_STD_LINE = 0.05   # `unison.training.signals.COLLAPSE_STD` (which imports this module), drawn on the plot
 
 
 def plot_metrics(rows: list[dict[str, Any]], path: str | Path, random_init_knn_top1: float | None = None) -> Path:
-    import matplotlib.pyplot as plt
+    from unison.training.plots import save_figure
 
-    fig = metrics_figure(rows, random_init_knn_top1)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(metrics_figure(rows, random_init_knn_top1), path)

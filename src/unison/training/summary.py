@@ -40,6 +40,8 @@ class Summary:
     mean: list[float] = field(default_factory=list)   # per-channel normalisation of the inputs (training set's)
     std: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    signals: dict[str, Any] = field(default_factory=dict)   # the last label-free signals, the collapse, their cost
+    probe_top1: float | None = None    # the online linear probe's last logged accuracy (labelled data only)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,7 +61,16 @@ class Summary:
         took = f", {wall_s:.0f} s" if wall_s is not None else f", {self.train_time_s:.0f} s training"
         knn = "kNN not measured" if self.knn_top1 is None else f"kNN top-1 {self.knn_top1:.4f}"
         base = "" if self.random_init_knn_top1 is None else f" vs random init {self.random_init_knn_top1:.4f}"
-        return f"{self.method} x{self.world_size} workers, {self.steps} steps{took}: {knn}{base} (run dir {self.out})"
+        rank = (f", RankMe {self.signals['rankme']:.1f} of {self.signals['rankme_max']:.0f}"
+                if "rankme" in self.signals else "")
+        collapse = self.signals.get("collapse")
+        if collapse:
+            rank += f", collapsed at step {collapse['step']}"
+        stopped = " (stopped on collapse)" if self.signals.get("stopped_on_collapse") else ""
+        if self.probe_top1 is not None:
+            rank += f", online probe {self.probe_top1:.4f}"
+        return (f"{self.method} x{self.world_size} workers, {self.steps} steps{stopped}{took}: {knn}{base}{rank} "
+                f"(run dir {self.out})")
 
 
 def peak_memory_mib(device: torch.device) -> float:

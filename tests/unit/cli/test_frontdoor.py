@@ -30,7 +30,8 @@ def test_6_plot_of_a_short_run_shows_its_points_and_the_baseline():
     rows = [{"step": 2, "epoch": 0.5, "loss": 4.2, "knn_top1": None},
             {"step": 2, "epoch": 0.5, "loss": None, "knn_top1": 0.81}]
     fig = metrics_figure(rows, random_init_knn_top1=0.75)
-    ax_loss, ax_knn = fig.axes
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    ax_loss, ax_knn = by_title["training loss"], by_title["accuracy (kNN held-out, online probe)"]
     (loss_line,) = ax_loss.get_lines()
     assert loss_line.get_marker() == "o"                         # one point is a visible dot, not an empty line
     knn_lines = ax_knn.get_lines()

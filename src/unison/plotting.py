@@ -1,0 +1,162 @@
+"""`unison plot RUN... --out F.png`: several runs on one page (`unison.training.plots`), each in its own colour.
+
+A RUN is a run directory (its ``metrics.csv``, and the random-initialisation kNN from its ``summary.json`` when
+there is one) or a ``metrics.csv`` file. Every file read is a regular file of bounded size, decoded as UTF-8, and
+every value a bounded finite number (`read_metrics`): a damaged file is one line naming it, the line and the
+column. ``--out`` is a new ``.png`` file, or one this command wrote earlier (its PNG metadata says so); never a
+file inside a RUN, never anything else that exists.
+
+Example::
+
+    unison plot runs/simclr runs/byol --out compare.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import stat
+from pathlib import Path
+
+from unison.config.fields import MAX_NUMBER_CHARS
+from unison.errors import ConfigError, DataError
+from unison.paths import Input, check_output
+
+MAX_METRICS_BYTES = 256 * 2**20   # a 100k-step run logging every step writes about 20 MB
+MAX_SUMMARY_BYTES = 1 << 20
+MAX_RUNS = 20
+MAX_LABEL_CHARS = 60
+SOFTWARE = "unison plot"          # the PNG's Software field: how --out knows an earlier plot of its own
+
+
+def _read_bounded(path: Path, what: str, limit: int) -> str:
+    """The UTF-8 text of regular file `path` (at most `limit` bytes); `DataError` naming it otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise DataError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{what} {path} is not a regular file; give a run directory or its metrics.csv")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise DataError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise DataError(f"{what} {path} is past {limit >> 20} MiB; is it a unison metrics file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{what} {path} is not UTF-8 text (byte {exc.start}); is it a unison metrics file?") from None
+
+
+def _number(text: str, where: str) -> float | None:
+    if text == "":
+        return None
+    if len(text) > MAX_NUMBER_CHARS:
+        raise DataError(f"{where}: a value of {len(text)} characters is not a number")
+    try:
+        value = float(text)
+    except ValueError:
+        raise DataError(f"{where}: {text[:20]!r} is not a number") from None
+    return value if math.isfinite(value) else None   # a diverged loss is a gap in the curve, not an axis to infinity
+
+
+def read_metrics(path: Path) -> list[dict[str, float | None]]:
+    """The rows of a ``metrics.csv`` (numbers, None where empty or not finite); `DataError` if it is not one."""
+    text = _read_bounded(path, "metrics file", MAX_METRICS_BYTES)
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if not header or "epoch" not in header or "step" not in header:
+        raise DataError(f"metrics file {path} has no step and epoch columns; is it a unison metrics.csv?")
+    rows = []
+    for number, values in enumerate(reader, start=2):
+        if len(values) != len(header):
+            raise DataError(f"metrics file {path} line {number} has {len(values)} values for {len(header)} columns")
+        rows.append({k: _number(v, f"metrics file {path} line {number}, column {k}") for k, v in zip(header, values)})
+    return rows
+
+
+def _baseline(run_dir: Path) -> float | None:
+    """The random-initialisation kNN of ``summary.json``, if the run wrote one (a bad file is a DataError)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(_read_bounded(path, "summary file", MAX_SUMMARY_BYTES)).get("random_init_knn_top1")
+    except (ValueError, AttributeError):
+        raise DataError(f"summary file {path} is not a JSON object; is it a unison summary.json?") from None
+    return float(value) if isinstance(value, (int, float)) and 0 <= value <= 1 else None
+
+
+def run_metrics(run: str) -> tuple[Path, Path | None]:
+    """(metrics.csv, the run directory or None) of a RUN argument."""
+    p = Path(run)
+    if p.is_dir():
+        if not (p / "metrics.csv").exists():
+            raise ConfigError(f"run {run} has no metrics.csv (a run with --logger none writes none); give a run "
+                              "directory of unison train")
+        return p / "metrics.csv", p
+    if not p.exists():
+        raise ConfigError(f"run {run} does not exist; give a run directory (--out of unison train) or its metrics.csv")
+    return p, None
+
+
+def _own_plot(path: Path) -> bool:
+    """An earlier output of this command: a PNG whose Software field (near its start) names it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and SOFTWARE.encode() in head
+
+
+def plot_runs(runs: list[str], out: str) -> Path:
+    """Overlay `runs` into `out` (see the module docstring)."""
+    from unison.training.metrics import COLLAPSE_STD_LINE
+    from unison.training.plots import runs_figure
+
+    if not runs:
+        raise ConfigError("give at least one run directory, e.g. unison plot runs/a runs/b --out compare.png")
+    if len(runs) > MAX_RUNS:
+        raise ConfigError(f"{len(runs)} runs on one page would not be readable; give at most {MAX_RUNS}")
+    if Path(out).suffix.lower() != ".png":
+        raise ConfigError(f"--out {out} must end in .png, e.g. {Path(out).with_suffix('.png')}")
+    found = [run_metrics(r) for r in runs]
+    inputs = [Input(f"run {r}", d if d is not None else m, tree=d is not None) for r, (m, d) in zip(runs, found)]
+    target = check_output(out, "--out", inputs=inputs, own=_own_plot, own_text="a plot written by unison plot")
+    page = [((r[-MAX_LABEL_CHARS:] if len(runs) > 1 else None), read_metrics(m), _baseline(d) if d else None)
+            for r, (m, d) in zip(runs, found)]
+    import matplotlib.pyplot as plt
+
+    fig = runs_figure(page, collapse_std=COLLAPSE_STD_LINE)
+    try:
+        fig.savefig(target, dpi=100, metadata={"Software": SOFTWARE})
+    except OSError as exc:
+        raise ConfigError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+    return target
+
+
+def cmd_plot(ns: argparse.Namespace) -> int:
+    target = plot_runs(list(ns.runs or []), ns.out)
+    print(f"wrote {target}: {len(ns.runs)} run(s), loss, learning rate, accuracy and the label-free signals")
+    return 0
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="overlay the metrics of several runs on one page (a .png)",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run directories (or their metrics.csv)")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the page to write (a new .png file)")
+    p.set_defaults(func=cmd_plot)
+

@@ -1,0 +1,333 @@
+"""Seeing a run without labels: the label-free signals, collapse caught early, and the online linear probe.
+
+* `SignalsHook`: the signals of `unison.eval.signals` (RankMe, embedding std, alignment, uniformity) on a fixed
+  held-back set of ``--signal-images`` training images (default 512; chosen from ``--seed`` only, no labels
+  needed), at the start, every ``--signals-every`` steps (0: every max(50, steps / 50) steps: one evaluation costs
+  about one training step at batch 256, so at most 2 % of a run, plus the start and the end) and at the end. They go to
+  ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
+* Collapse: `COLLAPSE_EVALS` evaluations in a row with the embedding std below `COLLAPSE_STD` (of the
+  ``1/sqrt(d)`` of a uniform embedding) or RankMe below `COLLAPSE_RANK` of ``min(N, d)`` -> one warning line
+  (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there (`StepEnd.stop`), its
+  checkpoint and summary written like any run's end.
+* `ProbeHook`: with labelled training data (``--online-probe``, on by default), a linear classifier on the
+  detached features of the first view of about `PROBE_IMAGES` images of each step (those whose index is a
+  multiple of ``global batch / 64``: the same images at any W); its accuracy on each batch before it learns from
+  it is logged.
+
+Identical for any world size: the held-back images are embedded in fixed chunks of `CHUNK` images (the same
+chunks, so the same arithmetic, at any W), each rank embedding a contiguous run of chunks; the features are
+gathered in image order and every rank computes the signals from the same matrix. The two views are the run's
+own augmentation drawn at the keys (seed, `SIGNAL_EPOCH`, image index), an epoch no training step reaches, so
+they are the same at any W and at every evaluation. Streamed data: the held-back images are decoded at the
+training size (shorter side resized, centre square) before they are augmented.
+
+The probe standardises the features with their running mean and variance (global sums, momentum
+`PROBE_MOMENTUM`): a backbone's raw features can sit at 0.01 +- 0.01, where a plain linear layer learns nothing
+in a few hundred steps. It never changes the encoder's training: it reads the features under ``no_grad`` in eval
+mode (no batch-norm statistics move), its weights start at zero (no random draws), it has its own optimizer, and
+under DDP its small gradient is all-reduced by itself (never through the method's DDP), so it learns the same at any
+W. Its state is not checkpointed: a resumed run's probe starts again (a linear probe catches up in a few
+hundred steps). Why on by default: it costs one no-grad forward of 64 images per step (a few % of a batch-256
+step, measured in docs/benchmarks.md) and is the accuracy curve a labelled run otherwise lacks between kNN
+evaluations. Why the augmented first view and not an un-augmented image: the view is already on the device in
+the step's format for memory and streamed data alike (an un-augmented image of streamed data would be decoded
+again), as solo-learn's and Lightly's online classifiers do.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from unison.distributed import collectives as C
+from unison.distributed.watchdog import Watchdog
+from unison.eval.signals import all_signals
+from unison.rng import epoch_permutation
+from unison.training.hooks import StepEnd, TrainHook
+from unison.training.metrics import COLLAPSE_STD_LINE, MetricsLogger
+from unison.training.runlog import RunLog
+from unison.training.step import Batch, Run
+
+CHUNK = 64                  # images per embedding call: the same chunks at any world size
+SIGNAL_EPOCH = 2**61        # the augmentation key of the two views: past any training epoch (at most 1e9)
+AUTO_EVALUATIONS = 50       # --signals-every 0: about this many evaluations in a long run,
+AUTO_MIN_EVERY = 50         # and at most one every 50 steps (one evaluation costs about one step at batch 256)
+COLLAPSE_STD = COLLAPSE_STD_LINE   # 0.05: embedding std x sqrt(d) below this: collapsed (see `collapsed`)
+COLLAPSE_RANK = 0.01        # RankMe below this fraction of min(N, d), and below 2 at least: collapsed
+COLLAPSE_RANK_FLOOR = 2.0
+COLLAPSE_EVALS = 2          # ... for this many evaluations in a row
+PROBE_IMAGES = 64           # the probe learns from about this many images of each step (index % stride == 0)
+PROBE_MOMENTUM = 0.5        # of the running feature statistics the probe standardises with
+PROBE_LR = 3e-2             # Adam on the probe's weights
+
+
+def held_back_indices(num_images: int, count: int, seed: int) -> np.ndarray:
+    """`count` training-image indices (sorted), a function of the seed only: the signals' fixed set."""
+    chosen = epoch_permutation(num_images, SIGNAL_EPOCH, seed)[:min(count, num_images)]
+    return np.sort(chosen.numpy())
+
+
+def _chunks_of_rank(n: int) -> tuple[range, int]:
+    """(this rank's chunk numbers, the embedding calls of the busiest rank): contiguous runs of chunks."""
+    chunks = math.ceil(n / CHUNK)
+    per = math.ceil(chunks / C.world_size())
+    first = min(chunks, C.rank() * per)
+    return range(first, min(chunks, first + per)), per
+
+
+@torch.no_grad()
+def _embed_gathered(run: Run, n: int, inputs: Callable[[int], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """For each of the model inputs `inputs(chunk)` gives (the chunk's images ``chunk*CHUNK ..``), the features
+    [n, d] of all n images (float32, unnormalised), in order, on every rank. Every rank embeds its chunks; one with
+    fewer embeds chunk 0 again (discarded): a sharded encoder's collectives need every rank to call it equally often."""
+    mine, calls = _chunks_of_rank(n)
+    feats: list[list[torch.Tensor]] = [[run.method.embed(x).float().flatten(1) for x in inputs(c)] for c in mine]
+    widths = [f.shape[1] for f in feats[0]] if feats else []
+    for _ in range(len(feats), calls):
+        widths = [run.method.embed(x).flatten(1).shape[1] for x in inputs(0)]
+    out = []
+    for k, width in enumerate(widths):
+        local = torch.cat([f[k] for f in feats]) if feats else torch.zeros(0, width, device=run.device)
+        out.append(C.gather_no_grad(local, uneven=True))
+    return out
+
+
+class HeldBack:
+    """The fixed held-back images and what the signals embed of each: its un-augmented eval view and two augmented
+    views (the same at every evaluation: kept, up to `CACHE_BYTES` per rank, else made again each time)."""
+
+    CACHE_BYTES = 128 * 2**20
+
+    def __init__(self, run: Run, count: int):
+        self.run = run
+        self.indices = held_back_indices(run.data.num_images, count, run.cfg.seed)
+        self.images = run.data.images_at(self.indices, run.device)   # uint8 tensor, or decoded per chunk (stream)
+        self.keys = torch.from_numpy(self.indices).to(run.device)
+        self.cache: dict[int, list[torch.Tensor]] = {}
+        self.cached_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def inputs(self, chunk: int) -> list[torch.Tensor]:
+        """[eval view, view 0, view 1] of the images of `chunk`, in the run's dtype and memory format."""
+        if chunk in self.cache:
+            return self.cache[chunk]
+        run, a, b = self.run, chunk * CHUNK, min(len(self), (chunk + 1) * CHUNK)
+        images = self.images[a:b] if isinstance(self.images, torch.Tensor) else self.images.decode(a, b)
+        views = run.augment(images, self.keys[a:b], SIGNAL_EPOCH, run.cfg.seed)
+        made = [run.to_eval(images), *(self._format(v) for v in (views[0], views[min(1, len(views) - 1)]))]
+        size = sum(x.numel() * x.element_size() for x in made)
+        if self.cached_bytes + size <= self.CACHE_BYTES:
+            self.cache[chunk], self.cached_bytes = made, self.cached_bytes + size
+        return made
+
+    def _format(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.run.dtype)
+        return x.contiguous(memory_format=torch.channels_last) if self.run.cfg.channels_last else x
+
+
+def measure_signals(run: Run, held: HeldBack) -> dict[str, float]:
+    """The signals of the encoder now (collective: every rank calls it, every rank gets the same values)."""
+    was_training = run.method.training
+    run.method.eval()
+    try:
+        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
+            z, a, b = _embed_gathered(run, len(held), held.inputs)
+    finally:
+        run.method.train(was_training)
+    out = all_signals(z, a, b)
+    out["rankme_max"] = float(min(z.shape))
+    return out
+
+
+def collapsed(values: dict[str, float]) -> str | None:
+    """What collapsed, or None.
+
+    Thresholds (measured on the digits, small_cnn, 512 images, d = 128): a random-initialised ReLU network already
+    has std x sqrt(d) = 0.13 and RankMe 18 (its features share one direction); healthy training raises them (SimCLR
+    at step 20: 0.41 and 27) and a dip stays above 0.1 (SimSiam at lr x100: 0.12 and 4.6); a collapsing run
+    (``--weight-decay 0.5``) falls to 0.035 then 0.006, RankMe 3.5 then 1.2, within 6 steps. SimSiam §4.1 reports
+    1e-3 x sqrt(d) for its collapse. `COLLAPSE_STD` = 0.05 lies between (a third of a random network's); RankMe
+    below max(2, 1 % of min(N, d)) means at most a couple of directions carry the embedding, which no healthy run
+    above shows. Either one for `COLLAPSE_EVALS` evaluations in a row counts (one evaluation may dip)."""
+    what = []
+    if values["emb_std"] < COLLAPSE_STD:
+        what.append(f"embedding std {values['emb_std']:.3g}/sqrt(d) < {COLLAPSE_STD}/sqrt(d)")
+    floor = max(COLLAPSE_RANK_FLOOR, COLLAPSE_RANK * values["rankme_max"])
+    if values["rankme"] < floor:
+        what.append(f"RankMe {values['rankme']:.3g} < {floor:.3g} (of at most {values['rankme_max']:.0f})")
+    return " and ".join(what) or None
+
+
+COLLAPSE_ADVICE = ("what usually helps: a lower --lr, a longer --warmup-epochs, the method's recipe optimizer and "
+                   "augmentation, a larger batch, and for simsiam/byol the predictor (and its stop-gradient)")
+
+
+class SignalsHook(TrainHook):
+    """The signals at the start, every ``--signals-every`` steps (see the module docstring) and at the end; the
+    collapse warning and ``--stop-on-collapse``. `latest` holds the last values (the progress bar shows them)."""
+
+    def __init__(self, run: Run, watch: Watchdog, logger: MetricsLogger, runlog: RunLog) -> None:
+        self.run, self.watch, self.logger, self.runlog = run, watch, logger, runlog
+        count = run.cfg.signal_images
+        self.held = HeldBack(run, count) if count and run.data.num_images >= 2 else None
+        self.every = run.cfg.signals_every or max(AUTO_MIN_EVERY, math.ceil(run.total_steps / AUTO_EVALUATIONS))
+        self.latest: dict[str, float] = {}
+        self.streak = 0
+        self.collapse: dict[str, Any] | None = None   # {"step", "what"} once warned
+        self.stopped = False
+        self.eval_s = 0.0
+
+    def start(self, run: Run, step: int) -> None:
+        if step == 0:
+            self._measure(0)
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        if self.held is None or end.last or end.step % self.every:
+            return
+        values = self._measure(end.step)
+        what = collapsed(values)
+        self.streak = self.streak + 1 if what else 0
+        if what and self.streak >= COLLAPSE_EVALS and self.collapse is None:
+            self._warn(end.step, what)
+        if self.collapse is not None and run.cfg.stop_on_collapse:
+            end.stop = self.stopped = True   # every rank computed the same values, so every rank stops here
+
+    def final(self, step: int) -> None:
+        """The end of the run (unless the last evaluation was this step's)."""
+        if self.latest.get("step") != step:
+            self._measure(step)
+
+    def _measure(self, step: int) -> dict[str, float]:
+        if self.held is None:
+            return {}
+        import time
+
+        started = time.perf_counter()
+        with self.watch.phase("eval", step):
+            values = measure_signals(self.run, self.held)
+        self.eval_s += time.perf_counter() - started
+        self.latest = {**values, "step": step}
+        self.logger.log(step=step, epoch=step / self.run.steps_per_epoch,
+                        **{k: values[k] for k in ("rankme", "emb_std", "align", "uniform")})
+        self.runlog.line(f"step {step}: RankMe {values['rankme']:.1f} of {values['rankme_max']:.0f}, embedding std "
+                         f"{values['emb_std']:.3f}/sqrt(d), alignment {values['align']:.3f}, uniformity "
+                         f"{values['uniform']:.3f}")
+        return values
+
+    def _warn(self, step: int, what: str) -> None:
+        self.collapse = {"step": step, "what": what}
+        stop = "; --stop-on-collapse: stopping here" if self.run.cfg.stop_on_collapse else ""
+        line = (f"unison: warning: the representation collapsed by step {step} ({what}, {COLLAPSE_EVALS} "
+                f"evaluations in a row){stop}; {COLLAPSE_ADVICE}")
+        if C.rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        self.runlog.line(line)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``summary.json`` reports: the last values, the collapse (if any), the signals' time."""
+        out: dict[str, Any] = {k: self.latest[k] for k in ("rankme", "rankme_max", "emb_std", "align", "uniform")
+                               if k in self.latest}
+        if self.held is not None:
+            out.update(images=len(self.held), every_steps=self.every, eval_s=round(self.eval_s, 3))
+        out["collapse"] = self.collapse
+        out["stopped_on_collapse"] = self.stopped
+        return out
+
+
+class ProbeHook(TrainHook):
+    """The online linear probe (module docstring): its accuracy is logged with the metrics (`LogHook`)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.enabled = run.cfg.online_probe and run.data.labelled
+        self.classes = run.data.num_classes
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.mean: torch.Tensor | None = None   # running feature statistics (float64, from global sums)
+        self.var: torch.Tensor | None = None
+        self.pending: Batch | None = None
+        self.counts = torch.zeros(2, dtype=torch.float64, device=run.device)   # correct, seen since `accuracy`
+        self.stride = max(1, run.global_batch * run.accumulate // PROBE_IMAGES)
+        self.train_s = 0.0
+
+    def on_batch(self, run: Run, batch: Batch) -> None:
+        if self.enabled and batch.micro == 0:
+            self.pending = batch   # the step's first micro-batch: its first view is probed after the step
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        if self.pending is None:
+            return
+        import time
+
+        started = time.perf_counter()
+        batch, self.pending = self.pending, None
+        self._learn(run, batch)
+        self.train_s += time.perf_counter() - started
+
+    def _learn(self, run: Run, batch: Batch) -> None:
+        """One probe step on the step's images whose index is a multiple of `stride` (the same images at any W)."""
+        idx = batch.indices.to(run.device)
+        chosen = idx % self.stride == 0
+        rows = chosen if bool(chosen.any()) else torch.arange(len(idx), device=run.device) == 0   # embed >= 1 image:
+        with torch.no_grad():                                           # a sharded encoder's collectives need it
+            was_training = run.method.training
+            run.method.eval()
+            try:
+                with torch.autocast(run.device.type, dtype=torch.bfloat16,
+                                    enabled=run.autocast_dtype is torch.bfloat16):
+                    feats = run.method.embed(batch.views[0][rows]).float().flatten(1)
+            finally:
+                run.method.train(was_training)
+        labels = run.data.labels_at(idx[rows])
+        keep = chosen[rows] & (labels >= 0)
+        feats, labels = feats[keep].double(), labels[keep]
+        sums = torch.cat([feats.sum(0), feats.square().sum(0), torch.ones(1, device=run.device,
+                                                                          dtype=torch.float64) * len(feats)])
+        if self.weight is None:   # zeros: a convex problem needs no random start, and draws nothing
+            self._start(run, C.all_reduce_no_grad(sums))
+        assert self.weight is not None and self.bias is not None and self.optimizer is not None
+        assert self.mean is not None and self.var is not None
+        # standardised with the features' running statistics (the raw features' scale is the backbone's own)
+        logits = F.linear(((feats - self.mean) / (self.var + 1e-12).sqrt()).float(), self.weight, self.bias)
+        self.optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(logits, labels, reduction="sum").backward()   # this rank's sum; averaged below
+        assert self.weight.grad is not None and self.bias.grad is not None
+        correct = (logits.detach().argmax(1) == labels).sum().double()
+        # one all-reduce of the probe's own gradient, feature sums and counts (never through the method's DDP)
+        flat = C.all_reduce_no_grad(torch.cat([self.weight.grad.flatten().double(), self.bias.grad.double(),
+                                               sums, correct[None]]))
+        seen, nw, d = flat[-2].clamp_min(1), self.weight.numel(), self.mean.numel()
+        self.weight.grad.copy_((flat[:nw] / seen).view_as(self.weight))
+        self.bias.grad.copy_(flat[nw:nw + self.classes] / seen)
+        self.optimizer.step()
+        mean, square = flat[-2 - 2 * d:-2 - d] / seen, flat[-2 - d:-2] / seen
+        self.mean.mul_(PROBE_MOMENTUM).add_(mean, alpha=1 - PROBE_MOMENTUM)
+        self.var.mul_(PROBE_MOMENTUM).add_((square - mean.square()).clamp_min(0), alpha=1 - PROBE_MOMENTUM)
+        self.counts += torch.stack([flat[-1], flat[-2]])
+
+    def _start(self, run: Run, sums: torch.Tensor) -> None:
+        """The probe's weights (zeros), optimizer, and feature statistics from the first step's global sums."""
+        d = (len(sums) - 1) // 2
+        seen = sums[-1].clamp_min(1)
+        self.mean = sums[:d] / seen
+        self.var = (sums[d:2 * d] / seen - self.mean.square()).clamp_min(0)
+        self.weight = torch.zeros(self.classes, d, device=run.device, requires_grad=True)
+        self.bias = torch.zeros(self.classes, device=run.device, requires_grad=True)
+        self.optimizer = torch.optim.Adam([self.weight, self.bias], lr=PROBE_LR)
+
+    def accuracy(self) -> float | None:
+        """The probe's accuracy on the batches since the last call (each predicted before it learnt from it)."""
+        if not self.enabled or self.counts[1] == 0:
+            return None
+        acc = float(self.counts[0] / self.counts[1])   # one host sync per logged step
+        self.counts.zero_()
+        return acc
