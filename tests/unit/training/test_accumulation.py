@@ -1,0 +1,87 @@
+"""Exact gradient accumulation (`unison.training.accumulate`), in one process (W=1, float64).
+
+K=2 exact accumulation == one step on the whole batch for a BN-free backbone (a ViT), for coupled losses;
+the old per-micro-batch objective (``--accumulation independent``) is not; the backbones are left as they were;
+the combinations exact accumulation refuses are one line before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.distributed.testing import run_in_workers
+from unison.equivalence.steps import CheckSpec, compare, record_steps, reference
+
+_VIT = "vit_nano_p2"
+
+
+def _check(method: str, accumulation: str = "exact") -> tuple[float, str]:
+    """(largest relative difference of loss, gradients, state; the reference) of W=1 x K=2 against its reference."""
+    spec = CheckSpec(method=method, world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT,
+                     accumulation=accumulation)
+    accumulated = run_in_workers(record_steps, 1, args=(dataclasses.asdict(spec),), backend="local")[0]
+    single_spec, what = reference(spec, accumulated)
+    single = run_in_workers(record_steps, 1, args=(single_spec,), backend="local")[0]
+    report = compare(accumulated, single, spec)
+    return max(report.max_rel_loss, report.max_rel_grad, report.max_rel_state), what
+
+
+@pytest.mark.parametrize("method", ["simclr", "swav"])
+def test_exact_accumulation_equals_one_step_on_the_whole_batch(method):
+    """NT-Xent's negatives / SwAV's Sinkhorn codes over all K micro-batches, heads' batch norm over the step."""
+    worst, what = _check(method)
+    assert "ONE step" in what
+    assert worst < 1e-9, (method, worst)
+
+
+def test_independent_accumulation_is_not_one_batch():
+    worst, what = _check("simclr", "independent")
+    assert "same 2 micro-batches" in what   # it is compared with itself at W=1 ...
+    assert worst == 0.0
+    spec = CheckSpec(method="simclr", world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT,
+                     accumulation="independent")
+    independent = run_in_workers(record_steps, 1, args=(dataclasses.asdict(spec),), backend="local")[0]
+    one_step = dict(dataclasses.asdict(spec), local_batch=8, grad_sync_every=1)
+    single = run_in_workers(record_steps, 1, args=(one_step,), backend="local")[0]
+    assert compare(independent, single, spec).max_rel_grad > 1e-3   # ... but not with one step on the batch
+
+
+def test_the_step_leaves_the_backbones_as_they_were():
+    """After an exact step no interception is left on the backbones: `forward` is the class's own again."""
+    from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
+    from unison.data.synthetic import synthetic_dataset
+    from unison.distributed.env import init_distributed, shutdown_distributed
+    from unison.training.accumulate import backbones
+    from unison.training.step import accumulated_forward_backward, build_run, steps
+
+    cfg = TrainConfig(method="simclr", data="synthetic", batch_size=4, max_steps=1, precision="float64", threads=1,
+                      distributed=DistributedConfig(backend="local", world_size=1, grad_sync_every=2))
+    init_distributed(cfg.distributed)
+    try:
+        run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+        assert run.exact
+        loss = accumulated_forward_backward(run, next(steps(run)))
+        assert torch.isfinite(loss)
+        assert all("forward" not in b.__dict__ for b in backbones(run.method))
+        assert all(p.grad is not None for p in run.trainable)
+    finally:
+        shutdown_distributed()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--compile"], "does not combine with --compile"),
+    (["--world-size", "2", "--grad-compression", "fp16"], "does not combine with --grad-compression fp16"),
+    (["--world-size", "2", "--shard", "full"], "does not combine with --shard full"),
+])
+def test_exact_accumulation_refuses_what_it_cannot_combine_with(argv, fragment, capfd, tmp_path):
+    capfd.readouterr()
+    code = main(["train", "--method", "simclr", "--data", "digits", "--grad-sync-every", "2", "--max-steps", "1",
+                 "--out", str(tmp_path / "run"), *argv])
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("unison: error:")]
+    assert code == 2 and len(errors) == 1 and fragment in errors[0] and "--accumulation independent" in errors[0], err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
