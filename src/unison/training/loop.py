@@ -8,10 +8,10 @@
    or SLURM requeued the job), or record the random-initialisation kNN baseline; then write ``config.json``
    (after the restore, so that a refused checkpoint leaves the run directory as it was).
 3. The step loop: once this rank's micro-batches of a step are in, `accumulated_forward_backward` (exact
-   accumulation over them, or a loss per micro-batch: `unison.training.step`) and `optimizer_step`, then the hooks (`unison.training.loop_hooks`), in this order: logging,
-   kNN evaluation, checkpoint timing (rank 0 writes, in the background: `Checkpointer`), the stop
-   agreement (preemption signals, a failed save); then any extra hooks (`unison.training.hooks`:
-   ``train(..., hooks=...)`` or ``UNISON_TRAIN_HOOKS``, which the fault-injection tests use).
+   accumulation over them, or a loss per micro-batch: `unison.training.step`) and `optimizer_step`, then the
+   hooks (`unison.training.loop_hooks`), in this order: logging, kNN evaluation, checkpoint timing (rank 0
+   writes, in the background: `Checkpointer`), the stop agreement (preemption signals, a failed save); then
+   any extra hooks (`unison.training.hooks`: ``train(..., hooks=...)`` or ``UNISON_TRAIN_HOOKS``, which the fault-injection tests use).
 4. The end: kNN evaluation, the last checkpoint, ``summary.json``, and the `Summary` returned to
    the caller (rank 0's is what `unison.train` returns).
 
