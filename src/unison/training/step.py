@@ -187,8 +187,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         total_steps = min(total_steps, cfg.max_steps)
     exact = exact_accumulation(cfg)
     if exact and get_method(cfg.method).needs_sample_keys and source.batches_per_epoch % accumulate:
-        raise ConfigError(f"{cfg.method} draws its masks per epoch, and with {source.batches_per_epoch} batches per "
-                          f"epoch a step of --grad-sync-every {accumulate} micro-batches would span two epochs; give "
+        raise ConfigError(f"{cfg.method} takes per-sample keys (seed, epoch, index), and with {source.batches_per_epoch} "
+                          f"batches per epoch a step of --grad-sync-every {accumulate} micro-batches would span two "
+                          "epochs; give "
                           f"a --batch-size for which the batches per epoch are a multiple of {accumulate}, or "
                           "--accumulation independent")
 

@@ -94,3 +94,19 @@ def test_exact_accumulation_refuses_what_it_cannot_combine_with(argv, fragment):
     parse_train_args(["--method", "mae", "--data", "digits", "--grad-sync-every", "2", *argv])
     parse_train_args(["--method", "simclr", "--data", "digits", "--grad-sync-every", "2", *argv,
                       "--accumulation", "independent"])
+
+
+def test_a_step_never_spans_two_epochs_of_per_sample_keys():
+    """iBOT's masks are keyed by (seed, epoch, index): 3 batches per epoch cannot form steps of 2 micro-batches."""
+    from unison.config import TrainConfig
+    from unison.data.synthetic import synthetic_dataset
+    from unison.training.step import build_run
+
+    cfg = TrainConfig(method="ibot", data="synthetic", batch_size=4, max_steps=1, precision="float64", threads=1,
+                      distributed=DistributedConfig(backend="local", world_size=1, grad_sync_every=2))
+    init_distributed(cfg.distributed)
+    try:
+        with pytest.raises(ConfigError, match="would span two epochs.*--accumulation independent"):
+            build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(12, 16, 0))
+    finally:
+        shutdown_distributed()
