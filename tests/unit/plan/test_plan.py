@@ -19,7 +19,7 @@ VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
 # Host synchronisations a step may make: (where it happens: file and function, torch's frame below it, why).
 # Each is one small read per step (per BN layer for GlobalBatchNorm); see docs/benchmarks.md, "unison plan".
 KNOWN_SYNCS = [
-    ("src/unison/training/step.py", "(forward_backward)", "", "the finite-loss check, by design"),
+    ("src/unison/training/step.py", "(_loss)", "", "the finite-loss check, by design"),
     ("src/unison/training/step.py", "(optimizer_step)", "optimizer.py", "torch's optimizer reads its step counter "
      "(a CPU tensor on GPUs too: no device sync there)"),
     ("src/unison/training/step.py", "(optimizer_step)", "grad_scaler.py", "fp16's GradScaler reads found_inf "
