@@ -236,6 +236,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
               resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
                         "backbone": resolve_backbone(recipe.backbone, image_size), "image_size": image_size,
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
+                        "accumulation": "exact" if exact else "per micro-batch" if accumulate > 1 else "none",
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
                         "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
               data=data, exact=exact)
