@@ -17,7 +17,7 @@ run k1 --batch-size 256 "$@"
 run k4_exact --batch-size 64 --grad-sync-every 4 "$@"
 run k4_independent --batch-size 64 --grad-sync-every 4 --accumulation independent "$@"
 "$py" - "$out" <<'PY'
-import json, sys
+import csv, json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 wall = dict(line.split() for line in (out / "wall.txt").read_text().splitlines())
@@ -25,7 +25,7 @@ print("| run | kNN top-1 | random init | final loss | loss at steps 30/60/90/120
 print("|---|---|---|---|---|---|")
 for name in ("k1", "k4_exact", "k4_independent"):
     s = json.loads((out / name / "summary.json").read_text())
-    curve = dict((int(step), loss) for step, loss in s["loss_curve"])
+    curve = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(open(out / name / "metrics.csv")) if r["loss"]}
     marks = " / ".join(f"{curve[k]:.3f}" for k in (30, 60, 90, 120, 150) if k in curve)
     print(f"| {name} | {s['knn_top1']:.4f} | {s['random_init_knn_top1']:.4f} | {s['final_loss']:.4f} | {marks} | "
           f"{wall[name]} |")
