@@ -49,14 +49,12 @@ def test_exact_accumulation_equals_one_step_on_the_whole_batch(method):
 
 
 def test_independent_accumulation_is_not_one_batch():
-    worst, what = _check("simclr", "independent")
-    assert "same 2 micro-batches" in what   # it is compared with itself at W=1 ...
-    assert worst == 0.0
+    """The old objective, a loss per micro-batch (4 images' negatives each), differs from one step on all 8."""
     spec = CheckSpec(method="simclr", world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT,
                      accumulation="independent")
     independent = _record(dataclasses.asdict(spec))
     single = _record(dict(dataclasses.asdict(spec), local_batch=8, grad_sync_every=1))
-    assert compare(independent, single, spec).max_rel_grad > 1e-3   # ... but not with one step on the batch
+    assert compare(independent, single, spec).max_rel_grad > 1e-3
 
 
 def test_the_step_leaves_the_backbones_as_they_were():
