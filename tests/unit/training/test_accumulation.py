@@ -31,7 +31,7 @@ def _record(spec_dict: dict) -> dict:
 
 def _check(method: str, accumulation: str = "exact") -> tuple[float, str]:
     """(largest relative difference of loss, gradients, state; the reference) of W=1 x K=2 against its reference."""
-    spec = CheckSpec(method=method, world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT,
+    spec = CheckSpec(method=method, world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT, image_size=8,
                      accumulation=accumulation)
     accumulated = _record(dataclasses.asdict(spec))
     single_spec, what = reference(spec, accumulated)
@@ -50,7 +50,7 @@ def test_exact_accumulation_equals_one_step_on_the_whole_batch(method):
 
 def test_independent_accumulation_is_not_one_batch():
     """The old objective, a loss per micro-batch (4 images' negatives each), differs from one step on all 8."""
-    spec = CheckSpec(method="simclr", world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT,
+    spec = CheckSpec(method="simclr", world_size=1, local_batch=4, steps=1, grad_sync_every=2, backbone=_VIT, image_size=8,
                      accumulation="independent")
     independent = _record(dataclasses.asdict(spec))
     single = _record(dict(dataclasses.asdict(spec), local_batch=8, grad_sync_every=1))
