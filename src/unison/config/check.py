@@ -36,6 +36,12 @@ class CheckSpec:
     data: str | None = field(default=None, metadata={
         "help": "check on these images instead of synthetic ones: a folder, file list or tar shards, streamed "
                 "(each worker decodes its slice of every batch in a loader process) at --image-size"})
+    grad_sync_every: int = field(default=1, metadata={
+        "help": "micro-batches per optimiser step (as unison train's); the reference takes them in one step when the "
+                "backbone has no batch norm, else in as many micro-batches"})
+    accumulation: str = field(default="exact", metadata={
+        "help": "with --grad-sync-every K > 1: exact | independent (as unison train's)",
+        "choices": ("exact", "independent")})
     method_params: dict[str, Any] = field(default_factory=dict)
 
 

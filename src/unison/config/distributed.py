@@ -24,6 +24,7 @@ from unison.errors import ConfigError
 BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 SHARDING = ("none", "optimizer", "full")
+ACCUMULATIONS = ("exact", "independent")   # --accumulation: what --grad-sync-every K > 1 computes
 # The longest collective timeout accepted: 2**31 ms (24.8 days). torch's C++ timeouts overflow far beyond it
 # (measured with torch 2.14: gloo refuses 1e13 s, the TCP store 9.3e9 s, timedelta 1e15 s), so this cap leaves
 # every backend and torch version a wide margin; no real collective waits for weeks.
@@ -56,7 +57,14 @@ class DistributedConfig:
     grad_sync_every: int = field(
         default=1, metadata={
             "range": Range(1, 10**6),
-            "help": "all-reduce gradients every K micro-batches (gradient accumulation via DDP no_sync)"})
+            "help": "accumulate gradients over K micro-batches per optimiser step (--accumulation says how)"})
+    accumulation: str = field(
+        default="exact", metadata={
+            "help": "with --grad-sync-every K > 1: exact (the gradient of one step on all K micro-batches: embeddings "
+                    "cached, the loss on all of them, each micro-batch's backbone re-run with its graph; about one "
+                    "extra backbone forward) | independent (a loss per micro-batch, gradients summed: cheaper, but "
+                    "each micro-batch sees only its own negatives, statistics, codes)",
+            "choices": ACCUMULATIONS})
     grad_compression: str = field(
         default="none", metadata={"help": "DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd",
                                   "choices": GRAD_COMPRESSIONS})
@@ -159,6 +167,9 @@ class DistributedConfig:
                 f"distributed.grad_compression='bf16' needs CUDA + NCCL but the backend is {comm}; "
                 "use --grad-compression fp16 or powersgd")
         self._validate_sharding()
+        if self.accumulation not in ACCUMULATIONS:
+            raise ConfigError(f"distributed.accumulation={shown(self.accumulation)} is unknown; use one of "
+                              f"{', '.join(ACCUMULATIONS)}")
         if not self.master_addr:
             raise ConfigError("distributed.master_addr is empty; give an address or leave the default 127.0.0.1")
         if len(self.master_addr) > 253:

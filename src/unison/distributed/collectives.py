@@ -29,8 +29,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
+
+# Micro-batches per rank-local batch while an exact accumulation step runs (`micro_batch_layout`), else 1.
+_MICRO_BATCHES = 1
 
 
 def is_distributed() -> bool:
@@ -128,6 +134,28 @@ def gather_no_grad(x: torch.Tensor, uneven: bool = False) -> torch.Tensor:
         return x
     sizes = _gather_sizes(x.shape[0], x.device) if uneven else None
     return _all_gather_cat(x, sizes)
+
+
+@contextlib.contextmanager
+def micro_batch_layout(k: int) -> Iterator[None]:
+    """While exact gradient accumulation runs one forward on a step's K micro-batches, each rank's batch is its
+    slices of K global micro-batches (micro-major); `micro_major` then puts a gather back in the global order."""
+    global _MICRO_BATCHES
+    previous, _MICRO_BATCHES = _MICRO_BATCHES, k
+    try:
+        yield
+    finally:
+        _MICRO_BATCHES = previous
+
+
+def micro_major(x: torch.Tensor) -> torch.Tensor:
+    """Rows of an even gather (rank-major: rank r's K micro-batch slices) in the global sample order
+    (micro-batch-major: micro-batch k's slices of every rank), the order of one process on the same samples.
+    Where a gather's order is kept in state (MoCo's and SwAV's queues) this keeps it world-size invariant."""
+    w, k = world_size(), _MICRO_BATCHES
+    if w == 1 or k == 1:
+        return x
+    return x.reshape(w, k, x.shape[0] // (w * k), *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
 @torch.no_grad()

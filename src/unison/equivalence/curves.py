@@ -168,6 +168,11 @@ def run_curves(method: str = "simclr", steps: int = 200, world_sizes: tuple[int,
 def run_curves_for_check(method: str, check: dict[str, Any], curve: dict[str, Any],
                          method_params: dict[str, Any] | None = None) -> CurvesReport:
     """`unison check --run`: map the `CheckSpec` options the user gave onto `run_curves`."""
+    if check.get("grad_sync_every", 1) != 1 or "accumulation" in check:
+        from unison.errors import ConfigError
+
+        raise ConfigError("unison check --run trains whole runs without accumulation; leave out --grad-sync-every "
+                          "and --accumulation, or drop --run to check the accumulated step")
     spec = CurveSpec(**{k: v for k, v in curve.items() if k in {f.name for f in dataclasses.fields(CurveSpec)}})
     from unison.config.check import CheckSpec
 

@@ -51,6 +51,7 @@ class CheckReport:
     worst: dict[str, str]
     note: str | None
     tolerance: float
+    reference: str = "one process on the global batch"   # what the W-worker run was compared with
 
     @property
     def passed(self) -> bool:
@@ -62,7 +63,9 @@ class CheckReport:
             f"unison check: method={s.method} world_size={s.world_size} steps={s.steps} "
             f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
             f"gather={s.gather_distributed} shared_queue={s.shared_queue} shard={s.shard} "
-            "(the training step of unison train)"
+            f"grad_sync_every={s.grad_sync_every}" + (f" accumulation={s.accumulation}" if s.grad_sync_every > 1 else "")
+            + " (the training step of unison train)"
+            + f"\n  compared with                       : {self.reference}"
             + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
@@ -90,15 +93,17 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
         threads=1, progress=False, method_params=dict(spec.method_params),
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
-                                      shared_queue=spec.shared_queue,
+                                      shared_queue=spec.shared_queue, grad_sync_every=spec.grad_sync_every,
+                                      accumulation=spec.accumulation,
                                       shard=spec.shard if world_size > 1 else "none"))
 
 
 def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:
-    """steps x global batch random uint8 images (a pure function of the seed): one epoch of the check."""
+    """steps x K micro-batches x global batch random uint8 images (a pure function of the seed): one epoch."""
     from unison.data.synthetic import synthetic_dataset
 
-    return synthetic_dataset(spec.steps * spec.local_batch * spec.world_size, spec.image_size, spec.seed)
+    return synthetic_dataset(spec.steps * spec.grad_sync_every * spec.local_batch * spec.world_size, spec.image_size,
+                             spec.seed)
 
 
 def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
@@ -106,30 +111,29 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
     losses, gradients and states, step by step."""
     from unison.distributed import collectives as C
     from unison.distributed.dtensor import full_tensor
-    from unison.training.step import batches, build_run, forward_backward, optimizer_step
+    from unison.training.accumulate import backbones
+    from unison.training.step import accumulated_forward_backward, build_run, optimizer_step, steps
 
     spec = CheckSpec(**spec_dict)
     torch.set_num_threads(1)
     cfg = train_config_for(spec, C.world_size())
     run = build_run(cfg, torch.device("cpu"), train_set=None if spec.data else synthetic_images(spec))
     losses, grads, states = [], [], []
-    loss_sum = torch.zeros((), dtype=run.dtype)
-    for batch in batches(run):
-        loss_sum = (loss_sum if batch.micro else loss_sum * 0) + forward_backward(run, batch)
-        if batch.micro < run.accumulate - 1:
-            continue
-        losses.append(C.all_reduce_no_grad(loss_sum / run.accumulate, average=True))
+    for micro in steps(run):
+        losses.append(C.all_reduce_no_grad(accumulated_forward_backward(run, micro), average=True))
         # full_tensor: sharded (FSDP) gradients and parameters gathered whole (a collective; plain ones as they are)
         grads.append({n: full_tensor(p.grad).detach().clone() for n, p in run.method.named_parameters()
                       if p.grad is not None})
-        optimizer_step(run, batch.step)
+        optimizer_step(run, micro[0].step)
         states.append({k: full_tensor(v).detach().clone() for k, v in run.method.state_dict().items()})
     # Every rank must hold the same state; per-rank queues (shared_queue off) differ by design.
     final = {k: v for k, v in states[-1].items() if spec.shared_queue or "queue" not in k}
     gathered = C.all_gather_object(final) if C.world_size() > 1 else [final]
     identical = all(all(torch.equal(g[k], final[k]) for k in final) for g in gathered)
+    batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) or "BatchNorm" in type(m).__name__
+                     for b in backbones(run.method) for m in b.modules())
     return {"losses": losses, "grads": grads, "states": states, "identical": identical,
-            "note": run.method.exactness_note()}
+            "note": run.method.exactness_note(), "backbone_batch_norm": batch_norm}
 
 
 def compare(multi: dict[str, Any], single: dict[str, Any], spec: CheckSpec) -> CheckReport:
@@ -150,7 +154,34 @@ def compare(multi: dict[str, Any], single: dict[str, Any], spec: CheckSpec) -> C
         d, k = max_rel_difference(multi["states"][step], single["states"][step])
         if d > rs:
             rs, worst["state"] = d, f"step {step}: {k}"
-    return CheckReport(spec, rl, rg, rs, bool(multi["identical"]), worst, multi["note"], TOLERANCE[spec.dtype])
+    return CheckReport(spec, rl, rg, rs, bool(multi["identical"]), worst, multi["note"], TOLERANCE[spec.dtype],
+                       reference(spec, multi)[1])
+
+
+def reference(spec: CheckSpec, multi: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The single-process reference of a W-worker record, and what its comparison guarantees. Accumulation over K
+    micro-batches: one step on the whole K x global batch where the backbone has no batch norm (heads see the whole
+    step under exact accumulation); with batch norm in the backbone, whose statistics are per micro-batch, the
+    same K micro-batches (world-size invariance)."""
+    spec_dict = dataclasses.asdict(spec)
+    w, k, b = spec.world_size, spec.grad_sync_every, spec.local_batch
+    if k > 1 and (spec.accumulation == "exact" or _method_accumulation(spec.method) == "plain") \
+            and not multi.get("backbone_batch_norm", True):
+        return (dict(spec_dict, world_size=1, local_batch=b * w * k, grad_sync_every=1),
+                f"one process in ONE step on the whole batch of {b * w * k} (no batch norm in the backbone: "
+                f"{k} micro-batches == one batch)")
+    if k > 1:
+        why = ("batch norm in the backbone: statistics per micro-batch, so world-size invariance"
+               if spec.accumulation == "exact" else "independent accumulation: a loss per micro-batch")
+        return (dict(spec_dict, world_size=1, local_batch=b * w),
+                f"one process on the same {k} micro-batches of {b * w} ({why})")
+    return dict(spec_dict, world_size=1, local_batch=b * w), f"one process on the global batch of {b * w}"
+
+
+def _method_accumulation(method: str) -> str:
+    from unison.methods import get_method
+
+    return get_method(method).accumulation
 
 
 def record_each(spec_dicts: list[dict[str, Any]], record: Callable[[dict[str, Any]], dict[str, Any]]) -> list[Any]:
@@ -168,17 +199,20 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
     from unison.distributed.testing import run_in_workers
     from unison.errors import ConfigError
+    from unison.training.resolve import validate_run
 
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
+    for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
+        validate_run(train_config_for(spec, world_size))
     spec_dicts = [dataclasses.asdict(spec) for spec in specs]
     seed = specs[0].seed if specs else 0
     multi = run_in_workers(record_each, world_size, args=(spec_dicts, record), backend="gloo", seed=seed,
                            timeout_s=600)[0]
     reports = []
-    for spec, spec_dict, recorded in zip(specs, spec_dicts, multi):
-        single_spec = dict(spec_dict, world_size=1, local_batch=spec.local_batch * world_size)
+    for spec, recorded in zip(specs, multi):
+        single_spec = reference(spec, recorded)[0]
         single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
         reports.append(compare(recorded, single, spec))
     return reports

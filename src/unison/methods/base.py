@@ -8,6 +8,10 @@ The whole method is wrapped in DDP, so online parameters get averaged gradients;
 that is not trained by gradient (momentum encoders, queues, centres) is declared with
 `mark_rank_local_state` so DDP never re-broadcasts it.
 
+With ``--grad-sync-every K`` the forward runs once on all K micro-batches of a step (`accumulation`), the
+backbones re-run per micro-batch by `unison.training.accumulate`: queue/centre updates in the forward and
+``on_after_step`` then happen once per optimiser step, as with one big batch.
+
 ``on_after_step(step)`` runs after every optimiser step (EMA updates, schedules).
 ``embed(x)`` returns backbone features for evaluation. A method that draws per-sample
 randomness in its forward (masks of MAE, iBOT, I-JEPA) sets ``needs_sample_keys = True``
@@ -65,6 +69,10 @@ class SSLMethod(nn.Module):
     recipe: ClassVar[Recipe] = Recipe()
     # True: forward(views, keys=SampleKeys(...)) — the method draws per-sample randomness (masks).
     needs_sample_keys: ClassVar[bool] = False
+    # How --grad-sync-every K > 1 accumulates with --accumulation exact: "exact" (one forward on the step's K
+    # micro-batches, backbones re-run per micro-batch: `unison.training.accumulate`), or "plain" for a loss that
+    # is a mean of per-sample terms with no batch statistics (a loss per micro-batch, averaged, is then exact).
+    accumulation: ClassVar[str] = "exact"
     # Why a run at W workers may differ from one process on the global batch (None = exact).
     inexact_reason: ClassVar[str | None] = None
     # Children whose parameters forward() reads directly (not through their own forward), e.g.

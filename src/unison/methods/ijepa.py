@@ -104,6 +104,7 @@ class IJEPAPredictor(nn.Module):
 class IJEPA(SSLMethod):
     step_count: torch.Tensor
     name = "ijepa"
+    accumulation = "plain"   # a mean of per-sample terms, no batch statistics: plain accumulation is exact
     Params = IJEPAParams
     needs_sample_keys = True
     recipe = Recipe(optimizer="adamw", base_lr=1.25e-4, weight_decay=0.04, augmentation="crop",

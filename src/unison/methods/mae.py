@@ -79,6 +79,7 @@ class MAEParams:
 
 class MAE(SSLMethod):
     name = "mae"
+    accumulation = "plain"   # a mean of per-sample terms, no batch statistics: plain accumulation is exact
     Params = MAEParams
     needs_sample_keys = True
     recipe = Recipe(optimizer="adamw", base_lr=1.5e-4, weight_decay=0.05, augmentation="crop", backbone="vit_tiny_p4",

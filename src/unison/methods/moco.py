@@ -58,7 +58,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from unison.distributed.collectives import gather_no_grad, local_slice, world_size
+from unison.distributed.collectives import gather_no_grad, local_slice, micro_major, world_size
 from unison.distributed.sync_batchnorm import GlobalBatchNorm
 from unison.distributed.tagging import mark_rank_local_state
 from unison.errors import ConfigError
@@ -189,7 +189,7 @@ class MoCo(SSLMethod):
         d = keys[0].shape[1]
         k = torch.cat(keys, dim=1)                       # [n, views*d]: one collective for all views
         if self.shared_queue:
-            k = gather_no_grad(k)                        # [N, views*d] in rank order
+            k = micro_major(gather_no_grad(k))           # [N, views*d] in the global sample order
         k = torch.cat(k.split(d, dim=1))                 # [views*N, d]: view 0's keys, then view 1's
         ptr, m = int(self.queue_ptr), k.shape[0]
         self.queue[ptr:ptr + m] = k.to(self.queue.dtype)

@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from unison.distributed.collectives import gather_no_grad, local_slice, world_size
+from unison.distributed.collectives import gather_no_grad, local_slice, micro_major, world_size
 from unison.distributed.dtensor import assign_full_, local_view
 from unison.distributed.tagging import mark_rank_local_state
 from unison.errors import ConfigError
@@ -167,8 +167,8 @@ class SwAV(SSLMethod):
         n, d = z_assign.shape[1], z_assign.shape[2]                      # z_assign: [2, n, d]
         new = z_assign
         if self.shared_queue:
-            new = gather_no_grad(z_assign.transpose(0, 1).reshape(n, 2 * d))   # one collective, [N, 2d]
-            new = new.reshape(-1, 2, d).transpose(0, 1)                  # [2, N, d], rank order
+            new = micro_major(gather_no_grad(z_assign.transpose(0, 1).reshape(n, 2 * d)))   # one collective, [N, 2d]
+            new = new.reshape(-1, 2, d).transpose(0, 1)                  # [2, N, d], the global sample order
         m = new.shape[1]
         self.queue[:, m:] = self.queue[:, :-m].clone()
         self.queue[:, :m] = new.to(self.queue.dtype)

@@ -3,8 +3,9 @@
 * ``find_unused_parameters`` passed through.
 * ``grad_sync_every=K``: `grad_sync_context(model, micro_step, K)` returns DDP's
   ``no_sync()`` for the first K-1 micro-batches of each optimiser step; the forward must run
-  inside it (as the training loop does). Note: accumulation is NOT a bigger batch for
-  batch-coupled losses (negatives, BN, Sinkhorn, cross-correlation); the loop warns.
+  inside it (``--accumulation independent``: NOT a bigger batch for batch-coupled losses). The
+  default, exact accumulation (`unison.training.accumulate`), runs the whole step under ``no_sync``
+  and averages the gradients itself.
 * Gradient compression through DDP comm hooks: ``fp16`` (any backend), ``bf16`` (CUDA+NCCL
   only; refused by config validation elsewhere), ``powersgd`` (rank ``powersgd_rank``,
   error feedback, warm start, ``start_powerSGD_iter = powersgd_start_iter``; 1-D tensors go

@@ -34,7 +34,7 @@ class KnownSync:
 
 
 KNOWN_SYNCS: tuple[KnownSync, ...] = (
-    KnownSync("src/unison/training/step.py (forward_backward)", "",
+    KnownSync("src/unison/training/step.py (_loss)", "",
               "the finite-loss check: a NaN step must fail before its backward, leaving the last checkpoint good"),
     KnownSync("", "torch/optim/optimizer.py",
               "torch's optimizer reads its step counter, a CPU tensor on GPUs too: a host read, no device sync"),

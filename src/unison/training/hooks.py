@@ -45,7 +45,7 @@ class StepEnd:
 
     step: int                 # optimiser steps completed (the one just taken is ``step - 1``)
     lr: float                 # its learning rate
-    loss_sum: torch.Tensor    # this rank's losses of the step's micro-batches, summed (not averaged, not reduced)
+    loss: torch.Tensor        # this rank's loss of the step (not reduced): `accumulated_forward_backward`'s
     epoch_done: bool          # the step completed an epoch
     last: bool                # the run's last step (the end of the run saves and evaluates anyway)
     saved: bool = False       # a hook wrote this step's checkpoint (`CheckpointHook`; the stop agreement reads it)
@@ -53,8 +53,8 @@ class StepEnd:
                               # `unison.training.signals.SignalsHook` decides from values every rank shares)
 
     @classmethod
-    def of(cls, run: Run, step: int, lr: float, loss_sum: torch.Tensor) -> StepEnd:
-        return cls(step, lr, loss_sum, epoch_done=step % run.steps_per_epoch == 0, last=step == run.total_steps)
+    def of(cls, run: Run, step: int, lr: float, loss: torch.Tensor) -> StepEnd:
+        return cls(step, lr, loss, epoch_done=step % run.steps_per_epoch == 0, last=step == run.total_steps)
 
 
 class TrainHook:

@@ -7,12 +7,13 @@
 2. Restore: resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker
    or SLURM requeued the job), or record the random-initialisation kNN baseline; then write ``config.json``
    (after the restore, so that a refused checkpoint leaves the run directory as it was).
-3. The step loop: for each of this rank's micro-batches `forward_backward`; after the last one of a
-   step `optimizer_step`, then the hooks, in this order: the online probe, logging, kNN evaluation,
-   the label-free signals (`unison.training.signals`: they may end the run, ``--stop-on-collapse``),
-   checkpoint timing (rank 0 writes, in the background: `Checkpointer`), the stop agreement
-   (preemption signals, a failed save) (`unison.training.loop_hooks`); then any extra hooks (`unison.training.hooks`:
-   ``train(..., hooks=...)`` or ``UNISON_TRAIN_HOOKS``, which the fault-injection tests use).
+3. The step loop: once this rank's micro-batches of a step are in, `accumulated_forward_backward` (exact
+   accumulation over them, or a loss per micro-batch: `unison.training.step`) and `optimizer_step`, then the
+   hooks, in this order: the online probe, logging, kNN evaluation, the label-free signals
+   (`unison.training.signals`: they may end the run, ``--stop-on-collapse``), checkpoint timing (rank 0 writes,
+   in the background: `Checkpointer`), the stop agreement (preemption signals, a failed save)
+   (`unison.training.loop_hooks`); then any extra hooks (`unison.training.hooks`: ``train(..., hooks=...)`` or
+   ``UNISON_TRAIN_HOOKS``, which the fault-injection tests use).
 4. The end: kNN evaluation, the signals, the last checkpoint, ``summary.json``, and the `Summary` returned to
    the caller (rank 0's is what `unison.train` returns).
 
@@ -59,7 +60,15 @@ from unison.training.loop_hooks import (
 from unison.training.metrics import MetricsLogger
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
-from unison.training.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
+from unison.training.step import (
+    Batch,
+    Run,
+    accumulated_forward_backward,
+    batches,
+    build_run,
+    optimizer_step,
+    threads_per_worker,
+)
 from unison.training.summary import Summary, peak_memory_mib
 
 __all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "train", "train_worker"]
@@ -130,17 +139,18 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     # ---- the loop
     run.method.train()
     hooks.start(run, step)
-    loss_sum = torch.zeros((), device=device, dtype=run.dtype)
+    micro: list[Batch] = []    # the step's micro-batches so far (exact accumulation needs them all at once)
     for batch in watch.data(hooks.batches(run, batches(run, step)), step):   # heartbeat: "data" while a batch is made
         if batch.micro == 0:
             hooks.before_step(run, batch.step)
-            loss_sum.zero_()
-        loss_sum += forward_backward(run, batch)
+        micro.append(batch)
         if batch.micro < run.accumulate - 1:
             continue
+        loss = accumulated_forward_backward(run, micro)
+        micro = []
         lr = optimizer_step(run, batch.step)
         step = batch.step + 1
-        end = StepEnd.of(run, step, lr, loss_sum)
+        end = StepEnd.of(run, step, lr, loss)
         hooks.after_step(run, end)
         watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
         if end.stop:   # --stop-on-collapse: the run ends here, through the normal end below

@@ -92,7 +92,7 @@ class LogHook(TrainHook):
 
     def _log(self, end: StepEnd) -> None:
         run, step = self.run, end.step
-        self.final_loss = float(C.all_reduce_no_grad(end.loss_sum / run.accumulate, average=True))
+        self.final_loss = float(C.all_reduce_no_grad(end.loss, average=True))
         self.curve.append((step, self.final_loss))
         self.log_times.append(time.perf_counter() - self.t_start)
         now = time.perf_counter()

@@ -63,10 +63,34 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainC
         raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
     _validate_local_crops(cfg)
+    _validate_accumulation(cfg)
+    # exact accumulation: the method's forward (its queue, its batch checks) sees all K micro-batches of a step
+    per_forward = cfg.batch_size * (cfg.distributed.grad_sync_every if exact_accumulation(cfg) else 1)
     cfg.method_params = validated_method_params(
-        cfg.method, cfg.method_params, global_batch=cfg.batch_size, world_size=cfg.distributed.world_size,
+        cfg.method, cfg.method_params, global_batch=per_forward, world_size=cfg.distributed.world_size,
         shared_queue=cfg.distributed.shared_queue)
     return cfg
+
+
+def exact_accumulation(cfg: TrainConfig) -> bool:
+    """Whether a step runs the exact accumulation of `unison.training.accumulate` (K > 1, ``--accumulation
+    exact`` and a method whose loss couples samples); otherwise a loss per micro-batch (K = 1: the only one)."""
+    return (cfg.distributed.grad_sync_every > 1 and cfg.distributed.accumulation == "exact"
+            and get_method(cfg.method).accumulation == "exact")
+
+
+def _validate_accumulation(cfg: TrainConfig) -> None:
+    """What exact accumulation cannot combine with: it re-runs backbones outside the wrapped model and averages
+    the gradients itself (no DDP comm hook, no FSDP reduce-scatter, no compiled graph around the interception)."""
+    if not exact_accumulation(cfg):
+        return
+    d = cfg.distributed
+    clash = ("--shard full" if d.shard == "full" else f"--grad-compression {d.grad_compression}"
+             if d.grad_compression != "none" else "--compile" if cfg.compile else None)
+    if clash:
+        raise ConfigError(f"--grad-sync-every {d.grad_sync_every} with exact accumulation (the default for "
+                          f"{cfg.method}) does not combine with {clash}; drop {clash.split()[0]}, or give "
+                          "--accumulation independent (a loss per micro-batch: not one big batch)")
 
 
 def _validate_local_crops(cfg: TrainConfig) -> None:

@@ -1,10 +1,9 @@
 """The training step, built once: `unison train`, `unison check` and the benchmarks all run this.
 
     run = build_run(cfg, device)                 # data, augmentation, method, SyncBN, DDP, optimizer, schedule
-    for batch in batches(run, start_step=0):     # this rank's micro-batches, in the global order
-        loss = forward_backward(run, batch)      # autocast, DDP no_sync for accumulation, finite-loss check
-        if batch.micro == run.accumulate - 1:
-            optimizer_step(run, batch.step)      # lr from the schedule, clipping, (scaled) step, EMA updates
+    for micro in steps(run, start_step=0):       # this rank's micro-batches of each step, in the global order
+        loss = accumulated_forward_backward(run, micro)   # autocast, accumulation, finite-loss check
+        optimizer_step(run, micro[0].step)       # lr from the schedule, clipping, (scaled) step, EMA updates
 
 Everything that decides what a step computes lives here and nowhere else:
 
@@ -17,10 +16,13 @@ Everything that decides what a step computes lives here and nowhere else:
   with the global batch (x accumulation), optionally ZeRO-1 sharded;
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
   state to lose in a checkpoint);
+* accumulation (``--grad-sync-every K``): exact (`unison.training.accumulate`: one forward on the step's K
+  micro-batches, backbones re-run per micro-batch, the gradient of one step on all of them) unless
+  ``--accumulation independent`` or the method's loss is a plain mean over samples (``accumulation = "plain"``);
 * precision: the parameter dtype (float32, or float64 for exactness checks), bf16/fp16
   autocast (bf16 on GPU or CPU, fp16 on GPU), and a GradScaler for fp16.
 
-`unison check` records gradients between `forward_backward` and `optimizer_step` of exactly
+`unison check` records gradients between `accumulated_forward_backward` and `optimizer_step` of exactly
 this step, so what it proves is what users run.
 """
 
@@ -53,8 +55,9 @@ from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.zero import ShardedOptimizer
+from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
-from unison.training.resolve import resolve_recipe
+from unison.training.resolve import exact_accumulation, resolve_recipe
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Run:
     accumulate: int                # micro-batches per optimiser step (grad_sync_every)
     steps_per_epoch: int
     data: TrainData                # the data side: source, mode, normalisation, kNN sets (`build_batch_source`)
+    exact: bool = False            # exact accumulation of the K micro-batches (`unison.training.accumulate`)
     resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
     extra_state: ExtraState = field(default_factory=ExtraState)   # checkpointed beyond model/optimizer
 
@@ -181,6 +185,13 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
+    exact = exact_accumulation(cfg)
+    if exact and get_method(cfg.method).needs_sample_keys and source.batches_per_epoch % accumulate:
+        raise ConfigError(f"{cfg.method} takes per-sample keys (seed, epoch, index), and with {source.batches_per_epoch} "
+                          f"batches per epoch a step of --grad-sync-every {accumulate} micro-batches would span two "
+                          "epochs; give "
+                          f"a --batch-size for which the batches per epoch are a multiple of {accumulate}, or "
+                          "--accumulation independent")
 
     # ---- model: SyncBN, memory format, DDP
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
@@ -225,9 +236,10 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
               resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
                         "backbone": resolve_backbone(recipe.backbone, image_size), "image_size": image_size,
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
+                        "accumulation": "exact" if exact else "per micro-batch" if accumulate > 1 else "none",
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
                         "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
-              data=data)
+              data=data, exact=exact)
     register_checkpoint_state(run)
     return run
 
@@ -254,26 +266,62 @@ def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
             yield Batch(step, micro, epoch, indices, views, time.perf_counter() - started)
 
 
-def forward_backward(run: Run, batch: Batch) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns this rank's loss (detached).
+def steps(run: Run, start_step: int = 0) -> Iterator[list[Batch]]:
+    """This rank's micro-batches grouped by optimiser step (`run.accumulate` each), from `start_step` on."""
+    micro: list[Batch] = []
+    for batch in batches(run, start_step):
+        micro.append(batch)
+        if batch.micro == run.accumulate - 1:
+            yield micro
+            micro = []
 
-    Gradients are all-reduced by DDP on the last micro-batch of the step only. A non-finite
-    loss raises `NonFiniteLossError` before its backward, so the last checkpoint stays the
-    last good state.
-    """
+
+def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    """Forward and backward of one optimiser step's `run.accumulate` micro-batches; returns this rank's loss of the
+    step (detached): with exact accumulation (`run.exact`) the loss of all of them as one batch, otherwise the mean
+    of the micro-batches' losses (equal for a plain mean over samples). The loop and `unison check` both call it."""
+    if not run.exact:
+        return torch.stack([forward_backward(run, batch) for batch in micro_batches]).mean()
+    first = micro_batches[0]
+    views = [torch.cat([b.views[v] for b in micro_batches]) for v in range(len(first.views))]
+    if run.cfg.channels_last:
+        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
+    whole = Batch(first.step, 0, first.epoch, torch.cat([b.indices for b in micro_batches]), views)
+    # pass 1 (embeddings without graphs, the loss on all of them, its backward), pass 2 (each micro-batch's
+    # backbone again with its graph), all without DDP's all-reduce; then the gradients averaged once
+    with no_sync(run.parallel_model), C.micro_batch_layout(len(micro_batches)), \
+            ExactAccumulation(run.method, len(micro_batches), first.indices.shape[0]) as cache:
+        loss = _loss(run, whole)
+        run.scaler.scale(loss).backward()
+        cache.replay()
+    average_gradients(run.trainable)
+    return loss.detach()
+
+
+def forward_backward(run: Run, batch: Batch) -> torch.Tensor:
+    """Forward and backward of one micro-batch, its loss weighted 1/K; returns this rank's loss (detached).
+
+    Gradients are all-reduced by DDP on the last micro-batch of the step only."""
+    with grad_sync_context(run.parallel_model, batch.micro, run.accumulate):
+        loss = _loss(run, batch)
+        run.scaler.scale(loss / run.accumulate).backward()
+    return loss.detach()
+
+
+def _loss(run: Run, batch: Batch) -> torch.Tensor:
+    """The method's loss on `batch` under the run's autocast. A non-finite loss raises `NonFiniteLossError`
+    before its backward, so the last checkpoint stays the last good state."""
     kwargs = {}
     if run.method.needs_sample_keys:   # masks drawn per sample (MAE, iBOT, I-JEPA): never from the rank
         kwargs["keys"] = SampleKeys(run.cfg.seed, batch.epoch, batch.indices)
-    with grad_sync_context(run.parallel_model, batch.micro, run.accumulate):
-        with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32,
-                            enabled=run.autocast_dtype is not None):
-            loss = run.forward(batch.views, **kwargs)
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"non-finite loss ({float(loss.detach())}) at step {batch.step} on rank {C.rank()}; lower --lr, "
-                "set --grad-clip, or check the data (the last checkpoint is intact)")
-        run.scaler.scale(loss / run.accumulate).backward()
-    return loss.detach()
+    with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32,
+                        enabled=run.autocast_dtype is not None):
+        loss = run.forward(batch.views, **kwargs)
+    if not torch.isfinite(loss):
+        raise NonFiniteLossError(
+            f"non-finite loss ({float(loss.detach())}) at step {batch.step} on rank {C.rank()}; lower --lr, "
+            "set --grad-clip, or check the data (the last checkpoint is intact)")
+    return loss
 
 
 def optimizer_step(run: Run, step: int) -> float:

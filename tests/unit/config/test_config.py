@@ -16,6 +16,7 @@ from unison.errors import ConfigError
     ({"backend": "tcp"}, "unknown; use one of auto, local, gloo, nccl, mpi"),
     ({"backend": "local", "world_size": 2}, "use --world-size 1"),
     ({"grad_sync_every": 0}, "grad_sync_every=0 must be"),
+    ({"accumulation": "sum"}, "accumulation='sum' is unknown; use one of exact, independent"),
     ({"grad_compression": "zip"}, "grad_compression='zip' is unknown"),
     ({"grad_compression": "powersgd", "powersgd_start_iter": 1}, "powersgd_start_iter=1 must be an integer >= 2"),
     ({"grad_compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank=0 must be an integer >= 1"),

@@ -1,0 +1,28 @@
+"""`unison check --grad-sync-every 2`: exact accumulation at W=2 x K=2 for every method, in ONE launch of 2 workers.
+
+Each method is compared with one process on the same global batch: in ONE step where the backbone has no batch
+norm (the ViT methods), in the same 2 micro-batches where it has (world-size invariance), float64, 1e-6."""
+
+import pytest
+
+from unison.equivalence import run_equivalence_all
+from unison.methods import METHODS
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def accumulated_reports():
+    return dict(zip(sorted(METHODS), run_equivalence_all(sorted(METHODS), world_size=2, steps=1, local_batch=4,
+                                                         grad_sync_every=2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_check_passes_with_exact_accumulation(method, accumulated_reports):
+    report = accumulated_reports[method]
+    assert report.spec.method == method and report.passed, report.summary()
+    summary = report.summary()
+    assert "grad_sync_every=2 accumulation=exact" in summary
+    batch_norm_backbone = method not in {"ibot", "ijepa", "lejepa", "mae", "mocov3"}   # the recipes' ViT methods
+    assert ("same 2 micro-batches" if batch_norm_backbone else "ONE step on the whole batch of 16") in summary
