@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "crop_into", "handles", "orientation", "shown_size", "upright"]
+__all__ = ["available", "crop_into", "decode_scaled", "handles", "orientation", "shown_size", "upright"]
 
 _SCALES = (8, 4, 2)
 _ORIENTATION_TAG = 0x0112
