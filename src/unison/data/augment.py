@@ -282,17 +282,14 @@ class ViewAugmenter:
         if rows.numel() == 0:
             return x
         every = rows.numel() == x.shape[0]
-        sub, su = (x, u) if every else (x[rows], u[rows])
+        su = u if every else u[rows]
         sigma = lo + (hi - lo) * su[:, _C_SIGMA]
         k = torch.arange(-r, r + 1, device=u.device, dtype=torch.float64)
         w = torch.exp(-(k[None] ** 2) / (2 * sigma[:, None] ** 2))
         w = (w / w.sum(1, keepdim=True)).to(x.dtype)
-        if x.device.type == "cpu":  # one depthwise convolution per sample: about 2x the shifted-slice sums
-            out = _blur_each(sub, w, r)
-            if every:
-                return out
-            x[rows] = out
-            return x
+        if x.device.type == "cpu":  # one depthwise convolution per sample, in place: about 2x the sums below
+            return _blur_each(x, rows.tolist(), w, r)
+        sub = x if every else x[rows]
         w = w[:, :, None, None, None]  # [B, taps, 1, 1, 1]
         # Separable blur as weighted sums of shifted slices: per-sample kernels, batch-independent results.
         xp = F.pad(sub, (r, r, 0, 0), mode="reflect")
@@ -340,17 +337,16 @@ class ViewAugmenter:
         return x.mul_(scale).add_(bias)  # (x - mean) / std, in place
 
 
-def _blur_each(x: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
-    """Separable blur of each sample of x [B, C, H, W] with its own taps w [B, 2r+1], reflect padding. Sample by
-    sample, every convolution has the same shapes whatever the batch: a view does not depend on its batch."""
+def _blur_each(x: torch.Tensor, rows: list[int], w: torch.Tensor, r: int) -> torch.Tensor:
+    """Separable blur of samples `rows` of x [B, C, H, W] in place, row k with taps w[k] [2r+1], reflect padding.
+    Sample by sample, every convolution has the same shapes whatever the batch: a view does not depend on it."""
     C = x.shape[1]
-    out = torch.empty_like(x)
-    for b in range(x.shape[0]):
+    taps = w[:, None, None, None, :].expand(-1, C, 1, 1, -1).contiguous()  # [n, C, 1, 1, 2r+1]: one kernel each
+    for k, b in enumerate(rows):
         xp = F.pad(x[b : b + 1], (r, r, r, r), mode="reflect")
-        row = w[b].view(1, 1, 1, -1).expand(C, 1, 1, -1).contiguous()
-        y = F.conv2d(xp, row, groups=C)
-        out[b] = F.conv2d(y, row.view(C, 1, -1, 1), groups=C)[0]
-    return out
+        y = F.conv2d(xp, taps[k], groups=C)
+        x[b] = F.conv2d(y, taps[k].view(C, 1, -1, 1), groups=C)[0]
+    return x
 
 
 _EVAL_NORM: dict = {}

@@ -191,8 +191,6 @@ class CropDecoder:
         return ((cx - bw / 2) * W, (cy - bh / 2) * H, (cx + bw / 2) * W, (cy + bh / 2) * H), bool(flip)
 
     def _crop_into(self, im, boxes: list, crops: list[np.ndarray], row: int) -> None:
-        from PIL import Image
-
         if jpeg.handles(im):  # libjpeg-turbo called directly: the same pixels, faster (unison.data.jpeg)
             return jpeg.crop_into(im, boxes, self.augment.view_sizes, crops, row)
         turn = jpeg.orientation(im)  # before the draft, which may drop the EXIF block
@@ -201,12 +199,7 @@ class CropDecoder:
         reduce = min(min(b[2] - b[0], b[3] - b[1]) / s for (b, _), s in zip(boxes, self.augment.view_sizes))
         s = _draft(im, W, H, reduce)
         rgb = jpeg.upright(to_rgb(im), turn)  # boxes are in the shown image's coordinates
-        for v, ((x0, y0, x1, y1), flip) in enumerate(boxes):
-            size = self.augment.view_sizes[v]
-            out = rgb.resize((size, size), Image.Resampling.BILINEAR, box=(x0 / s, y0 / s, x1 / s, y1 / s))
-            if flip:
-                out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            crops[v][row] = np.asarray(out, dtype=np.uint8)
+        jpeg.resize_views(np.array(rgb, dtype=np.uint8), s, boxes, self.augment.view_sizes, crops, row)
 
 
 def _reason(e: BaseException) -> str:
