@@ -120,19 +120,46 @@ def data_folder(cfg: BenchConfig, out: Path) -> str:
     return str(root)
 
 
-def _time_batches(batches: Any, n: int, batch_size: int) -> float:
-    """images/s over `n` batches after the warm-up ones."""
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every process below it (the loader processes), from /proc;
+    NaN where there is none. Images per CPU-second is the per-core rate, whatever else the machine runs."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total, todo, seen = 0.0, [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            if pid == os.getpid():
+                return float("nan")
+    return total
+
+
+def _time_batches(batches: Any, n: int, batch_size: int) -> tuple[float, float]:
+    """(images/s, images per CPU-second of this process and its loader processes) over `n` batches after the
+    warm-up ones."""
     it = iter(batches)
     for _ in range(WARMUP_BATCHES):
         next(it)
-    started = time.perf_counter()
+    cpu, started = _cpu_seconds(), time.perf_counter()
     for _ in range(n):
         views = next(it)
         assert len(views) >= 2
-    return n * batch_size / (time.perf_counter() - started)
+    wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+    return n * batch_size / wall, n * batch_size / cpu if cpu > 0 else float("nan")
 
 
-def _torchvision_side(folder: str, cfg: BenchConfig) -> float:
+def _torchvision_side(folder: str, cfg: BenchConfig) -> tuple[float, float]:
     import torchvision
 
     transform, _ = simclr_transform()
@@ -149,7 +176,8 @@ def _torchvision_side(folder: str, cfg: BenchConfig) -> float:
     return _time_batches(forever(), cfg.data_batches, cfg.data_batch_size)
 
 
-def _unison_side(folder: str, cfg: BenchConfig, decode: str, device: torch.device, crops_only: bool = False) -> float:
+def _unison_side(folder: str, cfg: BenchConfig, decode: str, device: torch.device,
+                 crops_only: bool = False) -> tuple[float, float]:
     from unison.data.augment import ViewAugmenter
     from unison.data.catalog import open_catalog
     from unison.data.stream import StreamingBatches
@@ -181,7 +209,7 @@ class _DecodeOnly(CropDecoder):
         jpeg.decode_scaled(im.fp.getvalue(), W, H, reduce)
 
 
-def _decode_side(folder: str, cfg: BenchConfig, scaled: bool) -> float:
+def _decode_side(folder: str, cfg: BenchConfig, scaled: bool) -> tuple[float, float]:
     from unison.data.augment import ViewAugmenter
     from unison.data.catalog import open_catalog
     from unison.data.stream import StreamingBatches
@@ -194,7 +222,7 @@ def _decode_side(folder: str, cfg: BenchConfig, scaled: bool) -> float:
     return _time_batches((job["crops"] for job in source.loader(0)), cfg.data_batches, cfg.data_batch_size)
 
 
-def _dali_side(folder: str, cfg: BenchConfig) -> float:
+def _dali_side(folder: str, cfg: BenchConfig) -> tuple[float, float]:
     """DALI's CPU pipeline with SimCLR's augmentation; raises ImportError / RuntimeError when DALI cannot run."""
     from nvidia.dali import fn, pipeline_def, types  # not a dependency: `pip install nvidia-dali-cuda120`
 
@@ -258,6 +286,7 @@ def measure(cfg: BenchConfig, out: Path) -> list[dict[str, Any]]:
         sides.append(("unison --decode gpu", lambda: _unison_side(folder, cfg, "gpu", torch.device("cuda"))))
     torch.set_num_threads(cfg.data_threads)
     rates: dict[str, list[float]] = {name: [] for name, _ in sides}
+    per_cpu: dict[str, list[float]] = {name: [] for name, _ in sides}
     loads: dict[str, list[str]] = {name: [] for name, _ in sides}
     failed: dict[str, str] = {}
     for rep in range(cfg.data_repeats):
@@ -266,37 +295,40 @@ def measure(cfg: BenchConfig, out: Path) -> list[dict[str, Any]]:
                 continue
             loads[name].append(format_load(loadavg()))
             try:
-                rates[name].append(run())
+                wall, cpu_rate = run()
+                rates[name].append(wall)
+                per_cpu[name].append(cpu_rate)
             except Exception as e:  # DALI only (an optional package): the row says why
                 if not name.startswith("DALI"):
                     raise
                 failed[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
                 print(f"unison bench: data, {name} did not run: {failed[name]}", flush=True)
                 continue
-            print(f"unison bench: data, {name}, run {rep + 1}: {rates[name][-1]:.1f} images/s", flush=True)
+            print(f"unison bench: data, {name}, run {rep + 1}: {rates[name][-1]:.1f} images/s, "
+                  f"{per_cpu[name][-1]:.1f} per CPU-second", flush=True)
     _, pipeline = simclr_transform()
-    return _rows(cfg, folder, pipeline, rates, loads, failed, dali_missing)
+    return _rows(cfg, folder, pipeline, rates, per_cpu, loads, failed, dali_missing)
 
 
-def _rows(cfg: BenchConfig, folder: str, pipeline: str, rates: dict, loads: dict, failed: dict,
+def _rows(cfg: BenchConfig, folder: str, pipeline: str, rates: dict, cpu: dict, loads: dict, failed: dict,
           dali_missing: str | None) -> list[dict[str, Any]]:
+    """One row per side; ratios on images per CPU-second (the per-core rate), and on wall-clock images/s."""
     procs = max(1, cfg.data_loader_workers)
-    limit, base = max(rates[LIMIT]), max(rates["torchvision"])
-    rows = []
-    for name, runs in rates.items():
-        best = max(runs) if runs else float("nan")
-        rows.append({"side": name, "images_per_s": best, "per_process": best / procs,
-                     "of_decode_limit": best / limit, "vs_torchvision": best / base,
-                     "runs": [round(r, 1) for r in runs], "loader_workers": cfg.data_loader_workers,
-                     "batch_size": cfg.data_batch_size, "batches": cfg.data_batches, "threads": cfg.data_threads,
-                     "load_before": loads[name], "images": folder, "note": failed.get(name, ""),
-                     "pipeline": pipeline if name == "torchvision" else ""})
+    best = {name: max(runs) if runs else float("nan") for name, runs in rates.items()}
+    per_cpu = {name: max(runs) if runs else float("nan") for name, runs in cpu.items()}
     if dali_missing is not None:
-        rows.append({"side": "DALI, CPU pipeline", "images_per_s": float("nan"), "per_process": float("nan"),
-                     "of_decode_limit": float("nan"), "vs_torchvision": float("nan"), "runs": [],
-                     "loader_workers": cfg.data_loader_workers, "batch_size": cfg.data_batch_size,
-                     "batches": cfg.data_batches, "threads": cfg.data_threads, "load_before": [], "images": folder,
-                     "note": dali_missing, "pipeline": ""})
+        best["DALI, CPU pipeline"] = per_cpu["DALI, CPU pipeline"] = float("nan")
+        failed["DALI, CPU pipeline"] = dali_missing
+    rows = []
+    for name in best:
+        rows.append({"side": name, "images_per_s": best[name], "per_process": best[name] / procs,
+                     "per_cpu_s": per_cpu[name], "of_decode_limit": per_cpu[name] / per_cpu[LIMIT],
+                     "vs_torchvision": per_cpu[name] / per_cpu["torchvision"],
+                     "vs_torchvision_wall": best[name] / best["torchvision"],
+                     "runs": [round(r, 1) for r in rates.get(name, [])], "loader_workers": cfg.data_loader_workers,
+                     "batch_size": cfg.data_batch_size, "batches": cfg.data_batches, "threads": cfg.data_threads,
+                     "load_before": loads.get(name, []), "images": folder, "note": failed.get(name, ""),
+                     "pipeline": pipeline if name == "torchvision" else ""})
     return rows
 
 
@@ -307,15 +339,19 @@ def write(rows: list[dict[str, Any]], out: Path, header: str) -> dict[str, Path]
         return "-" if x != x else format(x, fmt)  # NaN: the side did not run
 
     table = markdown_table(
-        ["Side", "Images/s (best)", "Per process", "Of the decode limit", "vs torchvision", "Runs", "Processes",
-         "Load before each run"],
+        ["Side", "Images/s (best)", "Per process", "Images per CPU-second", "Of the decode limit",
+         "vs torchvision (CPU-s / wall)", "Runs (images/s)", "Processes", "Load before each run"],
         [[r["side"] + (f" ({r['note']})" if r["note"] else ""), num(r["images_per_s"], ".1f"),
-          num(r["per_process"], ".1f"), num(r["of_decode_limit"], ".2f"), num(r["vs_torchvision"], ".2f") + "x",
+          num(r["per_process"], ".1f"), num(r["per_cpu_s"], ".1f"), num(r["of_decode_limit"], ".2f"),
+          f"{num(r['vs_torchvision'], '.2f')}x / {num(r['vs_torchvision_wall'], '.2f')}x",
           " / ".join(str(x) for x in r["runs"]), r["loader_workers"], "; ".join(r["load_before"])] for r in rows])
     tv = next(r for r in rows if r["side"] == "torchvision")
     notes = (f"\n{rows[0]['batches']} timed batches of {rows[0]['batch_size']} after {WARMUP_BATCHES} warm-up ones, "
-             f"two {SIZE} px views per image, {rows[0]['threads']} torch thread(s) in the training process; per "
-             f"process = images/s / loader processes (DALI: threads). Decode limit: {LIMIT}. torchvision side: "
+             f"two {SIZE} px views per image, {rows[0]['threads']} torch thread(s) in the training process. Per "
+             "process: images/s / loader processes (DALI: threads). Images per CPU-second: the timed images over "
+             "the CPU time (user + system) of the training process and its loader processes, the per-core rate "
+             "whatever else runs on the machine; the fraction of the decode limit and the first ratio to "
+             f"torchvision use it. Decode limit: the row '{LIMIT}'. torchvision side: "
              f"{tv['pipeline']}. Images: {rows[0]['images']}.\n")
     paths = {"md": out / "data.md", "csv": out / "data.csv"}
     paths["md"].write_text(header + table + notes)

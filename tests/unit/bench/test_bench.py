@@ -163,5 +163,5 @@ def test_bench_data_runs_every_side_side_by_side(tmp_path, capsys):
     assert "| DALI, CPU pipeline" in table   # measured, or the reason it did not run
     assert "unison bench data" in table and "load average" in table and "Of the decode limit" in table
     rows = (tmp_path / "data.csv").read_text().splitlines()
-    assert rows[0].startswith("side,images_per_s,per_process,of_decode_limit") and len(rows) == 7
+    assert rows[0].startswith("side,images_per_s,per_process,per_cpu_s,of_decode_limit") and len(rows) == 7
     assert sum(1 for _ in (tmp_path / "data-jpegs-12").rglob("*.jpg")) == 12   # one of them a large photograph
