@@ -15,7 +15,7 @@ per-sample Python loops.
 
 Streamed data (`unison.data.stream`): step 1 is done on the CPU by the loader processes
 (`unison.data.decode`: the same crop and flip draws, `crop_fractions`, applied to the image at
-its original size with PIL's antialiased resize), and `finish` runs steps 2-7 on the crops.
+its original size with an antialiased resize, `unison.data.jpeg.resize_views`), and `finish` runs steps 2-7 on the crops.
 
 Pipeline of one view (fixed order; torchvision randomises the jitter order):
 

@@ -14,9 +14,10 @@
    pixels, bit for bit, at about 1.7x PIL's decode rate); EXIF orientation is applied on both
    paths (the boxes are drawn on the size as shown, the decoded image turned before cropping);
 4. convert any mode to RGB (grayscale, CMYK, palette, alpha — dropped as torchvision's
-   loader does —, 16-bit grey scaled to 8 bits) and resize each box to its view size with
-   PIL's antialiased bilinear filter (the same filter as torchvision's RandomResizedCrop on
-   PIL images), flipping where the view's flip draw says so;
+   loader does —, 16-bit grey scaled to 8 bits) and resize each box, rounded to whole pixels
+   of the decoded image, to its view size with an antialiased bilinear filter (PIL's, as
+   torchvision's RandomResizedCrop on PIL images; computed by torch on uint8,
+   `jpeg.resize_views`), flipping where the view's flip draw says so;
 5. return uint8 ``[b, 3, s, s]`` per view. Colour jitter, grayscale, blur, solarisation and
    normalisation then run batched on the training device (`ViewAugmenter.finish`), with the
    same per-sample draws; when training on the CPU (``finish=True``) they run here, in the
@@ -123,7 +124,7 @@ class CropDecoder:
                 return {"epoch": epoch, "indices": idx, "crops": [], "skipped": [], "error": skipped[-1]}
             images.append(im)
         # Boxes of every view, drawn on each image's original size: one vectorised call per view.
-        shown = [jpeg.shown_size(im) for im in images]  # boxes are drawn on the image as shown (EXIF orientation)
+        shown = [jpeg.upright_size(im) for im in images]  # boxes are drawn on the image as shown (EXIF orientation)
         H = torch.tensor([[h] for _, h in shown], dtype=torch.float64)
         W = torch.tensor([[w] for w, _ in shown], dtype=torch.float64)
         geometry = [self.augment.crop_fractions(self.augment.uniforms(idx, epoch, self.seed, v), v, H, W)
@@ -173,7 +174,7 @@ class CropDecoder:
             im, k, _ = self._readable(i, skipped, start)
             if im is None:
                 return False
-            W, H = jpeg.shown_size(im)
+            W, H = jpeg.upright_size(im)
             boxes = [self._box(self.augment.crop_fractions(self.augment.uniforms(idx, epoch, self.seed, v), v,
                                                            float(H), float(W)), 0, float(W), float(H))
                      for v in range(self.augment.num_views)]

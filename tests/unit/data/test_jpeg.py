@@ -78,4 +78,4 @@ def test_orientation_as_exif_transpose(folder):
     for turn in (3, 6, 8):
         im = Image.open(folder / "b" / f"turn{turn}.jpg")
         assert jpeg.orientation(im) == turn
-        assert jpeg.shown_size(im) == ImageOps.exif_transpose(im).size
+        assert jpeg.upright_size(im) == ImageOps.exif_transpose(im).size
