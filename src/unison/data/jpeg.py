@@ -12,9 +12,9 @@ on the image's pixels and its boxes alone, never on which decoder read it:
 * `resize_views`: each box, mapped to the decoded image, rounded to whole pixels, resized with
   torch's antialiased bilinear filter on uint8 channels-last (the filter of PIL's resize, about 4x
   its speed on this CPU; it takes whole-pixel regions only), flipped while copied into the batch;
-* EXIF orientation: read from the header (`orientation`, PIL's ``getexif`` of the lazily opened
-  image, no pixel decoded), the decoded pixels turned as ``PIL.ImageOps.exif_transpose`` does
-  before they are cropped; the boxes are drawn on the size as shown (`upright_size`).
+* EXIF orientation: read from the header (`files.orientation`, no pixel decoded), the decoded
+  array turned as ``PIL.ImageOps.exif_transpose`` (and `files.upright` on the PIL path) does
+  before it is cropped; the caller draws the boxes on the size as shown (`files.upright_size`).
 
 Why faster: PIL decodes through its incremental ``ImageFile.load`` (buffer by buffer, then a
 copy into its own storage); simplejpeg decodes into one numpy array in one call (about 1.7x the
@@ -34,15 +34,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "crop_into", "decode_scaled", "handles", "orientation", "resize_views", "upright_size",
-           "upright"]
+from .files import orientation
+
+__all__ = ["available", "crop_into", "decode_scaled", "handles", "resize_views"]
 
 _SCALES = (8, 4, 2)
-_ORIENTATION_TAG = 0x0112
-# EXIF orientation -> the PIL transpose that shows the image upright (PIL.ImageOps.exif_transpose's table).
-_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
-              7: "TRANSVERSE", 8: "ROTATE_90"}
-
 try:
     import simplejpeg as _sj
 except ImportError:  # a dependency; without it (a hand-made environment) every image takes the PIL path
@@ -58,29 +54,6 @@ def handles(im: Any) -> bool:
     """True for a lazily opened baseline or progressive YCbCr / grey JPEG read from memory (`files.open_image`)."""
     return (_sj is not None and im.format == "JPEG" and im.mode in ("RGB", "L")
             and isinstance(getattr(im, "fp", None), io.BytesIO))
-
-
-def orientation(im: Any) -> int:
-    """The EXIF orientation (1-8) of an opened image, from its header; 1 (as stored) when absent or unreadable."""
-    try:
-        value = im.getexif().get(_ORIENTATION_TAG, 1)
-    except Exception:  # a corrupt EXIF block: shown as stored, as exif_transpose does
-        return 1
-    return value if isinstance(value, int) and value in _TRANSPOSE else 1
-
-
-def upright_size(im: Any) -> tuple[int, int]:
-    """(width, height) of an opened image as shown, EXIF orientation applied (5-8 swap the sides)."""
-    w, h = im.size
-    return (h, w) if orientation(im) >= 5 else (w, h)
-
-
-def upright(im: Any, turn: int) -> Any:
-    """The decoded PIL image `im` turned by EXIF orientation `turn` (`orientation` of its header)."""
-    from PIL import Image
-
-    name = _TRANSPOSE.get(turn)
-    return im.transpose(getattr(Image.Transpose, name)) if name else im
 
 
 def decode_scaled(data: bytes, W: int, H: int, reduce: float) -> tuple[np.ndarray, int]:

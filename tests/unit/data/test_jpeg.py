@@ -11,6 +11,7 @@ from unison.data import jpeg
 from unison.data.augment import ViewAugmenter
 from unison.data.catalog import open_catalog
 from unison.data.decode import CropDecoder
+from unison.data.files import orientation, upright_size
 
 pytestmark = pytest.mark.skipif(not jpeg.available(), reason="simplejpeg is not installed")
 
@@ -77,5 +78,5 @@ def test_orientation_as_exif_transpose(folder):
 
     for turn in (3, 6, 8):
         im = Image.open(folder / "b" / f"turn{turn}.jpg")
-        assert jpeg.orientation(im) == turn
-        assert jpeg.upright_size(im) == ImageOps.exif_transpose(im).size
+        assert orientation(im) == turn
+        assert upright_size(im) == ImageOps.exif_transpose(im).size
