@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from unison.data import jpeg
-from unison.data.decode import CropDecoder
+from unison.data.decode import CropDecoder, to_rgb
 
 from .config import BenchConfig, format_load, loadavg
 
@@ -203,6 +203,9 @@ class _DecodeOnly(CropDecoder):
     scaled = False
 
     def _crop_into(self, im, boxes: list, crops: list, row: int) -> None:
+        if not jpeg.handles(im):  # a PNG, a CMYK JPEG... in a --data-folder: PIL's full decode
+            to_rgb(im).load()
+            return
         W, H = im.size
         reduce = (min(min(b[2] - b[0], b[3] - b[1]) / s for (b, _), s in zip(boxes, self.augment.view_sizes))
                   if self.scaled else 1.0)
