@@ -90,8 +90,9 @@ def resize_views(arr: np.ndarray, s: float, boxes: list, sizes: list[int], crops
     pixels and the boxes alone.
 
     The box, mapped to the decoded image, is rounded to whole pixels (edges at floor(x + 0.5), at least one pixel);
-    the resize is torch's antialiased bilinear on uint8 channels-last (PIL's filter; about 4x PIL's speed on
-    this CPU, which needs whole-pixel regions); the flip happens in the copy into the batch."""
+    the resize is torch's antialiased bilinear on uint8 channels-last (PIL's filter, about 4x PIL's speed on
+    this CPU; torch resizes whole-pixel regions only, hence the rounding); the flip happens in the copy into the
+    batch. Each output pixel is computed on its own, so the thread count changes nothing."""
     import torch
     import torch.nn.functional as F
 
