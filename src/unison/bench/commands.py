@@ -41,8 +41,9 @@ _WHAT = {
                 "SimCLR, same backbone type, data, global batch, steps, optimizer and schedule; one training process "
                 "per side (Lightly's with its DataLoader workers); kNN of both encoders by the same code."),
     "data": ("Data loading at 224 px",
-             "Images/s of SimCLR's two 224 px views from a JPEG folder: unison's streaming loader against "
-             "torchvision's ImageFolder + Lightly's SimCLRTransform, the same number of DataLoader workers."),
+             "Images/s and images per CPU-second of SimCLR's two 224 px views from a JPEG folder: unison's "
+             "streaming loader against the decode limit (libjpeg-turbo), torchvision's ImageFolder + Lightly's "
+             "SimCLRTransform and DALI's CPU pipeline, the same number of loader processes."),
     "scaling": ("Scaling on this machine",
                 "The same global batch and number of steps on 1 worker and on W workers, one thread each; "
                 "throughput ratio in images/s of the training loop."),

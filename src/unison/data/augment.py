@@ -15,7 +15,7 @@ per-sample Python loops.
 
 Streamed data (`unison.data.stream`): step 1 is done on the CPU by the loader processes
 (`unison.data.decode`: the same crop and flip draws, `crop_fractions`, applied to the image at
-its original size with PIL's antialiased resize), and `finish` runs steps 2-7 on the crops.
+its original size with an antialiased resize, `unison.data.jpeg.resize_views`), and `finish` runs steps 2-7 on the crops.
 
 Pipeline of one view (fixed order; torchvision randomises the jitter order):
 
@@ -37,7 +37,8 @@ Pipeline of one view (fixed order; torchvision randomises the jitter order):
    grayscale of a saturated/hue-rotated image equals grayscale of the input up to
    rounding, as both ops preserve luma).
 4. gaussian blur with per-sample sigma, separable, reflect padding, radius
-   ``ceil(3 * sigma_max)``; disabled for every view when ``image_size <=
+   ``ceil(3 * sigma_max)`` (on the CPU one depthwise convolution per sample, elsewhere weighted
+   sums of shifted slices over the batch); disabled for every view when ``image_size <=
    blur_off_at_or_below`` (CIFAR recipes do not blur 32 px images).
 5. solarisation (``x >= threshold -> 1 - x``).
 6. optional additive gaussian noise (``noise_std``, [0, 1] units), clamped.
@@ -281,11 +282,14 @@ class ViewAugmenter:
         if rows.numel() == 0:
             return x
         every = rows.numel() == x.shape[0]
-        sub, su = (x, u) if every else (x[rows], u[rows])
+        su = u if every else u[rows]
         sigma = lo + (hi - lo) * su[:, _C_SIGMA]
         k = torch.arange(-r, r + 1, device=u.device, dtype=torch.float64)
         w = torch.exp(-(k[None] ** 2) / (2 * sigma[:, None] ** 2))
         w = (w / w.sum(1, keepdim=True)).to(x.dtype)
+        if x.device.type == "cpu":  # one depthwise convolution per sample, in place: about 2x the sums below
+            return _blur_each(x, rows.tolist(), w, r)
+        sub = x if every else x[rows]
         w = w[:, :, None, None, None]  # [B, taps, 1, 1, 1]
         # Separable blur as weighted sums of shifted slices: per-sample kernels, batch-independent results.
         xp = F.pad(sub, (r, r, 0, 0), mode="reflect")
@@ -331,6 +335,18 @@ class ViewAugmenter:
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         scale, bias = _norm_tensors(self._norm, x.device, self.mean, self.std)
         return x.mul_(scale).add_(bias)  # (x - mean) / std, in place
+
+
+def _blur_each(x: torch.Tensor, rows: list[int], w: torch.Tensor, r: int) -> torch.Tensor:
+    """Separable blur of samples `rows` of x [B, C, H, W] in place, row k with taps w[k] [2r+1], reflect padding.
+    Sample by sample, every convolution has the same shapes whatever the batch: a view does not depend on it."""
+    C = x.shape[1]
+    taps = w[:, None, None, None, :].expand(-1, C, 1, 1, -1).contiguous()  # [n, C, 1, 1, 2r+1]: one kernel each
+    for k, b in enumerate(rows):
+        xp = F.pad(x[b : b + 1], (r, r, r, r), mode="reflect")
+        y = F.conv2d(xp, taps[k], groups=C)
+        x[b] = F.conv2d(y, taps[k].view(C, 1, -1, 1), groups=C)[0]
+    return x
 
 
 _EVAL_NORM: dict = {}

@@ -157,17 +157,21 @@ def test_gpu1_preset_needs_one_gpu_for_the_lightly_comparison_only(monkeypatch):
         check_devices(cfg, ["table"])
 
 
-def test_bench_data_runs_both_loaders_side_by_side(tmp_path, capsys):
+def test_bench_data_runs_every_side_side_by_side(tmp_path, capsys):
     from unison.cli import main
 
     argv = ["bench", "data", "--out", str(tmp_path), "--data-images", "12", "--data-batch-size", "4",
             "--data-batches", "1", "--data-repeats", "1", "--data-loader-workers", "1"]
     assert main(argv) == 0
     table = (tmp_path / "data.md").read_text()
-    assert "| torchvision |" in table and "| unison |" in table and "| unison loader, colour ops on the GPU |" in table
-    assert "unison bench data" in table and "load average" in table
+    for side in ("decode limit: libjpeg-turbo, full size", "decode limit: libjpeg-turbo, DCT-scaled for the crops",
+                 "torchvision", "unison", "unison loader, colour ops on the device"):
+        assert f"| {side} |" in table
+    assert "| DALI, CPU pipeline" in table   # measured, or the reason it did not run
+    assert "unison bench data" in table and "load average" in table and "Of the decode limit" in table
     rows = (tmp_path / "data.csv").read_text().splitlines()
-    assert rows[0].startswith("side,images_per_s") and len(rows) == 4   # + the loader without the colour ops
+    assert rows[0].startswith("side,images_per_s,per_process,per_cpu_s,of_decode_limit") and len(rows) == 7
+    assert sum(1 for _ in (tmp_path / "data-jpegs-12").rglob("*.jpg")) == 12   # one of them a large photograph
 
 
 def test_matmul_rate_counts_two_n_cubed_flops_per_product(monkeypatch):
