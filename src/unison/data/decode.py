@@ -10,6 +10,8 @@
 3. JPEG: decode at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling, PIL's ``Image.draft``)
    when every view's box keeps at least its output size in pixels at that scale; the box
    is mapped to the reduced image (pixel k covers original pixels [k*s, (k+1)*s));
+   EXIF orientation is applied as `PIL.ImageOps.exif_transpose` does: the boxes are drawn on the
+   size as shown (`upright_size`) and the decoded image is turned before it is cropped;
 4. convert any mode to RGB (grayscale, CMYK, palette, alpha — dropped as torchvision's
    loader does —, 16-bit grey scaled to 8 bits) and resize each box to its view size with
    PIL's antialiased bilinear filter (the same filter as torchvision's RandomResizedCrop on
@@ -26,7 +28,8 @@ is reported once. ``on_corrupt="error"``: the job returns the file and the reaso
 training process raises a one-line `DataError` naming it.
 
 `decode_centre(data, size)`: the evaluation view (shorter side resized to ``size``,
-centre square), used for kNN sets and the channel statistics of streamed data.
+centre square, EXIF orientation applied), used for every kNN set (training in either data mode,
+``unison eval``, ``unison embed``) and the channel statistics of streamed data.
 
 Example::
 
@@ -45,7 +48,9 @@ import torch
 from unison.errors import DataError
 
 from .augment import ViewAugmenter
-from .files import open_image  # the header, refused past MAX_PIXELS: the decompression-bomb limit
+from .files import decode_reason, open_image, orientation, upright, upright_size  # open_image: the header, refused past
+
+# MAX_PIXELS (the decompression-bomb limit)
 from .samples import Catalog
 
 __all__ = ["CropDecoder", "decode_centre", "open_image", "to_rgb"]
@@ -87,11 +92,13 @@ def decode_centre(data: bytes, size: int) -> np.ndarray:
     from PIL import Image
 
     im = open_image(data)
+    turn = orientation(im)   # read before the draft: the shown image's centre square is cut
     W, H = im.size
     side = min(W, H)
     s = _draft(im, W, H, side / size)
-    box = ((W - side) / 2 / s, (H - side) / 2 / s, (W + side) / 2 / s, (H + side) / 2 / s)
-    out = to_rgb(im).resize((size, size), Image.Resampling.BILINEAR, box=box)
+    Wu, Hu = (H, W) if turn >= 5 else (W, H)   # the shown size
+    box = ((Wu - side) / 2 / s, (Hu - side) / 2 / s, (Wu + side) / 2 / s, (Hu + side) / 2 / s)
+    out = upright(to_rgb(im), turn).resize((size, size), Image.Resampling.BILINEAR, box=box)
     return np.asarray(out, dtype=np.uint8)
 
 
@@ -119,8 +126,9 @@ class CropDecoder:
                 return {"epoch": epoch, "indices": idx, "crops": [], "skipped": [], "error": skipped[-1]}
             images.append(im)
         # Boxes of every view, drawn on each image's original size: one vectorised call per view.
-        H = torch.tensor([[im.size[1]] for im in images], dtype=torch.float64)
-        W = torch.tensor([[im.size[0]] for im in images], dtype=torch.float64)
+        shown = [upright_size(im) for im in images]   # boxes are drawn on the image as shown (EXIF orientation)
+        H = torch.tensor([[h] for _, h in shown], dtype=torch.float64)
+        W = torch.tensor([[w] for w, _ in shown], dtype=torch.float64)
         geometry = [self.augment.crop_fractions(self.augment.uniforms(idx, epoch, self.seed, v), v, H, W)
                     for v in range(self.augment.num_views)]
         crops = [np.empty((len(indices), s, s, 3), dtype=np.uint8) for s in self.augment.view_sizes]
@@ -168,7 +176,7 @@ class CropDecoder:
             im, k, _ = self._readable(i, skipped, start)
             if im is None:
                 return False
-            W, H = im.size
+            W, H = upright_size(im)
             boxes = [self._box(self.augment.crop_fractions(self.augment.uniforms(idx, epoch, self.seed, v), v,
                                                            float(H), float(W)), 0, float(W), float(H))
                      for v in range(self.augment.num_views)]
@@ -188,11 +196,12 @@ class CropDecoder:
     def _crop_into(self, im, boxes: list, crops: list[np.ndarray], row: int) -> None:
         from PIL import Image
 
+        turn = orientation(im)   # before the draft, which may drop the EXIF block
         W, H = im.size
         # The largest DCT scale that leaves every view's box at least its output size in both directions.
         reduce = min(min(b[2] - b[0], b[3] - b[1]) / s for (b, _), s in zip(boxes, self.augment.view_sizes))
         s = _draft(im, W, H, reduce)
-        rgb = to_rgb(im)
+        rgb = upright(to_rgb(im), turn)   # boxes are in the shown image's coordinates
         for v, ((x0, y0, x1, y1), flip) in enumerate(boxes):
             size = self.augment.view_sizes[v]
             out = rgb.resize((size, size), Image.Resampling.BILINEAR, box=(x0 / s, y0 / s, x1 / s, y1 / s))
@@ -201,5 +210,4 @@ class CropDecoder:
             crops[v][row] = np.asarray(out, dtype=np.uint8)
 
 
-def _reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:200] if str(e) else type(e).__name__
+_reason = decode_reason

@@ -13,6 +13,11 @@ hang, a traceback or memory exhaustion:
   (``str.isdigit`` also takes ``²``), below `MAX_CLASSES`.
 * `open_image`: an image's header, refused above `MAX_PIXELS` (a 109 KB PNG can claim
   30000 x 30000 pixels): every decode path opens the header through it first.
+* EXIF orientation (phone photos are stored sideways with a tag saying how to turn them): every
+  decode path shows an image as `PIL.ImageOps.exif_transpose` would, through `upright_size` (the
+  size as shown, from the header alone) and `upright` (the decoded pixels turned).
+* `decode_reason`: why an image failed, as one short line (PIL's "cannot identify image file
+  <_io.BytesIO object at 0x...>" becomes "not an image PIL can read").
 
 Limits: an image file at most `MAX_IMAGE_BYTES` (256 MiB), a file list `MAX_LIST_BYTES` (1 GiB),
 a label member `MAX_LABEL_BYTES`, class indices below `MAX_CLASSES` (100,000), images at most
@@ -34,13 +39,18 @@ from pathlib import Path
 from unison.errors import DataError
 
 __all__ = ["MAX_CLASSES", "MAX_IMAGE_BYTES", "MAX_LABEL_BYTES", "MAX_LIST_BYTES", "MAX_PIXELS", "check_regular",
-           "file_kind", "open_image", "parse_label", "read_regular", "resolved"]
+           "decode_reason", "file_kind", "open_image", "orientation", "parse_label", "read_regular", "resolved",
+           "upright", "upright_size"]
 
 MAX_IMAGE_BYTES = 256 * 2**20
 MAX_LIST_BYTES = 2**30
 MAX_LABEL_BYTES = 64
 MAX_CLASSES = 100_000
 MAX_PIXELS = 178_956_970     # PIL raises DecompressionBombError above this (2 x Image.MAX_IMAGE_PIXELS)
+_ORIENTATION_TAG = 0x0112
+# EXIF orientation -> the PIL transpose that shows the image upright (PIL.ImageOps.exif_transpose's table).
+_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+              7: "TRANSVERSE", 8: "ROTATE_90"}
 
 
 def resolved(path: str, what: str) -> Path:
@@ -120,3 +130,35 @@ def open_image(data: bytes):
     if w * h > MAX_PIXELS:
         raise ValueError(f"{w}x{h} is {w * h:,} pixels, past the {MAX_PIXELS:,}-pixel limit (a decompression bomb?)")
     return im
+
+
+def orientation(im) -> int:
+    """The EXIF orientation (1-8) of an opened image, from its header; 1 (as stored) when absent or unreadable."""
+    try:
+        value = im.getexif().get(_ORIENTATION_TAG, 1)
+    except Exception:   # a corrupt EXIF block: shown as stored, as exif_transpose does
+        return 1
+    return value if isinstance(value, int) and value in _TRANSPOSE else 1
+
+
+def upright_size(im) -> tuple[int, int]:
+    """(width, height) of an opened image as shown, EXIF orientation applied (5-8 swap the sides)."""
+    w, h = im.size
+    return (h, w) if orientation(im) >= 5 else (w, h)
+
+
+def upright(im, turn: int):
+    """The decoded image `im` turned by EXIF orientation `turn` (`orientation` of its header, read before any
+    draft or conversion: those may drop the EXIF block)."""
+    from PIL import Image
+
+    name = _TRANSPOSE.get(turn)
+    return im.transpose(getattr(Image.Transpose, name)) if name else im
+
+
+def decode_reason(e: BaseException) -> str:
+    """Why an image could not be decoded, one line of at most 200 characters, without object addresses."""
+    text = str(e)
+    if "cannot identify image file" in text:   # PIL names the BytesIO it was given: "<_io.BytesIO object at 0x...>"
+        return "not an image PIL can read (unknown format or corrupt header)"
+    return f"{type(e).__name__}: {text}".splitlines()[0][:200] if text else type(e).__name__
