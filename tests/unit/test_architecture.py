@@ -12,7 +12,7 @@ The layers, bottom to top (a module may import its own package and the layers be
     3  models/, data/, losses/, optim/, eval/    (plain values and small specs, not TrainConfig)
     4  methods/, parallel/                 (DDP, FSDP2, ZeRO-1, comm hooks)
     5  training/                           (resolve, step, loop, run, checkpoint/)
-    6  equivalence/, evaluation, export, plan/
+    6  equivalence/, evaluation, embedding, export, plan/
     7  api
     8  cli.train_args                      (a run's options from flags and YAML; bench builds runs with it)
     9  bench/
@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "data", "losses", "optim", "eval"),
     ("methods", "parallel"),
     ("training",),
-    ("equivalence", "evaluation", "export", "plan"),
+    ("equivalence", "evaluation", "embedding", "export", "plan"),
     ("api",),
     ("cli.train_args",),
     ("bench",),
