@@ -160,7 +160,10 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 writer.writerow([_csv_safe(catalog.describe(int(i))), catalog.classes[label] if label >= 0 else ""])
             rows, dim = rows + len(kept), int(kept.shape[1]) if kept.ndim == 2 else dim
             progress(min(b + opts.batch_size, len(images)))
-    return {"rows": rows, "dim": dim, "unreadable": dict(images.unreadable.files)}
+    from unison.training.summary import peak_memory_mib
+
+    return {"rows": rows, "dim": dim, "unreadable": dict(images.unreadable.files),
+            "peak_memory_mib": round(peak_memory_mib(device), 1)}
 
 
 def _csv_safe(name: str) -> str:
@@ -228,15 +231,15 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
         warnings.warn(f"embed: left out {len(unreadable)} unreadable image(s) (--on-corrupt skip), e.g. "
                       f"{next(iter(unreadable.values()))}", stacklevel=2)
     return {"out": str(out), "names": str(names), "rows": rows, "dim": max(r["dim"] for r in results),
-            "unreadable": len(unreadable)}
+            "unreadable": len(unreadable), "peak_memory_mib": [r["peak_memory_mib"] for r in results]}
 
 
 def cmd_embed(ns: argparse.Namespace) -> int:
     from unison.config.fields import overrides_from_namespace
 
     r = embed(EmbedOptions(**overrides_from_namespace(ns, EmbedOptions)))
-    print(f"unison embed: {r['rows']:,} images x {r['dim']} features -> {r['out']} (file names: {r['names']})",
-          file=sys.stdout, flush=True)
+    print(f"unison embed: {r['rows']:,} images x {r['dim']} features -> {r['out']} (file names: {r['names']}; "
+          f"peak memory per process (MiB): {r['peak_memory_mib']})", file=sys.stdout, flush=True)
     return 0
 
 

@@ -253,6 +253,9 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
                              normalise=opts.linear_norm, seed=opts.seed)
         result["linear_top1"], result["linear_train_top1"] = probe.top1, probe.train_top1
         result["linear_time_s"] = time.perf_counter() - t3
+    from unison.training.summary import peak_memory_mib
+
+    result["peak_memory_mib"] = round(peak_memory_mib(device), 1)   # RSS on the CPU, the allocator's peak on CUDA
     result["options"] = dataclasses.asdict(opts)
     return result
 
