@@ -43,7 +43,9 @@ def folder(root: Path, n: int, seed: int, sides: tuple[int, int]) -> Path:
 
 def _cli(*argv: str) -> str:
     """Run ``unison ARGV`` in a fresh process (its peak memory is its own); its standard output."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    import unison
+
+    env = {**os.environ, "PYTHONPATH": str(Path(unison.__file__).resolve().parents[1])}   # this unison, not another
     done = subprocess.run([sys.executable, "-m", "unison.cli", *argv], env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"unison {' '.join(argv)} failed: {done.stderr.strip()}")

@@ -124,7 +124,8 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     from unison.data.evalsets import LazyImages
     from unison.data.source import default_image_size, first_size, open_checked, stream_stats
     from unison.data.spec import DataSpec
-    from unison.eval.knn import Progress, embed_all
+    from unison.eval.knn import embed_all
+    from unison.progress import Progress
     from unison.training.load import load_method, preprocessing
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -203,10 +204,14 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
     import warnings
 
     from unison.config.distributed import DistributedConfig
+    from unison.distributed.env import detect_launch_env
     from unison.distributed.launch import launch
     from unison.paths import write_error
 
     opts.validate()
+    if detect_launch_env() is not None:   # every rank would write the whole output from its share alone
+        raise ConfigError("unison embed starts its own processes (--world-size N); run it directly, not under "
+                          "torchrun, srun or mpirun")
     out, names = check_outputs(opts)
     device = "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
     try:

@@ -181,7 +181,8 @@ def _eval_data(spec: DataSpec, cfg: TrainConfig, ckpt: dict[str, Any], device: t
 
 def _features(method: Any, images: Any, to_eval: Any, opts: EvalOptions, what: str) -> tuple[torch.Tensor,
                                                                                                torch.Tensor]:
-    from unison.eval.knn import Progress, embed_all
+    from unison.eval.knn import embed_all
+    from unison.progress import Progress
 
     return embed_all(method.embed, images, to_eval, opts.batch_size, normalise=False,
                      progress=Progress(f"eval: embedding {what}", images.shape[0]))

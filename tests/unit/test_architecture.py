@@ -7,7 +7,7 @@ package with one violation planted, and must name it: a rule that cannot fail is
 The layers, bottom to top (a module may import its own package and the layers below it, nothing beside or above):
 
     0  errors, version
-    1  config/, paths                      (import nothing of unison but errors; paths: the output-path rule)
+    1  config/, paths, progress            (import nothing of unison but errors; paths: the output-path rule)
     2  distributed/, rng                   (collectives, dtensor, tagging, sync_batchnorm, env, launch, ...)
     3  models/, data/, losses/, optim/, eval/    (plain values and small specs, not TrainConfig)
     4  methods/, parallel/                 (DDP, FSDP2, ZeRO-1, comm hooks)
@@ -34,7 +34,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "unison"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),
-    ("config", "paths"),
+    ("config", "paths", "progress"),
     ("distributed", "rng"),
     ("models", "data", "losses", "optim", "eval"),
     ("methods", "parallel"),

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from unison.errors import DataError
+from unison.progress import Progress
 
 from .cache import cache_root
 from .files import decode_reason, open_image, orientation, upright, upright_size
@@ -138,9 +139,13 @@ def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tupl
         return errors, resized
 
     chunk = 256  # per-task overhead matters for tiny JPEGs
+    progress = Progress(f"decoding {catalog.display_name} into memory:", n)   # once: then it is cached
+    results = []
     with warnings.catch_warnings(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         warnings.simplefilter("ignore", UserWarning)   # PIL's per-file notes (corrupt EXIF, ...): counted as errors
-        results = list(pool.map(lambda lo: work(lo, min(lo + chunk, n)), range(0, n, chunk)))
+        for lo, result in zip(range(0, n, chunk), pool.map(lambda lo: work(lo, min(lo + chunk, n)), range(0, n, chunk))):
+            results.append(result)
+            progress(min(lo + chunk, n))
     errors = sorted(e for errs, _ in results for e in errs)
     resized = sum(r for _, r in results)
     rows = torch.full((n,), -1, dtype=torch.int64)

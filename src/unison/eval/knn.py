@@ -12,7 +12,7 @@ reference set on every rank.
 Images that could not be decoded (`unison.data.evalsets.LazyImages`, ``--on-corrupt skip``) are left
 out of the reference set and of the queries; their number is summed over the ranks and reported once,
 by rank 0, as one warning line. Embedding that takes more than a few seconds shows its progress on
-standard error (rank 0, at most every `PROGRESS_EVERY_S` seconds): ``kNN: embedding the reference set
+standard error (rank 0, at most every `unison.progress.PROGRESS_EVERY_S` seconds): ``kNN: embedding the reference set
 2,560/5,000 images (12 s)``.
 
 Example::
@@ -23,8 +23,6 @@ Example::
 from __future__ import annotations
 
 import math
-import sys
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,33 +32,7 @@ import torch.nn.functional as F
 
 from unison.distributed.collectives import all_reduce_no_grad, gather_no_grad, rank, world_size
 from unison.errors import DataError
-
-PROGRESS_AFTER_S = 3.0    # a phase shorter than this shows nothing
-PROGRESS_EVERY_S = 10.0   # then one line at most this often
-
-
-class Progress:
-    """``done/total`` of a phase on standard error: the first line after `PROGRESS_AFTER_S`, then at most every
-    `PROGRESS_EVERY_S`, and a last one when it ends (if any was shown). `total` counts rank 0's share
-    when the phase is split over ranks (`of` says of how many in all)."""
-
-    def __init__(self, what: str, total: int, of: int | None = None, show: bool = True):
-        self.what, self.total, self.of, self.show = what, total, of, show and total > 0
-        self.start = self.last = time.monotonic()
-        self.shown = False
-
-    def __call__(self, done: int) -> None:
-        now = time.monotonic()
-        if not self.show or now - self.start < PROGRESS_AFTER_S:
-            return
-        if done < self.total and self.shown and now - self.last < PROGRESS_EVERY_S:
-            return
-        if done >= self.total and not self.shown:
-            return   # ended before the first line was due
-        share = f" (rank 0's share of {self.of:,})" if self.of and self.of != self.total else ""
-        print(f"unison: {self.what} {done:,}/{self.total:,} images{share} ({now - self.start:.0f} s)",
-              file=sys.stderr, flush=True)
-        self.shown, self.last = True, now
+from unison.progress import Progress
 
 
 def _shard(n: int) -> slice:

@@ -127,10 +127,10 @@ def test_knn_sets_are_bounded_and_identical_in_both_data_modes(sets, monkeypatch
 
 def test_long_knn_phases_show_progress(monkeypatch, capfd):
     """Item 3: the kNN printed nothing for minutes; a phase longer than a few seconds says what it does."""
-    import unison.eval.knn as K
+    import unison.progress as P
 
-    monkeypatch.setattr(K, "PROGRESS_AFTER_S", 0.0)
-    monkeypatch.setattr(K, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(P, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(P, "PROGRESS_EVERY_S", 0.0)
     images = torch.randint(0, 256, (20, 3, 4, 4), dtype=torch.uint8)
     labels = torch.arange(20) % 2
     knn_accuracy(lambda x: x.flatten(1), images[:12], labels[:12], images[12:], labels[12:], lambda x: x.float(),
