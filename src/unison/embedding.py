@@ -127,7 +127,9 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     from unison.eval.knn import embed_all
     from unison.progress import Progress
     from unison.training.load import load_method, preprocessing
+    from unison.training.summary import steady_heap
 
+    steady_heap()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     opts = EmbedOptions(**payload["options"])
     device = torch.device(payload["device"])

@@ -196,9 +196,11 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     from unison.eval.linear import linear_probe
     from unison.training.load import load_method
     from unison.training.step import data_spec
+    from unison.training.summary import steady_heap
 
     opts.validate()
     assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
+    steady_heap()
     device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if opts.threads:

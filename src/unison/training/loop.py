@@ -58,7 +58,7 @@ from unison.training.loop_hooks import (
 from unison.training.metrics import MetricsLogger
 from unison.training.runlog import RunLog
 from unison.training.step import Run, batches, build_run, forward_backward, optimizer_step, threads_per_worker
-from unison.training.summary import Summary, peak_memory_mib
+from unison.training.summary import Summary, peak_memory_mib, steady_heap
 
 __all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "train", "train_worker"]
 
@@ -66,6 +66,7 @@ __all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "tr
 def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
     """Entry point of one worker process (unison's launcher, torchrun, srun or mpirun): its `Summary` as a dict."""
     install_stop_handlers()   # a SIGTERM during start-up is a stop request too, not a kill
+    steady_heap()   # peak memory that does not grow with the data (`unison.training.summary.steady_heap`)
     cfg = TrainConfig.from_dict(payload)
     launch_env = detect_launch_env()
     if launch_env is not None:
