@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unison.distributed.collectives import rank
 from unison.errors import DataError
 from unison.progress import Progress
 
@@ -139,7 +140,7 @@ def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tupl
         return errors, resized
 
     chunk = 256  # per-task overhead matters for tiny JPEGs
-    progress = Progress(f"decoding {catalog.display_name} into memory:", n)   # once: then it is cached
+    progress = Progress(f"decoding {catalog.display_name} into memory:", n, show=rank() == 0)   # once: then cached
     results = []
     with warnings.catch_warnings(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         warnings.simplefilter("ignore", UserWarning)   # PIL's per-file notes (corrupt EXIF, ...): counted as errors
