@@ -1,13 +1,18 @@
 """`unison eval`: kNN and linear-probe top-1 of a trained checkpoint, in one process.
 
 The method is rebuilt from the checkpoint's stored configuration (`unison.training.load.load_method`),
-the training and held-out data default to the run's own (same subsets, same seed, same
-normalisation statistics), every image is embedded **once** with the eval transform, and
-both protocols run on those features:
+the training and held-out data default to the run's own (same subsets, same seed, same image size and
+normalisation statistics, as recorded in the checkpoint). The images are chosen and read as the training
+loop's kNN reads them (`unison.data.evalsets`): at most 5,000 reference images (class-balanced, of the
+run's ``--subset`` or of ``--subset N``) and at most 2,000 held-out ones (or ``--val-subset N``), folders,
+lists and shards decoded one batch at a time (shorter side resized, centre square, EXIF orientation
+applied), so memory does not grow with the data. Unreadable images follow the run's ``--on-corrupt``
+(``skip``: left out, one warning with the total). Every image is embedded **once**, with progress on
+standard error when it takes more than a few seconds, and both protocols run on those features:
 
 * weighted kNN (k=200, t=0.1: Lightly's benchmark protocol; `unison.eval.knn`) — the same
   number the training loop reports in ``summary.json`` for the same data and k/t;
-* a linear probe on the frozen features (`unison.eval.linear`): seconds on CPU.
+* a linear probe on the frozen features of the same reference images (`unison.eval.linear`): seconds on CPU.
 
 No process group is needed: without one the collectives are the identity.
 
@@ -28,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +46,8 @@ from unison.config.train import MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from unison.data.tensor_dataset import ImageTensorDataset
+    from unison.data.evalsets import KnnSets
+    from unison.data.spec import DataSpec
 
 DEVICES = ("auto", "cpu", "cuda")
 _TRAIN_RANGES = {f.name: f.metadata["range"] for f in dataclasses.fields(TrainConfig) if "range" in f.metadata}
@@ -127,26 +132,75 @@ def _check_recorded(given: str | None, path: str, flag: str) -> None:
                         "--data and --val")
 
 
-def _load_labelled(path: str, split: str, flag: str, subset: int | None, cfg: TrainConfig) -> ImageTensorDataset:
-    """`load_dataset`, refusing data without class labels (kNN and the probe score predicted classes)."""
-    from unison.data.datasets import load_dataset
-
-    data = load_dataset(path, split, subset=subset, on_corrupt=cfg.on_corrupt, seed=cfg.seed)
-    if not data.labelled:
+def _require_labels(classes: list[str], flag: str, path: str) -> None:
+    """DataError for data without class labels (kNN and the probe score predicted classes)."""
+    if not classes:
         raise DataError(f"{flag} {path} has no class labels; kNN and the linear probe need them: an ImageFolder (one "
                         "subfolder per class), a labelled file list or shards with .cls")
-    return data
+
+
+@dataclass
+class _EvalData:
+    """The sets `unison eval` embeds (training's kNN rule, `unison.data.evalsets`) and their preprocessing."""
+
+    sets: KnnSets
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def _eval_data(spec: DataSpec, cfg: TrainConfig, ckpt: dict[str, Any], device: torch.device) -> _EvalData:
+    """The reference and held-out sets, bounded and decoded batch by batch as the training loop's kNN reads them,
+    with the run's image size and normalisation (recorded in the checkpoint; else training's rule)."""
+    from unison.data.datasets import load_dataset
+    from unison.data.evalsets import knn_sets
+    from unison.data.source import default_image_size, first_size, open_checked, stream_stats, subset_positions
+    from unison.training.load import preprocessing
+
+    catalog, val_catalog = open_checked(spec, "data"), open_checked(spec, "val")
+    recorded = preprocessing(cfg, ckpt)
+    if catalog is not None:
+        _require_labels(catalog.classes, "--data", spec.data)
+    if val_catalog is not None:
+        _require_labels(val_catalog.classes, "--val", str(spec.val))
+    if catalog is not None:
+        pick = subset_positions(catalog, spec.subset, spec.seed)
+        size = recorded["image_size"] or default_image_size(*first_size(catalog), spec.data)
+        sets, why = knn_sets(spec, size, device, catalog=catalog, pick=pick, val_catalog=val_catalog)
+        stats = (recorded["mean"], recorded["std"]) if recorded["mean"] else stream_stats(catalog, pick, size)
+    else:
+        train = load_dataset(spec.data, "train", subset=spec.subset, on_corrupt=spec.on_corrupt, seed=spec.seed)
+        height, width = train.images.shape[-2:]
+        size = recorded["image_size"] or default_image_size(height, width, spec.data)
+        sets, why = knn_sets(spec, size, device, train_set=train.to(device), val_catalog=val_catalog)
+        stats = (recorded["mean"], recorded["std"]) if recorded["mean"] else (train.mean, train.std)
+    if sets is None:
+        raise DataError(f"no kNN sets: {why}")
+    return _EvalData(sets, int(size), tuple(stats[0]), tuple(stats[1]))
+
+
+def _features(method: Any, images: Any, to_eval: Any, opts: EvalOptions, what: str) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    from unison.eval.knn import embed_all
+    from unison.progress import Progress
+
+    return embed_all(method.embed, images, to_eval, opts.batch_size, normalise=False,
+                     progress=Progress(f"eval: embedding {what}", images.shape[0]))
 
 
 def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes)."""
     from unison.data.augment import eval_transform
-    from unison.data.source import BUILTIN, check_held_out, default_image_size
-    from unison.eval.linear import extract_features, linear_probe
-    from unison.training.load import load_method, preprocessing
+    from unison.data.source import BUILTIN, check_held_out
+    from unison.eval.knn import report_unreadable
+    from unison.eval.linear import linear_probe
+    from unison.training.load import load_method
+    from unison.training.step import data_spec
+    from unison.training.summary import steady_heap
 
     opts.validate()
     assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
+    steady_heap()
     device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if opts.threads:
@@ -166,42 +220,45 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     check_held_out(val, data)
     _check_recorded(opts.data, data, "--data")
     _check_recorded(opts.val, val, "--val")
-    train = _load_labelled(data, "train", "--data", subset, cfg).to(device)
-    held = _load_labelled(val, "val", "--val", val_subset, cfg).to(device)
-    if held.classes != train.classes:
-        raise ConfigError(f"the held-out data {val} has classes {held.classes[:5]}... but the training data {data} "
-                          f"has {train.classes[:5]}...; pass matching --data and --val")
-    if val == data and data not in ("digits", "cifar10"):
-        print(f"unison: warning: no held-out folder, evaluating on the training folder {data}; pass --val",
-              file=sys.stderr)
-    height, width = train.images.shape[-2:]   # the size the encoder was trained at, else training's default rule
-    image_size = preprocessing(cfg, ckpt)["image_size"] or default_image_size(height, width, data)
+    spec = dataclasses.replace(data_spec(cfg), data=data, val=None if val == data else val, subset=subset,
+                               val_subset=val_subset, batch_size=1)
+    ev = _eval_data(spec, cfg, ckpt, device)
     dtype = getattr(torch, cfg.precision)
 
-    def to_eval(x: torch.Tensor) -> torch.Tensor:  # as in training: the *training* set's mean/std
-        return eval_transform(x, image_size, train.mean, train.std).to(dtype)
+    def to_eval(x: torch.Tensor) -> torch.Tensor:  # as the training loop's kNN: the run's size and mean/std
+        y = eval_transform(x, ev.image_size, ev.mean, ev.std).to(dtype)
+        return y.contiguous(memory_format=torch.channels_last) if cfg.channels_last else y
 
     t1 = time.perf_counter()
-    train_f = extract_features(method.embed, train.images, to_eval, opts.batch_size)
-    val_f = extract_features(method.embed, held.images, to_eval, opts.batch_size)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):   # as training's kNN
+        train_f, train_ok = _features(method, ev.sets.reference, to_eval, opts, "the reference set")
+        val_f, val_ok = _features(method, ev.sets.queries, to_eval, opts, "the held-out set")
+    report_unreadable(int((~train_ok).sum() + (~val_ok).sum()), ev.sets.reference, ev.sets.queries)
+    train_f, train_y = train_f[train_ok], ev.sets.reference_labels[train_ok]
+    val_f, val_y = val_f[val_ok], ev.sets.query_labels[val_ok]
+    if not (len(train_f) and len(val_f)):
+        raise DataError("none of the reference or held-out images could be read; fix the data or give other data")
     t2 = time.perf_counter()
-    num_classes = len(train.classes)
+    num_classes = ev.sets.num_classes
     result: dict[str, Any] = {
         "unison": "eval", "checkpoint": str(opts.checkpoint), "method": ckpt["method"], "backbone": cfg.backbone,
-        "step": int(ckpt["step"]), "data": data, "val": val, "train_images": len(train), "val_images": len(held),
+        "step": int(ckpt["step"]), "data": data, "val": val, "train_images": len(train_f), "val_images": len(val_f),
         "feature_dim": int(train_f.shape[1]), "knn_top1": None, "linear_top1": None, "linear_train_top1": None,
         "load_time_s": t1 - t0, "feature_time_s": t2 - t1,
     }
     if opts.knn:
-        result["knn_top1"] = _knn_top1(train_f, train.labels, val_f, held.labels, num_classes, opts.knn_k, opts.knn_t)
+        result["knn_top1"] = _knn_top1(train_f, train_y, val_f, val_y, num_classes, opts.knn_k, opts.knn_t)
         result["knn_time_s"] = time.perf_counter() - t2
     if opts.linear:
         t3 = time.perf_counter()
-        probe = linear_probe(train_f, train.labels, val_f, held.labels, num_classes, epochs=opts.linear_epochs,
+        probe = linear_probe(train_f, train_y, val_f, val_y, num_classes, epochs=opts.linear_epochs,
                              lr=opts.linear_lr, batch_size=opts.linear_batch_size, optimizer=opts.linear_optimizer,
                              normalise=opts.linear_norm, seed=opts.seed)
         result["linear_top1"], result["linear_train_top1"] = probe.top1, probe.train_top1
         result["linear_time_s"] = time.perf_counter() - t3
+    from unison.training.summary import peak_memory_mib
+
+    result["peak_memory_mib"] = round(peak_memory_mib(device), 1)   # RSS on the CPU, the allocator's peak on CUDA
     result["options"] = dataclasses.asdict(opts)
     return result
 

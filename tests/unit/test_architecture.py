@@ -7,12 +7,12 @@ package with one violation planted, and must name it: a rule that cannot fail is
 The layers, bottom to top (a module may import its own package and the layers below it, nothing beside or above):
 
     0  errors, version
-    1  config/, paths                      (import nothing of unison but errors; paths: the output-path rule)
+    1  config/, paths, progress            (import nothing of unison but errors; paths: the output-path rule)
     2  distributed/, rng                   (collectives, dtensor, tagging, sync_batchnorm, env, launch, ...)
     3  models/, data/, losses/, optim/, eval/    (plain values and small specs, not TrainConfig)
     4  methods/, parallel/                 (DDP, FSDP2, ZeRO-1, comm hooks)
     5  training/                           (resolve, step, loop, run, checkpoint/)
-    6  equivalence/, evaluation, export, plan/, plotting
+    6  equivalence/, evaluation, embedding, export, plan/, plotting
     7  api
     8  cli.train_args                      (a run's options from flags and YAML; bench builds runs with it)
     9  bench/
@@ -34,12 +34,12 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "unison"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),
-    ("config", "paths"),
+    ("config", "paths", "progress"),
     ("distributed", "rng"),
     ("models", "data", "losses", "optim", "eval"),
     ("methods", "parallel"),
     ("training",),
-    ("equivalence", "evaluation", "export", "plan", "plotting"),
+    ("equivalence", "evaluation", "embedding", "export", "plan", "plotting"),
     ("api",),
     ("cli.train_args",),
     ("bench",),

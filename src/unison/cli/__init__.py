@@ -1,9 +1,9 @@
-"""The `unison` command: train, check, plan, eval, export, plot, bench (the top layer: it dispatches, the layers below work).
+"""The `unison` command: train, check, plan, eval, embed, export, plot, bench (the top layer: it dispatches, the layers below work).
 
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
 are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``,
-``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMAND_MODULES`).
+``embed``, ``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMAND_MODULES`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from .train_args import (
 if TYPE_CHECKING:   # annotations only: the commands import what they run when called (fast --help)
     from unison.equivalence import CheckReport, CurvesReport
 
-SUBCOMMAND_MODULES = ("unison.evaluation", "unison.export", "unison.plotting", "unison.bench.commands")
+SUBCOMMAND_MODULES = ("unison.evaluation", "unison.embedding", "unison.export", "unison.plotting",
+                      "unison.bench.commands")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@
 * `GpuCropper` (in the training process): ``torchvision.io.decode_jpeg(list, device=...)``
   decodes the job's JPEGs in one batched call (nvJPEG on CUDA); other formats, and JPEGs the
   batched decoder refuses (CMYK, ...), are decoded on the CPU and moved. Each view's box is
-  drawn on the original size by `ViewAugmenter.crop_fractions` (the CPU path's draws) and
+  drawn on the size as shown (EXIF orientation applied: ``apply_exif_orientation`` on the GPU,
+  `unison.data.files.upright` on the CPU, as every other path) by `ViewAugmenter.crop_fractions` (the CPU path's draws) and
   cropped and resized in one `torchvision.ops.roi_align` per sample and view, with adaptive
   sampling (about ceil(box / size)^2 bilinear samples averaged per output pixel: an antialiased
   resize), then flipped and rounded to uint8; `ViewAugmenter.finish` does the rest, batched.
@@ -32,7 +33,7 @@ import torch
 
 from .augment import ViewAugmenter
 from .decode import CropDecoder, to_rgb
-from .files import open_image
+from .files import open_image, orientation, upright
 from .samples import Catalog
 
 __all__ = ["BytesReader", "GpuCropper"]
@@ -78,14 +79,16 @@ class GpuCropper:
             try:
                 with warnings.catch_warnings():  # torchvision >= 0.29: deprecation notice on every call
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    decoded = decode_jpeg([data[k] for k in jpeg], mode=ImageReadMode.RGB, device=self.device)
+                    decoded = decode_jpeg([data[k] for k in jpeg], mode=ImageReadMode.RGB, device=self.device,
+                                          apply_exif_orientation=True)
                 for k, img in zip(jpeg, decoded):
                     out[k] = img
             except RuntimeError:  # one JPEG the batched decoder refuses: decode those one by one below
                 pass
         for k, img in enumerate(out):
             if img is None:  # PNG, WebP, CMYK JPEG, ...: PIL on the CPU
-                rgb = np.asarray(to_rgb(open_image(data[k].numpy().tobytes())), dtype=np.uint8)
+                im = open_image(data[k].numpy().tobytes())
+                rgb = np.asarray(upright(to_rgb(im), orientation(im)), dtype=np.uint8)
                 out[k] = torch.from_numpy(rgb.copy()).permute(2, 0, 1).to(self.device)
         return out  # type: ignore[return-value]
 

@@ -3,8 +3,10 @@
 The in-memory path for data that fits (CIFAR-scale): every image decoded once into
 ``images`` uint8 ``[N, 3, H, W]``, which training moves to the device and augments there.
 
-* Decoding uses `torchvision.io.decode_image` (JPEG/PNG/WebP/GIF), with PIL as the
-  fallback for other formats, in a thread pool; images are converted to RGB.
+* Decoding uses PIL for every format (as the streamed and kNN paths do), in a thread pool; images
+  are converted to RGB and shown upright (EXIF orientation applied, as `PIL.ImageOps.exif_transpose`).
+  torchvision's decoders are not used: its PNG decoder crashed the process (SIGSEGV) on a corrupt
+  PNG after printing ``libpng error:`` lines, and libjpeg's warnings went straight to stderr.
 * All images must share one size: images of another size are resized (bilinear,
   antialiased) to the size of the first image in sample order, with one warning.
   Data of many sizes belongs on the streaming path (``--data-mode stream``).
@@ -35,17 +37,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unison.distributed.collectives import rank
 from unison.errors import DataError
+from unison.progress import Progress
 
 from .cache import cache_root
-from .files import open_image
+from .files import decode_reason, open_image, orientation, upright, upright_size
 from .samples import Catalog
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["decode_all", "decode_bytes", "load_catalog"]
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2   # 2: EXIF orientation applied, PIL decodes every format
 
 
 def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: int) -> ImageTensorDataset:
@@ -99,23 +103,15 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
 
 
 def decode_bytes(data: bytes) -> torch.Tensor:
-    """uint8 [3, H, W] RGB; raises on unreadable data and past `MAX_PIXELS` (checked on the header first)."""
-    header = open_image(data)  # torchvision's decoders have no decompression-bomb limit
-    decoder = _tv_decoder()
-    if decoder is not None:
-        try:  # fast path (libjpeg-turbo / libpng, releases the GIL; about 2x PIL on small JPEGs)
-            img = decoder[0](torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=decoder[1].RGB)
-            if img.dtype != torch.uint8 and img.element_size() == 2:  # 16-bit PNG (torchvision >= 0.21)
-                img = (img.to(torch.int32) >> 8).to(torch.uint8)
-            if img.dtype == torch.uint8 and img.ndim == 3 and img.shape[0] == 3:
-                return img
-        except Exception:
-            pass
-    import numpy as np  # other formats (BMP, TIFF, PPM, ...) by PIL; raises on corrupt data
+    """uint8 [3, H, W] RGB, shown upright (EXIF orientation); raises on unreadable data and past `MAX_PIXELS`
+    (checked on the header first). PIL releases the GIL while it decodes: the thread pool runs in parallel."""
+    import numpy as np
 
-    with header as im:
-        rgb = im.convert("RGB")
-    return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous()
+    from .decode import to_rgb
+
+    with open_image(data) as im:
+        rgb = np.array(upright(to_rgb(im), orientation(im)))   # inside: to_rgb returns an RGB image itself
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
 def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, list, int]:
@@ -133,7 +129,7 @@ def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tupl
             try:
                 img = decode_bytes(catalog.read(todo[k]))
             except Exception as e:
-                errors.append((todo[k], f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+                errors.append((todo[k], decode_reason(e)))
                 continue
             if tuple(img.shape[1:]) != size:
                 x = F.interpolate(img[None].float(), size=size, mode="bilinear", antialias=True, align_corners=False)
@@ -144,10 +140,13 @@ def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tupl
         return errors, resized
 
     chunk = 256  # per-task overhead matters for tiny JPEGs
+    progress = Progress(f"decoding {catalog.display_name} into memory:", n, show=rank() == 0)   # once: then cached
+    results = []
     with warnings.catch_warnings(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        # torchvision >= 0.29 emits a DeprecationWarning per decode call (TorchCodec migration).
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")
-        results = list(pool.map(lambda lo: work(lo, min(lo + chunk, n)), range(0, n, chunk)))
+        warnings.simplefilter("ignore", UserWarning)   # PIL's per-file notes (corrupt EXIF, ...): counted as errors
+        for lo, result in zip(range(0, n, chunk), pool.map(lambda lo: work(lo, min(lo + chunk, n)), range(0, n, chunk))):
+            results.append(result)
+            progress(min(lo + chunk, n))
     errors = sorted(e for errs, _ in results for e in errs)
     resized = sum(r for _, r in results)
     rows = torch.full((n,), -1, dtype=torch.int64)
@@ -156,28 +155,12 @@ def decode_all(catalog: Catalog, todo: list[int], size: tuple[int, int]) -> tupl
     return images, rows, errors, resized
 
 
-def _tv_decoder():
-    """torchvision's decoder, imported on first use: importing torchvision costs seconds per process."""
-    global _TV_DECODER
-    if _TV_DECODER is None:
-        try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL remains the fallback once it is gone
-            from torchvision.io import ImageReadMode, decode_image
-
-            _TV_DECODER = (decode_image, ImageReadMode)
-        except ImportError:  # pragma: no cover
-            _TV_DECODER = False
-    return _TV_DECODER or None
-
-
-_TV_DECODER = None
-
-
 def _reference_size(catalog: Catalog) -> tuple[int, int]:
     """(H, W) of the first sample whose header reads, in sample order (subset-independent)."""
     for i in range(len(catalog)):
         try:
             with open_image(catalog.read(i)) as im:
-                w, h = im.size
+                w, h = upright_size(im)
             return h, w
         except Exception:
             continue

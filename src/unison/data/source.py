@@ -26,12 +26,12 @@ images; streamed: of `STATS_IMAGES` evenly spaced images at the training size.
 kNN evaluation needs labelled held-out data, and never scores training images:
 
 * ``digits`` / ``cifar10``: their held-out split, as before;
-* otherwise the ``--val`` data (same classes as the training data); without ``--val``, or when
-  either side has no labels, kNN is skipped and `TrainData.knn_skipped` says why;
-* streamed: the reference set is a class-balanced subset of at most `KNN_REFERENCE` (5,000)
-  training images and the queries at most `KNN_QUERIES` (2,000) held-out images (or
-  ``--val-subset``), decoded at the training size (shorter side resized, centre square) each time
-  kNN runs, in chunks: memory holds the features, never the images.
+* otherwise the ``--val`` data (classes the training data has, `unison.data.evalsets.map_labels`);
+  without ``--val``, or when either side has no labels, kNN is skipped and `TrainData.knn_skipped` says why;
+* in both data modes the sets are bounded the same way (`unison.data.evalsets`: at most `KNN_REFERENCE`
+  (5,000) reference and `KNN_QUERIES` (2,000) query images, or ``--val-subset``); images of folders,
+  lists and shards are decoded at the training size (shorter side resized, centre square, EXIF
+  orientation applied) each time kNN runs, in chunks: memory holds the features, never the images.
 
 Training images outside the batches: `TrainData.images_at` (uint8, or decoded on demand when streamed) and
 `TrainData.labels_at` serve the label-free signals' held-back set and the online probe (`unison.training.signals`).
@@ -46,8 +46,6 @@ Example::
 from __future__ import annotations
 
 import os
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +60,8 @@ from .augment import PRESETS, ViewAugmenter, view_sizes
 from .batches import BatchSource, InMemoryBatches
 from .catalog import open_catalog
 from .datasets import load_dataset
-from .decode import decode_centre
-from .files import open_image
+from .evalsets import KNN_QUERIES, KNN_REFERENCE, KnnSets, LazyImages, knn_sets, map_labels
+from .files import open_image, upright_size
 from .memory import load_catalog
 from .samples import Catalog
 from .spec import BUILTIN, BUILTIN_SIZES, DataSpec, check_batch, check_subset
@@ -71,25 +69,13 @@ from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
-           "build_batch_source", "choose_mode", "open_checked"]
+           "build_batch_source", "check_label_spaces", "choose_mode", "open_checked", "stream_stats",
+           "subset_positions"]
 
 MEMORY_BUDGET = 2 * 2**30
-KNN_REFERENCE = 5_000
-KNN_QUERIES = 2_000
 STATS_IMAGES = 256
 SIZE_PROBES = 16
 STREAM_MAX_DEFAULT_SIZE = 224
-
-
-@dataclass
-class KnnSets:
-    """Reference and query images (uint8 tensors, or `LazyImages`) with their labels, on the device."""
-
-    reference: Any
-    reference_labels: torch.Tensor
-    queries: Any
-    query_labels: torch.Tensor
-    num_classes: int
 
 
 @dataclass
@@ -142,46 +128,6 @@ class TrainData:
         return torch.from_numpy(self.catalog.labels[where]).to(indices.device)
 
 
-class LazyImages:
-    """Images of a catalog decoded on demand at ``size`` (shorter side resized, centre square).
-
-    ``images[a:b]`` is another `LazyImages`; ``images.decode(a, b)`` the uint8 ``[b-a, 3, size, size]``
-    tensor on `device`, decoded in a thread pool (PIL releases the GIL while decoding and resizing).
-    """
-
-    def __init__(self, catalog: Catalog, indices: np.ndarray, size: int, device: torch.device, on_corrupt: str):
-        self.catalog, self.indices, self.size, self.device, self.on_corrupt = catalog, indices, size, device, on_corrupt
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (len(self.indices), 3, self.size, self.size)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, part: slice) -> LazyImages:
-        return LazyImages(self.catalog, self.indices[part], self.size, self.device, self.on_corrupt)
-
-    def decode(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        chosen = self.indices[start:stop]
-        out = np.zeros((len(chosen), self.size, self.size, 3), dtype=np.uint8)
-
-        def one(k: int) -> str | None:
-            try:
-                out[k] = decode_centre(self.catalog.read(int(chosen[k])), self.size)
-                return None
-            except Exception as e:  # kNN sets: an unreadable image stays black (counted, named once)
-                return f"{self.catalog.describe(int(chosen[k]))} ({type(e).__name__}: {e})".splitlines()[0]
-
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            errors = [e for e in pool.map(one, range(len(chosen))) if e]
-        if errors and self.on_corrupt == "error":
-            raise DataError(f"cannot read image {errors[0]}; fix or remove it, or pass --on-corrupt skip")
-        if errors:
-            warnings.warn(f"kNN: {len(errors)} unreadable image(s) left black, e.g. {errors[0]}", stacklevel=2)
-        return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous().to(self.device)
-
-
 def open_checked(spec: DataSpec, role: str = "data") -> Catalog | None:
     """The catalog of ``--data`` (`role` "data") or ``--val`` ("val"), None for a built-in set, after the size rules.
 
@@ -223,7 +169,7 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
         return "stream"
     if spec.data_mode != "auto":
         return spec.data_mode
-    h, w = _first_size(catalog)
+    h, w = first_size(catalog)
     if n * 3 * h * w > MEMORY_BUDGET:
         return "stream"
     probes = np.linspace(0, len(catalog) - 1, min(len(catalog), SIZE_PROBES)).round().astype(np.int64)
@@ -246,101 +192,85 @@ def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, 
 
 def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog | None,
             train_set: ImageTensorDataset | None, val_set: ImageTensorDataset | None) -> TrainData:
-    knn_skipped = None
+    given = train_set is not None
     if train_set is None:
         if catalog is None:
             train_set = load_dataset(spec.data, "train", subset=spec.subset, on_corrupt=spec.on_corrupt,
                                      seed=spec.seed)
         else:
             train_set = load_catalog(catalog, spec.subset, spec.on_corrupt, spec.seed)
-        val_set, knn_skipped = _memory_val(spec, train_set)
-        train_set, val_set = train_set.to(device), val_set.to(device) if val_set is not None else None
-    elif val_set is None:
-        knn_skipped = "no held-out data was given"
+        train_set = train_set.to(device)
     height, width = train_set.images.shape[-2:]
     image_size = spec.image_size or default_image_size(height, width, spec.data)
     augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std, **spec.augment_overrides())
     source = InMemoryBatches(train_set, augment, spec.batch_size, spec.seed)   # checks one batch fits
-    knn = None
-    if val_set is not None:
-        knn = KnnSets(train_set.images, train_set.labels, val_set.images, val_set.labels, len(train_set.classes))
+    knn: KnnSets | None
+    knn_skipped: str | None
+    if given and val_set is None:
+        knn, knn_skipped = None, "no held-out data was given"
+    elif catalog is not None:   # the kNN sets of listed data: decoded when embedded, as when streamed
+        pick = subset_positions(catalog, spec.subset, spec.seed)
+        knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick,
+                                    val_catalog=_val_catalog(spec), val_set=val_set)
+    else:
+        val_catalog = None if val_set is not None else _val_catalog(spec)
+        knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set, val_catalog=val_catalog,
+                                    val_set=val_set)
     return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
                      train_set, val_set, knn, knn_skipped)
 
 
-def _memory_val(spec: DataSpec, train_set: ImageTensorDataset) -> tuple[ImageTensorDataset | None, str | None]:
-    """The held-out set for kNN of in-memory training data, or None and the reason."""
-    if spec.data in BUILTIN and spec.val is None:
-        return load_dataset(spec.data, "val", subset=spec.val_subset, on_corrupt=spec.on_corrupt,
-                            seed=spec.seed), None
-    if not train_set.labelled:
-        return None, f"the training data {spec.data} has no labels"
-    if spec.val is None:
-        return None, "no --val held-out data was given (kNN never scores the training images)"
-    val = load_dataset(spec.val, "val", subset=spec.val_subset, on_corrupt=spec.on_corrupt, seed=spec.seed)
-    return _check_val_labels(spec, train_set.classes, val.classes, val)
+def _val_catalog(spec: DataSpec) -> Catalog | None:
+    """The catalog of ``--val`` when it is a folder, list or shards (None: none given, or a built-in set)."""
+    return open_catalog(spec.val, "--val") if spec.val is not None and spec.val not in BUILTIN else None
 
 
-def _check_val_labels(spec: DataSpec, train_classes: list[str], val_classes: list[str],
-                      val: Any) -> tuple[Any, str | None]:
-    if not val_classes:
-        return None, f"the held-out data {spec.val} has no labels"
-    if val_classes != train_classes:
-        raise DataError(f"--val {spec.val} has classes {val_classes[:4]}... but --data {spec.data} has "
-                        f"{train_classes[:4]}...; give held-out data labelled like the training data")
-    return val, None
+def check_label_spaces(spec: DataSpec, catalog: Catalog | None, val: Catalog | None) -> None:
+    """The pre-flight's check of the held-out labels against the training labels (`map_labels`, the rule
+    `knn_sets` applies in every worker): a mismatch is one line before any worker starts."""
+    if catalog is not None and val is not None and catalog.classes and val.classes:
+        map_labels(catalog.classes, val.classes, spec.data, str(spec.val))
+
+
+def subset_positions(catalog: Catalog, subset: int | None, seed: int) -> np.ndarray:
+    """The catalog indices of the training images in use: all, or the class-balanced ``--subset``."""
+    if subset is None:
+        return np.arange(len(catalog))
+    return balanced_subset(torch.from_numpy(catalog.labels), subset, seed).numpy()
+
+
+def stream_stats(catalog: Catalog, pick: np.ndarray, size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of `STATS_IMAGES` evenly spaced images of `pick`, as training normalises streamed
+    data (unreadable ones left out)."""
+    sample = pick[np.linspace(0, len(pick) - 1, min(len(pick), STATS_IMAGES)).round().astype(np.int64)]
+    images, ok = LazyImages(catalog, sample, size, torch.device("cpu"), "skip").decode()
+    if not bool(ok.any()):
+        raise DataError(f"no readable images in {catalog.location} (the {len(sample)} read for the channel "
+                        "statistics all failed)")
+    return channel_stats(images[ok])
 
 
 def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog) -> TrainData:
     from .stream import StreamingBatches, default_loader_workers
 
-    positions = None
-    if spec.subset is not None:
-        positions = balanced_subset(torch.from_numpy(catalog.labels), spec.subset, spec.seed).numpy()
-    n = len(positions) if positions is not None else len(catalog)
-    image_size = spec.image_size or default_image_size(*_first_size(catalog), spec.data)
+    positions = None if spec.subset is None else subset_positions(catalog, spec.subset, spec.seed)
     pick = positions if positions is not None else np.arange(len(catalog))
-    sample = pick[np.linspace(0, n - 1, min(n, STATS_IMAGES)).round().astype(np.int64)]
-    stats_images = LazyImages(catalog, sample, image_size, torch.device("cpu"), "skip")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mean, std = channel_stats(stats_images.decode())
+    image_size = spec.image_size or default_image_size(*first_size(catalog), spec.data)
+    mean, std = stream_stats(catalog, pick, image_size)
     augment = ViewAugmenter(augmentation, image_size, mean, std, **spec.augment_overrides())
     workers = spec.loader_workers if spec.loader_workers is not None else default_loader_workers(
         spec.world_size)
     source = StreamingBatches(catalog, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
                               on_corrupt=spec.on_corrupt, positions=positions, decode=spec.decode)
-    knn, knn_skipped = _stream_knn(spec, catalog, pick, image_size, device)
-    return TrainData(source, augment, "stream", image_size, mean, std, n, None, None, knn, knn_skipped,
+    knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick, val_catalog=_val_catalog(spec))
+    return TrainData(source, augment, "stream", image_size, mean, std, len(pick), None, None, knn, knn_skipped,
                      catalog=catalog, positions=positions, on_corrupt=spec.on_corrupt)
-
-
-def _stream_knn(spec: DataSpec, catalog: Catalog, pick: np.ndarray, size: int,
-                device: torch.device) -> tuple[KnnSets | None, str | None]:
-    if not catalog.labelled:
-        return None, f"the training data {spec.data} has no labels"
-    if spec.val is None:
-        return None, "no --val held-out data was given (kNN never scores the training images)"
-    val = open_catalog(spec.val, "--val") if spec.val not in BUILTIN else None
-    if val is None:
-        return None, f"--val {spec.val} is a built-in set; give held-out data in the training data's layout"
-    checked, why = _check_val_labels(spec, catalog.classes, val.classes, val)
-    if checked is None:
-        return None, why
-    labels = torch.from_numpy(catalog.labels[pick])
-    ref = pick[balanced_subset(labels, min(len(pick), KNN_REFERENCE), spec.seed).numpy()]
-    n_query = min(len(val), spec.val_subset or KNN_QUERIES)
-    query = balanced_subset(torch.from_numpy(val.labels), n_query, spec.seed).numpy()
-    return KnnSets(LazyImages(catalog, ref, size, device, spec.on_corrupt),
-                   torch.from_numpy(catalog.labels[ref]).to(device),
-                   LazyImages(val, query, size, device, spec.on_corrupt),
-                   torch.from_numpy(val.labels[query]).to(device), len(catalog.classes)), None
 
 
 def _size_or_none(catalog: Catalog, i: int) -> tuple[int, int] | None:
     """(H, W) of sample i from its header, None if unreadable."""
     try:
-        w, h = open_image(catalog.read(i)).size
+        w, h = upright_size(open_image(catalog.read(i)))   # as shown (EXIF orientation)
         return h, w
     except Exception:
         return None
@@ -363,14 +293,14 @@ def planned_view_sizes(spec: DataSpec, augmentation: str, catalog: Catalog | Non
     ``--image-size``, else the data's default (a built-in set's size, or the first readable image's)."""
     size = spec.image_size
     if size is None and catalog is not None:
-        size = default_image_size(*_first_size(catalog), spec.data)
+        size = default_image_size(*first_size(catalog), spec.data)
     size = size or BUILTIN_SIZES.get(spec.data)
     if size is None:   # images given in memory (`unison check`'s): their size is known only to the build
         return []
     return view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, size)
 
 
-def _first_size(catalog: Catalog) -> tuple[int, int]:
+def first_size(catalog: Catalog) -> tuple[int, int]:
     """(H, W) of the first sample whose header reads."""
     for i in range(min(len(catalog), 100)):
         size = _size_or_none(catalog, i)

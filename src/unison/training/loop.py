@@ -69,7 +69,7 @@ from unison.training.step import (
     optimizer_step,
     threads_per_worker,
 )
-from unison.training.summary import Summary, peak_memory_mib
+from unison.training.summary import Summary, peak_memory_mib, steady_heap
 
 __all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "train", "train_worker"]
 
@@ -77,6 +77,7 @@ __all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "tr
 def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
     """Entry point of one worker process (unison's launcher, torchrun, srun or mpirun): its `Summary` as a dict."""
     install_stop_handlers()   # a SIGTERM during start-up is a stop request too, not a kill
+    steady_heap()   # peak memory that does not grow with the data (`unison.training.summary.steady_heap`)
     cfg = TrainConfig.from_dict(payload)
     launch_env = detect_launch_env()
     if launch_env is not None:

@@ -3,7 +3,8 @@
 `preflight(cfg)` runs before any worker starts (`unison.train` calls it, after `TrainConfig.validate`,
 which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
-calls too), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
+calls too; the held-out labels against the training labels, by `unison.data.evalsets.map_labels`, the rule
+of the workers' kNN sets), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
 size), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
 read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
 folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
@@ -24,7 +25,7 @@ from pathlib import Path
 from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
-from unison.data.source import open_checked, planned_view_sizes
+from unison.data.source import check_label_spaces, open_checked, planned_view_sizes
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.models.backbones import check_backbone
@@ -46,6 +47,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         with warnings.catch_warnings():  # the workers repeat the scan and its warnings
             warnings.simplefilter("ignore")
             catalogs[role] = open_checked(spec, role)
+    check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
     check_crops(cfg, catalogs["data"])
     out = Path(cfg.out)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
