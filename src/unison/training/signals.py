@@ -120,7 +120,8 @@ class HeldBack:
         if chunk in self.cache:
             return self.cache[chunk]
         run, a, b = self.run, chunk * CHUNK, min(len(self), (chunk + 1) * CHUNK)
-        images = self.images[a:b] if isinstance(self.images, torch.Tensor) else self.images.decode(a, b)
+        # streamed: decoded now; an unreadable image stays black (its place fixed, so every W sees the same set)
+        images = self.images[a:b] if isinstance(self.images, torch.Tensor) else self.images.decode(a, b)[0]
         views = run.augment(images, self.keys[a:b], SIGNAL_EPOCH, run.cfg.seed)
         made = [run.to_eval(images), *(self._format(v) for v in (views[0], views[min(1, len(views) - 1)]))]
         size = sum(x.numel() * x.element_size() for x in made)

@@ -8,6 +8,7 @@ torchrun is started for real.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -235,8 +236,9 @@ def test_15_the_random_init_knn_can_be_skipped(tmp_path, capsys):
 def test_16_loss_from_the_first_step_and_a_train_log(two_workers):
     out, proc = two_workers
     assert "loss=" in proc.stderr.split("1/3")[0] or "loss=" in proc.stderr   # the bar shows a loss
-    rows = (out / "metrics.csv").read_text().splitlines()
-    assert rows[1].startswith("1,")                                            # step 1 is logged
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert rows[0]["step"] == "0" and rows[0]["rankme"] and not rows[0]["loss"]   # the random init's signals
+    assert next(r for r in rows if r["loss"])["step"] == "1"                   # step 1's loss is logged
     log = (out / "train.log").read_text().splitlines()
     assert "simclr x2 workers on digits, starting: 3 steps" in log[0]
     assert any("step 1/3 (epoch " in line and ": loss " in line for line in log)
