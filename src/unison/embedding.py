@@ -251,9 +251,7 @@ def cmd_embed(ns: argparse.Namespace) -> int:
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    from unison.config.fields import add_dataclass_arguments
+    from unison.config.fields import add_options_command
 
-    p = sub.add_parser("embed", help="backbone features of a folder, list or shards, in input order (.npy + names)",
-                       description=__doc__.splitlines()[0])
-    add_dataclass_arguments(p, EmbedOptions)
-    p.set_defaults(func=cmd_embed)
+    add_options_command(sub, "embed", "backbone features of a folder, list or shards, in input order (.npy + names)",
+                        __doc__.splitlines()[0], EmbedOptions, cmd_embed)

@@ -314,9 +314,7 @@ def check_json_path(opts: EvalOptions) -> Path:
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    from unison.config.fields import add_dataclass_arguments
+    from unison.config.fields import add_options_command
 
-    p = sub.add_parser("eval", help="kNN and linear-probe top-1 of a checkpoint (one process)",
-                       description=__doc__.splitlines()[0])
-    add_dataclass_arguments(p, EvalOptions)
-    p.set_defaults(func=cmd_eval)
+    add_options_command(sub, "eval", "kNN and linear-probe top-1 of a checkpoint (one process)",
+                        __doc__.splitlines()[0], EvalOptions, cmd_eval)

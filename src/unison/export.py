@@ -210,9 +210,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    from unison.config.fields import add_dataclass_arguments
+    from unison.config.fields import add_options_command
 
-    p = sub.add_parser("export", help="write the trained backbone as a plain state dict (.pt or safetensors)",
-                       description=__doc__.splitlines()[0])
-    add_dataclass_arguments(p, ExportOptions)
-    p.set_defaults(func=cmd_export)
+    add_options_command(sub, "export", "write the trained backbone as a plain state dict (.pt or safetensors)",
+                        __doc__.splitlines()[0], ExportOptions, cmd_export)

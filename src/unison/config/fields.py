@@ -332,6 +332,15 @@ def help_text(f: dataclasses.Field, default: Any) -> str:
     return f"{text} (default: {default})"
 
 
+def add_options_command(subparsers: Any, name: str, help: str, description: str, options: type,
+                        func: Any) -> argparse.ArgumentParser:
+    """A subcommand whose options are the fields of the dataclass `options` (eval, embed, export), run by `func`."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    add_dataclass_arguments(parser, options)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
                             group_title: str | None = None) -> None:
     target = parser.add_argument_group(group_title) if group_title else parser
