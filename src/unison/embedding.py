@@ -250,8 +250,8 @@ def cmd_embed(ns: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
+def add_subcommand(sub: argparse._SubParsersAction, help_text: str) -> None:
     from unison.config.fields import add_options_command
 
-    add_options_command(sub, "embed", "backbone features of a folder, list or shards, in input order (.npy + names)",
+    add_options_command(sub, "embed", help_text,
                         __doc__.splitlines()[0], EmbedOptions, cmd_embed)

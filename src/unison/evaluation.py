@@ -313,8 +313,8 @@ def check_json_path(opts: EvalOptions) -> Path:
                         own_text="an earlier unison eval result")
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
+def add_subcommand(sub: argparse._SubParsersAction, help_text: str) -> None:
     from unison.config.fields import add_options_command
 
-    add_options_command(sub, "eval", "kNN and linear-probe top-1 of a checkpoint (one process)",
+    add_options_command(sub, "eval", help_text,
                         __doc__.splitlines()[0], EvalOptions, cmd_eval)

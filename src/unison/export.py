@@ -209,8 +209,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
+def add_subcommand(sub: argparse._SubParsersAction, help_text: str) -> None:
     from unison.config.fields import add_options_command
 
-    add_options_command(sub, "export", "write the trained backbone as a plain state dict (.pt or safetensors)",
+    add_options_command(sub, "export", help_text,
                         __doc__.splitlines()[0], ExportOptions, cmd_export)

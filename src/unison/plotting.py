@@ -153,9 +153,8 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plot", help="overlay the metrics of several runs on one page (a .png)",
-                       description=__doc__.splitlines()[0])
+def add_subcommand(sub: argparse._SubParsersAction, help_text: str) -> None:
+    p = sub.add_parser("plot", help=help_text, description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", metavar="RUN", help="run directories (or their metrics.csv)")
     p.add_argument("--out", required=True, metavar="FILE.png", help="the page to write (a new .png file)")
     p.set_defaults(func=cmd_plot)

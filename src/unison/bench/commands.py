@@ -66,10 +66,10 @@ PART_OPTIONS = {
 LIGHTLY_EXTRA = "pip install 'unison[bench]'"
 
 
-def add_subcommand(subparsers: Any) -> None:
+def add_subcommand(subparsers: Any, help_text: str) -> None:
     import dataclasses
 
-    p = subparsers.add_parser("bench", help="benchmarks: distributed table, communication, Lightly, scaling",
+    p = subparsers.add_parser("bench", help=help_text,
                               description=__doc__.splitlines()[0] + " Each part has its own options: "
                                           "unison bench PART --help.")
     parts = p.add_subparsers(dest="part", required=True, metavar="PART")

@@ -3,7 +3,8 @@
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
 are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``,
-``embed``, ``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMAND_MODULES`).
+``eval``, ``embed``, ``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMANDS`: only the one run is
+imported).
 """
 
 from __future__ import annotations
@@ -44,8 +45,15 @@ from .train_args import (
 if TYPE_CHECKING:   # annotations only: the commands import what they run when called (fast --help)
     from unison.equivalence import CheckReport, CurvesReport
 
-SUBCOMMAND_MODULES = ("unison.evaluation", "unison.embedding", "unison.export", "unison.plotting",
-                      "unison.bench.commands")
+# Further subcommands live beside their concern, each module's add_subcommand(subparsers, help) declaring its
+# options. Only the one being run is imported: eval, embed and export import torch, and `unison --help` must not.
+SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (   # (name, module, one-line help)
+    ("eval", "unison.evaluation", "kNN and linear-probe top-1 of a checkpoint (one process)"),
+    ("embed", "unison.embedding", "backbone features of a folder, list or shards, in input order (.npy + names)"),
+    ("export", "unison.export", "write the trained backbone as a plain state dict (.pt or safetensors)"),
+    ("plot", "unison.plotting", "overlay the metrics of several runs on one page (a .png)"),
+    ("bench", "unison.bench.commands", "benchmarks: distributed table, communication, Lightly, scaling, data"),
+)
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -184,7 +192,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `unison` parser; with `command`, the other `SUBCOMMANDS` are listed but their modules not imported."""
     from unison.config.check import CheckSpec, CurveSpec  # not unison.equivalence: torch is not needed for --help
 
     parser = argparse.ArgumentParser(prog="unison", description=__doc__.splitlines()[0])
@@ -198,7 +207,8 @@ def make_parser() -> argparse.ArgumentParser:
                                          "(a second one is refused while the first lives), never inside the data,\n"
                                          "and a resume never overwrites checkpoints later than the one it starts\n"
                                          "from (pass a new --out to branch).",
-                             epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                             epilog=train_epilog() if command in (None, "train") else None,   # (the registries import torch)
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
 
@@ -227,28 +237,29 @@ def make_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(p_check, CurveSpec, group_title="whole training runs (--run)")
     p_check.set_defaults(func=cmd_check)
 
-    # Further subcommands live beside their concern; each module defines add_subcommand(subparsers).
-    import importlib
+    for name, module, help_text in SUBCOMMANDS:
+        if command is None or command == name:
+            import importlib
 
-    for module in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if not exc.name or not module.startswith(exc.name):  # a missing module, not a broken one
-                raise
-            continue
-        mod.add_subcommand(sub)
+            importlib.import_module(module).add_subcommand(sub, help_text)
+        else:   # listed in `unison --help`; its options are declared when it is the command run
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def version_text() -> str:
+    """unison's, torch's (from its metadata: importing torch takes seconds, and every parse builds this) and
+    Python's versions."""
     import platform
-
-    import torch
+    from importlib.metadata import PackageNotFoundError, version
 
     from unison.version import __version__
 
-    return f"unison {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"unison {__version__} (torch {torch_version}, Python {platform.python_version()})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     one_line_warnings()
     worker = False
     try:
-        ns = make_parser().parse_args(argv)
+        args = sys.argv[1:] if argv is None else argv
+        ns = make_parser(next((a for a in args if not a.startswith("-")), "")).parse_args(args)
         code = _run(ns)
         worker = argv is None and ns.func is cmd_train and _launched_worker()
         sys.stdout.flush()   # here, not in the interpreter's exit ("Exception ignored ... OSError")

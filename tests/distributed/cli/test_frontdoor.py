@@ -251,3 +251,17 @@ def test_16_train_log_records_an_error_of_a_started_run(tmp_path, capsys):
     out = tmp_path / "diverged"
     assert main(["train", *W1, "--lr", "1e30", "--max-steps", "4", "--out", str(out)]) == 5
     assert "unison: error: non-finite loss" in (out / "train.log").read_text().splitlines()[-1]
+
+
+def test_help_and_version_import_no_torch():
+    """`unison --help` and `--version` list every subcommand without importing torch (seconds; issue 22, nit 9):
+    only the subcommand being run is imported, train's epilog and the version read no torch module."""
+    probe = ("import sys\nfrom unison.cli import main\nfor argv in (['--help'], ['--version']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('torch' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr
+    for name in ("train", "plan", "check", "eval", "embed", "export", "plot", "bench"):
+        assert name in proc.stdout
+    assert re.search(r"unison \S+ \(torch \d+\.\d+", proc.stdout)

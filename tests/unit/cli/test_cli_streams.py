@@ -46,8 +46,8 @@ def test_a_broken_standard_error_is_an_exit_code(monkeypatch, capfd):
 
 
 def test_ctrl_c_before_the_command_runs(monkeypatch, capfd):
-    def interrupted():
-        raise KeyboardInterrupt   # as while torch imports (the parser's subcommands import it)
+    def interrupted(command=None):
+        raise KeyboardInterrupt   # as while torch imports (the command's module imports it)
 
     monkeypatch.setattr(unison.cli, "make_parser", interrupted)
     assert main(["eval"]) == 130   # was a 30-line KeyboardInterrupt traceback
@@ -58,6 +58,9 @@ def test_warnings_are_one_line_while_the_cli_runs(monkeypatch):
     shown = []
 
     class Parser:
+        def __init__(self, command=None):
+            pass
+
         def parse_args(self, argv):
             return argparse.Namespace(func=lambda ns: shown.append(warnings.formatwarning(
                 "skipped 1 unreadable\nimage", UserWarning, "/src/unison/data/memory.py", 86, "  warnings.warn(x)")) or 0)
