@@ -176,7 +176,9 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
     rows = []
 
     spec = RunSpec("simclr", "unison", 1, threads=threads, max_steps=cfg.lightly_steps)
-    argv = train_argv(cfg, spec, data, val, out_dir / "runs" / "lightly-cmp-unison") + ["--warmup-epochs", "0"]
+    # the work Lightly's side does, no more: no online probe, no label-free signals
+    argv = train_argv(cfg, spec, data, val, out_dir / "runs" / "lightly-cmp-unison") + [
+        "--warmup-epochs", "0", "--no-online-probe", "--signal-images", "0"]
     load = wait_for_load(cfg.max_load, cfg.load_wait_s)
     print(f"unison bench: Lightly comparison, unison side (load {format_load(load)}) ...", flush=True)
     run_dir = out_dir / "runs" / "lightly-cmp-unison"
