@@ -4,7 +4,7 @@ The loop (`unison.training.loop`) calls every hook of a run, on every rank, at t
 
     hook.start(run, step)           once, before the first batch is asked for (`step`: steps already done)
     hook.on_batch(run, batch)       as each micro-batch arrives, still in the watchdog's "data" phase
-    hook.before_step(run, step)     before the first micro-batch of optimiser step `step` (0-based)
+    hook.before_step(run, step)     before optimiser step `step` (0-based) computes, its micro-batches loaded
     hook.after_step(run, end)       after the optimiser step; ``end.step`` steps are complete (`StepEnd`)
     hook.on_checkpoint_write(step, written)   while rank 0 writes the checkpoint of `step` (maybe in the
                                     background writer thread), after every write; `written`: bytes so far
@@ -67,7 +67,7 @@ class TrainHook:
         """As each micro-batch arrives (watchdog phase "data": a hook that blocks here looks like a stuck loader)."""
 
     def before_step(self, run: Run, step: int) -> None:
-        """Before the first micro-batch of optimiser step `step` (0-based)."""
+        """Before optimiser step `step` (0-based) computes: its micro-batches are loaded."""
 
     def after_step(self, run: Run, end: StepEnd) -> None:
         """After the optimiser step: ``end.step`` steps are complete."""

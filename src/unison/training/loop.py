@@ -61,11 +61,11 @@ from unison.training.metrics import MetricsLogger
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import (
-    Batch,
     Run,
     accumulated_forward_backward,
     batches,
     build_run,
+    grouped,
     optimizer_step,
     threads_per_worker,
 )
@@ -140,17 +140,12 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     # ---- the loop
     run.method.train()
     hooks.start(run, step)
-    micro: list[Batch] = []    # the step's micro-batches so far (exact accumulation needs them all at once)
-    for batch in watch.data(hooks.batches(run, batches(run, step)), step):   # heartbeat: "data" while a batch is made
-        if batch.micro == 0:
-            hooks.before_step(run, batch.step)
-        micro.append(batch)
-        if batch.micro < run.accumulate - 1:
-            continue
+    # heartbeat: "data" while a batch is made; a step's micro-batches all at once (exact accumulation needs them)
+    for micro in grouped(watch.data(hooks.batches(run, batches(run, step)), step), run.accumulate):
+        hooks.before_step(run, micro[0].step)
         loss = accumulated_forward_backward(run, micro)
-        micro = []
-        lr = optimizer_step(run, batch.step)
-        step = batch.step + 1
+        lr = optimizer_step(run, micro[0].step)
+        step = micro[0].step + 1
         end = StepEnd.of(run, step, lr, loss)
         hooks.after_step(run, end)
         watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here

@@ -32,7 +32,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -268,10 +268,15 @@ def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
 
 def steps(run: Run, start_step: int = 0) -> Iterator[list[Batch]]:
     """This rank's micro-batches grouped by optimiser step (`run.accumulate` each), from `start_step` on."""
+    return grouped(batches(run, start_step), run.accumulate)
+
+
+def grouped(micro_batches: Iterable[Batch], accumulate: int) -> Iterator[list[Batch]]:
+    """`micro_batches` (in order) as the lists of one optimiser step each: exact accumulation needs them all."""
     micro: list[Batch] = []
-    for batch in batches(run, start_step):
+    for batch in micro_batches:
         micro.append(batch)
-        if batch.micro == run.accumulate - 1:
+        if batch.micro == accumulate - 1:
             yield micro
             micro = []
 
