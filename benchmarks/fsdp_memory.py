@@ -32,15 +32,9 @@ MIB = 2**20
 
 def _bytes(tensors) -> int:
     from unison.distributed.dtensor import local_view
+    from unison.parallel.zero import unique_bytes
 
-    seen, total = set(), 0
-    for t in tensors:
-        t = local_view(t)
-        key = (str(t.device), t.data_ptr(), t.numel())   # views into one flat buffer count each
-        if t.numel() and key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+    return unique_bytes(local_view(t) for t in tensors)   # views into one flat buffer count each
 
 
 def _peak_rss_mib() -> float:

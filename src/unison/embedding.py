@@ -112,11 +112,6 @@ def check_outputs(opts: EmbedOptions) -> tuple[Path, Path]:
     return out, names
 
 
-def _share(n: int, rank: int, world: int) -> tuple[int, int]:
-    per = -(-n // world)
-    return min(n, rank * per), min(n, (rank + 1) * per)
-
-
 def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     """One process's share: embed images [start, stop) of the data into ``part-<rank>.f32`` / ``.csv`` in
     ``payload["parts"]``; returns the rows written, the feature dimension and the unreadable images."""
@@ -124,10 +119,11 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     from unison.data.evalsets import LazyImages
     from unison.data.source import default_image_size, first_size, open_checked, stream_stats
     from unison.data.spec import DataSpec
+    from unison.distributed.collectives import contiguous_share
     from unison.eval.knn import embed_all
     from unison.progress import Progress
     from unison.training.load import load_method, preprocessing
-    from unison.training.summary import steady_heap
+    from unison.training.summary import peak_memory_mib, steady_heap
 
     steady_heap()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -143,7 +139,8 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     mean, std = ((recorded["mean"], recorded["std"]) if recorded["mean"]
                  else stream_stats(catalog, np.arange(len(catalog)), size))
     dtype = getattr(torch, cfg.precision)
-    start, stop = _share(len(catalog), rank, world)
+    mine = contiguous_share(len(catalog), rank, world)
+    start, stop = mine.start, mine.stop
     images = LazyImages(catalog, np.arange(start, stop), size, device, opts.on_corrupt)
     parts = Path(payload["parts"])
     rows, dim = 0, 0
@@ -163,8 +160,6 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 writer.writerow([_csv_safe(catalog.describe(int(i))), catalog.classes[label] if label >= 0 else ""])
             rows, dim = rows + len(kept), int(kept.shape[1]) if kept.ndim == 2 else dim
             progress(min(b + opts.batch_size, len(images)))
-    from unison.training.summary import peak_memory_mib
-
     return {"rows": rows, "dim": dim, "unreadable": dict(images.unreadable.files),
             "peak_memory_mib": round(peak_memory_mib(device), 1)}
 

@@ -136,6 +136,13 @@ def gather_no_grad(x: torch.Tensor, uneven: bool = False) -> torch.Tensor:
     return _all_gather_cat(x, sizes)
 
 
+def contiguous_share(n: int, rank: int, world: int) -> slice:
+    """Rank `rank`'s part of n items split over `world` ranks: contiguous runs of ceil(n / world), the last
+    ones shorter or empty."""
+    per = -(-n // world)
+    return slice(min(n, rank * per), min(n, (rank + 1) * per))
+
+
 @contextlib.contextmanager
 def micro_batch_layout(k: int) -> Iterator[None]:
     """While exact gradient accumulation runs one forward on a step's K micro-batches, each rank's batch is its

@@ -30,15 +30,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from unison.distributed.collectives import all_reduce_no_grad, gather_no_grad, rank, world_size
+from unison.distributed.collectives import all_reduce_no_grad, contiguous_share, gather_no_grad, rank, world_size
 from unison.errors import DataError
 from unison.progress import Progress
 
 
 def _shard(n: int) -> slice:
-    w, r = world_size(), rank()
-    per = -(-n // w)
-    return slice(min(n, r * per), min(n, (r + 1) * per))
+    return contiguous_share(n, rank(), world_size())
 
 
 @torch.no_grad()

@@ -56,18 +56,21 @@ def tensor_identity(t: torch.Tensor) -> tuple[int, int, int]:
     return int(StorageWeakRef(t.untyped_storage()).cdata), int(t.storage_offset()), int(t.numel())
 
 
-def _state_bytes(*states: dict[Any, Any]) -> int:
+def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors`, aliased ones (the same `tensor_identity`) counted once."""
     seen: set[tuple[int, int, int]] = set()
     total = 0
-    for state in states:
-        for per_param in state.values():
-            if not isinstance(per_param, dict):
-                continue  # ZeroRedundancyOptimizer stores None for parameters other ranks own
-            for v in per_param.values():
-                if isinstance(v, torch.Tensor) and tensor_identity(v) not in seen:  # aliased tensors once
-                    seen.add(tensor_identity(v))
-                    total += v.numel() * v.element_size()
+    for t in tensors:
+        if tensor_identity(t) not in seen:
+            seen.add(tensor_identity(t))
+            total += t.numel() * t.element_size()
     return total
+
+
+def _state_bytes(*states: dict[Any, Any]) -> int:
+    # ZeroRedundancyOptimizer stores None for parameters other ranks own
+    return unique_bytes(v for state in states for per_param in state.values() if isinstance(per_param, dict)
+                        for v in per_param.values() if isinstance(v, torch.Tensor))
 
 
 class ShardedOptimizer(Optimizer):

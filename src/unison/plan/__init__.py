@@ -40,7 +40,7 @@ from unison.errors import ConfigError
 
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
-from .syncs import explain
+from .syncs import explain, unexplained
 
 MIB = 2**20
 DEFAULT_MFU = 0.4
@@ -251,27 +251,18 @@ def _fsdp_bytes(run: Any, reshard_after_forward: bool) -> dict[str, int]:
 
 def param_bytes(run: Any) -> int:
     """This rank's parameter bytes (FSDP2: its shards), each storage once."""
-    return _tensor_bytes(_local(p) for p in run.method.parameters())
+    from unison.parallel.zero import unique_bytes
 
-
-def _tensor_bytes(tensors: Any) -> int:
-    from unison.parallel.zero import tensor_identity
-
-    seen, total = set(), 0
-    for t in tensors:
-        if tensor_identity(t) not in seen:
-            seen.add(tensor_identity(t))
-            total += t.numel() * t.element_size()
-    return total
+    return unique_bytes(_local(p) for p in run.method.parameters())
 
 
 def optimizer_bytes(run: Any) -> int:
     """This rank's optimizer state bytes (ZeRO-1: the state of the parameters it owns; FSDP2: its shards)."""
-    from unison.parallel.zero import ShardedOptimizer
+    from unison.parallel.zero import ShardedOptimizer, unique_bytes
 
     if isinstance(run.optimizer, ShardedOptimizer):
         return run.optimizer.local_state_bytes()
-    return _tensor_bytes(_local(v) for s in run.optimizer.state.values() for v in s.values()
+    return unique_bytes(_local(v) for s in run.optimizer.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor))
 
 
@@ -320,10 +311,10 @@ class PlanReport:
             "estimate_comm_s": comm_s, "estimate_compute_s": compute_s, "estimate_mfu": self.mfu,
             "estimate_step_s": step_s, "estimate_images_per_s": self.cfg.batch_size / step_s if step_s else None,
             "host_syncs": [str(h) for h in s.host_syncs],
-            "host_syncs_unexplained": [str(h) for h in s.host_syncs if explain(h) is None],
+            "host_syncs_unexplained": [str(h) for h in unexplained(s.host_syncs)],
             "cuda_path_skipped": self.cuda.skipped, "cuda_path_device_error": self.cuda.device_error,
             "cuda_path_host_syncs": [str(h) for h in self.cuda.host_syncs],
-            "cuda_path_host_syncs_unexplained": [str(h) for h in self.cuda.host_syncs if explain(h) is None],
+            "cuda_path_host_syncs_unexplained": [str(h) for h in unexplained(self.cuda.host_syncs)],
         }
 
     def text(self) -> str:

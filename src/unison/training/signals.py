@@ -76,9 +76,8 @@ def held_back_indices(num_images: int, count: int, seed: int) -> np.ndarray:
 def _chunks_of_rank(n: int) -> tuple[range, int]:
     """(this rank's chunk numbers, the embedding calls of the busiest rank): contiguous runs of chunks."""
     chunks = math.ceil(n / CHUNK)
-    per = math.ceil(chunks / C.world_size())
-    first = min(chunks, C.rank() * per)
-    return range(first, min(chunks, first + per)), per
+    mine = C.contiguous_share(chunks, C.rank(), C.world_size())
+    return range(mine.start, mine.stop), math.ceil(chunks / C.world_size())
 
 
 @torch.no_grad()
