@@ -10,6 +10,7 @@ batch norm (here: none).
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -54,4 +55,8 @@ if rank == 0 and args.out:
     with open(args.out, "w") as f:
         json.dump(losses, f)
 if distributed:
+    # DDP holds the process group: free it while the interpreter is whole. Left to the interpreter's exit, gloo's
+    # teardown aborts the process now and then ("terminate called without an active exception", SIGABRT).
+    del net
+    gc.collect()
     dist.destroy_process_group()

@@ -47,11 +47,13 @@ falls back to loopback).
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import os
 import re
 import sys
 import time
+import traceback
 import zlib
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -367,7 +369,18 @@ def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -
     _shutdowns += 1
     if (error is None or isinstance(error, Preempted)) and dist.get_world_size() > 1:
         _wait_for_every_rank(f"unison/left/{_shutdowns}", dist.get_world_size(), wait_s)
+    _release_process_group_holders(error)
     dist.destroy_process_group()
+
+
+def _release_process_group_holders(error: BaseException | None) -> None:
+    """Free what still holds the process group (DDP's reducer, FSDP's state: reference cycles, or locals kept by
+    the error's traceback) now, while the interpreter is whole. `destroy_process_group` only unregisters the group;
+    its last holder freed during the interpreter's exit runs gloo's teardown then, which aborts the process now and
+    then ("terminate called without an active exception", SIGABRT; CI, issue 22's own-loop test: 3 of ~70 runs)."""
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
 
 
 def _wait_for_every_rank(key: str, world: int, wait_s: float) -> None:
