@@ -47,13 +47,10 @@ falls back to loopback).
 from __future__ import annotations
 
 import datetime
-import gc
 import ipaddress
 import os
 import re
 import sys
-import time
-import traceback
 import zlib
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -63,10 +60,11 @@ import torch.distributed as dist
 
 from unison.config.distributed import DistributedConfig
 from unison.config.fields import parse_int, shown
-from unison.errors import ConfigError, Preempted, WorkerError
+from unison.errors import ConfigError, WorkerError
 
 from .hostlist import expand_hostlist, slurm_port
 from .network import gloo_interface, listening_store, torchrun_attempt_store
+from .shutdown import shutdown_distributed
 
 T = TypeVar("T")
 
@@ -349,56 +347,3 @@ def exit_worker(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
-
-
-_shutdowns = 0   # process groups this process has left: every rank leaves the same sequence, so keys match
-
-
-def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -> None:
-    """Leave the process group. After a clean end (`error` None, or `Preempted`: every rank stopped after the same
-    step), first wait until every rank has returned from its last collective (a counter in the rendezvous store).
-
-    Why: a collective's last message may still be in flight to a slower peer when a rank returns from it;
-    tearing gloo's connections down then reset that peer's read ("pair.cc: Read error") and, seen once in CI,
-    aborted the leaving rank in gloo's teardown ("double free or corruption"). A rank that failed leaves at once:
-    its peers may be stuck in a collective it will never join, and its error must reach the launcher now.
-    The wait is bounded (`wait_s`)."""
-    global _shutdowns
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    _shutdowns += 1
-    if (error is None or isinstance(error, Preempted)) and dist.get_world_size() > 1:
-        _wait_for_every_rank(f"unison/left/{_shutdowns}", dist.get_world_size(), wait_s)
-    _release_process_group_holders(error)
-    dist.destroy_process_group()
-
-
-def _release_process_group_holders(error: BaseException | None) -> None:
-    """Free what still holds the process group (DDP's reducer, FSDP's state: reference cycles, or locals kept by
-    the error's traceback) now, while the interpreter is whole. `destroy_process_group` only unregisters the group;
-    its last holder freed during the interpreter's exit runs gloo's teardown then, which aborts the process now and
-    then ("terminate called without an active exception", SIGABRT; CI, issue 22's own-loop test: 3 of ~70 runs)."""
-    if error is not None:
-        traceback.clear_frames(error.__traceback__)
-    gc.collect()
-
-
-def _wait_for_every_rank(key: str, world: int, wait_s: float) -> None:
-    """Count this rank in under `key`, wait for all. Then rank 0, which hosts the store, waits until every rank
-    has also counted itself out, so no rank's last store request meets a store already gone (the store client
-    prints a 'Connection reset by peer' warning with a C++ stack then)."""
-    deadline = time.monotonic() + wait_s
-
-    def wait_for(counter: str) -> None:
-        while store.add(counter, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.add(f"{key}/in", 1)
-        wait_for(f"{key}/in")
-        store.add(f"{key}/out", 1)
-        if dist.get_rank() == 0:
-            wait_for(f"{key}/out")
-    except (RuntimeError, ValueError, OSError):   # the store is gone: nothing left to wait for
-        pass

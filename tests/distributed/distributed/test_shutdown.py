@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from unison.distributed import collectives as C
-from unison.distributed.env import shutdown_distributed
+from unison.distributed.shutdown import shutdown_distributed
 from unison.distributed.testing import run_in_workers
 
 
