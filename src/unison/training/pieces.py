@@ -42,6 +42,11 @@ class OwnPieces:
     def data_name(self) -> str:
         return f"{OWN}{_qualname(self.dataset)}"
 
+    def transform_name(self) -> str:
+        """The transform's name (a function's, else its class's): what the checkpoint records of it."""
+        name = getattr(self.transform, "__qualname__", None)
+        return f"{OWN}{name}" if isinstance(name, str) else f"{OWN}{_qualname(self.transform)}"
+
     def check_types(self) -> None:
         """Each piece of the right kind, and the combinations that mean something."""
         if self.backbone is not None and not isinstance(self.backbone, nn.Module):

@@ -115,6 +115,9 @@ def _validate_local_crops(cfg: TrainConfig) -> None:
 def _validate_backbone(cfg: TrainConfig) -> None:
     if cfg.backbone is None:
         cfg.backbone = resolve_recipe(cfg).backbone
+    if cfg.backbone.startswith("own:"):   # `unison.training.pieces.OWN`, as config.json records a run's own backbone
+        raise ConfigError(f"backbone={shown(cfg.backbone)} names your own backbone; pass the module itself: "
+                          "unison.train(cfg, backbone=..., feature_dim=...), and leave the configuration's out")
     if cfg.backbone not in BACKBONES and not cfg.backbone.startswith("timm:"):
         raise ConfigError(f"backbone={shown(cfg.backbone)} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
                           f"use one of {', '.join(BACKBONES)} or timm:<name>")

@@ -248,7 +248,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
                         "accumulation": "exact" if exact else "per micro-batch" if accumulate > 1 else "none",
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
-                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
+                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params),
+                        **({"feature_dim": method.feature_dim} if own_backbone else {}),
+                        **({"transform": own.transform_name()} if own is not None and own.transform else {})},
               data=data, exact=exact)
     register_checkpoint_state(run)
     return run
