@@ -230,6 +230,8 @@ class OwnBatches:
             yield int(out["epoch"]), out["indices"].to(self.device), views
 
     def _loader(self, batch_number: int) -> Iterator[dict[str, Any]]:
+        if self.loader_workers == 0:   # in this process, without a DataLoader (which draws from torch's RNG)
+            return (self.make((epoch, rows.tolist())) for epoch, rows in self.order.iter_from(batch_number))
         return iter(job_loader(self.make, self.order, batch_number, self.loader_workers, self.device))
 
     def _iterable(self, batch_number: int) -> Iterator[dict[str, Any]]:
