@@ -5,9 +5,9 @@ process) trains as 1 process on the global batch, and ``unison.check`` proves it
 from __future__ import annotations
 
 import torch
+from helpers.own_pieces import WIDTH, Photos, TinyNet, jitter
 
 import unison
-from helpers.own_pieces import WIDTH, Photos, TinyNet, jitter
 from unison.cli import main
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig

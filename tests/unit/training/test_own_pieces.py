@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from helpers.own_pieces import WIDTH, Photos, PhotoStream, TinyNet, jitter
 
 import unison
-from helpers.own_pieces import WIDTH, Photos, PhotoStream, TinyNet, jitter
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
 from unison.data.own import build_own_source
