@@ -45,7 +45,7 @@ import torch
 
 from unison.errors import ConfigError
 from unison.paths import check_output, write_error
-from unison.training.load import checkpoint_inputs, method_of, own_backbone_weights, preprocessing
+from unison.training.load import checkpoint_inputs, config_of, method_of, own_backbone_weights, preprocessing
 
 if TYPE_CHECKING:   # annotations only: the functions import the training stack when called
     from unison.methods.base import SSLMethod
@@ -163,12 +163,11 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
     from unison.version import __version__
 
     fmt = _resolve_format(Path(out), fmt)
-    from unison.config import TrainConfig
     from unison.training.checkpoint import load_checkpoint
 
     out, sidecar = check_export_paths(checkpoint, out)   # before the (slow) load: refused without work
     ckpt = load_checkpoint(checkpoint, map_location="cpu", run=True)   # every field checked, the config too
-    cfg = TrainConfig.from_dict(dict(ckpt["config"]))
+    cfg = config_of(ckpt)
     own = own_backbone_weights(ckpt)   # the user's backbone: its weights as trained, for their module
     method = method_of(checkpoint, ckpt) if own is None else None
     state = backbone_state_dict(method) if method is not None else {k: v.detach().contiguous().clone()

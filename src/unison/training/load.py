@@ -68,20 +68,26 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
     """
     ckpt = load_checkpoint(checkpoint, map_location=device, run=True)   # every field checked, the config too
-    return method_of(checkpoint, ckpt, device), TrainConfig.from_dict(dict(ckpt["config"])), ckpt
+    return method_of(checkpoint, ckpt, device), config_of(ckpt), ckpt
 
 
-def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device | str = "cpu") -> SSLMethod:
-    """The method of `ckpt` (read from `checkpoint` by `load_checkpoint`) with its weights, in eval mode."""
+def config_of(ckpt: dict[str, Any]) -> TrainConfig:
+    """The configuration of a checkpoint's run (read by `load_checkpoint`), with the backbone as trained."""
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
-    if own_backbone_weights(ckpt) is not None:
-        raise ConfigError(f"{checkpoint} trained your own backbone {str(cfg.backbone)[len(OWN):]} (unison.train(..., "
-                          "backbone=...)), which unison cannot rebuild: unison export writes its state_dict for your "
-                          "module, and unison.train with the same backbone= (and --resume) continues it")
     # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
     # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
     pinned = (ckpt.get("resolved") or {}).get("backbone")
     cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
+    return cfg
+
+
+def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device | str = "cpu") -> SSLMethod:
+    """The method of `ckpt` (read from `checkpoint` by `load_checkpoint`) with its weights, in eval mode."""
+    cfg = config_of(ckpt)
+    if own_backbone_weights(ckpt) is not None:
+        raise ConfigError(f"{checkpoint} trained your own backbone {str(cfg.backbone)[len(OWN):]} (unison.train(..., "
+                          "backbone=...)), which unison cannot rebuild: unison export writes its state_dict for your "
+                          "module, and unison.train with the same backbone= (and --resume) continues it")
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
                               image_size=preprocessing(cfg, ckpt)["image_size"])
