@@ -19,7 +19,8 @@ Views:
   views whatever the world size, the rank or the number of loader processes.
 
 Order: a map-style dataset is read in unison's global order (`EpochOrder`: a function of (seed, epoch)), each rank
-reading only its slice of every global batch, in ``loader_workers`` processes (forked; 0: in the training process);
+reading only its slice of every global batch, in ``loader_workers`` processes (forked; 0: in the training process;
+default: as for streamed data, the cores per worker less one);
 an iterable one in its own order, every rank iterating it whole and keeping its slice (it must yield the same items
 in every process), the sample index being the position in the epoch's pass.
 """
@@ -44,7 +45,7 @@ from .augment import ViewAugmenter
 from .batches import EpochOrder
 from .source import STATS_IMAGES, TrainData, default_image_size
 from .spec import DataSpec, check_batch
-from .stream import job_loader
+from .stream import default_loader_workers, job_loader
 from .subsets import channel_stats
 
 __all__ = ["ITEMS", "OwnBatches", "OwnImages", "as_image", "build_own_source", "seeded_rngs"]
@@ -62,9 +63,9 @@ def as_image(item: Any, where: str) -> torch.Tensor:
     """uint8 ``[3, H, W]`` of a dataset item; `DataError` naming `where` (``item 0 of MyDataset``) if it is none."""
     image = raw_image(item)
     if type(image).__module__.startswith("PIL."):
-        image = np.asarray(image.convert("RGB"))
+        image = np.array(image.convert("RGB"))   # a writable copy (np.asarray's is read-only)
     if isinstance(image, np.ndarray):
-        image = torch.from_numpy(np.ascontiguousarray(image))
+        image = torch.from_numpy(np.ascontiguousarray(image if image.flags.writeable else image.copy()))
     if not isinstance(image, torch.Tensor):
         raise DataError(f"{where} is {type(image).__name__}, not an image; a dataset item must be {ITEMS}")
     x = image.detach().cpu()
@@ -283,7 +284,7 @@ def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, da
         stats_images = images.uint8_at(_spaced(images.length or 0), size)
     mean, std = channel_stats(stats_images)
     augment = ViewAugmenter(augmentation, size, mean, std, **spec.augment_overrides())
-    workers = spec.loader_workers if spec.loader_workers is not None else 0
+    workers = spec.loader_workers if spec.loader_workers is not None else default_loader_workers(spec.world_size)
     source = OwnBatches(images, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
                         batches_per_epoch=max_batches)
     n = images.length if images.length is not None else source.batches_per_epoch * spec.batch_size

@@ -94,7 +94,7 @@ def test_a_bad_piece_is_one_line_before_any_worker(case, tmp_path):
 
 def _views(transform, global_batch: int, dataset=None) -> dict[int, list[torch.Tensor]]:
     """Sample index -> its views in epoch 0, through the source a run reads."""
-    spec = DataSpec(data="own", batch_size=global_batch, seed=3)
+    spec = DataSpec(data="own", batch_size=global_batch, seed=3, loader_workers=0)   # in this process
     data = build_own_source(spec, torch.device("cpu"), "simclr", dataset or Photos(), transform)
     out = {}
     for _, (epoch, indices, views) in zip(range(32 // global_batch), data.source.iter_from(0)):
@@ -126,7 +126,7 @@ def test_an_iterable_dataset_of_float_hwc_images_reads_in_its_order():
     the same uint8 images, sample for sample, when read in the same order."""
     stream = _views(None, 8, PhotoStream())
     assert sorted(stream) == list(range(32))
-    spec = DataSpec(data="own", batch_size=8, seed=3)
+    spec = DataSpec(data="own", batch_size=8, seed=3, loader_workers=0)
     data = build_own_source(spec, torch.device("cpu"), "simclr", Photos(), None)
     first = torch.arange(8)
     expected = data.augment(Photos().images[:8], first, 0, 3)
