@@ -54,6 +54,7 @@ class CheckReport:
     note: str | None
     tolerance: float
     reference: str = "one process on the global batch"   # what the W-worker run was compared with
+    pieces: str = ""   # the user's own pieces checked (``unison.check(..., backbone=..., dataset=...)``), if any
 
     @property
     def passed(self) -> bool:
@@ -68,7 +69,8 @@ class CheckReport:
             f"grad_sync_every={s.grad_sync_every}" + (f" accumulation={s.accumulation}" if s.grad_sync_every > 1 else "")
             + " (the training step of unison train)"
             + f"\n  compared with                       : {self.reference}"
-            + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
+            + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else "")
+            + (f"\n  your pieces                         : {self.pieces}" if self.pieces else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
             f"  max relative difference, parameters : {self.max_rel_state:.3e}   ({self.worst.get('state', '-')})",
@@ -232,6 +234,12 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
         single_spec = reference(spec, recorded)[0]
         single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
         reports.append(compare(recorded, single, spec))
+    if own is not None:
+        cfg = train_config_for(specs[0], world_size, own)
+        named = {"backbone": own.backbone is not None and cfg.backbone, "dataset": own.dataset is not None and cfg.data,
+                 "transform": own.transform is not None and own.transform_name()}
+        for report in reports:
+            report.pieces = ", ".join(f"{k} {v}" for k, v in named.items() if v)
     return reports
 
 

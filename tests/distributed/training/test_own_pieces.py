@@ -1,11 +1,12 @@
 """Own pieces in unison's loop, with real worker processes: ``unison.train(cfg, backbone=..., feature_dim=...,
 dataset=..., transform=...)`` at 2 workers (each rank its own slice of every global batch, decoded in a loader
-process) trains as 1 process on the global batch, and ``unison.check`` proves it with the same objects."""
+process) trains as 1 process on the global batch, and ``unison.check`` proves it with the same objects (and with
+an iterable dataset)."""
 
 from __future__ import annotations
 
 import torch
-from helpers.own_pieces import WIDTH, Photos, TinyNet, jitter
+from helpers.own_pieces import WIDTH, Photos, PhotoStream, TinyNet, jitter
 
 import unison
 from unison.cli import main
@@ -38,3 +39,7 @@ def test_own_backbone_dataset_and_transform_at_two_workers_train_as_one(tmp_path
     report = unison.check("simclr", 2, backbone=net, feature_dim=WIDTH, dataset=photos, transform=jitter, steps=2,
                           local_batch=4)
     assert report.passed, report.summary()   # SyncBN in the user's backbone: without it the ranks' statistics differ
+    assert "transform own:jitter" in report.summary()
+    # an iterable dataset (float HWC items) with unison's augmentation: every rank reads it all, keeps its slice
+    stream = unison.check("simclr", 2, backbone=net, feature_dim=WIDTH, dataset=PhotoStream(), steps=2, local_batch=4)
+    assert stream.passed, stream.summary()
