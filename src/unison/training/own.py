@@ -1,11 +1,13 @@
 """The checks of the user's own pieces (``unison.train(cfg, backbone=..., feature_dim=..., dataset=..., transform=...)``).
 
-`OwnPieces` (`unison.training.pieces`) holds them; `check_pieces` is their whole check before any worker starts (`unison.train`'s pre-flight
-and `unison.check`'s call it): the types, the options they replace, the first item of the dataset and its views
-(`unison.data.own`), and one forward of the backbone on a dummy batch of each view size (its output must be
-``[batch, feature_dim]``). `check_picklable` runs where the pieces travel to unison's worker processes (world size
-> 1): pickled, as the launcher sends them, they must load in a fresh process, so a lambda or a class defined
-inside a function is one line naming the piece, not a traceback in every worker.
+`OwnPieces` (`unison.training.pieces`) holds them; `check_pieces` is their whole check before any worker starts
+(`unison.train`'s pre-flight and `unison.check`'s call it): the first item of the dataset and its views
+(`unison.data.own`), one forward of the backbone on a dummy batch of each view size (its output must be
+``[batch, feature_dim]``) and the method built around a copy of it (the types and the options they replace:
+`OwnPieces.check_types` and `OwnPieces.apply`, in `validate_run`). `check_picklable` runs where the pieces travel
+to unison's worker processes (world size > 1): pickled, as the launcher sends them, they must load in a fresh
+process, so a lambda or a class defined inside a function is one line naming the piece, not a traceback in every
+worker.
 
 In the workers, `unison.training.step.build_run` builds the method around a copy of the backbone (the object
 passed is never modified: the trained weights are in the run's checkpoints), converts its batch norm to SyncBN as
@@ -29,11 +31,11 @@ import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.data.augment import PRESETS, view_sizes
-from unison.data.own import OwnBatches
+from unison.data.own import OwnBatches, seeded_rngs
 from unison.errors import ConfigError
 from unison.training.pieces import OwnPieces
 from unison.training.resolve import resolve_recipe
-from unison.training.step import build_data, data_spec
+from unison.training.step import build_data, build_method, data_spec
 
 __all__ = ["OwnPieces", "check_features", "check_picklable", "check_pieces"]
 
@@ -52,6 +54,11 @@ def check_pieces(cfg: TrainConfig, pieces: OwnPieces, sizes: list[int] | None = 
         spec = data_spec(cfg)
         sizes = sizes or view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, cfg.image_size or 32)
         check_features(pieces.backbone, pieces.feature_dim or 0, sorted(set(sizes)))
+        # the method around (a copy of) it, as every worker builds it: a method that needs a ViT's patch tokens
+        # (MAE, iBOT, I-JEPA) refuses here; the build seeds the global RNGs, the caller's are restored after
+        with seeded_rngs(cfg.seed, 0, 0, 0):
+            build_method(cfg, 1, torch.float32, torch.device("cpu"), max(sizes), view_sizes=sizes,
+                         own=(pieces.backbone, pieces.feature_dim or 0))
 
 
 def check_features(backbone: nn.Module, feature_dim: int, sizes: list[int]) -> None:
