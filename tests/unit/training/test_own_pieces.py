@@ -71,6 +71,8 @@ CASES = {  # name: (pieces, world size, error class, fragment of the message)
     "transform without dataset": (dict(transform=jitter), 1, ConfigError, "give dataset= too"),
     "transform returns uint8": (dict(dataset=Photos(), transform=_uint8_views), 1, ConfigError,
                                 "view 0 is a torch.uint8 tensor (3, 12, 12); a view must be a float tensor"),
+    "MAE without a ViT": (dict(backbone=TinyNet(), feature_dim=WIDTH, dataset=Photos()), 2, ConfigError,
+                          "MAE needs a ViT backbone with patch tokens"),
     "iterable without len or max_steps": (dict(dataset=iter([torch.zeros(3, 8, 8)] * 8)), 1, ConfigError,
                                           "is iterable without __len__"),
 }
@@ -82,7 +84,7 @@ def test_a_bad_piece_is_one_line_before_any_worker(case, tmp_path):
     if case == "wrong feature_dim":
         pieces = dict(pieces, dataset=Photos(), transform=jitter)   # the views' size (10 px) is the dummy batch's
     out = tmp_path / "run"
-    config = TrainConfig(method="simclr", batch_size=8, epochs=1, max_steps=None if "iterable" in case else 1,
+    config = TrainConfig(method="mae" if "MAE" in case else "simclr", batch_size=8, epochs=1, max_steps=None if "iterable" in case else 1,
                          out=str(out), progress=False, distributed=DistributedConfig(world_size=world))
     with pytest.raises(UnisonError) as caught:   # refused before a worker: `_no_process_starts` fails it otherwise
         unison.train(config, **pieces)
