@@ -61,6 +61,11 @@ class OwnPieces:
         if self.dataset is not None and not (hasattr(self.dataset, "__getitem__") or hasattr(self.dataset, "__iter__")):
             raise ConfigError(f"dataset= is {type(self.dataset).__name__}; give a torch.utils.data.Dataset or "
                               "IterableDataset of images")
+        one_pass = (self.dataset is not None and not hasattr(self.dataset, "__getitem__")
+                    and hasattr(self.dataset, "__iter__") and iter(self.dataset) is self.dataset)
+        if one_pass:   # a generator or iterator: empty after the first pass (and after the pre-flight's read)
+            raise ConfigError(f"dataset= is an iterator ({type(self.dataset).__name__}), which reads once; give an "
+                              "IterableDataset, whose __iter__ starts a new pass each epoch")
         if self.transform is not None and not callable(self.transform):
             raise ConfigError(f"transform= is {type(self.transform).__name__}; give a callable image -> view(s)")
         if self.transform is not None and self.dataset is None:

@@ -52,6 +52,11 @@ def _local_net():
     return Local()
 
 
+class _Endless(torch.utils.data.IterableDataset):   # no __len__
+    def __iter__(self):
+        return iter([torch.zeros(3, 8, 8)] * 8)
+
+
 def _uint8_views(image):
     return (image, image)
 
@@ -73,8 +78,9 @@ CASES = {  # name: (pieces, world size, error class, fragment of the message)
                                 "view 0 is a torch.uint8 tensor (3, 12, 12); a view must be a float tensor"),
     "MAE without a ViT": (dict(backbone=TinyNet(), feature_dim=WIDTH, dataset=Photos()), 2, ConfigError,
                           "MAE needs a ViT backbone with patch tokens"),
-    "iterable without len or max_steps": (dict(dataset=iter([torch.zeros(3, 8, 8)] * 8)), 1, ConfigError,
-                                          "is iterable without __len__"),
+    "iterable without len or max_steps": (dict(dataset=_Endless()), 1, ConfigError,
+                                          "dataset _Endless is iterable without __len__"),
+    "an iterator": (dict(dataset=iter([torch.zeros(3, 8, 8)] * 8)), 1, ConfigError, "is an iterator (list_iterator)"),
 }
 
 
