@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import sys
 from typing import Any, cast
 
@@ -108,7 +109,7 @@ def check_picklable(pieces: OwnPieces) -> None:
         try:
             pickle.Pickler(_Sink(), protocol=pickle.HIGHEST_PROTOCOL).dump(piece)
         except Exception as e:
-            raise ConfigError(f"{what}= cannot be sent to the worker processes ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); define it, and everything it holds, at "
-                              "module level (a class or def in a module, no lambda or local function), or train "
-                              "with world_size=1") from None
+            why = re.sub(r" at 0x[0-9a-f]+", "", str(e).splitlines()[0] if str(e) else "")   # no addresses
+            raise ConfigError(f"{what}= cannot be sent to the worker processes ({type(e).__name__}: {why}); define "
+                              "it, and everything it holds, at module level (a class or def in a module, no lambda "
+                              "or local function), or train with world_size=1") from None
