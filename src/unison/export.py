@@ -45,7 +45,7 @@ import torch
 
 from unison.errors import ConfigError
 from unison.paths import check_output, write_error
-from unison.training.load import checkpoint_inputs, load_method, preprocessing
+from unison.training.load import checkpoint_inputs, config_of, method_of, own_backbone_weights, preprocessing
 
 if TYPE_CHECKING:   # annotations only: the functions import the training stack when called
     from unison.methods.base import SSLMethod
@@ -163,17 +163,25 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
     from unison.version import __version__
 
     fmt = _resolve_format(Path(out), fmt)
+    from unison.training.checkpoint import load_checkpoint
+
     out, sidecar = check_export_paths(checkpoint, out)   # before the (slow) load: refused without work
-    method, cfg, ckpt = load_method(checkpoint)
-    state = backbone_state_dict(method)
+    ckpt = load_checkpoint(checkpoint, map_location="cpu", run=True)   # every field checked, the config too
+    cfg = config_of(ckpt)
+    own = own_backbone_weights(ckpt)   # the user's backbone: its weights as trained, for their module
+    method = method_of(checkpoint, ckpt) if own is None else None
+    state = backbone_state_dict(method) if method is not None else {k: v.detach().contiguous().clone()
+                                                                     for k, v in (own or {}).items()}
+    feature_dim = method.feature_dim if method is not None else (ckpt.get("resolved") or {}).get("feature_dim")
     info = {"unison": "backbone", "unison_version": __version__, "method": str(ckpt["method"]),
             "backbone": cfg.backbone, "backbone_args": dict(cfg.backbone_args), "step": int(ckpt["step"]),
-            "feature_dim": int(method.feature_dim), **preprocessing(cfg, ckpt)}
+            "feature_dim": None if feature_dim is None else int(feature_dim), **preprocessing(cfg, ckpt)}
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}   # safetensors: strings only
     # The sidecar first: it is what marks the weights file as this command's own output (`is_export`).
     write_text_atomic(sidecar, json.dumps({**info, "file": out.name, "format": fmt}, indent=2) + "\n")
     path = write_state_dict(state, out, fmt, metadata=meta)  # metadata: safetensors only (.pt is tensors only)
-    n_params = sum(p.numel() for p in method.backbone.parameters())
+    n_params = sum(p.numel() for p in method.backbone.parameters()) if method is not None else \
+        sum(v.numel() for k, v in state.items() if v.is_floating_point() and "running_" not in k)
     return {**info, "path": str(path), "sidecar": str(sidecar), "format": fmt, "tensors": len(state),
             "parameters": n_params}
 
@@ -186,6 +194,8 @@ def _load_hint(backbone: str) -> str:
                 "maxpool = Identity(), with strict=False (only fc.* is missing)")
     if backbone.startswith("timm:"):
         return f"load into timm.create_model({backbone[5:]!r}, num_classes=0)"
+    if backbone.startswith("own:"):   # unison.training.pieces.OWN: the user's backbone
+        return f"load into your {backbone[4:]} with load_state_dict"
     return f"load into unison.models.build_backbone({backbone!r})[0]"
 
 
@@ -202,6 +212,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
                           "unison export --checkpoint runs/default --out backbone.pt")
     info = export_backbone(opts.checkpoint, opts.out, opts.format)   # a refused checkpoint: CheckpointError, exit 4
     norm = (f"normalise with mean {_fmt3(info['mean'])}, std {_fmt3(info['std'])}" if info["mean"] is not None
+            else f"normalised as your transform {info['transform'][4:]} does" if info.get("transform")
             else "mean/std not recorded in this checkpoint")
     print(f"exported the {info['backbone']} backbone of {info['method']} (step {info['step']}; {info['tensors']} "
           f"tensors, {info['parameters'] / 1e6:.2f}M parameters) to {info['path']} ({info['format']}); "

@@ -16,7 +16,9 @@ the pixel limit), `samples` (the `Catalog` value), `cache`
 `builtin` (digits, CIFAR-10), `shards` (tar shards), `catalog` (folders, file lists; the layout
 dispatcher `open_catalog`), `memory` (decoding a catalog into memory, the cache), `datasets`
 (the dispatcher `load_dataset`), `decode` / `gpu_decode` (crops of encoded images), `batches`
-(`EpochOrder`, the in-memory `BatchSource`), `stream` (the streaming one), `source` (which one); beside them `synthetic` (random images for
+(`EpochOrder`, the in-memory `BatchSource`), `stream` (the streaming one), `source` (which one), `own` (the user's
+own `Dataset`/`IterableDataset` and view transform: ``unison.train(cfg, dataset=..., transform=...)``); beside them
+`synthetic` (random images for
 checks and benchmarks) and `generated` (image files for tests and benchmarks).
 """
 

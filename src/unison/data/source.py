@@ -84,7 +84,7 @@ class TrainData:
 
     source: BatchSource
     augment: ViewAugmenter
-    mode: str                                  # "memory" or "stream"
+    mode: str                                  # "memory", "stream" or "own" (the user's dataset)
     image_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -96,6 +96,12 @@ class TrainData:
     catalog: Catalog | None = None             # streamed: the listed images, and the training set's positions
     positions: np.ndarray | None = None        # in it (None: all of them)
     on_corrupt: str = "skip"
+    own: Any = None                            # the user's dataset (`unison.data.own.OwnImages`): mode "own"
+
+    @property
+    def random_access(self) -> bool:
+        """Whether `images_at` can read any training image (not so for the user's iterable dataset)."""
+        return self.own is None or not self.own.iterable
 
     @property
     def labelled(self) -> bool:
@@ -114,6 +120,8 @@ class TrainData:
         the training size, shorter side resized and centre square (stream)."""
         if self.train_set is not None:
             return self.train_set.images[torch.from_numpy(indices).to(self.train_set.images.device)]
+        if self.own is not None:   # the user's dataset: its items, shorter side resized and centre square
+            return self.own.uint8_at(indices.tolist(), self.image_size).to(device)
         assert self.catalog is not None
         where = self.positions[indices] if self.positions is not None else indices
         return LazyImages(self.catalog, where, self.image_size, device, self.on_corrupt)

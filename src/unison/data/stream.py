@@ -58,7 +58,7 @@ from .batches import EpochOrder
 from .decode import CropDecoder
 from .samples import Catalog
 
-__all__ = ["StreamingBatches", "default_loader_workers"]
+__all__ = ["StreamingBatches", "default_loader_workers", "job_loader"]
 
 _SKIP_REPORTS = 3  # unreadable files named individually; after that, a count now and then
 
@@ -104,6 +104,21 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def job_loader(decode: Any, order: EpochOrder, batch_number: int, workers: int, device: torch.device,
+               prefetch: int = 2) -> torch.utils.data.DataLoader:
+    """A DataLoader of this rank's jobs ``(epoch, [indices])`` of `order` from global batch `batch_number` on, each
+    job turned into one batch by ``decode(job)`` in one of `workers` loader processes (0: this process)."""
+    # The loader processes die with this one (a SIGKILLed run leaves none, nor the resource tracker they hold
+    # open). Forked on Linux: a spawned one re-imports torch for seconds before it could ask, and outlived a
+    # killed run that long; a forked one asks at once.
+    fork = workers > 0 and sys.platform.startswith("linux")
+    return torch.utils.data.DataLoader(
+        _JobDataset(decode), sampler=_RankJobs(order, batch_number), batch_size=None, collate_fn=_as_is,
+        num_workers=workers, pin_memory=device.type == "cuda", prefetch_factor=prefetch if workers else None,
+        persistent_workers=workers > 0, worker_init_fn=functools.partial(_loader_init, os.getpid()),
+        multiprocessing_context="fork" if fork else None)
+
+
 class StreamingBatches:
     """`BatchSource` over a `Catalog`, decoded by loader worker processes; see the module docstring."""
 
@@ -132,17 +147,7 @@ class StreamingBatches:
 
     def loader(self, batch_number: int) -> torch.utils.data.DataLoader:
         """The DataLoader of this rank's jobs from global batch `batch_number` on (what `iter_from` reads)."""
-        jobs = _RankJobs(self.order, batch_number)
-        workers = self.loader_workers
-        # The loader processes die with this one (a SIGKILLed run leaves none, nor the resource tracker they hold
-        # open). Forked on Linux: a spawned one re-imports torch for seconds before it could ask, and outlived a
-        # killed run that long; a forked one asks at once.
-        fork = workers > 0 and sys.platform.startswith("linux")
-        return torch.utils.data.DataLoader(
-            _JobDataset(self.decoder), sampler=jobs, batch_size=None, collate_fn=_as_is, num_workers=workers,
-            pin_memory=self.device.type == "cuda", prefetch_factor=self.prefetch if workers else None,
-            persistent_workers=workers > 0, worker_init_fn=functools.partial(_loader_init, os.getpid()),
-            multiprocessing_context="fork" if fork else None)
+        return job_loader(self.decoder, self.order, batch_number, self.loader_workers, self.device, self.prefetch)
 
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
         for out in self.loader(batch_number):

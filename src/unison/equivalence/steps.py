@@ -27,9 +27,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,6 +41,7 @@ from .compare import max_rel_difference
 if TYPE_CHECKING:   # annotations only; the functions below import them when called
     from unison.config import TrainConfig
     from unison.data.tensor_dataset import ImageTensorDataset
+    from unison.training.pieces import OwnPieces
 
 @dataclass
 class CheckReport:
@@ -52,6 +54,7 @@ class CheckReport:
     note: str | None
     tolerance: float
     reference: str = "one process on the global batch"   # what the W-worker run was compared with
+    pieces: str = ""   # the user's own pieces checked (``unison.check(..., backbone=..., dataset=...)``), if any
 
     @property
     def passed(self) -> bool:
@@ -66,7 +69,8 @@ class CheckReport:
             f"grad_sync_every={s.grad_sync_every}" + (f" accumulation={s.accumulation}" if s.grad_sync_every > 1 else "")
             + " (the training step of unison train)"
             + f"\n  compared with                       : {self.reference}"
-            + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
+            + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else "")
+            + (f"\n  your pieces                         : {self.pieces}" if self.pieces else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
             f"  max relative difference, parameters : {self.max_rel_state:.3e}   ({self.worst.get('state', '-')})",
@@ -79,15 +83,19 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
+def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = None) -> TrainConfig:
     """The `unison train` configuration a check runs: one epoch of `spec.steps` global batches (synthetic
-    images), or `spec.steps` global batches of `spec.data`, streamed."""
+    images), or `spec.steps` global batches of `spec.data`, streamed, or of the user's own dataset (`own`, whose
+    pieces it names: `OwnPieces.apply`)."""
     from unison.config import TrainConfig
     from unison.config.distributed import DistributedConfig
 
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
-    return TrainConfig(
+    if own is not None and own.dataset is not None:   # in the training process: views independent of it anyway
+        streamed = {"epochs": spec.steps, "loader_workers": 0,
+                    "image_size": None if own.transform is not None else spec.image_size}
+    cfg = TrainConfig(
         method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
         threads=1, progress=False, method_params=dict(spec.method_params),
@@ -96,6 +104,9 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
                                       shared_queue=spec.shared_queue, grad_sync_every=spec.grad_sync_every,
                                       accumulation=spec.accumulation,
                                       shard=spec.shard if world_size > 1 else "none"))
+    if own is not None:
+        own.apply(cfg)
+    return cfg
 
 
 def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:
@@ -106,9 +117,9 @@ def synthetic_images(spec: CheckSpec) -> ImageTensorDataset:
                              spec.seed)
 
 
-def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
+def record_steps(spec_dict: dict[str, Any], own: OwnPieces | None = None) -> dict[str, Any]:
     """Worker body (also run in-process for the single-worker reference): the production step's
-    losses, gradients and states, step by step."""
+    losses, gradients and states, step by step. `own`: the user's pieces (`unison.training.own`)."""
     from unison.distributed import collectives as C
     from unison.distributed.dtensor import full_tensor
     from unison.training.accumulate import backbones
@@ -116,8 +127,9 @@ def record_steps(spec_dict: dict[str, Any]) -> dict[str, Any]:
 
     spec = CheckSpec(**spec_dict)
     torch.set_num_threads(1)
-    cfg = train_config_for(spec, C.world_size())
-    run = build_run(cfg, torch.device("cpu"), train_set=None if spec.data else synthetic_images(spec))
+    cfg = train_config_for(spec, C.world_size(), own)
+    given = spec.data or (own is not None and own.dataset is not None)
+    run = build_run(cfg, torch.device("cpu"), train_set=None if given else synthetic_images(spec), own=own)
     losses, grads, states = [], [], []
     for micro in steps(run):
         losses.append(C.all_reduce_no_grad(accumulated_forward_backward(run, micro), average=True))
@@ -191,21 +203,28 @@ def record_each(spec_dicts: list[dict[str, Any]], record: Callable[[dict[str, An
 
 def run_equivalence_all(methods: list[str], world_size: int = 2, *,
                         record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps,
-                        **kw: Any) -> list[CheckReport]:
+                        own: OwnPieces | None = None, **kw: Any) -> list[CheckReport]:
     """`run_equivalence` for several methods, each W workers against 1 process, in ONE launch of W workers (the
     process start-up, a few seconds, is paid once: ``unison check --method all``). Every method builds its run
     from its own seed, so each report is the one `run_equivalence` gives.
 
-    `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
+    `record` is the worker body (tests pass a deliberately broken copy to see the check fail); `own`: the user's
+    backbone, dataset and transform, checked as `unison.train` checks them and sent to the workers pickled."""
     from unison.distributed.testing import run_in_workers
     from unison.errors import ConfigError
+    from unison.training.own import check_picklable, check_pieces
     from unison.training.resolve import validate_run
 
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
-        validate_run(train_config_for(spec, world_size))
+        cfg = validate_run(train_config_for(spec, world_size, own), own=own)
+        if own is not None:
+            check_pieces(cfg, own)
+    if own is not None:
+        check_picklable(own)
+        record = functools.partial(cast(Any, record), own=own)
     spec_dicts = [dataclasses.asdict(spec) for spec in specs]
     seed = specs[0].seed if specs else 0
     multi = run_in_workers(record_each, world_size, args=(spec_dicts, record), backend="gloo", seed=seed,
@@ -215,12 +234,20 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
         single_spec = reference(spec, recorded)[0]
         single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
         reports.append(compare(recorded, single, spec))
+    if own is not None:
+        cfg = train_config_for(specs[0], world_size, own)
+        named = {"backbone": own.backbone is not None and cfg.backbone, "dataset": own.dataset is not None and cfg.data,
+                 "transform": own.transform is not None and own.transform_name()}
+        for report in reports:
+            report.pieces = ", ".join(f"{k} {v}" for k, v in named.items() if v)
     return reports
 
 
 def run_equivalence(method: str = "simclr", world_size: int = 2, *,
-                    record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps, **kw: Any) -> CheckReport:
+                    record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps, own: OwnPieces | None = None,
+                    **kw: Any) -> CheckReport:
     """Train `method` on W processes and on 1 process with the production step; return the comparison.
 
-    `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
-    return run_equivalence_all([method], world_size, record=record, **kw)[0]
+    `record` is the worker body (tests pass a deliberately broken copy to see the check fail); `own`: the user's
+    pieces (`unison.training.own`)."""
+    return run_equivalence_all([method], world_size, record=record, own=own, **kw)[0]

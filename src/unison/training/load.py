@@ -22,6 +22,7 @@ from unison.paths import Input
 from unison.training.checkpoint import check_compatible, load_checkpoint
 from unison.training.checkpoint.files import CHECKPOINT_DIR, checkpoint_dir
 
+from .pieces import OWN
 from .step import build_method
 
 
@@ -29,8 +30,12 @@ def preprocessing(cfg: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
     """What a user of the exported backbone must feed it: image size and the training set's mean/std.
 
     From the checkpoint's resolved values; a checkpoint written before they were recorded has the
-    configured image size only (mean/std None)."""
+    configured image size only (mean/std None). A run with the user's own transform (``transform``: its name)
+    was fed what that transform makes: its normalisation, not unison's (mean/std None)."""
     resolved = ckpt.get("resolved") or {}
+    if resolved.get("transform"):
+        return {"image_size": resolved.get("image_size", cfg.image_size), "mean": None, "std": None,
+                "transform": str(resolved["transform"])}
     return {"image_size": resolved.get("image_size", cfg.image_size), "mean": resolved.get("mean"),
             "std": resolved.get("std")}
 
@@ -47,6 +52,15 @@ def checkpoint_inputs(checkpoint: str | Path) -> list[Input]:
     return inputs
 
 
+def own_backbone_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The backbone's own state dict in a checkpoint of a run with the user's backbone (``unison.train(...,
+    backbone=...)``, named ``own:...``), which unison cannot rebuild; None for unison's backbones."""
+    if not str((ckpt.get("config") or {}).get("backbone") or "").startswith(OWN):
+        return None
+    prefix = "backbone."   # the method's online backbone (`SSLMethod.backbone`)
+    return {k[len(prefix):]: v for k, v in ckpt["model"].items() if k.startswith(prefix)}
+
+
 def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[SSLMethod, TrainConfig, dict]:
     """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
 
@@ -54,11 +68,26 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
     """
     ckpt = load_checkpoint(checkpoint, map_location=device, run=True)   # every field checked, the config too
+    return method_of(checkpoint, ckpt, device), config_of(ckpt), ckpt
+
+
+def config_of(ckpt: dict[str, Any]) -> TrainConfig:
+    """The configuration of a checkpoint's run (read by `load_checkpoint`), with the backbone as trained."""
     cfg = TrainConfig.from_dict(dict(ckpt["config"]))
     # The backbone as trained: runs record the pinned name (resnet18 -> resnet18_imagenet at 224 px); before
     # that was recorded, resnet18/resnet50 always had the CIFAR stem, which resolve_backbone(name, None) gives.
     pinned = (ckpt.get("resolved") or {}).get("backbone")
     cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
+    return cfg
+
+
+def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device | str = "cpu") -> SSLMethod:
+    """The method of `ckpt` (read from `checkpoint` by `load_checkpoint`) with its weights, in eval mode."""
+    cfg = config_of(ckpt)
+    if own_backbone_weights(ckpt) is not None:
+        raise ConfigError(f"{checkpoint} trained your own backbone {str(cfg.backbone)[len(OWN):]} (unison.train(..., "
+                          "backbone=...)), which unison cannot rebuild: unison export writes its state_dict for your "
+                          "module, and unison.train with the same backbone= (and --resume) continues it")
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
                               image_size=preprocessing(cfg, ckpt)["image_size"])
@@ -66,4 +95,4 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
         raise ConfigError(str(e)) from None
     check_compatible(method, ckpt.get("model"), checkpoint)
     method.load_state_dict(ckpt["model"])
-    return method.eval(), cfg, ckpt
+    return method.eval()

@@ -29,7 +29,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,11 +71,20 @@ from unison.training.step import (
 )
 from unison.training.summary import Summary, peak_memory_mib, steady_heap
 
-__all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "train", "train_worker"]
+if TYPE_CHECKING:   # annotations only
+    from unison.training.pieces import OwnPieces
+
+__all__ = ["DataWaitWarning", "consistent_config", "knn_top1", "start_line", "train", "train_worker", "train_worker_own"]
 
 
-def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of one worker process (unison's launcher, torchrun, srun or mpirun): its `Summary` as a dict."""
+def train_worker_own(payload: dict[str, Any]) -> dict[str, Any]:
+    """`train_worker` of a run given the user's own pieces: ``{"config": cfg.to_dict(), "own": OwnPieces}``."""
+    return train_worker(payload["config"], payload["own"])
+
+
+def train_worker(payload: dict[str, Any], own: OwnPieces | None = None) -> dict[str, Any]:
+    """Entry point of one worker process (unison's launcher, torchrun, srun or mpirun): its `Summary` as a dict.
+    `own`: the user's backbone, dataset and transform (`unison.training.own`)."""
     install_stop_handlers()   # a SIGTERM during start-up is a stop request too, not a kill
     steady_heap()   # peak memory that does not grow with the data (`unison.training.summary.steady_heap`)
     cfg = TrainConfig.from_dict(payload)
@@ -85,7 +94,7 @@ def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
     device = init_distributed(cfg.distributed, launch_env.local_rank if launch_env else 0)
     error: BaseException | None = None
     try:
-        return train(cfg, device).to_dict()
+        return train(cfg, device, own=own).to_dict()
     except BaseException as exc:
         error = exc
         raise
@@ -93,10 +102,12 @@ def train_worker(payload: dict[str, Any]) -> dict[str, Any]:
         shutdown_distributed(error)
 
 
-def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = ()) -> Summary:
+def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (), *,
+          own: OwnPieces | None = None) -> Summary:
     """Train on this rank (the process group is initialised); every rank returns the same `Summary`.
 
     `hooks` run after the loop's own, followed by those ``UNISON_TRAIN_HOOKS`` names (`unison.training.hooks`).
+    `own`: the user's pieces (`unison.training.own`).
     """
     extra = Hooks([*hooks, *hooks_from_env(cfg, C.rank())])
     install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
@@ -105,7 +116,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
                                 on_write=extra.on_checkpoint_write)
     try:
         with contextlib.ExitStack() as on_exit:   # what a failed run must still close (its metrics file)
-            return _train(cfg, device, watch, extra, checkpointer, on_exit)
+            return _train(cfg, device, watch, extra, checkpointer, on_exit, own)
     except KeyboardInterrupt:
         checkpointer.close(abort=True)     # Ctrl-C: end promptly, no half-written checkpoint
         raise
@@ -116,10 +127,10 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
 
 
 def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks, checkpointer: Checkpointer,
-           on_exit: contextlib.ExitStack) -> Summary:
+           on_exit: contextlib.ExitStack, own: OwnPieces | None = None) -> Summary:
     """Build, restore, the step loop with its hooks, the end of the run (the module docstring's 1 to 4)."""
     # ---- build the step, restore a checkpoint (or record the random-initialisation baseline)
-    run = _build(cfg, device)
+    run = _build(cfg, device, own)
     runlog = RunLog(cfg.out, enabled=C.rank() == 0)
     step, history = _restore(run, watch, runlog)
     if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
@@ -162,11 +173,11 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     return _summary(run, step, history, log, checkpointer, logger, probe.train_s)
 
 
-def _build(cfg: TrainConfig, device: torch.device) -> Run:
+def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None) -> Run:
     """Every rank: the same configuration, its share of the cores, the step; rank 0: the run directory."""
     consistent_config(cfg)
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
-    run = build_run(cfg, device)
+    run = build_run(cfg, device, own=own)
     if C.rank() == 0:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         describe_data(run)
@@ -251,6 +262,12 @@ def describe_data(run: Run) -> None:
         print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "
               f"{src.loader_workers} loader process(es) per worker, decode on {src.decode_on}", file=sys.stderr,
               flush=True)
+    if d.mode == "own":
+        transform = d.own.transform
+        views = (f"views by your transform {getattr(transform, '__name__', type(transform).__name__)}"
+                 if transform is not None else f"unison's {d.augment.preset} augmentation")
+        print(f"unison: training on your dataset {d.own.name} ({d.num_images} images) at {d.image_size} px, {views}",
+              file=sys.stderr, flush=True)
     if d.knn_skipped:
         print(f"unison: kNN evaluation skipped: {d.knn_skipped}", file=sys.stderr, flush=True)
 

@@ -49,8 +49,10 @@ class DataWaitWarning:
             return
         self.warned = True
         d = self.run.data
-        advice = (f"raise --loader-workers (now {getattr(d.source, 'loader_workers', 0)}) or use --decode gpu"
-                  if d.mode == "stream" else "the in-memory augmentation is the bottleneck (see unison bench)")
+        workers = getattr(d.source, "loader_workers", 0)
+        advice = (f"raise --loader-workers (now {workers}) or use --decode gpu" if d.mode == "stream" else
+                  f"your dataset and transform are the bottleneck: raise loader_workers (now {workers})"
+                  if d.mode == "own" else "the in-memory augmentation is the bottleneck (see unison bench)")
         print(f"unison: warning: the training step waited for data {share:.0%} of the time up to step {step} "
               f"(more than {self.SHARE:.0%}); {advice}", file=sys.stderr, flush=True)
 

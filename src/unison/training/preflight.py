@@ -33,22 +33,30 @@ from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
+from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir
+from unison.training.pieces import OwnPieces
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 
 
-def preflight(cfg: TrainConfig, launched: bool) -> None:
-    """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on."""
-    spec = data_spec(cfg)
-    catalogs = {}
-    for role in ("data", "val"):   # the rules every build applies (`open_checked`), before W workers start
-        with warnings.catch_warnings():  # the workers repeat the scan and its warnings
-            warnings.simplefilter("ignore")
-            catalogs[role] = open_checked(spec, role)
-    check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-    check_crops(cfg, catalogs["data"])
+def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) -> None:
+    """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on. `own`: the
+    user's pieces (`unison.training.own.check_pieces`: their dataset replaces the data checks)."""
+    own = own or OwnPieces()
+    if own.dataset is None:
+        spec = data_spec(cfg)
+        catalogs = {}
+        for role in ("data", "val"):   # the rules every build applies (`open_checked`), before W workers start
+            with warnings.catch_warnings():  # the workers repeat the scan and its warnings
+                warnings.simplefilter("ignore")
+                catalogs[role] = open_checked(spec, role)
+        check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
+        if own.backbone is None:
+            check_crops(cfg, catalogs["data"])
+        sizes = planned_view_sizes(spec, resolve_recipe(cfg).augmentation, catalogs["data"])
+    check_pieces(cfg, own, sizes if own.dataset is None else None)
     out = Path(cfg.out)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)

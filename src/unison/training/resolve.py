@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unison.config import TrainConfig
 from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
@@ -25,6 +25,9 @@ from unison.errors import ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
+
+if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
+    from unison.training.pieces import OwnPieces
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,19 @@ def resolve_recipe(cfg: TrainConfig) -> ResolvedRecipe:
         augmentation=cfg.augmentation or recipe.augmentation)
 
 
-def validate_run(cfg: TrainConfig, cuda_available: bool | None = None) -> TrainConfig:
+def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: OwnPieces | None = None) -> TrainConfig:
     """Every field (`TrainConfig.validate`), then the method, its parameters, the backbone and the augmentation;
-    fills in the recipe's backbone (what the workers, checkpoints and summary see). Returns `cfg`."""
+    fills in the recipe's backbone (what the workers, checkpoints and summary see). `own`: the user's pieces
+    (`unison.training.own`), named in `cfg` in place of the backbone and data they replace. Returns `cfg`."""
     cfg.validate(cuda_available)
     if cfg.method not in METHODS:
         raise ConfigError(f"method={shown(cfg.method)} is unknown{did_you_mean(cfg.method, METHODS)}; "
                           f"use one of {', '.join(sorted(METHODS))}")
-    _validate_backbone(cfg)
+    if own is not None:
+        own.check_types()
+        own.apply(cfg)
+    if own is None or own.backbone is None:   # the user's backbone: checked by one forward (`check_pieces`)
+        _validate_backbone(cfg)
     if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
         raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
@@ -107,6 +115,9 @@ def _validate_local_crops(cfg: TrainConfig) -> None:
 def _validate_backbone(cfg: TrainConfig) -> None:
     if cfg.backbone is None:
         cfg.backbone = resolve_recipe(cfg).backbone
+    if cfg.backbone.startswith("own:"):   # `unison.training.pieces.OWN`, as config.json records a run's own backbone
+        raise ConfigError(f"backbone={shown(cfg.backbone)} names your own backbone; pass the module itself: "
+                          "unison.train(cfg, backbone=..., feature_dim=...), and leave the configuration's out")
     if cfg.backbone not in BACKBONES and not cfg.backbone.startswith("timm:"):
         raise ConfigError(f"backbone={shown(cfg.backbone)} is unknown{did_you_mean(cfg.backbone, BACKBONES)}; "
                           f"use one of {', '.join(BACKBONES)} or timm:<name>")

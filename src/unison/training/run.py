@@ -21,30 +21,41 @@ from unison.distributed.env import apply_launch_env, check_backend_launcher, det
 from unison.distributed.launch import launch
 
 from .footprint import check_model_memory
-from .loop import train_worker
+from .loop import train_worker, train_worker_own
+from .own import check_picklable
 from .owner import RunDirLock
+from .pieces import OwnPieces
 from .preflight import preflight, warn_fresh_run
 from .resolve import validate_run
 from .summary import Summary
 
 
-def run_training(cfg: TrainConfig, *, isolated: bool = False) -> Summary:
+def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | None = None) -> Summary:
     """Train as `cfg` says; return the run's `Summary` (also written to ``<out>/summary.json``).
 
     `isolated`: run even a single worker in a fresh process (benchmarks: each run's peak memory
-    and thread settings are its own)."""
+    and thread settings are its own). `own`: the user's backbone, dataset and transform (`unison.training.own`),
+    sent to unison's worker processes pickled."""
     launch_env = detect_launch_env()
     launched = launch_env is not None
     check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
     if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
-    validate_run(cfg)
-    check_model_memory(cfg)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
-    preflight(cfg, launched=launched)
+    validate_run(cfg, own=own)
+    in_process = launched or (cfg.distributed.world_size == 1 and not isolated)
+    if own is not None and not in_process:
+        check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
+    if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
+        check_model_memory(cfg)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
+    preflight(cfg, launched=launched, own=own)
     owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
     with RunDirLock(cfg.out) if owner else contextlib.nullcontext():
         warn_fresh_run(cfg, launched)
-        if launched or (cfg.distributed.world_size == 1 and not isolated):
-            return Summary.from_dict(train_worker(cfg.to_dict()))
-        results = launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
+        if in_process:
+            return Summary.from_dict(train_worker(cfg.to_dict(), own))
+        if own is not None:
+            results = launch(train_worker_own, {"config": cfg.to_dict(), "own": own}, cfg.distributed,
+                             threads_per_worker=cfg.threads)
+        else:
+            results = launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
         return Summary.from_dict(results[0])

@@ -177,7 +177,7 @@ class SignalsHook(TrainHook):
     def __init__(self, run: Run, watch: Watchdog, logger: MetricsLogger, runlog: RunLog) -> None:
         self.run, self.watch, self.logger, self.runlog = run, watch, logger, runlog
         count = run.cfg.signal_images
-        self.held = HeldBack(run, count) if count and run.data.num_images >= 2 else None
+        self.held = HeldBack(run, count) if count and run.data.num_images >= 2 and run.data.random_access else None
         self.every = run.cfg.signals_every or max(AUTO_MIN_EVERY, math.ceil(run.total_steps / AUTO_EVALUATIONS))
         self.latest: dict[str, float] = {}
         self.streak = 0

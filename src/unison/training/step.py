@@ -28,13 +28,14 @@ this step, so what it proves is what users run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -58,6 +59,9 @@ from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.resolve import exact_accumulation, resolve_recipe
+
+if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
+    from unison.training.pieces import OwnPieces
 
 
 @dataclass(frozen=True)
@@ -144,14 +148,18 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None, backbone: str | None = None,
-                 view_sizes: Sequence[int] = ()) -> SSLMethod:
+                 view_sizes: Sequence[int] = (), own: tuple[nn.Module, int] | None = None) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
-    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all."""
+    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
+    `own`: the user's (backbone, feature_dim), built around a copy (the object passed stays as it was)."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
-    encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
-                                          backbone_args=cfg.backbone_args, view_sizes=view_sizes)
+    if own is not None:
+        encoder, feature_dim = copy.deepcopy(own[0]), own[1]
+    else:
+        encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
+                                              backbone_args=cfg.backbone_args, view_sizes=view_sizes)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -171,14 +179,15 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
-              val_set: ImageTensorDataset | None = None, metered_comm: bool = False) -> Run:
+              val_set: ImageTensorDataset | None = None, metered_comm: bool = False,
+              own: OwnPieces | None = None) -> Run:
     """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
-    `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
-    initialised (one process: backend local)."""
+    `unison.distributed.comm_meter` counts it (``unison bench comm``); `own`: the user's backbone, dataset and
+    transform (`unison.training.own`). The process group must already be initialised (one process: backend local)."""
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
-    data = build_batch_source(data_spec(cfg), device, recipe.augmentation, train_set=train_set, val_set=val_set)
+    data = build_data(cfg, device, recipe.augmentation, train_set, val_set, own)
     image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
@@ -194,8 +203,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                           "--accumulation independent")
 
     # ---- model: SyncBN, memory format, DDP
+    own_backbone = (own.backbone, int(own.feature_dim or 0)) if own is not None and own.backbone is not None else None
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
-                          view_sizes=augment.view_sizes)
+                          view_sizes=augment.view_sizes, own=own_backbone)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
@@ -238,10 +248,24 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
                         "accumulation": "exact" if exact else "per micro-batch" if accumulate > 1 else "none",
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
-                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
+                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params),
+                        **({"feature_dim": method.feature_dim} if own_backbone else {}),
+                        **({"transform": own.transform_name()} if own is not None and own.transform else {})},
               data=data, exact=exact)
     register_checkpoint_state(run)
     return run
+
+
+def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_set: ImageTensorDataset | None,
+          val_set: ImageTensorDataset | None, own: OwnPieces | None) -> TrainData:
+    """The run's data: the user's dataset (`unison.data.own`), else what `cfg` names or the sets given. The
+    pre-flight of the user's pieces (`unison.training.own.check_pieces`) builds it too."""
+    if own is not None and own.dataset is not None:
+        from unison.data.own import build_own_source  # only runs given a dataset read it
+
+        batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
+        return build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
+    return build_batch_source(data_spec(cfg), device, augmentation, train_set=train_set, val_set=val_set)
 
 
 def register_checkpoint_state(run: Run) -> None:

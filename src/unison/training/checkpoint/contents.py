@@ -27,6 +27,7 @@ from unison.config import DistributedConfig, TrainConfig
 from unison.config.fields import article, type_error
 from unison.config.train import LOGGERS
 from unison.errors import CheckpointError, ConfigError
+from unison.training.pieces import OWN
 
 from .extra_state import extra_problem
 from .rng_state import rng_problem
@@ -132,6 +133,8 @@ def _check_config(config: dict[str, Any], path: Path) -> None:
             raise ConfigError(f"{name} must be {article(typ)} {typ}, not {shown(value)}")
         if cfg.logger in LOGGERS:
             cfg.logger = "none"    # whether wandb is installed here is no fault of the file
+        if str(cfg.backbone).startswith(OWN):   # the user's own backbone: checked when it is passed again
+            cfg.backbone = None
         validate_run(cfg, cuda_available=True)   # nor whether this machine has GPUs
     except (ConfigError, TypeError, ValueError, AttributeError, KeyError) as e:
         text = str(e).replace("\n", " ")

@@ -30,6 +30,7 @@ import torch
 
 from unison.distributed import collectives as C
 from unison.errors import CheckpointError, CorruptCheckpointError
+from unison.training.pieces import OWN
 
 from .contents import MAX_STEP, check_fields, check_run_fields, shown
 from .files import checkpoint_dir, is_checkpoint_name, named_checkpoint, resume_candidates
@@ -130,6 +131,10 @@ def _check_expected(ckpt: dict[str, Any], path: Path, expect: Expected) -> None:
         if value is not None and config.get(name) is not None and config[name] != value:   # None: the recipe's
             flag = STRUCTURE.get(name, name)
             was, now = _as_options(flag, config[name]), _as_options(flag, value)
+            if name == "backbone" and str(config[name]).startswith(OWN):   # `unison.train(..., backbone=...)`'s
+                raise CheckpointError(f"checkpoint {path} was trained with your own backbone "
+                                      f"{str(config[name])[len(OWN):]}, this run has {now}; pass the same backbone= "
+                                      "(and feature_dim=) again to resume it, or a new --out to train anew")
             raise CheckpointError(f"checkpoint {path} was trained with {was}, this run has {now}; use {was} to "
                                   "resume it, or a new --out (without --resume) to train anew")
 

@@ -1,0 +1,115 @@
+"""The checks of the user's own pieces (``unison.train(cfg, backbone=..., feature_dim=..., dataset=..., transform=...)``).
+
+`OwnPieces` (`unison.training.pieces`) holds them; `check_pieces` is their whole check before any worker starts
+(`unison.train`'s pre-flight and `unison.check`'s call it): the first item of the dataset and its views
+(`unison.data.own`), one forward of the backbone on a dummy batch of each view size (its output must be
+``[batch, feature_dim]``) and the method built around a copy of it (the types and the options they replace:
+`OwnPieces.check_types` and `OwnPieces.apply`, in `validate_run`). `check_picklable` runs where the pieces travel
+to unison's worker processes (world size > 1): pickled, as the launcher sends them, they must load in a fresh
+process, so a lambda or a class defined inside a function is one line naming the piece, not a traceback in every
+worker.
+
+In the workers, `unison.training.step.build_run` builds the method around a copy of the backbone (the object
+passed is never modified: the trained weights are in the run's checkpoints), converts its batch norm to SyncBN as
+for unison's backbones, and reads the dataset through `unison.data.own.build_own_source`.
+
+Example::
+
+    pieces = OwnPieces(backbone=MyNet(), feature_dim=512, dataset=MyPhotos("/data"), transform=my_views)
+    check_pieces(validate_run(cfg, own=pieces), pieces)
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import sys
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+
+from unison.config import TrainConfig
+from unison.data.augment import PRESETS, view_sizes
+from unison.data.own import OwnBatches, seeded_rngs
+from unison.errors import ConfigError
+from unison.training.pieces import OwnPieces
+from unison.training.resolve import resolve_recipe
+from unison.training.step import build_data, build_method, data_spec
+
+__all__ = ["OwnPieces", "check_features", "check_picklable", "check_pieces"]
+
+def check_pieces(cfg: TrainConfig, pieces: OwnPieces, sizes: list[int] | None = None) -> None:
+    """The pieces against the run `cfg` (validated, `OwnPieces.apply` done): the dataset's first item and its
+    views, then the backbone on a dummy batch of every view size (those of the views, else `sizes`, else the
+    configuration's). Raises `ConfigError`/`DataError` with one line."""
+    if not pieces.given:
+        return
+    augmentation = resolve_recipe(cfg).augmentation
+    if pieces.dataset is not None:
+        data = build_data(cfg, torch.device("cpu"), augmentation, None, None, pieces)
+        first = cast(OwnBatches, data.source).make.of(0, [0], [data.own.first()])["views"]
+        sizes = [int(v.shape[-1]) for v in first]
+    if pieces.backbone is not None:
+        spec = data_spec(cfg)
+        sizes = sizes or view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, cfg.image_size or 32)
+        check_features(pieces.backbone, pieces.feature_dim or 0, sorted(set(sizes)))
+        # the method around (a copy of) it, as every worker builds it: a method that needs a ViT's patch tokens
+        # (MAE, iBOT, I-JEPA) refuses here; the build seeds the global RNGs, the caller's are restored after
+        with seeded_rngs(cfg.seed, 0, 0, 0):
+            build_method(cfg, 1, torch.float32, torch.device("cpu"), max(sizes), view_sizes=sizes,
+                         own=(pieces.backbone, pieces.feature_dim or 0))
+
+
+def check_features(backbone: nn.Module, feature_dim: int, sizes: list[int]) -> None:
+    """One forward of `backbone` (eval mode, no gradients: nothing of it changes) on 2 images of each size."""
+    param = next(iter(backbone.parameters()), None)
+    device, dtype = (param.device, param.dtype) if param is not None else (torch.device("cpu"), torch.float32)
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        for size in sizes:
+            with torch.no_grad():
+                try:
+                    out = backbone(torch.zeros(2, 3, size, size, device=device, dtype=dtype))
+                except Exception as e:   # the user's code: any error, said in one line
+                    raise ConfigError(f"backbone= {type(backbone).__name__} fails on a batch of 2 images of "
+                                      f"{size}x{size} px (the views' size): {type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            if shape != (2, feature_dim):
+                raise ConfigError(f"backbone= {type(backbone).__name__} returns {shape} for 2 images of {size}x{size} "
+                                  f"px; it must return [batch, feature_dim] = (2, {feature_dim}): give the right "
+                                  "feature_dim, or end the backbone with flatten/pooling")
+    finally:
+        backbone.train(was_training)
+
+
+class _Sink(io.RawIOBase):
+    """A file that keeps nothing: pickling into it checks without holding a copy of the pieces."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)
+
+
+def check_picklable(pieces: OwnPieces) -> None:
+    """Each piece must pickle (the launcher sends it to every worker); `ConfigError` naming the one that does not."""
+    for what, piece in (("backbone", pieces.backbone), ("dataset", pieces.dataset), ("transform", pieces.transform)):
+        if piece is None:
+            continue
+        module = getattr(piece, "__module__", None) if callable(piece) and not isinstance(piece, nn.Module) \
+            else type(piece).__module__
+        if module == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+            raise ConfigError(f"{what}= is defined in an interactive session, which the worker processes cannot "
+                              "import; define it in a module (a .py file) or train with world_size=1")
+        try:
+            pickle.Pickler(_Sink(), protocol=pickle.HIGHEST_PROTOCOL).dump(piece)
+        except Exception as e:
+            why = re.sub(r" at 0x[0-9a-f]+", "", str(e).splitlines()[0] if str(e) else "")   # no addresses
+            raise ConfigError(f"{what}= cannot be sent to the worker processes ({type(e).__name__}: {why}); define "
+                              "it, and everything it holds, at module level (a class or def in a module, no lambda "
+                              "or local function), or train with world_size=1") from None
