@@ -42,6 +42,9 @@ class CheckSpec:
     accumulation: str = field(default="exact", metadata={
         "help": "with --grad-sync-every K > 1: exact | independent (as unison train's)",
         "choices": ("exact", "independent")})
+    teacher_backbone: str | None = field(default=None, metadata={
+        "help": "--method distill: the architecture of its seeded random-init teacher (default small_cnn): the check "
+                "proves the student's gradient exact, whatever the teacher's weights"})
     method_params: dict[str, Any] = field(default_factory=dict)
 
 

@@ -30,6 +30,7 @@ DATA_MODES = ("auto", "memory", "stream")
 DECODERS = ("cpu", "gpu")
 LOGGERS = ("none", "csv", "tensorboard", "wandb")
 OPTIMIZERS = ("sgd", "lars", "adam", "adamw")
+TEACHER_DTYPES = ("float32", "bf16")
 MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
 MAX_SEED = 2**64 - 1     # torch.manual_seed takes unsigned 64-bit seeds
 MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overflows
@@ -175,6 +176,17 @@ class TrainConfig:
                 "none (no metrics files)", "choices": LOGGERS})
     method_params: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "method hyper-parameters (--param NAME=VALUE)"})
+    # ---- distill (issue 25): the frozen teacher
+    teacher: str | None = field(default=None, metadata={
+        "help": "--method distill: the frozen teacher: a unison run directory or checkpoint, a weights file "
+                "(.pth/.pt/.safetensors of torchvision or timm, a unison export) with --teacher-backbone, or "
+                "'random' (a seeded random-init teacher: tests and unison check)"})
+    teacher_backbone: str | None = field(default=None, metadata={
+        "help": "--method distill: the teacher's architecture (names as --backbone); default: the teacher run's, "
+                "or small_cnn for --teacher random"})
+    teacher_dtype: str = field(default="float32", metadata={
+        "help": "--method distill: the teacher's parameter dtype: float32, or bf16 (half the memory; its "
+                "forward in bf16)", "choices": TEACHER_DTYPES})
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
@@ -217,7 +229,17 @@ class TrainConfig:
             raise ConfigError(f"on_corrupt={shown(self.on_corrupt)} is unknown; use skip or error")
         self._validate_data(cuda_available)
         self._validate_choices()
+        self._validate_teacher()
         return self
+
+    def _validate_teacher(self) -> None:
+        """The teacher options' own values; the file and the architecture are checked by
+        `unison.training.teacher.validate_teacher` (which knows the methods and backbones)."""
+        if self.teacher_dtype not in TEACHER_DTYPES:
+            raise ConfigError(f"teacher_dtype={shown(self.teacher_dtype)} is unknown; use float32 or bf16")
+        if self.teacher is not None and (not self.teacher or "\x00" in self.teacher):
+            raise ConfigError(f"--teacher {shown(self.teacher)} is not a path; give a run directory, a weights file "
+                              "or 'random'")
 
     def _validate_choices(self) -> None:
         """The options whose choices this layer knows; methods, backbones and augmentation presets are the layers

@@ -84,13 +84,17 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
     images), or `spec.steps` global batches of `spec.data`, streamed."""
     from unison.config import TrainConfig
     from unison.config.distributed import DistributedConfig
+    from unison.methods import get_method
 
+    # distill: a seeded random-init teacher (the check is about the student's gradient)
+    teacher: dict[str, Any] = {"teacher": "random", "teacher_backbone": spec.teacher_backbone} \
+        if getattr(get_method(spec.method), "needs_teacher", False) else {}
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     return TrainConfig(
         method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
-        threads=1, progress=False, method_params=dict(spec.method_params),
+        threads=1, progress=False, method_params=dict(spec.method_params), **teacher,
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
                                       shared_queue=spec.shared_queue, grad_sync_every=spec.grad_sync_every,

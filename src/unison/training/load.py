@@ -61,7 +61,7 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> t
     cfg.backbone = pinned or (resolve_backbone(cfg.backbone, None) if cfg.backbone else None)
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
-                              image_size=preprocessing(cfg, ckpt)["image_size"])
+                              image_size=preprocessing(cfg, ckpt)["image_size"], teacher_weights=False)
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
     check_compatible(method, ckpt.get("model"), checkpoint)

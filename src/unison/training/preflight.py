@@ -27,16 +27,17 @@ from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
 from unison.data.source import check_label_spaces, open_checked, planned_view_sizes
 from unison.distributed.env import restart_reason
-from unison.errors import ConfigError, RunDirRefused
+from unison.errors import CheckpointError, ConfigError, RunDirRefused
 from unison.models.backbones import check_backbone
 from unison.paths import Input, is_inside, same_file
-from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
+from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
 from unison.training.owner import check_run_dir
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
+from unison.training.teacher import RANDOM, is_teacher_run, teacher_run_backbone
 
 
 def preflight(cfg: TrainConfig, launched: bool) -> None:
@@ -55,6 +56,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             if is_inside(out, folder):
                 raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}{where}, which this run reads; "
                                     "choose a run directory outside the data")
+    resolve_teacher(cfg)
     if out.name == CHECKPOINT_DIR and (out.parent / "config.json").is_file():   # resuming reads it as RUN_DIR
         raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
                             f"a new one, or --resume {out.parent} to continue that run")
@@ -70,6 +72,30 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
+
+
+def resolve_teacher(cfg: TrainConfig) -> None:
+    """distill's ``--teacher``: apart from ``--out``; a teacher run's checkpoint read as a resume reads it (every
+    field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
+    workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
+    if cfg.teacher in (None, RANDOM):
+        return
+    out = Path(cfg.out)
+    if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
+        raise RunDirRefused(f"--out {out} and --teacher {cfg.teacher} overlap: this run's files would overwrite or "
+                            "shadow the teacher it reads; choose a run directory apart from the teacher")
+    if not is_teacher_run(cfg.teacher):
+        return
+    header = read_header(cfg.teacher)
+    if header.path.is_dir():
+        raise CheckpointError(f"--teacher {header.path} is a sharded (.dcp) checkpoint; give a .pt checkpoint of the "
+                              "run or its unison export (with --teacher-backbone)")
+    trained = teacher_run_backbone(load_checkpoint(header.path, run=True))
+    given = cfg.teacher_backbone
+    if given is not None and given != trained and not trained.startswith(given + "_"):
+        raise ConfigError(f"--teacher-backbone {given} is not the backbone of the teacher run {cfg.teacher} "
+                          f"({trained}); leave --teacher-backbone out for a unison run")
+    cfg.teacher, cfg.teacher_backbone = str(header.path), trained
 
 
 def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:

@@ -58,6 +58,7 @@ from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.resolve import exact_accumulation, resolve_recipe
+from unison.training.teacher import build_teacher, needs_teacher
 
 
 @dataclass(frozen=True)
@@ -144,21 +145,32 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None, backbone: str | None = None,
-                 view_sizes: Sequence[int] = ()) -> SSLMethod:
+                 view_sizes: Sequence[int] = (), teacher_weights: bool = True) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
-    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all."""
-    seed_everything(cfg.seed, cfg.deterministic)
+    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
+    A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
+    False: the architecture only, for a checkpoint that holds it), then the seed is set again: the student
+    starts as it would without a teacher."""
     method_cls = get_method(cfg.method)
+    extra: dict[str, Any] = {}
+    if needs_teacher(cfg.method):
+        seed_everything(cfg.seed, cfg.deterministic)
+        teacher, teacher_dim = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
+        extra = {"teacher": teacher, "teacher_dim": teacher_dim}
+    seed_everything(cfg.seed, cfg.deterministic)
     encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
                                           backbone_args=cfg.backbone_args, view_sizes=view_sizes)
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
-                            shared_queue=cfg.distributed.shared_queue, steps_total=total_steps)
+                            shared_queue=cfg.distributed.shared_queue, steps_total=total_steps, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
-    return method.to(device, dtype)
+    method = method.to(device, dtype)
+    if extra and cfg.teacher_dtype == "bf16":   # after .to(dtype), which would undo it
+        extra["teacher"].to(torch.bfloat16)
+    return method
 
 
 def data_spec(cfg: TrainConfig) -> DataSpec:
