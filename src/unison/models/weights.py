@@ -67,6 +67,7 @@ class WeightsReport:
     matched: int = 0
     skipped: list[str] = field(default_factory=list)
     prefix: str = ""                  # the prefix stripped from the file's keys ("module.backbone.")
+    sha256: str = ""                  # of the tensors loaded (names, dtypes, shapes, bytes): what a run records
 
     def line(self) -> str:
         """One line for the run's start: what was loaded from where, and what was left out."""
@@ -252,7 +253,20 @@ def load_state(backbone: nn.Module, state: dict[str, torch.Tensor], path: str, s
             if k in state:
                 target.copy_(state[k].to(device=target.device, dtype=target.dtype))
     return WeightsReport(path=path, source=source, matched=sum(1 for k in own if k in state),
-                         skipped=[prefix + k for k in heads] + dropped, prefix=prefix)
+                         skipped=[prefix + k for k in heads] + dropped, prefix=prefix,
+                         sha256=tensors_sha256({k: state[k] for k in own if k in state}))
+
+
+def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of `state`'s names, dtypes, shapes and bytes, in its order: the same weights, the same digest,
+    whichever file format carried them."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in state.items():
+        h.update(f"{k}\0{v.dtype}\0{tuple(v.shape)}\0".encode())
+        h.update(v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def _missing_text(missing: list[str], others: list[str], own: dict[str, torch.Tensor],

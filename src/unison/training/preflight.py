@@ -5,7 +5,8 @@ which checks the method's hyper-parameters): data (folder, file list or shards: 
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
 calls too; the held-out labels against the training labels, by `unison.data.evalsets.map_labels`, the rule
 of the workers' kNN sets), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
-size), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
+size; ``--init``, ``--freeze``, ``--layer-decay`` by `unison.training.init.prepare_backbone`, the workers' rule, on a
+meta-device backbone), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
 read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
 folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
 directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
@@ -33,6 +34,7 @@ from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
+from unison.training.init import check_backbone_setup
 from unison.training.owner import check_run_dir
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
@@ -48,7 +50,7 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             warnings.simplefilter("ignore")
             catalogs[role] = open_checked(spec, role)
     check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-    check_crops(cfg, catalogs["data"])
+    check_crops(cfg, catalogs["data"])   # and --init, --freeze, --layer-decay against the backbone
     out = Path(cfg.out)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
@@ -80,6 +82,7 @@ def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
     sizes = planned_view_sizes(data_spec(cfg), recipe.augmentation, catalog)
     if len(set(sizes)) > 1:
         check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
+    check_backbone_setup(cfg, recipe.backbone, sizes[0] if sizes else cfg.image_size)   # the workers' rule
 
 
 def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:
