@@ -161,10 +161,12 @@ def export_info(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def _source(path: Path, kind: str) -> str:
+def describe_file(path: str | Path) -> str:
+    """What weights file `path` is, for the report: ``state dict``, ``safetensors file`` or ``unison export (...)``."""
+    path = Path(path)
     info = export_info(path)
     if info is None:
-        return kind
+        return "safetensors file" if _is_safetensors(path, _magic(path)) else "state dict"
     bits = [str(info.get(k))[:64] for k in ("backbone", "method") if isinstance(info.get(k), str)]
     step = info.get("step")
     return f"unison export ({', '.join(bits)}{f', step {step}' if isinstance(step, int) else ''})"
@@ -211,10 +213,8 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path, *, option: str 
                           name: str | None = None) -> WeightsReport:
     """Copy the weights of file `path` into `backbone` (unwrapped: before DDP/FSDP). `option` and `name` (the
     backbone's name, e.g. ``resnet18_cifar``) make the messages; raises `CheckpointError` (one line)."""
-    path = Path(path)
     state = read_backbone_state(path, option)
-    kind = "safetensors file" if _is_safetensors(path, _magic(path)) else "state dict"
-    return load_state(backbone, state, str(path), _source(path, kind), option=option, name=name)
+    return load_state(backbone, state, str(path), describe_file(path), option=option, name=name)
 
 
 def _strip(state: dict[str, torch.Tensor], target: set[str]) -> tuple[dict[str, torch.Tensor], str, list[str]]:

@@ -116,7 +116,7 @@ def frozen_names(names: Sequence[str], spec: str) -> set[str]:
 
 def _modules(names: Iterable[str]) -> set[str]:
     """Every dotted prefix of `names` (``blocks``, ``blocks.0``, ``blocks.0.attn``, ...)."""
-    out = set()
+    out: set[str] = set()
     for n in names:
         parts = n.split(".")
         out.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))

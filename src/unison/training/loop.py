@@ -49,6 +49,7 @@ from unison.paths import same_file, write_text_atomic
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
 from unison.training.checkpoint.files import step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
+from unison.training.init_read import init_weights_of
 from unison.training.loop_hooks import (
     CheckpointHook,
     DataWaitWarning,
@@ -167,7 +168,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> Run:
     consistent_config(cfg)
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
     _resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
-    run = build_run(cfg, device)
+    run = build_run(cfg, device, init=init_weights_of(cfg))   # --init read here: the step cannot read checkpoints
     if C.rank() == 0:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         describe_data(run)

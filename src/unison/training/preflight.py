@@ -34,7 +34,7 @@ from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
-from unison.training.init import check_backbone_setup
+from unison.training.init_read import check_backbone_setup
 from unison.training.owner import check_run_dir
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log

@@ -53,12 +53,12 @@ from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
-from unison.optim.groups import layer_scales, param_groups
+from unison.optim.groups import freeze, layer_scales, param_groups
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
-from unison.training.init import prepare_backbone
+from unison.training.init import InitWeights, prepare_backbone
 from unison.training.resolve import exact_accumulation, resolve_recipe
 
 
@@ -146,18 +146,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None, backbone: str | None = None,
-                 view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None) -> SSLMethod:
+                 view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None,
+                 init: InitWeights | None = None) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
     `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
-    `setup` (a training run's): ``--init``/``--freeze``/``--layer-decay`` are applied to the backbone before the
-    method is built around it (`unison.training.init.prepare_backbone`), and what was done is recorded in it."""
+    `setup` (a training run's): `init` (``--init``'s tensors) is loaded into the backbone before the method is built
+    around it, ``--freeze``/``--layer-decay`` checked against it (`unison.training.init.prepare_backbone`), and
+    what was done is recorded in `setup`."""
     seed_everything(cfg.seed, cfg.deterministic)
     method_cls = get_method(cfg.method)
     name, size = backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size
     encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
     if setup is not None:
-        setup.update(prepare_backbone(encoder, cfg, resolve_backbone(name, size)))
+        setup.update(prepare_backbone(encoder, cfg, resolve_backbone(name, size), init))
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -177,11 +179,13 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
-              val_set: ImageTensorDataset | None = None, metered_comm: bool = False) -> Run:
+              val_set: ImageTensorDataset | None = None, metered_comm: bool = False,
+              init: InitWeights | None = None) -> Run:
     """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
-    `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
-    initialised (one process: backend local)."""
+    `unison.distributed.comm_meter` counts it (``unison bench comm``); `init`: ``--init``'s tensors
+    (`unison.training.init_read.init_weights_of`). The process group must already be initialised (one process:
+    backend local)."""
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
     data = build_batch_source(data_spec(cfg), device, recipe.augmentation, train_set=train_set, val_set=val_set)
@@ -202,10 +206,12 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     # ---- model: SyncBN, memory format, DDP
     setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
-                          view_sizes=augment.view_sizes, setup=setup)
+                          view_sizes=augment.view_sizes, setup=setup, init=init)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
+    if cfg.freeze:   # after SyncBN, whose new layers are trainable; before DDP/FSDP, which take requires_grad as set
+        freeze(method.backbone, cfg.freeze)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
