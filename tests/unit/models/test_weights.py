@@ -149,3 +149,20 @@ def test_bad_files_are_one_line(tmp_path, case):
         if case == "damaged":
             path.write_bytes(path.read_bytes()[:300])
     _refused(net, path, fragment)
+
+
+def test_timm_vit_with_head_gives_timms_features(tmp_path):
+    """A timm VisionTransformer's state dict (classifier head included) loads into the unison ViT of its shape,
+    the head skipped, and both give the same class-token features."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(5)
+    timm_vit = VisionTransformer(img_size=16, patch_size=2, embed_dim=128, depth=6, num_heads=4, num_classes=10)
+    torch.save(timm_vit.state_dict(), tmp_path / "vit.pth")
+    net, _ = build_backbone("vit_nano_p2")
+    report = load_backbone_weights(net, tmp_path / "vit.pth")
+    assert report.skipped == ["head.weight", "head.bias"]
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(net.eval()(x), timm_vit.eval().forward_head(timm_vit.forward_features(x),
+                                                                                pre_logits=True))

@@ -97,3 +97,22 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         preflight(validate_run(parse_train_args(argv)), launched=False)
     assert info.value.exit_code == code and fragment in str(info.value) and "\n" not in str(info.value), info.value
     assert not (tmp_path / "ran").exists() and not (tmp_path / "run").exists()
+
+
+def test_momentum_encoder_starts_from_init_too(tmp_path):
+    """BYOL's target network is a copy of the backbone made by the method: built after the load, it holds the
+    --init weights as well."""
+    from unison.training.init import InitWeights
+    from unison.training.step import build_method
+
+    torch.manual_seed(9)
+    src, _ = build_backbone("small_cnn")
+    weights = InitWeights("w.pt", "state dict", src.state_dict())
+    cfg = TrainConfig(method="byol", backbone="small_cnn")
+    setup: dict = {}
+    method = build_method(cfg, 10, torch.float32, torch.device("cpu"), 16, setup=setup, init=weights)
+    for k, v in src.state_dict().items():
+        assert torch.equal(method.backbone.state_dict()[k], v), k
+    target = {k.split(".", 2)[-1]: v for k, v in method.state_dict().items() if k.startswith("target.backbone.")}
+    assert target and all(torch.equal(target[k], src.state_dict()[k]) for k in target)
+    assert setup["init"]["matched"] == 24
