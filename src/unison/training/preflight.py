@@ -50,8 +50,9 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             warnings.simplefilter("ignore")
             catalogs[role] = open_checked(spec, role)
     check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-    check_crops(cfg, catalogs["data"])   # and --init, --freeze, --layer-decay against the backbone
     out = Path(cfg.out)
+    check_init_not_replaced(cfg, out)
+    check_crops(cfg, catalogs["data"])   # and --init, --freeze, --layer-decay against the backbone
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
             if is_inside(out, folder):
@@ -72,6 +73,16 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
+
+
+def check_init_not_replaced(cfg: TrainConfig, out: Path) -> None:
+    """``--init`` naming the run directory of a fresh run, or a checkpoint in it: the run would replace (prune) the
+    checkpoints it starts from as it saves. Refused (one line) before anything is read or written."""
+    if not cfg.init or cfg.resume:   # a resumed run does not read --init
+        return
+    if same_file(cfg.init, out) or is_inside(cfg.init, out / CHECKPOINT_DIR):
+        raise RunDirRefused(f"--init {cfg.init} is a checkpoint of --out {out}, whose checkpoints this fresh run "
+                            f"replaces as it saves; give a new --out (or --resume {out} to continue that run)")
 
 
 def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:

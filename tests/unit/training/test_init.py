@@ -72,6 +72,7 @@ class _Evil:
     ("missing", 4, "no such file"),
     ("freeze", 2, "--freeze 'blocks' names no part of the backbone"),
     ("decay", 2, "layer_decay=1.5 must be a finite number in (0, 1]"),
+    ("own-out", 2, "is a checkpoint of --out"),
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
     """What `unison train` runs before any worker starts (`validate_run`, `preflight`): one line, its exit code."""
@@ -89,6 +90,10 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         argv += ["--init", str(tmp_path / "w.pt"), "--backbone", "resnet18"]   # digits: 8 px, the CIFAR stem
     elif case == "missing":
         argv += ["--init", str(tmp_path / "w.pt")]
+    elif case == "own-out":   # a fresh run into the run it starts from would prune those checkpoints
+        (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / "step_1.pt").write_bytes(b"x")
+        argv += ["--init", str(tmp_path / "run" / "checkpoints" / "step_1.pt")]
     elif case == "freeze":
         argv += ["--freeze", "blocks"]
     else:
@@ -96,7 +101,7 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
     with pytest.raises(UnisonError) as info:
         preflight(validate_run(parse_train_args(argv)), launched=False)
     assert info.value.exit_code == code and fragment in str(info.value) and "\n" not in str(info.value), info.value
-    assert not (tmp_path / "ran").exists() and not (tmp_path / "run").exists()
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "run" / "config.json").exists()
 
 
 def test_momentum_encoder_starts_from_init_too(tmp_path):
