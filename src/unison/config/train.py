@@ -76,6 +76,20 @@ class TrainConfig:
                 "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
+    # ---- continued pre-training (issue 25): start from weights on disk, per-block lr, frozen blocks
+    init: str | None = field(default=None, metadata={
+        "metavar": "PATH",
+        "help": "start the backbone from these weights: a torchvision/timm state dict (.pt/.pth/.safetensors), a "
+                "unison export, or a unison run directory or checkpoint (its backbone); classifier heads (fc.*, "
+                "head.*) are skipped; a resumed run takes its weights from the checkpoint, not from here"})
+    layer_decay: float | None = field(default=None, metadata={
+        "range": Range(0, 1, lo_open=True, interval=True, hint=" (0.65 to 0.75 in MAE/BEiT fine-tuning; 1: none)"),
+        "help": "per-block learning-rate decay: block i of D gets lr * decay**(D + 1 - i), the patch/position "
+                "embeddings (or a ResNet's stem) decay**(D + 1), the final norm and the heads the full lr"})
+    freeze: str | None = field(default=None, metadata={
+        "metavar": "SPEC",
+        "help": "freeze part of the backbone: N (the embeddings/stem and the first N blocks or stages), 'all', or "
+                "module names (patch_embed,blocks.0,layer1), comma-separated"})
     image_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels (or left unset: the data's size)"),
         "help": "training crop size; default: the data's shorter side (its first image's), at most 224"})
@@ -210,6 +224,8 @@ class TrainConfig:
             raise ConfigError("--out is empty; give a run directory, e.g. --out runs/x")
         if "\x00" in self.out:   # no file name holds one (os.mkdir raises ValueError)
             raise ConfigError(f"--out {shown(self.out)} is not a path (a NUL character); give a run directory")
+        if self.init is not None and (not self.init or "\x00" in self.init or len(self.init) > 4096):
+            raise ConfigError(f"--init {shown(self.init)} is not a path; give a weights file or a run directory")
         if self.lr == 0:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if self.amp not in AMP_MODES:

@@ -64,6 +64,8 @@ class CheckReport:
             f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
             f"gather={s.gather_distributed} shared_queue={s.shared_queue} shard={s.shard} "
             f"grad_sync_every={s.grad_sync_every}" + (f" accumulation={s.accumulation}" if s.grad_sync_every > 1 else "")
+            + (f" layer_decay={s.layer_decay}" if s.layer_decay is not None else "")
+            + (f" freeze={s.freeze}" if s.freeze else "")
             + " (the training step of unison train)"
             + f"\n  compared with                       : {self.reference}"
             + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else ""),
@@ -94,7 +96,8 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
     return TrainConfig(
         method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
-        threads=1, progress=False, method_params=dict(spec.method_params), **teacher,
+        threads=1, progress=False, method_params=dict(spec.method_params), layer_decay=spec.layer_decay,
+        freeze=spec.freeze, **teacher,
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
                                       shared_queue=spec.shared_queue, grad_sync_every=spec.grad_sync_every,
@@ -203,13 +206,15 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     `record` is the worker body (tests pass a deliberately broken copy to see the check fail)."""
     from unison.distributed.testing import run_in_workers
     from unison.errors import ConfigError
-    from unison.training.resolve import validate_run
+    from unison.training.init_read import check_backbone_setup
+    from unison.training.resolve import resolve_recipe, validate_run
 
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
-        validate_run(train_config_for(spec, world_size))
+        cfg = validate_run(train_config_for(spec, world_size))
+        check_backbone_setup(cfg, resolve_recipe(cfg).backbone, spec.image_size)   # --freeze, --layer-decay
     spec_dicts = [dataclasses.asdict(spec) for spec in specs]
     seed = specs[0].seed if specs else 0
     multi = run_in_workers(record_each, world_size, args=(spec_dicts, record), backend="gloo", seed=seed,

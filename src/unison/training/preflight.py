@@ -5,7 +5,8 @@ which checks the method's hyper-parameters): data (folder, file list or shards: 
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
 calls too; the held-out labels against the training labels, by `unison.data.evalsets.map_labels`, the rule
 of the workers' kNN sets), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
-size), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
+size; ``--init``, ``--freeze``, ``--layer-decay`` by `unison.training.init.prepare_backbone`, the workers' rule, on a
+meta-device backbone), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
 read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
 folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
 directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
@@ -22,6 +23,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
@@ -33,11 +36,12 @@ from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
+from unison.training.init_read import check_backbone_setup
 from unison.training.owner import check_run_dir
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
-from unison.training.teacher import RANDOM, is_teacher_run, teacher_run_backbone
+from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_run_backbone
 
 
 def preflight(cfg: TrainConfig, launched: bool) -> None:
@@ -49,8 +53,9 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
             warnings.simplefilter("ignore")
             catalogs[role] = open_checked(spec, role)
     check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-    check_crops(cfg, catalogs["data"])
     out = Path(cfg.out)
+    check_init_not_replaced(cfg, out)
+    check_crops(cfg, catalogs["data"])   # and --init, --freeze, --layer-decay against the backbone
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
             if is_inside(out, folder):
@@ -74,6 +79,16 @@ def preflight(cfg: TrainConfig, launched: bool) -> None:
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
 
 
+def check_init_not_replaced(cfg: TrainConfig, out: Path) -> None:
+    """``--init`` naming the run directory of a fresh run, or a checkpoint in it: the run would replace (prune) the
+    checkpoints it starts from as it saves. Refused (one line) before anything is read or written."""
+    if not cfg.init or cfg.resume:   # a resumed run does not read --init
+        return
+    if same_file(cfg.init, out) or is_inside(cfg.init, out / CHECKPOINT_DIR):
+        raise RunDirRefused(f"--init {cfg.init} is a checkpoint of --out {out}, whose checkpoints this fresh run "
+                            f"replaces as it saves; give a new --out (or --resume {out} to continue that run)")
+
+
 def resolve_teacher(cfg: TrainConfig) -> None:
     """distill's ``--teacher``: apart from ``--out``; a teacher run's checkpoint read as a resume reads it (every
     field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
@@ -84,7 +99,9 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
         raise RunDirRefused(f"--out {out} and --teacher {cfg.teacher} overlap: this run's files would overwrite or "
                             "shadow the teacher it reads; choose a run directory apart from the teacher")
-    if not is_teacher_run(cfg.teacher):
+    if not is_teacher_run(cfg.teacher):   # a weights file: read and matched to the architecture, as workers will
+        with torch.device("meta"):
+            build_teacher(cfg, cfg.image_size)
         return
     header = read_header(cfg.teacher)
     if header.path.is_dir():
@@ -106,6 +123,7 @@ def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
     sizes = planned_view_sizes(data_spec(cfg), recipe.augmentation, catalog)
     if len(set(sizes)) > 1:
         check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
+    check_backbone_setup(cfg, recipe.backbone, sizes[0] if sizes else cfg.image_size)   # the workers' rule
 
 
 def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:

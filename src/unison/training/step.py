@@ -53,10 +53,12 @@ from unison.methods.base import SampleKeys, SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
+from unison.optim.groups import freeze, layer_scales, param_groups
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
+from unison.training.init import InitWeights, prepare_backbone
 from unison.training.resolve import exact_accumulation, resolve_recipe
 from unison.training.teacher import build_teacher, needs_teacher
 
@@ -145,10 +147,14 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None, backbone: str | None = None,
-                 view_sizes: Sequence[int] = (), teacher_weights: bool = True) -> SSLMethod:
+                 view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None,
+                 init: InitWeights | None = None, teacher_weights: bool = True) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
     `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
+    `setup` (a training run's): `init` (``--init``'s tensors) is loaded into the backbone before the method is built
+    around it, ``--freeze``/``--layer-decay`` checked against it (`unison.training.init.prepare_backbone`), and
+    what was done is recorded in `setup`.
     A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
     False: the architecture only, for a checkpoint that holds it), then the seed is set again: the student
     starts as it would without a teacher."""
@@ -159,8 +165,10 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
         teacher, teacher_dim = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
         extra = {"teacher": teacher, "teacher_dim": teacher_dim}
     seed_everything(cfg.seed, cfg.deterministic)
-    encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
-                                          backbone_args=cfg.backbone_args, view_sizes=view_sizes)
+    name, size = backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size
+    encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
+    if setup is not None:
+        setup.update(prepare_backbone(encoder, cfg, resolve_backbone(name, size), init))
     try:
         params = method_cls.Params(**cfg.method_params)
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
@@ -183,11 +191,13 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
-              val_set: ImageTensorDataset | None = None, metered_comm: bool = False) -> Run:
+              val_set: ImageTensorDataset | None = None, metered_comm: bool = False,
+              init: InitWeights | None = None) -> Run:
     """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
-    `unison.distributed.comm_meter` counts it (``unison bench comm``). The process group must already be
-    initialised (one process: backend local)."""
+    `unison.distributed.comm_meter` counts it (``unison bench comm``); `init`: ``--init``'s tensors
+    (`unison.training.init_read.init_weights_of`). The process group must already be initialised (one process:
+    backend local)."""
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
     data = build_batch_source(data_spec(cfg), device, recipe.augmentation, train_set=train_set, val_set=val_set)
@@ -206,11 +216,14 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                           "--accumulation independent")
 
     # ---- model: SyncBN, memory format, DDP
+    setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
-                          view_sizes=augment.view_sizes)
+                          view_sizes=augment.view_sizes, setup=setup, init=init)
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
+    if cfg.freeze:   # after SyncBN, whose new layers are trainable; before DDP/FSDP, which take requires_grad as set
+        freeze(method.backbone, cfg.freeze)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
@@ -230,11 +243,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
     peak_lr = recipe.lr * global_batch * accumulate / 256
-    trainable = [p for p in method.parameters() if p.requires_grad]
-    optimizer = build_optimizer(recipe.optimizer, trainable, lr=peak_lr, weight_decay=recipe.weight_decay,
-                                momentum=cfg.momentum)
-    if cfg.distributed.shard == "optimizer":
-        optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
+    trainable, optimizer = _optimizer(cfg, method, recipe.optimizer, peak_lr, recipe.weight_decay)
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     # bf16 autocasts on the CPU too; fp16 is refused there (`TrainConfig.validate`): its scaler is CUDA's.
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
@@ -250,10 +259,26 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
                         "accumulation": "exact" if exact else "per micro-batch" if accumulate > 1 else "none",
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
-                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params)},
+                        "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params),
+                        **setup},
               data=data, exact=exact)
     register_checkpoint_state(run)
     return run
+
+
+def _optimizer(cfg: TrainConfig, method: SSLMethod, name: str, peak_lr: float,
+               weight_decay: float) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """The trainable parameters and their optimizer (ZeRO-1 sharded with ``--shard optimizer``); with
+    ``--layer-decay``, one parameter group per learning-rate factor (``group["lr_scale"]``, `optimizer_step`)."""
+    trainable = [p for p in method.parameters() if p.requires_grad]
+    params: list[Any] = trainable
+    if cfg.layer_decay is not None:
+        scales = layer_scales([n for n, _ in method.backbone.named_parameters()], cfg.layer_decay)
+        params = param_groups(method.named_parameters(), scales)
+    optimizer = build_optimizer(name, params, lr=peak_lr, weight_decay=weight_decay, momentum=cfg.momentum)
+    if cfg.distributed.shard == "optimizer":
+        optimizer = ShardedOptimizer(params, type(optimizer), **constructor_args(optimizer))
+    return trainable, optimizer
 
 
 def register_checkpoint_state(run: Run) -> None:
@@ -344,8 +369,8 @@ def _loss(run: Run, batch: Batch) -> torch.Tensor:
 def optimizer_step(run: Run, step: int) -> float:
     """Optimiser step `step` (0-based) on the accumulated gradients; returns its learning rate."""
     lr = run.schedule.lr(step)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.optimizer.param_groups:   # --layer-decay: each group its factor of the schedule's rate
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     if run.cfg.grad_clip:
         run.scaler.unscale_(run.optimizer)
         torch.nn.utils.clip_grad_norm_(run.trainable, run.cfg.grad_clip)

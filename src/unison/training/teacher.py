@@ -5,7 +5,7 @@
 * a unison run directory or checkpoint (``step_N.pt`` / ``step_N.dcp``): its backbone as trained; the
   architecture is the run's (`resolve_teacher` records it in ``teacher_backbone``; another one is refused);
 * a weights file (torchvision / timm state dict, ``.safetensors``, a unison export) together with
-  ``--teacher-backbone NAME``: read by `unison.models.weights` (never running code from the file);
+  ``--teacher-backbone NAME``: read by `unison.models.weights` as ``--init`` reads it (no code run);
 * ``random``: a random-init teacher of ``--teacher-backbone`` (default ``small_cnn``), seeded with ``--seed``:
   what ``unison check --method distill`` runs (its exactness is the student's gradient's, whatever the teacher).
 
@@ -28,9 +28,10 @@ from pathlib import Path
 import torch.nn as nn
 
 from unison.config import TrainConfig
-from unison.errors import CheckpointError, ConfigError
+from unison.errors import CheckpointError
 from unison.methods import get_method
 from unison.models.backbones import build_backbone, resolve_backbone
+from unison.models.weights import load_backbone_weights, load_state, unwrap
 from unison.training.checkpoint.files import is_checkpoint_name, latest_checkpoint, named_checkpoint
 from unison.training.checkpoint.safe_load import load_file
 
@@ -69,16 +70,6 @@ def teacher_run_backbone(ckpt: dict) -> str:
     return pinned or resolve_backbone(dict(ckpt["config"]).get("backbone") or DEFAULT_RANDOM_BACKBONE, None)
 
 
-def weights_loader():
-    """`unison.models.weights.load_backbone_weights`, or a one-line `ConfigError` where this build lacks it."""
-    try:
-        from unison.models.weights import load_backbone_weights  # type: ignore[import-not-found]
-    except ImportError:
-        raise ConfigError("this unison cannot read weights files (unison.models.weights is missing); give --teacher "
-                          "a unison run directory or checkpoint") from None
-    return load_backbone_weights
-
-
 def build_teacher(cfg: TrainConfig, image_size: int | None, *, weights: bool = True) -> tuple[nn.Module, int]:
     """The teacher network and its width; `weights=False`: the architecture only (a distilled run's checkpoint
     holds the teacher's weights)."""
@@ -88,13 +79,11 @@ def build_teacher(cfg: TrainConfig, image_size: int | None, *, weights: bool = T
     net, dim = build_backbone(name, image_size)
     if not weights or cfg.teacher in (None, RANDOM):
         return net, dim
-    if ckpt is not None:   # the run's backbone, as trained (a removed pooling holds no tensors)
-        state = {k[len("backbone."):]: v for k, v in ckpt["model"].items() if k.startswith("backbone.")}
-        try:
-            net.load_state_dict(state)
-        except RuntimeError as e:
-            raise CheckpointError(f"--teacher {cfg.teacher}: its backbone does not load into {name}: "
-                                  f"{str(e).splitlines()[0]}") from None
+    if ckpt is not None:   # the run's backbone, as trained, matched as --init matches it (a removed pool: no tensors)
+        model = unwrap(ckpt["model"], str(cfg.teacher), "--teacher")
+        state = {k[len("backbone."):]: v for k, v in model.items() if k.startswith("backbone.")}
+        load_state(net, state, str(cfg.teacher), f"unison checkpoint ({ckpt.get('method')})", option="--teacher",
+                   name=name)
     else:
-        weights_loader()(net, cfg.teacher, option="--teacher", name=name)
+        load_backbone_weights(net, cfg.teacher, option="--teacher", name=name)
     return net, dim
