@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from unison.cli import main
 
@@ -67,6 +68,8 @@ CASES = [
     ("other-teacher-backbone", ["--method", "distill", "--teacher", "{run}", "--teacher-backbone", "resnet50"], 2,
      "is not the backbone of the teacher run"),
     ("damaged-teacher", ["--method", "distill", "--teacher", "{tmp}/checkpoints/step_00000001.pt"], 4, "step_00000001"),
+    ("teacher-weights-mismatch", ["--method", "distill", "--teacher", "{tmp}/foo.pth", "--teacher-backbone",
+                                  "small_cnn"], 4, "none of its 1 tensors (foo, ...) is a tensor of the backbone"),
     ("bad-loss", ["--method", "distill", "--teacher", "random", "--param", "loss=l1"], 2, "loss='l1' is unknown"),
 ]
 
@@ -74,6 +77,7 @@ CASES = [
 @pytest.mark.parametrize("case_id, argv, code, fragment", CASES, ids=[c[0] for c in CASES])
 def test_bad_teacher_inputs_are_one_line(case_id, argv, code, fragment, teacher_run, tmp_path, capfd):
     (tmp_path / "w.pth").write_bytes(b"not read")
+    torch.save({"foo": torch.zeros(3)}, tmp_path / "foo.pth")
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step_00000001.pt").write_bytes(b"garbage")
     before = sorted(p.name for p in teacher_run.rglob("*"))
@@ -84,3 +88,16 @@ def test_bad_teacher_inputs_are_one_line(case_id, argv, code, fragment, teacher_
     line = _line(err)
     assert got == code and fragment in line, line
     assert sorted(p.name for p in teacher_run.rglob("*")) == before   # the teacher run is left as it was
+
+
+def test_a_weights_file_teacher_holds_the_files_tensors(tmp_path):
+    from unison.config import TrainConfig
+    from unison.models import build_backbone
+    from unison.training.teacher import build_teacher
+
+    torch.manual_seed(1)
+    net, _ = build_backbone("small_cnn")
+    torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "t.pth")
+    cfg = TrainConfig(method="distill", teacher=str(tmp_path / "t.pth"), teacher_backbone="small_cnn")
+    got, dim = build_teacher(cfg, 16)
+    assert dim == 128 and all(torch.equal(got.state_dict()[k], v) for k, v in net.state_dict().items())
