@@ -30,5 +30,8 @@ if [ -f "$out/teacher/summary.json" ]; then
 else
   timed "teacher: moco" "$out/teacher" --method moco
 fi
-timed "student: distill from the teacher" "$out/distill" --method distill --teacher "$out/teacher" "$@"
+timed "student: distill (queue 512: LightlyTrain's rule for 1,280 images)" "$out/distill" --method distill \
+  --teacher "$out/teacher" "$@"
+timed "student: distill, --param queue_size=256" "$out/distill_q256" --method distill --teacher "$out/teacher" \
+  --param queue_size=256 "$@"
 timed "student: simclr from scratch" "$out/scratch" --method simclr "$@"

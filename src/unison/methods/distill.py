@@ -21,8 +21,9 @@ Mixup: x <- lam x + (1 - lam) x[partner], lam ~ U(0, 1) once per step.
 (theirs concatenates the last 2 teacher blocks' tokens; here the last block's).
 
 Defaults: theirs (queue of teacher embeddings, temperatures 0.07, local weight 1, AdamW with weight decay 1e-6
-for convolutional students). Theirs sizes the queue from the data set (8192 past 20k images); here
-``queue_size=4096`` (give ``--param queue_size=...``). Not done: their fixed gradient clipping at norm 1 (give
+for convolutional students, their one-view augmentation: the ``distill`` preset), the queue sized by their rule
+from the number of training images (``queue_size=0``: 512 for 1-2k images, 8192 past 20k; `auto_queue_size`).
+Not done: their fixed gradient clipping at norm 1 (give
 ``--grad-clip 1``) and their learning rate's sqrt scaling with the batch (unison scales linearly).
 Not implemented: DINO-style distillation through a teacher's DINO head.
 
@@ -54,7 +55,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ _MIXUP_STREAM = 0x0D15_7111   # the rng stream of mixup's draws (augmentations u
 @dataclass
 class DistillParams:
     loss: str = "kl"                    # kl: LightlyTrain's distillation (v3, default); mse: their v2
-    queue_size: int = 4096              # teacher embeddings kept (theirs: by data set size, up to 8192)
+    queue_size: int = 0                 # teacher embeddings kept; 0: LightlyTrain's rule from the data set size
     temperature_global: float = 0.07
     temperature_local: float = 0.07
     local_weight: float = 1.0
@@ -87,8 +88,21 @@ class DistillParams:
         if self.loss not in LOSSES:
             raise ConfigError(f"Distill parameter loss={self.loss!r} is unknown; use kl (LightlyTrain's distillation) "
                               "or mse (their v2) (--param loss=VALUE)")
-        check_params(self, sizes=("queue_size",), temperatures=("temperature_global", "temperature_local"),
+        check_params(self, counts=("queue_size",), temperatures=("temperature_global", "temperature_local"),
                      non_negative=("local_weight",))
+
+
+# LightlyTrain's queue_size="auto" (distillationv3.py): (data set size below, queue length): about 25-50 % of it
+QUEUE_BUCKETS = ((50, 16), (100, 32), (250, 64), (500, 128), (1_000, 256), (2_000, 512), (4_000, 1024),
+                 (10_000, 2048), (20_000, 4096))
+QUEUE_MAX = 8192
+
+
+def auto_queue_size(data_size: int | None) -> int:
+    """The queue length LightlyTrain picks for `data_size` training images (None, unknown: the largest)."""
+    if data_size is None:
+        return QUEUE_MAX
+    return next((q for below, q in QUEUE_BUCKETS if data_size < below), QUEUE_MAX)
 
 
 class TeacherHolder(nn.Module):
@@ -112,7 +126,9 @@ class Distill(SSLMethod):
     queue: torch.Tensor
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DistillParams, *, teacher: nn.Module,
-                 teacher_dim: int, **kw: Any):
+                 teacher_dim: int, data_size: int | None = None, **kw: Any):
+        if not params.queue_size:   # the length used: the training layer records it in the run's config
+            params = replace(params, queue_size=auto_queue_size(data_size))
         super().__init__(make_dense(backbone), feature_dim, params, **kw)
         # mse (v2) matches the maps only: no global head (DDP refuses parameters without a gradient)
         self.head_global = nn.Linear(feature_dim, teacher_dim) if params.loss == "kl" else None

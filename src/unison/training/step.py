@@ -148,7 +148,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None, backbone: str | None = None,
                  view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None,
-                 init: InitWeights | None = None, teacher_weights: bool = True) -> SSLMethod:
+                 init: InitWeights | None = None, teacher_weights: bool = True,
+                 data_size: int | None = None) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
     `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
@@ -157,13 +158,13 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     what was done is recorded in `setup`.
     A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
     False: the architecture only, for a checkpoint that holds it), then the seed is set again: the student
-    starts as it would without a teacher."""
+    starts as it would without a teacher; `data_size` (training images) sizes its automatic queue."""
     method_cls = get_method(cfg.method)
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
         seed_everything(cfg.seed, cfg.deterministic)
         teacher, teacher_dim = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
-        extra = {"teacher": teacher, "teacher_dim": teacher_dim}
+        extra = {"teacher": teacher, "teacher_dim": teacher_dim, "data_size": data_size}
     seed_everything(cfg.seed, cfg.deterministic)
     name, size = backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size
     encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
@@ -218,7 +219,10 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     # ---- model: SyncBN, memory format, DDP
     setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
-                          view_sizes=augment.view_sizes, setup=setup, init=init)
+                          view_sizes=augment.view_sizes, setup=setup, init=init,
+                          data_size=source.batches_per_epoch * global_batch)
+    if needs_teacher(cfg.method):   # distill's queue length, resolved from the data: kept in the run's config
+        cfg.method_params = {**cfg.method_params, "queue_size": method.params.queue_size}
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)

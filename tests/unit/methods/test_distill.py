@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from unison.methods import Distill, DistillParams
 from unison.methods.base import SampleKeys
-from unison.methods.distill import _kl
+from unison.methods.distill import _kl, auto_queue_size
 from unison.models import build_backbone
 from unison.models.dense import dense_features, make_dense
 
@@ -78,3 +78,8 @@ def test_dense_features_pool_to_the_backbones_own_feature(name):
     dense, grid = dense_features(make_dense(net), x, dim)
     torch.testing.assert_close(dense, pooled)
     assert grid.shape[0] == 2 and grid.shape[-1] == dim and grid.shape[1] == grid.shape[2]
+
+
+def test_the_automatic_queue_follows_lightly_trains_buckets():
+    assert [auto_queue_size(n) for n in (10, 1_280, 1_999, 2_000, 50_000, None)] == [16, 512, 512, 1024, 8192, 8192]
+    assert _model(queue=0).queue.shape[0] == 8192 and _model(queue=7).queue.shape[0] == 7

@@ -48,6 +48,7 @@ def test_a_run_distils_from_a_unison_run_pinned_to_its_checkpoint(teacher_run, t
     assert code == 0, err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["teacher"].startswith(str(teacher_run / "checkpoints" / "step_")) and cfg["teacher_backbone"] == "small_cnn"
+    assert cfg["method_params"]["queue_size"] == 16   # LightlyTrain's rule for the 32 training images, recorded
     (teacher_run / "checkpoints" / "latest").rename(teacher_run / "latest.bak")   # the teacher out of reach:
     try:                                                                          # its copy is in the checkpoint
         assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "s.pt")]) == 0
