@@ -23,8 +23,8 @@ Mixup: x <- lam x + (1 - lam) x[partner], lam ~ U(0, 1) once per step.
 Defaults: theirs (queue of teacher embeddings, temperatures 0.07, local weight 1, AdamW with weight decay 1e-6
 for convolutional students, their one-view augmentation: the ``distill`` preset), the queue sized by their rule
 from the number of training images (``queue_size=0``: 512 for 1-2k images, 8192 past 20k; `auto_queue_size`).
-Not done: their fixed gradient clipping at norm 1 (give
-``--grad-clip 1``) and their learning rate's sqrt scaling with the batch (unison scales linearly).
+Not done: their fixed gradient clipping at norm 1 (give ``--grad-clip 1``) and their learning rate's sqrt scaling
+with the batch (unison scales linearly).
 Not implemented: DINO-style distillation through a teacher's DINO head.
 
 Distributed semantics (exact, ``unison check --method distill``):
@@ -34,7 +34,8 @@ Distributed semantics (exact, ``unison check --method distill``):
   the queue is identical on every rank and equal to one process's;
 * mixup pairs each image with a partner from the *global* batch: the images are gathered (no gradient), each
   draws u from `unison.rng` with its (seed, epoch, index) (``needs_sample_keys``), the batch is ordered by
-  (u, index) and each image is mixed with the next one in that cycle; lam is the first image's second draw.
+  (u, index) and each image is mixed with the next one in that cycle (theirs: a random permutation, which may
+  pair an image with itself); lam is the first image's second draw.
   Pairs and lam are the same at every world size (they depend on the step's samples only). With gather off
   the partners come from the local batch (``exactness_note`` says so);
 * the teacher is frozen (``requires_grad=False``, not in the optimizer, no gradient to synchronise), always in
@@ -47,8 +48,8 @@ Distributed semantics (exact, ``unison check --method distill``):
 
 Example::
 
-    student, dim = build_backbone("resnet18", 32)
-    teacher, tdim = build_backbone("vit_small", 224)        # weights loaded by the caller
+    student, dim = build_backbone("resnet18", 224)
+    teacher, tdim = build_backbone("vit_small", 224)        # weights loaded by the caller (same views: same size)
     model = Distill(student, dim, DistillParams(), teacher=teacher, teacher_dim=tdim)
     loss = model([view], keys=SampleKeys(seed, epoch, indices)); loss.backward(); opt.step()
 """
