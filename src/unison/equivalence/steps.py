@@ -88,9 +88,10 @@ def train_config_for(spec: CheckSpec, world_size: int) -> TrainConfig:
     from unison.config.distributed import DistributedConfig
     from unison.methods import get_method
 
-    # distill: a seeded random-init teacher (the check is about the student's gradient)
-    teacher: dict[str, Any] = {"teacher": "random", "teacher_backbone": spec.teacher_backbone} \
-        if getattr(get_method(spec.method), "needs_teacher", False) else {}
+    # distill: a seeded random-init teacher (the check is about the student's gradient); another method given
+    # --teacher-backbone is refused by the pre-flight, as unison train refuses it
+    teacher: dict[str, Any] = {"teacher": "random"} if getattr(get_method(spec.method), "needs_teacher", False) else {}
+    teacher["teacher_backbone"] = spec.teacher_backbone
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     return TrainConfig(

@@ -102,3 +102,15 @@ def test_a_weights_file_teacher_holds_the_files_tensors(tmp_path):
     cfg = TrainConfig(method="distill", teacher=str(tmp_path / "t.pth"), teacher_backbone="small_cnn")
     got, dim = build_teacher(cfg, 16)
     assert dim == 128 and all(torch.equal(got.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+def test_unison_check_gives_distill_a_random_teacher_and_refuses_a_teacher_for_others():
+    from unison.config.check import CheckSpec
+    from unison.equivalence.steps import train_config_for
+    from unison.errors import ConfigError
+    from unison.training.resolve import validate_run
+
+    cfg = validate_run(train_config_for(CheckSpec(method="distill"), 2))
+    assert (cfg.teacher, cfg.teacher_backbone) == ("random", "small_cnn")
+    with pytest.raises(ConfigError, match="--teacher-backbone is for --method distill"):
+        validate_run(train_config_for(CheckSpec(method="simclr", teacher_backbone="vit_nano_p2"), 2))
