@@ -58,7 +58,7 @@ def training_step_flops(method: str, backbone: str, batch: int, image_size: int)
     from torch.utils.flop_counter import FlopCounterMode
 
     from unison.config import TrainConfig
-    from unison.training.step import build_method
+    from unison.training.model import build_method
 
     cfg = TrainConfig(method=method, backbone=backbone)
     with torch.device("meta"):

@@ -42,6 +42,15 @@ class CheckSpec:
     accumulation: str = field(default="exact", metadata={
         "help": "with --grad-sync-every K > 1: exact | independent (as unison train's)",
         "choices": ("exact", "independent")})
+    # ---- continued pre-training (issue 25): as unison train's
+    layer_decay: float | None = field(default=None, metadata={
+        "help": "per-block learning-rate decay in (0, 1] (as unison train's --layer-decay)"})
+    freeze: str | None = field(default=None, metadata={
+        "help": "freeze part of the backbone: N blocks, 'all' or module names (as unison train's --freeze)",
+        "metavar": "SPEC"})
+    teacher_backbone: str | None = field(default=None, metadata={
+        "help": "--method distill: the architecture of its seeded random-init teacher (default small_cnn): the check "
+                "proves the student's gradient exact, whatever the teacher's weights"})
     method_params: dict[str, Any] = field(default_factory=dict)
 
 

@@ -30,6 +30,7 @@ DATA_MODES = ("auto", "memory", "stream")
 DECODERS = ("cpu", "gpu")
 LOGGERS = ("none", "csv", "tensorboard", "wandb")
 OPTIMIZERS = ("sgd", "lars", "adam", "adamw")
+TEACHER_DTYPES = ("float32", "bf16")
 MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
 MAX_SEED = 2**64 - 1     # torch.manual_seed takes unsigned 64-bit seeds
 MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overflows
@@ -75,6 +76,20 @@ class TrainConfig:
                 "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
+    # ---- continued pre-training (issue 25): start from weights on disk, per-block lr, frozen blocks
+    init: str | None = field(default=None, metadata={
+        "metavar": "PATH",
+        "help": "start the backbone from these weights: a torchvision/timm state dict (.pt/.pth/.safetensors), a "
+                "unison export, or a unison run directory or checkpoint (its backbone); classifier heads (fc.*, "
+                "head.*) are skipped; a resumed run takes its weights from the checkpoint, not from here"})
+    layer_decay: float | None = field(default=None, metadata={
+        "range": Range(0, 1, lo_open=True, interval=True, hint=" (0.65 to 0.75 in MAE/BEiT fine-tuning; 1: none)"),
+        "help": "per-block learning-rate decay: block i of D gets lr * decay**(D + 1 - i), the patch/position "
+                "embeddings (or a ResNet's stem) decay**(D + 1), the final norm and the heads the full lr"})
+    freeze: str | None = field(default=None, metadata={
+        "metavar": "SPEC",
+        "help": "freeze part of the backbone: N (the embeddings/stem and the first N blocks or stages), 'all', or "
+                "module names (patch_embed,blocks.0,layer1), comma-separated"})
     image_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels (or left unset: the data's size)"),
         "help": "training crop size; default: the data's shorter side (its first image's), at most 224"})
@@ -175,6 +190,17 @@ class TrainConfig:
                 "none (no metrics files)", "choices": LOGGERS})
     method_params: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "method hyper-parameters (--param NAME=VALUE)"})
+    # ---- distill (issue 25): the frozen teacher
+    teacher: str | None = field(default=None, metadata={
+        "help": "--method distill: the frozen teacher: a unison run directory or checkpoint, a weights file "
+                "(.pth/.pt/.safetensors of torchvision or timm, a unison export) with --teacher-backbone, or "
+                "'random' (a seeded random-init teacher: tests and unison check)"})
+    teacher_backbone: str | None = field(default=None, metadata={
+        "help": "--method distill: the teacher's architecture (names as --backbone); default: the teacher run's, "
+                "or small_cnn for --teacher random"})
+    teacher_dtype: str = field(default="float32", metadata={
+        "help": "--method distill: the teacher's parameter dtype: float32, or bf16 (half the memory; its "
+                "forward in bf16)", "choices": TEACHER_DTYPES})
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
@@ -198,6 +224,8 @@ class TrainConfig:
             raise ConfigError("--out is empty; give a run directory, e.g. --out runs/x")
         if "\x00" in self.out:   # no file name holds one (os.mkdir raises ValueError)
             raise ConfigError(f"--out {shown(self.out)} is not a path (a NUL character); give a run directory")
+        if self.init is not None and (not self.init or "\x00" in self.init or len(self.init) > 4096):
+            raise ConfigError(f"--init {shown(self.init)} is not a path; give a weights file or a run directory")
         if self.lr == 0:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if self.amp not in AMP_MODES:
@@ -217,7 +245,17 @@ class TrainConfig:
             raise ConfigError(f"on_corrupt={shown(self.on_corrupt)} is unknown; use skip or error")
         self._validate_data(cuda_available)
         self._validate_choices()
+        self._validate_teacher()
         return self
+
+    def _validate_teacher(self) -> None:
+        """The teacher options' own values; the file and the architecture are checked by
+        `unison.training.teacher.validate_teacher` (which knows the methods and backbones)."""
+        if self.teacher_dtype not in TEACHER_DTYPES:
+            raise ConfigError(f"teacher_dtype={shown(self.teacher_dtype)} is unknown; use float32 or bf16")
+        if self.teacher is not None and (not self.teacher or "\x00" in self.teacher):
+            raise ConfigError(f"--teacher {shown(self.teacher)} is not a path; give a run directory, a weights file "
+                              "or 'random'")
 
     def _validate_choices(self) -> None:
         """The options whose choices this layer knows; methods, backbones and augmentation presets are the layers

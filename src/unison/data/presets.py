@@ -85,3 +85,7 @@ PRESETS["digits_multicrop"] = {**PRESETS["digits"], "n_local": 4, "local_crop_sc
 PRESETS["crop"] = {**_COMMON, "n_global": 1, "crop_scale": (0.2, 1.0), "jitter_p": 0.0, "grayscale_p": 0.0,
                    "blur_p": 0.0}
 PRESETS["digits_crop"] = {**PRESETS["digits"], "n_global": 1, "jitter_p": 0.0}
+# Distillation (LightlyTrain's DistillationV3Transform): ONE view, crops from 0.14, flip, colour jitter at strength
+# 0.5 (brightness/contrast 0.4, saturation 0.2, hue 0.1), grey 0.2; their blur (sigma <= 0.1 px) is left out.
+# On the digits: digits_crop.
+PRESETS["distill"] = {**_COMMON, "n_global": 1, "crop_scale": (0.14, 1.0), "saturation": 0.2, "blur_p": 0.0}

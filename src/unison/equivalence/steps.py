@@ -67,6 +67,8 @@ class CheckReport:
             f"global_batch={s.local_batch * s.world_size} dtype={s.dtype} sync_batchnorm={s.sync_batchnorm} "
             f"gather={s.gather_distributed} shared_queue={s.shared_queue} shard={s.shard} "
             f"grad_sync_every={s.grad_sync_every}" + (f" accumulation={s.accumulation}" if s.grad_sync_every > 1 else "")
+            + (f" layer_decay={s.layer_decay}" if s.layer_decay is not None else "")
+            + (f" freeze={s.freeze}" if s.freeze else "")
             + " (the training step of unison train)"
             + f"\n  compared with                       : {self.reference}"
             + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else "")
@@ -89,7 +91,12 @@ def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = N
     pieces it names: `OwnPieces.apply`)."""
     from unison.config import TrainConfig
     from unison.config.distributed import DistributedConfig
+    from unison.methods import get_method
 
+    # distill: a seeded random-init teacher (the check is about the student's gradient); another method given
+    # --teacher-backbone is refused by the pre-flight, as unison train refuses it
+    teacher: dict[str, Any] = {"teacher": "random"} if getattr(get_method(spec.method), "needs_teacher", False) else {}
+    teacher["teacher_backbone"] = spec.teacher_backbone
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     if own is not None and own.dataset is not None:   # in the training process: views independent of it anyway
@@ -98,7 +105,8 @@ def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = N
     cfg = TrainConfig(
         method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
-        threads=1, progress=False, method_params=dict(spec.method_params),
+        threads=1, progress=False, method_params=dict(spec.method_params), layer_decay=spec.layer_decay,
+        freeze=spec.freeze, **teacher,
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
                                       shared_queue=spec.shared_queue, grad_sync_every=spec.grad_sync_every,
@@ -212,8 +220,9 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     backbone, dataset and transform, checked as `unison.train` checks them and sent to the workers pickled."""
     from unison.distributed.testing import run_in_workers
     from unison.errors import ConfigError
+    from unison.training.init_read import check_backbone_setup
     from unison.training.own import check_picklable, check_pieces
-    from unison.training.resolve import validate_run
+    from unison.training.resolve import resolve_recipe, validate_run
 
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     if any(spec.dtype not in TOLERANCE for spec in specs):
@@ -222,6 +231,7 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
         cfg = validate_run(train_config_for(spec, world_size, own), own=own)
         if own is not None:
             check_pieces(cfg, own)
+        check_backbone_setup(cfg, resolve_recipe(cfg).backbone, spec.image_size)   # --freeze, --layer-decay
     if own is not None:
         check_picklable(own)
         record = functools.partial(cast(Any, record), own=own)

@@ -6,6 +6,7 @@ from .barlowtwins import BarlowTwins, BarlowTwinsParams
 from .base import Recipe, SampleKeys, SSLMethod
 from .byol import BYOL, BYOLParams
 from .dino import DINO, DINOParams
+from .distill import Distill, DistillParams
 from .ibot import IBOT, IBOTParams
 from .ijepa import IJEPA, IJEPAParams
 from .lejepa import LeJEPA, LeJEPAParams
@@ -32,6 +33,7 @@ METHODS: dict[str, type[SSLMethod]] = {
     "ijepa": IJEPA,
     "lejepa": LeJEPA,
     "mocov3": MoCoV3,
+    "distill": Distill,
 }
 
 
@@ -43,6 +45,6 @@ def get_method(name: str) -> type[SSLMethod]:
 
 
 __all__ = ["BYOL", "IBOT", "IJEPA", "MAE", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams",
-           "IBOTParams", "IJEPAParams", "LeJEPA", "LeJEPAParams", "MAEParams", "METHODS", "MoCo", "MoCoParams",
+           "Distill", "DistillParams", "IBOTParams", "IJEPAParams", "LeJEPA", "LeJEPAParams", "MAEParams", "METHODS", "MoCo", "MoCoParams",
            "MoCoV3", "MoCoV3Params", "MomentumTeacher", "Recipe", "SSLMethod", "SampleKeys", "SimCLR",
            "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV", "SwAVParams", "VICReg", "VICRegParams", "get_method"]

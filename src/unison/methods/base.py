@@ -50,7 +50,8 @@ class Recipe:
         mirror-symmetric; multi-crop and single-crop kept as such) and the `embedded` overrides."""
         if data != "digits":
             return self
-        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop"}.get(self.augmentation, "digits")
+        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop", "distill": "digits_crop"}.get(
+            self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 

@@ -19,6 +19,8 @@ functions that apply one kind of parallelism to a built model, in place):
   dim-0 slices: the EMA ``t <- m t + (1 - m) s`` runs on the local shards, elementwise and
   exact, without gathering anything. Their units always reshard after forward (they never
   run a backward that would free them).
+* **Frozen teachers** of another architecture (distill's, held as ``teacher.backbone``) are sharded block by
+  block too; frozen, they reshard after their one forward of a step: gathered once per step.
 * **Rank-local state** (`mark_rank_local_state`): FSDP shards parameters only; buffers
   (queues, DINO's centre, step counters, batch-norm statistics) stay plain, per-rank
   tensors that FSDP never broadcasts, exactly as under DDP. A sharded teacher cannot be
@@ -163,7 +165,7 @@ def apply_fsdp(method: nn.Module, device: torch.device, *, amp: str = "none",
             if _has_no_forward(child):   # a holder of modules used one by one (MomentumTeacher): shard those
                 shard_children(child)
                 continue
-            if _is_backbone_like(child, method):
+            if _is_backbone_like(child, method) or name == "backbone":   # also a holder's (distill's teacher)
                 for block in backbone_blocks(child):
                     shard(block)
             shard(child)

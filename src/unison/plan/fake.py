@@ -164,7 +164,7 @@ def fake_cluster(world: int, device_type: str = "cpu") -> Iterator[tuple[Any, to
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from unison.training.step import build_method
+    from unison.training.model import build_method
 
     if dist.is_initialized():
         raise RuntimeError("unison plan needs this process without a process group")

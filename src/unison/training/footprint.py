@@ -21,8 +21,8 @@ import torch
 from unison.config import TrainConfig
 from unison.distributed.env import detect_launch_env
 from unison.errors import ConfigError
+from unison.training.model import build_method
 from unison.training.resolve import resolve_recipe
-from unison.training.step import build_method
 
 OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adam": 2, "adamw": 2}   # state tensors per parameter (momentum; m and v)
 
@@ -33,7 +33,8 @@ def model_bytes(cfg: TrainConfig) -> tuple[int, int, str]:
     recipe = resolve_recipe(cfg)
     meta = torch.device("meta")
     with meta:
-        method = build_method(cfg, 1, getattr(torch, cfg.precision), meta, cfg.image_size, backbone=recipe.backbone)
+        method = build_method(cfg, 1, getattr(torch, cfg.precision), meta, cfg.image_size, backbone=recipe.backbone,
+                              teacher_weights=False)
     tensors = {**dict(method.named_parameters()), **dict(method.named_buffers())}
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
     slots = 1 + OPTIMIZER_SLOTS.get(recipe.optimizer, 2)

@@ -22,8 +22,8 @@ from unison.paths import Input
 from unison.training.checkpoint import check_compatible, load_checkpoint
 from unison.training.checkpoint.files import CHECKPOINT_DIR, checkpoint_dir
 
+from .model import build_method
 from .pieces import OWN
-from .step import build_method
 
 
 def preprocessing(cfg: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device
                           "module, and unison.train with the same backbone= (and --resume) continues it")
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
-                              image_size=preprocessing(cfg, ckpt)["image_size"])
+                              image_size=preprocessing(cfg, ckpt)["image_size"], teacher_weights=False)
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
     check_compatible(method, ckpt.get("model"), checkpoint)

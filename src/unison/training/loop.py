@@ -49,6 +49,7 @@ from unison.paths import same_file, write_text_atomic
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
 from unison.training.checkpoint.files import step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
+from unison.training.init_read import init_weights_of
 from unison.training.loop_hooks import (
     CheckpointHook,
     DataWaitWarning,
@@ -177,18 +178,29 @@ def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None)
     """Every rank: the same configuration, its share of the cores, the step; rank 0: the run directory."""
     consistent_config(cfg)
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
-    run = build_run(cfg, device, own=own)
+    _resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
+    run = build_run(cfg, device, init=init_weights_of(cfg), own=own)   # --init read here: the step cannot read checkpoints
     if C.rank() == 0:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         describe_data(run)
+        describe_init(run)
     return run
+
+
+def describe_init(run: Run) -> None:
+    """One line on rank 0 for ``--init``: what was loaded, or that the resumed checkpoint's weights stand."""
+    cfg, init = run.cfg, run.resolved.get("init")
+    if isinstance(init, dict) and "report" in init and not cfg.resume:
+        print(f"unison: --init: {init['report']}", file=sys.stderr, flush=True)
+    elif cfg.init and cfg.resume:
+        print(f"unison: --init {cfg.init} not read: the run resumes from {cfg.resume}, whose checkpoint holds the "
+              "weights", file=sys.stderr, flush=True)
 
 
 def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, Any]]:
     """(steps done, history): from ``--resume`` or the run directory after a restart, else (0, {}) and the
     random-initialisation kNN baseline (never of a trained encoder)."""
     cfg = run.cfg
-    _resume_after_restart(cfg, Path(cfg.out))
     step, history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
     runlog.line(start_line(run, C.world_size(), step))
     if "resumed_from_total_steps" in run.resolved and C.rank() == 0:
@@ -221,7 +233,8 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         loss_curve=log.curve, log_times_s=log.log_times, mean=run.resolved["mean"], std=run.resolved["std"],
         signals=history.get("signals", {}), probe_top1=log.probe_top1,
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s],   # per save, the final one last
-               "probe_s": round(probe_s, 3)})   # the online probe's time (in the step loop)
+               "probe_s": round(probe_s, 3),   # the online probe's time (in the step loop)
+               **({"init": run.resolved["init"]} if "init" in run.resolved else {})})   # --init: file, sha256
     if C.rank() == 0:
         write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
         logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))

@@ -34,9 +34,11 @@ from unison.config import TrainConfig
 from unison.data.augment import PRESETS, view_sizes
 from unison.data.own import OwnBatches, seeded_rngs
 from unison.errors import ConfigError
+from unison.training.init_read import init_weights_of
+from unison.training.model import build_method
 from unison.training.pieces import OwnPieces
 from unison.training.resolve import resolve_recipe
-from unison.training.step import build_data, build_method, data_spec
+from unison.training.step import build_data, data_spec
 
 __all__ = ["OwnPieces", "check_features", "check_picklable", "check_pieces"]
 
@@ -56,10 +58,11 @@ def check_pieces(cfg: TrainConfig, pieces: OwnPieces, sizes: list[int] | None = 
         sizes = sizes or view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, cfg.image_size or 32)
         check_features(pieces.backbone, pieces.feature_dim or 0, sorted(set(sizes)))
         # the method around (a copy of) it, as every worker builds it: a method that needs a ViT's patch tokens
-        # (MAE, iBOT, I-JEPA) refuses here; the build seeds the global RNGs, the caller's are restored after
+        # (MAE, iBOT, I-JEPA) refuses here, and --init/--freeze/--layer-decay are checked against it; the build
+        # seeds the global RNGs, the caller's are restored after
         with seeded_rngs(cfg.seed, 0, 0, 0):
             build_method(cfg, 1, torch.float32, torch.device("cpu"), max(sizes), view_sizes=sizes,
-                         own=(pieces.backbone, pieces.feature_dim or 0))
+                         own=(pieces.backbone, pieces.feature_dim or 0), setup={}, init=init_weights_of(cfg))
 
 
 def check_features(backbone: nn.Module, feature_dim: int, sizes: list[int]) -> None:

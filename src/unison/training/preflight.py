@@ -5,7 +5,8 @@ which checks the method's hyper-parameters): data (folder, file list or shards: 
 against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
 calls too; the held-out labels against the training labels, by `unison.data.evalsets.map_labels`, the rule
 of the workers' kNN sets), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
-size), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
+size; ``--init``, ``--freeze``, ``--layer-decay`` by `unison.training.init.prepare_backbone`, the workers' rule, on a
+meta-device backbone), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
 read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
 folder the data links to), never a non-empty folder that no unison run wrote (`check_run_dir`), and never a
 directory whose later checkpoints a resume from an earlier one would overwrite (`check_resume_target`).
@@ -22,47 +23,57 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
 from unison.data.source import check_label_spaces, open_checked, planned_view_sizes
 from unison.distributed.env import restart_reason
-from unison.errors import ConfigError, RunDirRefused
+from unison.errors import CheckpointError, ConfigError, RunDirRefused
 from unison.models.backbones import check_backbone
 from unison.paths import Input, is_inside, same_file
-from unison.training.checkpoint import latest_checkpoint, list_checkpoints, read_header
+from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
+from unison.training.init_read import check_backbone_setup
 from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir
 from unison.training.pieces import OwnPieces
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
+from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_run_backbone
 
 
 def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) -> None:
     """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on. `own`: the
     user's pieces (`unison.training.own.check_pieces`: their dataset replaces the data checks)."""
     own = own or OwnPieces()
+    catalogs: dict[str, Catalog | None] = {}
+    sizes: list[int] | None = None
     if own.dataset is None:
         spec = data_spec(cfg)
-        catalogs = {}
         for role in ("data", "val"):   # the rules every build applies (`open_checked`), before W workers start
             with warnings.catch_warnings():  # the workers repeat the scan and its warnings
                 warnings.simplefilter("ignore")
                 catalogs[role] = open_checked(spec, role)
         check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-        if own.backbone is None:
-            check_crops(cfg, catalogs["data"])
         sizes = planned_view_sizes(spec, resolve_recipe(cfg).augmentation, catalogs["data"])
-    check_pieces(cfg, own, sizes if own.dataset is None else None)
+    check_pieces(cfg, own, sizes)
     out = Path(cfg.out)
+    check_init_not_replaced(cfg, out)
+    if own.backbone is None:   # unison's backbone against the views, and --init, --freeze, --layer-decay against it
+        if own.dataset is None:
+            check_crops(cfg, catalogs["data"])
+        else:
+            check_backbone_setup(cfg, resolve_recipe(cfg).backbone, cfg.image_size)
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
             if is_inside(out, folder):
                 raise RunDirRefused(f"--out {out} lies inside {inp.what} {inp.path}{where}, which this run reads; "
                                     "choose a run directory outside the data")
+    resolve_teacher(cfg)
     if out.name == CHECKPOINT_DIR and (out.parent / "config.json").is_file():   # resuming reads it as RUN_DIR
         raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
                             f"a new one, or --resume {out.parent} to continue that run")
@@ -80,6 +91,42 @@ def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) ->
         raise ConfigError(f"cannot create the run directory {out} ({e.strerror or e}); choose another --out") from None
 
 
+def check_init_not_replaced(cfg: TrainConfig, out: Path) -> None:
+    """``--init`` naming the run directory of a fresh run, or a checkpoint in it: the run would replace (prune) the
+    checkpoints it starts from as it saves. Refused (one line) before anything is read or written."""
+    if not cfg.init or cfg.resume:   # a resumed run does not read --init
+        return
+    if same_file(cfg.init, out) or is_inside(cfg.init, out / CHECKPOINT_DIR):
+        raise RunDirRefused(f"--init {cfg.init} is a checkpoint of --out {out}, whose checkpoints this fresh run "
+                            f"replaces as it saves; give a new --out (or --resume {out} to continue that run)")
+
+
+def resolve_teacher(cfg: TrainConfig) -> None:
+    """distill's ``--teacher``: apart from ``--out``; a teacher run's checkpoint read as a resume reads it (every
+    field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
+    workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
+    if cfg.teacher in (None, RANDOM):
+        return
+    out = Path(cfg.out)
+    if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
+        raise RunDirRefused(f"--out {out} and --teacher {cfg.teacher} overlap: this run's files would overwrite or "
+                            "shadow the teacher it reads; choose a run directory apart from the teacher")
+    if not is_teacher_run(cfg.teacher):   # a weights file: read and matched to the architecture, as workers will
+        with torch.device("meta"):
+            build_teacher(cfg, cfg.image_size)
+        return
+    header = read_header(cfg.teacher)
+    if header.path.is_dir():
+        raise CheckpointError(f"--teacher {header.path} is a sharded (.dcp) checkpoint; give a .pt checkpoint of the "
+                              "run or its unison export (with --teacher-backbone)")
+    trained = teacher_run_backbone(load_checkpoint(header.path, run=True))
+    given = cfg.teacher_backbone
+    if given is not None and given != trained and not trained.startswith(given + "_"):
+        raise ConfigError(f"--teacher-backbone {given} is not the backbone of the teacher run {cfg.teacher} "
+                          f"({trained}); leave --teacher-backbone out for a unison run")
+    cfg.teacher, cfg.teacher_backbone = str(header.path), trained
+
+
 def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
     """The views the workers' augmenter will make (multi-crop: global and local crops), against what the backbone
     takes (a ViT's patch size, a timm model built for one input size): the workers' build applies the same rule
@@ -88,6 +135,7 @@ def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
     sizes = planned_view_sizes(data_spec(cfg), recipe.augmentation, catalog)
     if len(set(sizes)) > 1:
         check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
+    check_backbone_setup(cfg, recipe.backbone, sizes[0] if sizes else cfg.image_size)   # the workers' rule
 
 
 def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unison.config import TrainConfig
 from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
 from unison.data.augment import PRESETS
-from unison.errors import ConfigError
+from unison.errors import CheckpointError, ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
+from unison.training.checkpoint.files import is_checkpoint_name
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
     from unison.training.pieces import OwnPieces
@@ -67,6 +69,7 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: O
         own.apply(cfg)
     if own is None or own.backbone is None:   # the user's backbone: checked by one forward (`check_pieces`)
         _validate_backbone(cfg)
+    validate_teacher(cfg)
     if cfg.augmentation is not None and cfg.augmentation not in PRESETS:
         raise ConfigError(f"augmentation={shown(cfg.augmentation)} is unknown{did_you_mean(cfg.augmentation, PRESETS)};"
                           f" use one of {', '.join(sorted(PRESETS))}")
@@ -99,6 +102,40 @@ def _validate_accumulation(cfg: TrainConfig) -> None:
         raise ConfigError(f"--grad-sync-every {d.grad_sync_every} with exact accumulation (the default for "
                           f"{cfg.method}) does not combine with {clash}; drop {clash.split()[0]}, or give "
                           "--accumulation independent (a loss per micro-batch: not one big batch)")
+
+
+TEACHER_RANDOM = "random"   # unison.training.teacher.RANDOM (that module reads checkpoints: not imported here)
+
+
+def validate_teacher(cfg: TrainConfig) -> None:
+    """distill's teacher options, by name (`unison.training.teacher.resolve_teacher` then reads a teacher run):
+    only distill takes them, distill needs ``--teacher``, a weights file needs ``--teacher-backbone``, which must
+    be a backbone name; ``--teacher random`` defaults to ``small_cnn``."""
+    given = [o for o, v in (("--teacher", cfg.teacher), ("--teacher-backbone", cfg.teacher_backbone)) if v]
+    if not getattr(get_method(cfg.method), "needs_teacher", False):
+        if given or cfg.teacher_dtype != "float32":
+            given = given or ["--teacher-dtype"]
+            raise ConfigError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for --method distill; "
+                              f"{cfg.method} trains without a given teacher: leave {'it' if len(given) == 1 else 'them'}"
+                              " out")
+        return
+    if cfg.teacher is None:
+        raise ConfigError(f"--method {cfg.method} needs --teacher: a unison run directory or checkpoint, a weights "
+                          "file with --teacher-backbone NAME, or 'random' (a random-init teacher, for tests)")
+    if cfg.teacher == TEACHER_RANDOM:
+        cfg.teacher_backbone = cfg.teacher_backbone or "small_cnn"
+    elif not Path(cfg.teacher).exists():
+        raise CheckpointError(f"--teacher {cfg.teacher} does not exist; give a unison run directory or checkpoint, a "
+                              "weights file, or 'random'")
+    elif Path(cfg.teacher).is_file() and not is_checkpoint_name(Path(cfg.teacher)) and cfg.teacher_backbone is None:
+        raise ConfigError(f"--teacher {cfg.teacher} is a weights file: give its architecture with --teacher-backbone "
+                          "NAME (e.g. resnet50_imagenet, vit_small, timm:vit_small_patch14_dinov2)")
+    name = cfg.teacher_backbone
+    if name is not None and name not in BACKBONES and not name.startswith("timm:"):
+        raise ConfigError(f"--teacher-backbone {shown(name)} is unknown{did_you_mean(name, BACKBONES)}; use one of "
+                          f"{', '.join(BACKBONES)} or timm:<name>")
+    if name is not None and name.startswith("timm:"):
+        check_backbone(name, cfg.image_size)
 
 
 def _validate_local_crops(cfg: TrainConfig) -> None:

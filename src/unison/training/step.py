@@ -7,13 +7,15 @@
 
 Everything that decides what a step computes lives here and nowhere else:
 
-* the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
-  (`convert_sync_batchnorm`) -> channels_last -> optional activation checkpointing -> DDP
+* the model (`unison.training.model.build_method`): backbone (``--init`` weights loaded) and distill's frozen
+  teacher -> method (hyper-parameters from ``--param``) -> SyncBN (`convert_sync_batchnorm`) -> ``--freeze``
+  -> channels_last -> optional activation checkpointing -> DDP
   (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
   every backbone block and head sharded; ``Run.parallel_model`` is then the sharded method itself) ->
   optional ``torch.compile``; every rank is seeded identically before the build;
 * the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
-  with the global batch (x accumulation), optionally ZeRO-1 sharded;
+  with the global batch (x accumulation), optionally ZeRO-1 sharded; with ``--layer-decay`` one parameter
+  group per learning-rate factor (`unison.optim.groups`);
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
   state to lose in a checkpoint);
 * accumulation (``--grad-sync-every K``): exact (`unison.training.accumulate`: one forward on the step's K
@@ -28,7 +30,6 @@ this step, so what it proves is what users run.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -51,14 +52,17 @@ from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
-from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
+from unison.optim.groups import freeze, layer_scales, param_groups
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
+from unison.training.init import InitWeights
+from unison.training.model import build_method
 from unison.training.resolve import exact_accumulation, resolve_recipe
+from unison.training.teacher import needs_teacher
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
     from unison.training.pieces import OwnPieces
@@ -129,46 +133,6 @@ class Run:
         return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else x
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed every generator the build uses, identically on every rank (same initialisation everywhere)."""
-    import random
-
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-
-
-def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
-                 image_size: int | None = None, backbone: str | None = None,
-                 view_sizes: Sequence[int] = (), own: tuple[nn.Module, int] | None = None) -> SSLMethod:
-    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
-    training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
-    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
-    `own`: the user's (backbone, feature_dim), built around a copy (the object passed stays as it was)."""
-    seed_everything(cfg.seed, cfg.deterministic)
-    method_cls = get_method(cfg.method)
-    if own is not None:
-        encoder, feature_dim = copy.deepcopy(own[0]), own[1]
-    else:
-        encoder, feature_dim = build_backbone(backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size,
-                                              backbone_args=cfg.backbone_args, view_sizes=view_sizes)
-    try:
-        params = method_cls.Params(**cfg.method_params)
-        method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
-                            shared_queue=cfg.distributed.shared_queue, steps_total=total_steps)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
-    return method.to(device, dtype)
-
-
 def data_spec(cfg: TrainConfig) -> DataSpec:
     """What the data side reads of `cfg` (`unison.data` never sees the training configuration)."""
     return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
@@ -180,11 +144,12 @@ def data_spec(cfg: TrainConfig) -> DataSpec:
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
               val_set: ImageTensorDataset | None = None, metered_comm: bool = False,
-              own: OwnPieces | None = None) -> Run:
+              init: InitWeights | None = None, own: OwnPieces | None = None) -> Run:
     """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
-    `unison.distributed.comm_meter` counts it (``unison bench comm``); `own`: the user's backbone, dataset and
-    transform (`unison.training.own`). The process group must already be initialised (one process: backend local)."""
+    `unison.distributed.comm_meter` counts it (``unison bench comm``); `init`: ``--init``'s tensors
+    (`unison.training.init_read.init_weights_of`); `own`: the user's backbone, dataset and transform
+    (`unison.training.own`). The process group must already be initialised (one process: backend local)."""
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
     data = build_data(cfg, device, recipe.augmentation, train_set, val_set, own)
@@ -204,11 +169,17 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
 
     # ---- model: SyncBN, memory format, DDP
     own_backbone = (own.backbone, int(own.feature_dim or 0)) if own is not None and own.backbone is not None else None
+    setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
-                          view_sizes=augment.view_sizes, own=own_backbone)
+                          view_sizes=augment.view_sizes, setup=setup, init=init,
+                          data_size=source.batches_per_epoch * global_batch, own=own_backbone)
+    if needs_teacher(cfg.method):   # distill's queue length, resolved from the data: kept in the run's config
+        cfg.method_params = {**cfg.method_params, "queue_size": method.params.queue_size}
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
+    if cfg.freeze:   # after SyncBN, whose new layers are trainable; before DDP/FSDP, which take requires_grad as set
+        freeze(method.backbone, cfg.freeze)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
@@ -228,11 +199,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
     peak_lr = recipe.lr * global_batch * accumulate / 256
-    trainable = [p for p in method.parameters() if p.requires_grad]
-    optimizer = build_optimizer(recipe.optimizer, trainable, lr=peak_lr, weight_decay=recipe.weight_decay,
-                                momentum=cfg.momentum)
-    if cfg.distributed.shard == "optimizer":
-        optimizer = ShardedOptimizer(trainable, type(optimizer), **constructor_args(optimizer))
+    trainable, optimizer = _optimizer(cfg, method, recipe.optimizer, peak_lr, recipe.weight_decay)
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     # bf16 autocasts on the CPU too; fp16 is refused there (`TrainConfig.validate`): its scaler is CUDA's.
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
@@ -250,7 +217,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         "world_size": C.world_size(), "mean": [float(m) for m in data.mean],
                         "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params),
                         **({"feature_dim": method.feature_dim} if own_backbone else {}),
-                        **({"transform": own.transform_name()} if own is not None and own.transform else {})},
+                        **({"transform": own.transform_name()} if own is not None and own.transform else {}),
+                        **setup},
               data=data, exact=exact)
     register_checkpoint_state(run)
     return run
@@ -266,6 +234,21 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
         batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
         return build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
     return build_batch_source(data_spec(cfg), device, augmentation, train_set=train_set, val_set=val_set)
+
+
+def _optimizer(cfg: TrainConfig, method: SSLMethod, name: str, peak_lr: float,
+               weight_decay: float) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """The trainable parameters and their optimizer (ZeRO-1 sharded with ``--shard optimizer``); with
+    ``--layer-decay``, one parameter group per learning-rate factor (``group["lr_scale"]``, `optimizer_step`)."""
+    trainable = [p for p in method.parameters() if p.requires_grad]
+    params: list[Any] = trainable
+    if cfg.layer_decay is not None:
+        scales = layer_scales([n for n, _ in method.backbone.named_parameters()], cfg.layer_decay)
+        params = param_groups(method.named_parameters(), scales)
+    optimizer = build_optimizer(name, params, lr=peak_lr, weight_decay=weight_decay, momentum=cfg.momentum)
+    if cfg.distributed.shard == "optimizer":
+        optimizer = ShardedOptimizer(params, type(optimizer), **constructor_args(optimizer))
+    return trainable, optimizer
 
 
 def register_checkpoint_state(run: Run) -> None:
@@ -356,8 +339,8 @@ def _loss(run: Run, batch: Batch) -> torch.Tensor:
 def optimizer_step(run: Run, step: int) -> float:
     """Optimiser step `step` (0-based) on the accumulated gradients; returns its learning rate."""
     lr = run.schedule.lr(step)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.optimizer.param_groups:   # --layer-decay: each group its factor of the schedule's rate
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     if run.cfg.grad_clip:
         run.scaler.unscale_(run.optimizer)
         torch.nn.utils.clip_grad_norm_(run.trainable, run.cfg.grad_clip)

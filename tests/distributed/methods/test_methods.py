@@ -53,6 +53,9 @@ CASES: dict[str, tuple[str, dict, bool]] = {
     "vicreg": ("vicreg", dict(proj_hidden_dim=16, proj_dim=8), True),
     "dino": ("dino", dict(hidden_dim=16, bottleneck_dim=8, out_dim=32, momentum_base=0.9,
                           teacher_temp_warmup_fraction=0.5), True),
+    # a seeded random-init small-CNN teacher; the queue (24) wraps within the 3 steps of 16 images
+    "distill": ("distill", dict(queue_size=24), True),
+    "distill_mse": ("distill", dict(loss="mse"), True),
 }
 
 

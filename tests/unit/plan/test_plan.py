@@ -28,6 +28,7 @@ def _cfg(method: str, shard: str = "full", amp: str = "bf16", world: int = 8, lo
     vit = method in VIT_ONLY   # I-JEPA needs room for its context block: 8 x 8 patches
     cfg = TrainConfig(method=method, data="synthetic", backbone="vit_nano_p4" if vit else "small_cnn",
                       batch_size=local * world, image_size=32 if method == "ijepa" else 16, amp=amp, progress=False,
+                      teacher="random" if method == "distill" else None,
                       distributed=DistributedConfig(backend="nccl", world_size=world, shard=shard))
     return validate_run(cfg, cuda_available=True)
 

@@ -135,6 +135,8 @@ def _check_config(config: dict[str, Any], path: Path) -> None:
             cfg.logger = "none"    # whether wandb is installed here is no fault of the file
         if str(cfg.backbone).startswith(OWN):   # the user's own backbone: checked when it is passed again
             cfg.backbone = None
+        if cfg.teacher is not None:
+            cfg.teacher = "random"   # nor whether distill's teacher file is here (the checkpoint holds the teacher)
         validate_run(cfg, cuda_available=True)   # nor whether this machine has GPUs
     except (ConfigError, TypeError, ValueError, AttributeError, KeyError) as e:
         text = str(e).replace("\n", " ")

@@ -91,7 +91,10 @@ def _restore_rest(run: Run, ckpt: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """What every kind of resume restores after model and optimizer: extra state, RNG; (step, history)."""
     run.extra_state.restore(ckpt.get("extra"))
     restore_run_rng(ckpt)
-    planned = (ckpt.get("resolved") or {}).get("total_steps")
+    saved = ckpt.get("resolved") or {}
+    if "init" in saved and "init" not in run.resolved:   # --init: the weights it started from, recorded on
+        run.resolved["init"] = saved["init"]
+    planned = saved.get("total_steps")
     if isinstance(planned, int) and planned != run.total_steps:   # the loop says so: the schedules follow this run
         run.resolved["resumed_from_total_steps"] = planned
     return int(ckpt["step"]), dict(ckpt.get("history") or {})

@@ -1,0 +1,223 @@
+"""Distillation of a frozen pretrained teacher into a student of any backbone (LightlyTrain's ``distillation``).
+
+The objective of LightlyTrain 0.17.0 (``lightly-ai/lightly-train``, ``src/lightly_train/_methods/distillationv3/
+distillationv3.py`` and ``distillationv3_loss.py``: ``DistillationV3``, what ``method="distillation"`` maps to;
+written here from its description, not copied). One augmented view x per image, mixed up, then
+
+    teacher (frozen, eval, no grad):  t = normalize(pool(T(x))) [B, Dt],  T_j = normalize(map(T(x))_j) [B, N, Dt]
+    student:                          s = normalize(g(pool(S(x)))),       S_j = normalize(resize(l(map(S(x))))_j)
+    queue Q [q, Dt] <- the global batch's t, newest first (before the loss, as theirs)
+    global = KL( softmax(t Q^T / tau_g) || softmax(s Q^T / tau_g) )       (tau_g = 0.07, per image)
+    local  = KL( softmax(T_j T^T / tau_l) || softmax(S_j S^T / tau_l) )    (tau_l = 0.07, per patch j of an image)
+    loss   = mean over images of global + local_weight * mean over patches of local
+
+g, l: linear layers from the student's width to the teacher's (weights trunc-normal, std 0.02); map(S(x)) is
+the student's feature map (`unison.models.dense`), projected by l location by location and resized bilinearly
+to the teacher's patch grid; pool is the class token of a ViT teacher (the spatial mean of a CNN's map).
+Mixup: x <- lam x + (1 - lam) x[partner], lam ~ U(0, 1) once per step.
+
+``--param loss=mse``: LightlyTrain's ``DistillationV2`` (``distillationv2/distillationv2.py`` and
+``distillationv2_loss.py``): ``loss = mean((l(map(S(x))) resized - map(T(x)))^2)``, no normalisation, no queue
+(theirs concatenates the last 2 teacher blocks' tokens; here the last block's).
+
+Defaults: theirs (queue of teacher embeddings, temperatures 0.07, local weight 1, AdamW with weight decay 1e-6
+for convolutional students, their one-view augmentation: the ``distill`` preset), the queue sized by their rule
+from the number of training images (``queue_size=0``: 512 for 1-2k images, 8192 past 20k; `auto_queue_size`).
+Not done: their fixed gradient clipping at norm 1 (give ``--grad-clip 1``) and their learning rate's sqrt scaling
+with the batch (unison scales linearly).
+Not implemented: DINO-style distillation through a teacher's DINO head.
+
+Distributed semantics (exact, ``unison check --method distill``):
+
+* the loss is a mean of per-image terms over this rank's images; the terms read the queue, which every rank
+  fills with the same gathered teacher embeddings (`gather_no_grad` in the global sample order, `micro_major`):
+  the queue is identical on every rank and equal to one process's;
+* mixup pairs each image with a partner from the *global* batch: the images are gathered (no gradient), each
+  draws u from `unison.rng` with its (seed, epoch, index) (``needs_sample_keys``), the batch is ordered by
+  (u, index) and each image is mixed with the next one in that cycle (theirs: a random permutation, which may
+  pair an image with itself); lam is the first image's second draw.
+  Pairs and lam are the same at every world size (they depend on the step's samples only). With gather off
+  the partners come from the local batch (``exactness_note`` says so);
+* the teacher is frozen (``requires_grad=False``, not in the optimizer, no gradient to synchronise), always in
+  eval mode (batch norm uses its running statistics), rank-local state (DDP never broadcasts it; every rank
+  builds it from the same file, or the same seed), and checkpointed with the run, so `unison eval`/`export`
+  of a distilled run need no teacher file. Under ``--shard full`` it is sharded block by block like the
+  student and, frozen, resharded after its one forward per step (gathered once per step).
+* ``teacher_dtype``: the teacher's parameters may be bf16 (built so by the training layer); its input is
+  cast to their dtype and its output back.
+
+Example::
+
+    student, dim = build_backbone("resnet18", 224)
+    teacher, tdim = build_backbone("vit_small", 224)        # weights loaded by the caller (same views: same size)
+    model = Distill(student, dim, DistillParams(), teacher=teacher, teacher_dim=tdim)
+    loss = model([view], keys=SampleKeys(seed, epoch, indices)); loss.backward(); opt.step()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from unison.distributed import collectives as C
+from unison.distributed.tagging import mark_rank_local_state
+from unison.errors import ConfigError
+from unison.models.dense import dense_features, make_dense
+from unison.rng import sample_uniform
+
+from .base import Recipe, SampleKeys, SSLMethod
+from .params import check_params
+
+LOSSES = ("kl", "mse")
+_MIXUP_STREAM = 0x0D15_7111   # the rng stream of mixup's draws (augmentations use small streams)
+
+
+@dataclass
+class DistillParams:
+    loss: str = "kl"                    # kl: LightlyTrain's distillation (v3, default); mse: their v2
+    queue_size: int = 0                 # teacher embeddings kept; 0: LightlyTrain's rule from the data set size
+    temperature_global: float = 0.07
+    temperature_local: float = 0.07
+    local_weight: float = 1.0
+    mixup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ConfigError(f"Distill parameter loss={self.loss!r} is unknown; use kl (LightlyTrain's distillation) "
+                              "or mse (their v2) (--param loss=VALUE)")
+        check_params(self, counts=("queue_size",), temperatures=("temperature_global", "temperature_local"),
+                     non_negative=("local_weight",))
+
+
+# LightlyTrain's queue_size="auto" (distillationv3.py): (data set size below, queue length): about 25-50 % of it
+QUEUE_BUCKETS = ((50, 16), (100, 32), (250, 64), (500, 128), (1_000, 256), (2_000, 512), (4_000, 1024),
+                 (10_000, 2048), (20_000, 4096))
+QUEUE_MAX = 8192
+
+
+def auto_queue_size(data_size: int | None) -> int:
+    """The queue length LightlyTrain picks for `data_size` training images (None, unknown: the largest)."""
+    if data_size is None:
+        return QUEUE_MAX
+    return next((q for below, q in QUEUE_BUCKETS if data_size < below), QUEUE_MAX)
+
+
+class TeacherHolder(nn.Module):
+    """Holds the frozen teacher as ``.backbone`` (never called itself: FSDP shards the backbone's blocks, exact
+    accumulation intercepts ``*.backbone`` like the momentum teachers')."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+
+
+class Distill(SSLMethod):
+    name = "distill"
+    Params = DistillParams
+    needs_teacher = True
+    needs_sample_keys = True   # mixup's partners and lam: from (seed, epoch, index), never the rank
+    # LightlyTrain: AdamW lr 5e-4 at batch 1536 (sqrt-scaled), weight decay 1e-6 for conv students; one view.
+    recipe = Recipe(optimizer="adamw", base_lr=2e-4, weight_decay=1e-6, augmentation="crop",
+                    embedded={"base_lr": 2e-3})
+
+    queue: torch.Tensor
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, params: DistillParams, *, teacher: nn.Module,
+                 teacher_dim: int, data_size: int | None = None, **kw: Any):
+        if not params.queue_size:   # the length used: the training layer records it in the run's config
+            params = replace(params, queue_size=auto_queue_size(data_size))
+        super().__init__(make_dense(backbone), feature_dim, params, **kw)
+        # mse (v2) matches the maps only: no global head (DDP refuses parameters without a gradient)
+        self.head_global = nn.Linear(feature_dim, teacher_dim) if params.loss == "kl" else None
+        self.head_local = nn.Linear(feature_dim, teacher_dim)
+        for head in (self.head_global, self.head_local):
+            if head is not None:
+                nn.init.trunc_normal_(head.weight, std=0.02)
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        self.teacher = TeacherHolder(make_dense(teacher).eval())
+        self.teacher_dim = teacher_dim
+        mark_rank_local_state(self.teacher)
+        self.register_buffer("queue", torch.zeros(params.queue_size, teacher_dim))
+        mark_rank_local_state(self, ["queue"])
+
+    def train(self, mode: bool = True) -> Distill:
+        super().train(mode)
+        self.teacher.eval()   # batch norm of the teacher: running statistics, never updated
+        return self
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_features(self.backbone, x, self.feature_dim)[0]
+
+    @torch.no_grad()
+    def _teacher(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = next(self.teacher.parameters()).dtype
+        pooled, grid = dense_features(self.teacher.backbone, x.to(dtype), self.teacher_dim)
+        return pooled.to(x.dtype), grid.to(x.dtype)
+
+    def _mixup(self, x: torch.Tensor, keys: SampleKeys) -> torch.Tensor:
+        """lam x + (1 - lam) x[partner], partners and lam from the step's samples only (module docstring)."""
+        u = sample_uniform(keys.seed, keys.epoch, keys.indices.to(x.device), _MIXUP_STREAM, 2)
+        index = keys.indices.to(x.device)
+        if self.gather_distributed:
+            x_all, u_all, i_all = C.gather_no_grad(x), C.gather_no_grad(u), C.gather_no_grad(index)
+            start = C.rank() * x.shape[0]
+        else:
+            x_all, u_all, i_all, start = x.detach(), u, index, 0
+        by_index = torch.argsort(i_all)
+        order = by_index[torch.argsort(u_all[by_index, 0], stable=True)]   # by (u, index): ties too
+        partner = torch.empty_like(order)
+        partner[order] = order.roll(-1)
+        lam = u_all[order[:1], 1].to(x.dtype)   # [1]: a tensor index of one element would sync with the host
+        return lam * x + (1 - lam) * x_all[partner[start:start + x.shape[0]]]
+
+    def forward(self, views: list[torch.Tensor], keys: SampleKeys | None = None) -> torch.Tensor:
+        x = views[0]   # one view, as LightlyTrain's (further views of another preset are not used)
+        if self.params.mixup:
+            if keys is None:
+                raise ValueError("Distill with mixup needs keys=SampleKeys(seed, epoch, indices)")
+            x = self._mixup(x, keys)
+        t_pooled, t_grid = self._teacher(x)
+        s_pooled, s_grid = dense_features(self.backbone, x, self.feature_dim)
+        h, w = t_grid.shape[1:3]
+        s_local = F.interpolate(self.head_local(s_grid).permute(0, 3, 1, 2), size=(h, w), mode="bilinear",
+                                align_corners=False).permute(0, 2, 3, 1).flatten(1, 2)
+        t_local = t_grid.flatten(1, 2)
+        if self.head_global is None:   # loss=mse
+            return F.mse_loss(s_local, t_local)
+        t_pooled = F.normalize(t_pooled, dim=-1)
+        self._enqueue(t_pooled)
+        queue = self.queue.to(t_pooled.dtype)
+        s_pooled = F.normalize(self.head_global(s_pooled), dim=-1)
+        p = self.params
+        global_loss = _kl(s_pooled @ queue.T / p.temperature_global, t_pooled @ queue.T / p.temperature_global)
+        s_local, t_local = F.normalize(s_local, dim=-1), F.normalize(t_local, dim=-1)
+        local_loss = _kl(s_local @ s_local.transpose(1, 2) / p.temperature_local,
+                         t_local @ t_local.transpose(1, 2) / p.temperature_local)
+        return global_loss + p.local_weight * local_loss
+
+    @torch.no_grad()
+    def _enqueue(self, t: torch.Tensor) -> None:
+        """The global batch's teacher embeddings at the front of the queue (every rank the same)."""
+        t = C.micro_major(C.gather_no_grad(t)) if self.gather_distributed else t
+        t = t.to(self.queue.dtype)
+        n, q = t.shape[0], self.queue.shape[0]
+        if n >= q:
+            self.queue.copy_(t[:q])
+        else:
+            self.queue.copy_(torch.cat([t, self.queue[:q - n]]))
+
+    def exactness_note(self) -> str | None:
+        if not self.gather_distributed:
+            return "gather is off: each rank's queue and mixup partners come from its local batch"
+        return None
+
+
+def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over the leading dimensions of KL(softmax(teacher) || softmax(student)) over the last one."""
+    log_p = F.log_softmax(teacher_logits, dim=-1)
+    return (log_p.exp() * (log_p - F.log_softmax(student_logits, dim=-1))).sum(-1).mean()

@@ -1,0 +1,85 @@
+"""A run's model: the backbone (unison's or the user's own; ``--init`` weights loaded, ``--freeze`` and
+``--layer-decay`` checked against it, `unison.training.init`), distill's frozen teacher (`unison.training.teacher`),
+and the method built around them, seeded identically on every rank. `unison.training.step.build_run` wraps it
+(SyncBN, ``--freeze``, channels_last, DDP/FSDP); `unison.training.load`, the footprint, ``unison plan`` and the
+benchmarks build it alone."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from unison.config import TrainConfig
+from unison.errors import ConfigError
+from unison.methods import get_method
+from unison.methods.base import SSLMethod
+from unison.models import build_backbone
+from unison.models.backbones import resolve_backbone
+from unison.training.init import InitWeights, prepare_backbone
+from unison.training.resolve import resolve_recipe
+from unison.training.teacher import build_teacher, needs_teacher
+
+__all__ = ["build_method", "seed_everything"]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed every generator the build uses, identically on every rank (same initialisation everywhere)."""
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
+                 image_size: int | None = None, backbone: str | None = None,
+                 view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None,
+                 init: InitWeights | None = None, teacher_weights: bool = True,
+                 data_size: int | None = None, own: tuple[nn.Module, int] | None = None) -> SSLMethod:
+    """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
+    training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
+    `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
+    `own`: the user's (backbone, feature_dim), built around a copy (the object passed stays as it was).
+    `setup` (a training run's): `init` (``--init``'s tensors) is loaded into the backbone before the method is built
+    around it, ``--freeze``/``--layer-decay`` checked against it (`unison.training.init.prepare_backbone`), and
+    what was done is recorded in `setup`.
+    A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
+    False: the architecture only, for a checkpoint that holds it), then the seed is set again: the student
+    starts as it would without a teacher; `data_size` (training images) sizes its automatic queue."""
+    method_cls = get_method(cfg.method)
+    extra: dict[str, Any] = {}
+    if needs_teacher(cfg.method):
+        seed_everything(cfg.seed, cfg.deterministic)
+        teacher, teacher_dim = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
+        extra = {"teacher": teacher, "teacher_dim": teacher_dim, "data_size": data_size}
+    seed_everything(cfg.seed, cfg.deterministic)
+    name, size = backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size
+    if own is not None:
+        encoder, feature_dim = copy.deepcopy(own[0]), own[1]
+    else:
+        encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
+        name = resolve_backbone(name, size)
+    if setup is not None:
+        setup.update(prepare_backbone(encoder, cfg, name, init))
+    try:
+        params = method_cls.Params(**cfg.method_params)
+        method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
+                            shared_queue=cfg.distributed.shared_queue, steps_total=total_steps, **extra)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
+    method = method.to(device, dtype)
+    if extra and cfg.teacher_dtype == "bf16":   # after .to(dtype), which would undo it
+        extra["teacher"].to(torch.bfloat16)
+    return method

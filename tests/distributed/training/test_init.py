@@ -1,0 +1,105 @@
+"""``--init`` / ``--freeze`` / ``--layer-decay`` in whole runs: one in-process run at world size 1 (small CNN, digits,
+1 step) for what a run records and the export round trip, and one of 2 workers under ``--shard full`` (FSDP2).
+The step-level cases and the bad inputs are tests/unit/training/test_init.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from unison.cli import main
+from unison.config import TrainConfig
+from unison.models import build_backbone
+from unison.training.init import prepare_backbone
+from unison.training.init_read import read_init
+
+TINY = ["--world-size", "1", "--max-steps", "1", "--no-progress", "--batch-size", "16", "--subset", "64",
+        "--val-subset", "16", "--knn-k", "5", "--no-random-init-knn", "--signal-images", "0", "--no-online-probe",
+        "--logger", "none"]
+
+
+def _run(argv: list[str], capfd) -> tuple[int, str]:
+    """Exit code and stderr of `unison train ARGV` (argparse's SystemExit counts as an exit code)."""
+    capfd.readouterr()
+    try:
+        code = main(["train", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
+
+
+def _error(err: str) -> str:
+    errors = [line for line in err.splitlines() if line.startswith(("unison: error:", "unison train: error:"))]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """A small-CNN weights file, and a 1-step run started from it with --freeze 1 --layer-decay 0.5."""
+    tmp = tmp_path_factory.mktemp("init")
+    torch.manual_seed(3)
+    net, _ = build_backbone("small_cnn")
+    torch.save(net.state_dict(), tmp / "cnn.pt")
+    os.chdir(tmp)
+    code = main(["train", *TINY, "--init", str(tmp / "cnn.pt"), "--freeze", "1", "--layer-decay", "0.5",
+                 "--out", str(tmp / "run")])
+    assert code == 0
+    return {"tmp": tmp, "weights": tmp / "cnn.pt", "run": tmp / "run"}
+
+
+def test_run_starts_from_init_with_frozen_blocks_and_records_it(trained):
+    from unison.training.checkpoint import load_checkpoint
+
+    start = torch.load(trained["weights"])
+    model = load_checkpoint(trained["run"])["model"]
+    for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias"):
+        assert torch.equal(model[f"backbone.{k}"], start[k]), k   # --freeze 1: block ids 0, 1 (conv-BN blocks 0, 1)
+    for k in ("features.6.weight", "features.9.weight"):
+        assert not torch.equal(model[f"backbone.{k}"], start[k]), k   # trained
+    resolved = json.loads((trained["run"] / "config.json").read_text())["resolved"]
+    summary = json.loads((trained["run"] / "summary.json").read_text())
+    assert resolved["init"]["matched"] == 24 and resolved["frozen_parameters"] == 6
+    assert summary["extra"]["init"]["sha256"] == resolved["init"]["sha256"]
+
+
+def test_export_and_run_dir_round_trip_into_init(trained):
+    """The run's export and the run directory itself give the same weights (same sha256) as its checkpoint."""
+    from unison.export import export_backbone
+    from unison.training.checkpoint import load_checkpoint
+
+    export_backbone(trained["run"], trained["tmp"] / "b.safetensors")
+    reports = {}
+    for what in ("b.safetensors", "run"):
+        net, _ = build_backbone("small_cnn")
+        weights = read_init(trained["tmp"] / what)
+        reports[what] = {"source": weights.source, **prepare_backbone(net, TrainConfig(), "small_cnn", weights)["init"]}
+        model = load_checkpoint(trained["run"])["model"]
+        assert all(torch.equal(v, model[f"backbone.{k}"]) for k, v in net.state_dict().items())
+    assert reports["b.safetensors"]["source"] == "unison export (small_cnn, simclr, step 1)"
+    assert reports["run"]["source"] == "unison checkpoint (simclr, step 1)"
+    assert reports["b.safetensors"]["sha256"] == reports["run"]["sha256"]
+
+
+def test_init_freeze_and_layer_decay_under_shard_full(trained, capfd):
+    """2 workers, FSDP2: the weights are loaded before sharding (the frozen blocks equal the file's after 2 steps),
+    the report line is printed once."""
+    from unison.training.checkpoint import load_checkpoint
+
+    capfd.readouterr()
+    argv = [*TINY, "--world-size", "2", "--max-steps", "2", "--shard", "full", "--init", str(trained["weights"]),
+            "--freeze", "1", "--layer-decay", "0.5", "--out", str(trained["tmp"] / "full")]
+    assert main(["train", *argv]) == 0
+    err = capfd.readouterr().err
+    assert err.count("unison: --init: matched 24 tensors of state dict") == 1 and "Traceback" not in err, err
+    start = torch.load(trained["weights"])
+    model = load_checkpoint(trained["tmp"] / "full")["model"]
+    for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias"):
+        assert torch.equal(model[f"backbone.{k}"], start[k]), k
+    assert not torch.equal(model["backbone.features.9.weight"], start["features.9.weight"])
