@@ -138,9 +138,11 @@ def _convert(module: nn.Module, factory) -> nn.Module:
             module, (GlobalBatchNorm, nn.SyncBatchNorm)):
         out = factory(module)
         with torch.no_grad():
-            if module.affine:
+            if module.affine:   # frozen stays frozen (a momentum encoder's, --freeze's), as torch's CUDA conversion keeps it
                 out.weight.copy_(module.weight)
                 out.bias.copy_(module.bias)
+                out.weight.requires_grad_(module.weight.requires_grad)
+                out.bias.requires_grad_(module.bias.requires_grad)
             if module.track_running_stats:
                 out.running_mean.copy_(module.running_mean)
                 out.running_var.copy_(module.running_var)

@@ -27,3 +27,18 @@ def test_convert_keeps_weights_and_eval_mode():
     assert isinstance(c[1], GlobalBatchNorm) and isinstance(c[2][0], GlobalBatchNorm)
     assert not c[1].training
     assert torch.all(c[1].weight == 2.0) and torch.all(c[1].running_mean == 0.5)
+
+
+def test_convert_keeps_frozen_parameters_frozen():
+    """A momentum encoder's batch norm (BYOL's target, DINO's teacher) and --freeze's stay out of the optimizer after
+    the CPU conversion, as after torch's CUDA one (which keeps the Parameter objects): they had become trainable."""
+    from unison.methods.byol import BYOL
+    from unison.models import build_backbone
+
+    encoder, dim = build_backbone("small_cnn", 16)
+    method = BYOL(encoder, dim, BYOL.Params(), steps_total=2)
+    method.backbone.features[1].weight.requires_grad_(False)   # as --freeze leaves it
+    before = {n for n, p in method.named_parameters() if p.requires_grad}
+    assert any(n.startswith("backbone.") for n in before) and len(before) < len(list(method.parameters()))
+    after = {n for n, p in convert_sync_batchnorm(method, "cpu").named_parameters() if p.requires_grad}
+    assert after == before
