@@ -278,9 +278,11 @@ def _missing_text(missing: list[str], others: list[str], own: dict[str, torch.Te
                 f"(first: {next(iter(own))!r}); is it the weights of this architecture? Give the matching --backbone")
     if missing:
         return (f"has no tensor {prefix + missing[0]!r} that {what} has ({len(missing)} missing); the file is "
-                "another architecture (a shallower model, another variant): give the matching --backbone")
+                "another architecture (a shallower model, another variant): give the matching --backbone (timm:<name> "
+                "for a timm model's weights)")
     return (f"has tensor {prefix + others[0]!r} that {what} lacks ({len(others)} such, not a classifier head); "
-            "the file is another architecture (a deeper model, another variant): give the matching --backbone")
+            "the file is another architecture (a deeper model, another variant): give the matching --backbone "
+            "(timm:<name> for a timm model's weights)")
 
 
 def _shape_text(key: str, got: tuple[int, ...], want: tuple[int, ...], own: dict[str, torch.Tensor],
