@@ -103,3 +103,15 @@ def test_init_freeze_and_layer_decay_under_shard_full(trained, capfd):
     for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias"):
         assert torch.equal(model[f"backbone.{k}"], start[k]), k
     assert not torch.equal(model["backbone.features.9.weight"], start["features.9.weight"])
+
+
+def test_a_resumed_run_takes_the_checkpoint_not_init(trained, capfd):
+    """--resume with --init: the file is not read (here it does not exist), the record is the checkpoint's."""
+    capfd.readouterr()
+    out = trained["tmp"] / "branch"
+    assert main(["train", *TINY, "--max-steps", "2", "--resume", str(trained["run"]), "--init",
+                 str(trained["tmp"] / "gone.pt"), "--out", str(out)]) == 0
+    err = capfd.readouterr().err
+    assert f"--init {trained['tmp'] / 'gone.pt'} not read: the run resumes from" in err and "Traceback" not in err
+    first = json.loads((trained["run"] / "config.json").read_text())["resolved"]["init"]
+    assert json.loads((out / "config.json").read_text())["resolved"]["init"] == first

@@ -121,3 +121,13 @@ def test_momentum_encoder_starts_from_init_too(tmp_path):
     target = {k.split(".", 2)[-1]: v for k, v in method.state_dict().items() if k.startswith("target.backbone.")}
     assert target and all(torch.equal(target[k], src.state_dict()[k]) for k in target)
     assert setup["init"]["matched"] == 24
+
+
+@pytest.mark.parametrize("option", ["layer_decay", "freeze"])
+def test_check_run_refuses_what_it_would_leave_out(option):
+    """``unison check --run`` trains whole runs without these options: refused, not silently ignored."""
+    from unison.equivalence.curves import check_run_options
+    from unison.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"does not take --{option.replace('_', '-')}"):
+        check_run_options({option: 0.5 if option == "layer_decay" else "1"})
