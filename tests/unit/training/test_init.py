@@ -131,3 +131,21 @@ def test_check_run_refuses_what_it_would_leave_out(option):
 
     with pytest.raises(ConfigError, match=f"does not take --{option.replace('_', '-')}"):
         check_run_options({option: 0.5 if option == "layer_decay" else "1"})
+
+
+def test_a_restart_that_resumes_reads_no_init_in_the_preflight(tmp_path, monkeypatch):
+    """A restarted or requeued attempt runs the same command: with a checkpoint in --out the workers resume from it, so the
+    pre-flight does not read --init either (here it no longer exists)."""
+    from unison.cli.train_args import parse_train_args
+    from unison.training.preflight import check_crops, check_init_not_replaced, resumes_after_restart
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001.pt").write_bytes(b"x")
+    cfg = parse_train_args([*TINY, "--init", str(tmp_path / "gone.pt"), "--out", str(tmp_path / "run")])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resumes_after_restart(cfg)
+    check_init_not_replaced(cfg, tmp_path / "run")
+    check_crops(cfg, None)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    with pytest.raises(UnisonError, match="no such file"):
+        check_crops(cfg, None)
