@@ -7,15 +7,17 @@
 
 Everything that decides what a step computes lives here and nowhere else:
 
-* the model: backbone -> method (hyper-parameters from ``--param``) -> SyncBN
-  (`convert_sync_batchnorm`) -> channels_last -> optional activation checkpointing -> DDP
+* the model: backbone (``--init`` weights loaded, `unison.training.init`) -> method (hyper-parameters from
+  ``--param``) -> SyncBN (`convert_sync_batchnorm`) -> ``--freeze`` -> channels_last -> optional activation
+  checkpointing -> DDP
   (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
   every backbone block and head sharded; ``Run.parallel_model`` is then the sharded method itself) ->
   optional ``torch.compile``; every rank is seeded identically before the build;
 * the optimizer: the method's recipe unless overridden, peak learning rate scaled linearly
-  with the global batch (x accumulation), optionally ZeRO-1 sharded;
+  with the global batch (x accumulation), optionally ZeRO-1 sharded; with ``--layer-decay`` one parameter
+  group per learning-rate factor (`unison.optim.groups`);
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
-  state to lose in a checkpoint);
+  state to lose in a checkpoint), times each group's ``lr_scale``;
 * accumulation (``--grad-sync-every K``): exact (`unison.training.accumulate`: one forward on the step's K
   micro-batches, backbones re-run per micro-batch, the gradient of one step on all of them) unless
   ``--accumulation independent`` or the method's loss is a plain mean over samples (``accumulation = "plain"``);
