@@ -46,7 +46,7 @@ def init_weights_of(cfg: TrainConfig) -> InitWeights | None:
 
 def check_backbone_setup(cfg: TrainConfig, backbone: str, image_size: int | None) -> None:
     """The pre-flight of `prepare_backbone`: the same rule on the backbone built on the meta device."""
-    if not (cfg.init or cfg.freeze or cfg.layer_decay is not None):
+    if not (cfg.init or cfg.freeze is not None or cfg.layer_decay is not None):
         return
     from unison.models import build_backbone
     from unison.models.backbones import resolve_backbone

@@ -212,7 +212,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
-    if cfg.freeze:   # after SyncBN, whose new layers are trainable; before DDP/FSDP, which take requires_grad as set
+    if cfg.freeze is not None:   # after SyncBN, whose new layers are trainable; before DDP/FSDP, which take requires_grad as set
         freeze(method.backbone, cfg.freeze)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -73,6 +73,7 @@ class _Evil:
     ("freeze", 2, "--freeze 'blocks' names no part of the backbone"),
     ("decay", 2, "layer_decay=1.5 must be a finite number in (0, 1]"),
     ("own-out", 2, "is a checkpoint of --out"),
+    ("empty-freeze", 2, "--freeze '' is not a list of block counts or module names"),
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
     """What `unison train` runs before any worker starts (`validate_run`, `preflight`): one line, its exit code."""
@@ -94,6 +95,8 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         (tmp_path / "run" / "checkpoints").mkdir(parents=True)
         (tmp_path / "run" / "checkpoints" / "step_1.pt").write_bytes(b"x")
         argv += ["--init", str(tmp_path / "run" / "checkpoints" / "step_1.pt")]
+    elif case == "empty-freeze":   # was taken for no --freeze at all
+        argv += ["--freeze", ""]
     elif case == "freeze":
         argv += ["--freeze", "blocks"]
     else:
