@@ -116,15 +116,25 @@ def test_mismatches_are_named(tv18, tmp_path):
     _refused(cnn, path, "none of its")
 
 
-def test_vit_position_embedding_names_the_image_size(tmp_path):
+def test_vit_position_embedding_is_resampled_to_the_grid(tmp_path):
+    """Weights trained at another image size: pos_embed resampled as timm does (reported); another patch size or
+    width is named."""
+    from timm.layers import resample_abs_pos_embed
+
     src, _ = build_backbone("vit_nano_p4")   # 32 px, 8x8 patches of 4 px
     torch.save(src.state_dict(), tmp_path / "vit.pt")
-    net, _ = build_backbone("vit_nano_p2")   # 16 px, 8x8 patches of 2 px: the patch embedding differs first
+    net, _ = build_backbone("vit_nano_p2")   # 16 px, 8x8 patches of 2 px: the patch embedding differs
     _refused(net, tmp_path / "vit.pt", "4 px patches")
-    grid = {k: v for k, v in src.state_dict().items()}
-    grid["pos_embed"] = torch.zeros(1, 1 + 14 * 14, 128)
-    torch.save(grid, tmp_path / "vit14.pt")
-    _refused(build_backbone("vit_nano_p4")[0], tmp_path / "vit14.pt", "give --image-size 56")
+    sd = dict(src.state_dict())
+    sd["pos_embed"] = torch.randn(1, 1 + 14 * 14, 128)   # trained at 56 px
+    torch.save(sd, tmp_path / "vit14.pt")
+    net, _ = build_backbone("vit_nano_p4")
+    report = load_backbone_weights(net, tmp_path / "vit14.pt")
+    assert "resampled pos_embed from 14x14 to 8x8 patches" in report.line()
+    torch.testing.assert_close(net.pos_embed.detach(), resample_abs_pos_embed(sd["pos_embed"], [8, 8]))
+    sd["pos_embed"] = torch.randn(1, 1 + 14 * 14, 64)
+    torch.save(sd, tmp_path / "narrow.pt")
+    _refused(net, tmp_path / "narrow.pt", "the position embeddings differ in width")
 
 
 @pytest.mark.parametrize("case", ["missing", "directory", "empty", "fifo", "not_a_dict", "nan", "damaged"])
