@@ -33,7 +33,7 @@ Example::
 
     net, dim = build_backbone("resnet18_imagenet")
     report = load_backbone_weights(net, "resnet18-f37072fd.pth")
-    report.line()   # "matched 122 tensors of torchvision/timm state dict resnet18-f37072fd.pth; skipped: fc.weight, fc.bias"
+    report.line()   # "matched 120 tensors of state dict resnet18-f37072fd.pth; skipped: fc.weight, fc.bias"
 """
 
 from __future__ import annotations
