@@ -165,14 +165,24 @@ def run_curves(method: str = "simclr", steps: int = 200, world_sizes: tuple[int,
                         CURVE_TOLERANCE[precision] if tolerance is None else tolerance, curves, rel, knn, wall, note)
 
 
+def check_run_options(check: dict[str, Any]) -> None:
+    """The `CheckSpec` options the user gave that ``unison check --run`` cannot pass on to its runs: one line,
+    rather than silently left out."""
+    from unison.errors import ConfigError
+
+    if check.get("grad_sync_every", 1) != 1 or "accumulation" in check:
+        raise ConfigError("unison check --run trains whole runs without accumulation; leave out --grad-sync-every "
+                          "and --accumulation, or drop --run to check the accumulated step")
+    given = [f"--{k.replace('_', '-')}" for k in ("layer_decay", "freeze") if check.get(k) is not None]
+    if given:
+        raise ConfigError(f"unison check --run does not take {' or '.join(given)}; drop --run to check the step "
+                          "with them")
+
+
 def run_curves_for_check(method: str, check: dict[str, Any], curve: dict[str, Any],
                          method_params: dict[str, Any] | None = None) -> CurvesReport:
     """`unison check --run`: map the `CheckSpec` options the user gave onto `run_curves`."""
-    if check.get("grad_sync_every", 1) != 1 or "accumulation" in check:
-        from unison.errors import ConfigError
-
-        raise ConfigError("unison check --run trains whole runs without accumulation; leave out --grad-sync-every "
-                          "and --accumulation, or drop --run to check the accumulated step")
+    check_run_options(check)
     spec = CurveSpec(**{k: v for k, v in curve.items() if k in {f.name for f in dataclasses.fields(CurveSpec)}})
     from unison.config.check import CheckSpec
 

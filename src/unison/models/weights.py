@@ -18,10 +18,13 @@ Matching, in this order:
   ``encoder.``, ``module.backbone.``, ...: ``module.backbone.conv1.weight`` -> ``conv1.weight``); keys outside it
   are skipped (an SSL checkpoint's projection heads, a momentum encoder);
 * keys the backbone lacks that are classifier heads (torchvision ``fc.*``, timm ``head.*``, ``fc.*``,
-  ``classifier.*``, ``fc_norm.*``) are skipped; any other key the backbone lacks, any backbone tensor the file
-  lacks (batch norm's ``num_batches_tracked`` excepted) and any shape that differs is a one-line
-  `CheckpointError` naming the first such tensor and what to do (a CIFAR-stem ResNet against torchvision's
-  ImageNet stem: the ``--backbone`` to use; a ViT's position embedding: the ``--image-size``).
+  ``classifier.*``, ``fc_norm.*``) are skipped;
+* a ViT position embedding (``pos_embed``) of another square patch grid (weights trained at another image size)
+  is resampled bicubically to the backbone's, as timm does when it loads pretrained weights, and reported;
+* any other key the backbone lacks, any backbone tensor the file lacks (batch norm's ``num_batches_tracked``
+  excepted) and any other shape that differs is a one-line `CheckpointError` naming the first such tensor and
+  what to do (a CIFAR-stem ResNet against torchvision's ImageNet stem: the ``--backbone`` to use; another patch
+  size: the backbone with that patch size).
 
 A unison export (`unison export`'s file, with its ``<name>.json`` sidecar) is recognised by the sidecar and
 reported with its backbone, method and step.
@@ -30,12 +33,13 @@ Example::
 
     net, dim = build_backbone("resnet18_imagenet")
     report = load_backbone_weights(net, "resnet18-f37072fd.pth")
-    report.line()   # "matched 122 tensors of torchvision/timm state dict resnet18-f37072fd.pth; skipped: fc.weight, fc.bias"
+    report.line()   # "matched 120 tensors of state dict resnet18-f37072fd.pth; skipped: fc.weight, fc.bias"
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 import stat
@@ -68,13 +72,15 @@ class WeightsReport:
     skipped: list[str] = field(default_factory=list)
     prefix: str = ""                  # the prefix stripped from the file's keys ("module.backbone.")
     sha256: str = ""                  # of the tensors loaded (names, dtypes, shapes, bytes): what a run records
+    resampled: list[str] = field(default_factory=list)   # position embeddings resampled to the backbone's grid
 
     def line(self) -> str:
         """One line for the run's start: what was loaded from where, and what was left out."""
         skipped = ", ".join(self.skipped[:6]) + (f" and {len(self.skipped) - 6} more" if len(self.skipped) > 6 else "")
         strip = f" (prefix {self.prefix!r} stripped)" if self.prefix else ""
+        resampled = f"; resampled {', '.join(self.resampled)}" if self.resampled else ""
         return (f"matched {self.matched} tensors of {self.source} {self.path}{strip}; "
-                f"skipped: {skipped or 'none'}")
+                f"skipped: {skipped or 'none'}{resampled}")
 
 
 def _fail(option: str, path: str | Path, what: str) -> CheckpointError:
@@ -245,16 +251,46 @@ def load_state(backbone: nn.Module, state: dict[str, torch.Tensor], path: str, s
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
     if missing or others:
         raise _fail(option, path, _missing_text(missing, others, own, state, prefix, name))
-    for k, v in state.items():
+    state, resampled = dict(state), []
+    for k, v in list(state.items()):
         if k in own and tuple(v.shape) != tuple(own[k].shape):
-            raise _fail(option, path, _shape_text(k, tuple(v.shape), tuple(own[k].shape), own, name))
+            grids = _pos_embed_grids(k, tuple(v.shape), tuple(own[k].shape))
+            if grids is None:
+                raise _fail(option, path, _shape_text(k, tuple(v.shape), tuple(own[k].shape), own, name))
+            state[k] = resample_pos_embed(v, *grids)
+            resampled.append(f"{k} from {grids[1]}x{grids[1]} to {grids[2]}x{grids[2]} patches")
     with torch.no_grad():
         for k, target in own.items():
             if k in state:
                 target.copy_(state[k].to(device=target.device, dtype=target.dtype))
     return WeightsReport(path=path, source=source, matched=sum(1 for k in own if k in state),
-                         skipped=[prefix + k for k in heads] + dropped, prefix=prefix,
+                         skipped=[prefix + k for k in heads] + dropped, prefix=prefix, resampled=resampled,
                          sha256=tensors_sha256({k: state[k] for k in own if k in state}))
+
+
+def _pos_embed_grids(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """(prefix tokens, file's grid, backbone's grid) when `key` is a ViT position embedding [1, prefix + g * g, D]
+    that differs only in its square patch grid (the weights were trained at another image size); else None."""
+    if not (key.split(".")[-1] == "pos_embed" and len(got) == len(want) == 3 and got[0] == want[0] == 1
+            and got[2] == want[2]):
+        return None
+    for prefix in range(0, 9):   # class token, register tokens
+        g, w = math.isqrt(max(got[1] - prefix, 0)), math.isqrt(max(want[1] - prefix, 0))
+        if g and w and g * g == got[1] - prefix and w * w == want[1] - prefix:
+            return prefix, g, w
+    return None
+
+
+def resample_pos_embed(pos: torch.Tensor, prefix: int, grid: int, new_grid: int) -> torch.Tensor:
+    """A [1, prefix + grid**2, D] position embedding resampled bicubically (antialiased) to `new_grid`, the prefix
+    tokens' kept, as timm's ``resample_abs_pos_embed`` (in float32)."""
+    import torch.nn.functional as F
+
+    head, patches = pos[:, :prefix], pos[:, prefix:].float()
+    img = patches.reshape(1, grid, grid, -1).permute(0, 3, 1, 2)
+    img = F.interpolate(img, size=(new_grid, new_grid), mode="bicubic", antialias=True)
+    out = img.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid, -1).to(pos.dtype)
+    return torch.cat([head, out], dim=1)
 
 
 def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -278,9 +314,11 @@ def _missing_text(missing: list[str], others: list[str], own: dict[str, torch.Te
                 f"(first: {next(iter(own))!r}); is it the weights of this architecture? Give the matching --backbone")
     if missing:
         return (f"has no tensor {prefix + missing[0]!r} that {what} has ({len(missing)} missing); the file is "
-                "another architecture (a shallower model, another variant): give the matching --backbone")
+                "another architecture (a shallower model, another variant): give the matching --backbone (timm:<name> "
+                "for a timm model's weights)")
     return (f"has tensor {prefix + others[0]!r} that {what} lacks ({len(others)} such, not a classifier head); "
-            "the file is another architecture (a deeper model, another variant): give the matching --backbone")
+            "the file is another architecture (a deeper model, another variant): give the matching --backbone "
+            "(timm:<name> for a timm model's weights)")
 
 
 def _shape_text(key: str, got: tuple[int, ...], want: tuple[int, ...], own: dict[str, torch.Tensor],
@@ -293,11 +331,9 @@ def _shape_text(key: str, got: tuple[int, ...], want: tuple[int, ...], own: dict
     if key == "conv1.weight" and len(got) == 4 and got[-1] == 3 and want[-1] == 7:
         return (f"{base}: the file has the CIFAR stem (3x3 conv1) and the backbone torchvision's ImageNet stem; use "
                 f"--backbone {arch}_cifar (or an --image-size of 64 or less)")
-    if key == "pos_embed" and len(got) == 3 and "patch_embed.proj.weight" in own:
-        patch = int(own["patch_embed.proj.weight"].shape[-1])
-        grid = int(round((got[1] - 1) ** 0.5))
-        return (f"{base}: the weights were trained on a {grid}x{grid} patch grid; give --image-size "
-                f"{grid * patch} (with this backbone's {patch} px patches)")
+    if key.split(".")[-1] == "pos_embed" and len(got) == 3:
+        return (f"{base}: the position embeddings differ in width or in tokens besides a square patch grid; "
+                "give the backbone the weights were trained with (its width, class and register tokens)")
     if key == "patch_embed.proj.weight" and len(got) == 4:
         return f"{base}: the file's ViT has {got[-1]} px patches; give the backbone with {got[-1]} px patches"
     return f"{base}; the file is another architecture or width: give the matching --backbone"

@@ -2,7 +2,8 @@
 
 `build_optimizer(name, params, lr, weight_decay)` returns a plain ``torch.optim.Optimizer``;
 every one of them works on plain and on FSDP2-sharded (DTensor) parameters (torch's own
-optimizers natively; `LARS` computes its trust ratio from full-parameter norms).
+optimizers natively; `LARS` computes its trust ratio from full-parameter norms). `unison.optim.groups`:
+per-block learning-rate factors (``--layer-decay``) as parameter groups, and the parameters ``--freeze`` names.
 
 Example::
 

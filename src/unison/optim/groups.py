@@ -3,7 +3,7 @@
 A backbone parameter's *block id* (`block_id`), as BEiT / MAE / DINOv2 fine-tuning number them:
 
 * 0: the input side: a ViT's ``patch_embed``, ``cls_token``, ``pos_embed``, ``reg_token``, ``mask_token``; a
-  ResNet's stem ``conv1``/``bn1``; a timm model's ``stem``;
+  ResNet's stem ``conv1``/``bn1``; a timm model's ``stem`` or ``conv_stem``;
 * ``i + 1`` for a ViT's ``blocks.i`` (also timm's ``stages.i`` / ``layers.i``); ``i`` for a ResNet's ``layer{i}``;
   the small CNN's ``features.k``: its conv-BN-ReLU block ``k // 3``;
 * the rest (a final ``norm``, anything after the blocks): ``depth + 1``, where ``depth`` is the highest block id.
@@ -39,7 +39,7 @@ import torch.nn as nn
 from unison.config.fields import did_you_mean
 from unison.errors import ConfigError
 
-_INPUT = re.compile(r"^(patch_embed|cls_token|pos_embed|reg_token|mask_token|conv1|bn1|stem)(\.|$)")
+_INPUT = re.compile(r"^(patch_embed|cls_token|pos_embed|reg_token|mask_token|conv1|bn1|stem|conv_stem)(\.|$)")
 _BLOCKS = re.compile(r"^(?:blocks|stages|layers)\.(\d+)(\.|$)")
 _RESNET = re.compile(r"^layer(\d+)(\.|$)")
 _CNN = re.compile(r"^features\.(\d+)(\.|$)")

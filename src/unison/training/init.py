@@ -48,7 +48,7 @@ def prepare_backbone(backbone: nn.Module, cfg: TrainConfig, name: str,
                           "skipped": report.skipped[:8], "skipped_count": len(report.skipped),
                           "sha256": report.sha256, "report": report.line()[:1000]}
     names = [n for n, _ in backbone.named_parameters()]
-    if cfg.freeze:   # names checked here; `build_run` freezes them once SyncBN has replaced the batch-norm layers
+    if cfg.freeze is not None:   # names checked here; `build_run` freezes them once SyncBN has replaced the batch-norm layers
         record["frozen_parameters"] = len(frozen_names(names, cfg.freeze))
     if cfg.layer_decay is not None:
         layer_scales(names, cfg.layer_decay)   # the backbone has numbered blocks (the step builds the groups)

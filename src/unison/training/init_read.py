@@ -47,7 +47,7 @@ def init_weights_of(cfg: TrainConfig) -> InitWeights | None:
 
 def check_backbone_setup(cfg: TrainConfig, backbone: str, image_size: int | None) -> None:
     """The pre-flight of `prepare_backbone`: the same rule on the backbone built on the meta device."""
-    if not (cfg.init or cfg.freeze or cfg.layer_decay is not None) or backbone.startswith(OWN):
+    if not (cfg.init or cfg.freeze is not None or cfg.layer_decay is not None) or backbone.startswith(OWN):
         return   # the user's own backbone: `unison.training.own.check_pieces` builds the method around it
     from unison.models import build_backbone
     from unison.models.backbones import resolve_backbone

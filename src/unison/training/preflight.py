@@ -17,6 +17,7 @@ reach the user as one line naming the rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -94,7 +95,7 @@ def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) ->
 def check_init_not_replaced(cfg: TrainConfig, out: Path) -> None:
     """``--init`` naming the run directory of a fresh run, or a checkpoint in it: the run would replace (prune) the
     checkpoints it starts from as it saves. Refused (one line) before anything is read or written."""
-    if not cfg.init or cfg.resume:   # a resumed run does not read --init
+    if not cfg.init or cfg.resume or resumes_after_restart(cfg):   # a resumed run does not read --init
         return
     if same_file(cfg.init, out) or is_inside(cfg.init, out / CHECKPOINT_DIR):
         raise RunDirRefused(f"--init {cfg.init} is a checkpoint of --out {out}, whose checkpoints this fresh run "
@@ -135,7 +136,15 @@ def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
     sizes = planned_view_sizes(data_spec(cfg), recipe.augmentation, catalog)
     if len(set(sizes)) > 1:
         check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
-    check_backbone_setup(cfg, recipe.backbone, sizes[0] if sizes else cfg.image_size)   # the workers' rule
+    # the workers' rule; a restart that resumes from the run directory reads no --init there either
+    setup = dataclasses.replace(cfg, init=None) if resumes_after_restart(cfg) else cfg
+    check_backbone_setup(setup, recipe.backbone, sizes[0] if sizes else cfg.image_size)
+
+
+def resumes_after_restart(cfg: TrainConfig) -> bool:
+    """A restarted or requeued attempt whose run directory has a checkpoint: the workers resume from it
+    (`unison.training.loop`), whatever the command says."""
+    return restart_reason() is not None and latest_checkpoint(Path(cfg.out)) is not None
 
 
 def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:

@@ -17,7 +17,7 @@ Everything that decides what a step computes lives here and nowhere else:
   with the global batch (x accumulation), optionally ZeRO-1 sharded; with ``--layer-decay`` one parameter
   group per learning-rate factor (`unison.optim.groups`);
 * the schedule: linear warm-up then cosine to 0, a pure function of the step (no scheduler
-  state to lose in a checkpoint);
+  state to lose in a checkpoint), times each group's ``lr_scale``;
 * accumulation (``--grad-sync-every K``): exact (`unison.training.accumulate`: one forward on the step's K
   micro-batches, backbones re-run per micro-batch, the gradient of one step on all of them) unless
   ``--accumulation independent`` or the method's loss is a plain mean over samples (``accumulation = "plain"``);
@@ -178,7 +178,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
-    if cfg.freeze:   # after SyncBN, whose new layers are trainable; before DDP/FSDP, which take requires_grad as set
+    if cfg.freeze is not None:   # before DDP/FSDP, which take requires_grad as set
         freeze(method.backbone, cfg.freeze)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -1,5 +1,6 @@
 """``--init`` / ``--freeze`` / ``--layer-decay`` in whole runs: one in-process run at world size 1 (small CNN, digits,
-1 step) for what a run records and the export round trip, and one of 2 workers under ``--shard full`` (FSDP2).
+1 step) for what a run records and the export round trip, and runs of 2 workers under ``--shard full`` (FSDP2)
+and ``--shard optimizer`` (ZeRO-1).
 The step-level cases and the bad inputs are tests/unit/training/test_init.py."""
 
 from __future__ import annotations
@@ -87,19 +88,32 @@ def test_export_and_run_dir_round_trip_into_init(trained):
     assert reports["b.safetensors"]["sha256"] == reports["run"]["sha256"]
 
 
-def test_init_freeze_and_layer_decay_under_shard_full(trained, capfd):
-    """2 workers, FSDP2: the weights are loaded before sharding (the frozen blocks equal the file's after 2 steps),
-    the report line is printed once."""
+@pytest.mark.parametrize("shard", ["full", "optimizer"])
+def test_init_freeze_and_layer_decay_under_sharding(trained, capfd, shard):
+    """2 workers, FSDP2 or ZeRO-1: the weights are loaded before wrapping (the frozen blocks equal the file's after
+    2 steps), the report line is printed once."""
     from unison.training.checkpoint import load_checkpoint
 
     capfd.readouterr()
-    argv = [*TINY, "--world-size", "2", "--max-steps", "2", "--shard", "full", "--init", str(trained["weights"]),
-            "--freeze", "1", "--layer-decay", "0.5", "--out", str(trained["tmp"] / "full")]
+    argv = [*TINY, "--world-size", "2", "--max-steps", "2", "--shard", shard, "--init", str(trained["weights"]),
+            "--freeze", "1", "--layer-decay", "0.5", "--out", str(trained["tmp"] / shard)]
     assert main(["train", *argv]) == 0
     err = capfd.readouterr().err
     assert err.count("unison: --init: matched 24 tensors of state dict") == 1 and "Traceback" not in err, err
     start = torch.load(trained["weights"])
-    model = load_checkpoint(trained["tmp"] / "full")["model"]
+    model = load_checkpoint(trained["tmp"] / shard)["model"]
     for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias"):
         assert torch.equal(model[f"backbone.{k}"], start[k]), k
     assert not torch.equal(model["backbone.features.9.weight"], start["features.9.weight"])
+
+
+def test_a_resumed_run_takes_the_checkpoint_not_init(trained, capfd):
+    """--resume with --init: the file is not read (here it does not exist), the record is the checkpoint's."""
+    capfd.readouterr()
+    out = trained["tmp"] / "branch"
+    assert main(["train", *TINY, "--max-steps", "2", "--resume", str(trained["run"]), "--init",
+                 str(trained["tmp"] / "gone.pt"), "--out", str(out)]) == 0
+    err = capfd.readouterr().err
+    assert f"--init {trained['tmp'] / 'gone.pt'} not read: the run resumes from" in err and "Traceback" not in err
+    first = json.loads((trained["run"] / "config.json").read_text())["resolved"]["init"]
+    assert json.loads((out / "config.json").read_text())["resolved"]["init"] == first

@@ -39,7 +39,7 @@ def test_torchvision_state_dict_gives_torchvisions_features(tv18):
     report = load_backbone_weights(net, path, name="resnet18_imagenet")
     assert report.skipped == ["fc.weight", "fc.bias"] and report.matched == len(net.state_dict())
     assert "skipped: fc.weight, fc.bias" in report.line()
-    x = torch.randn(2, 3, 72, 72, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_features(net, x), _features(model, x), rtol=0, atol=0)
 
 
@@ -102,29 +102,38 @@ def test_crafted_pickle_is_refused_without_running_it(tmp_path):
 
 
 def test_mismatches_are_named(tv18, tmp_path):
-    model, path = tv18
+    _, path = tv18
     cifar, _ = build_backbone("resnet18_cifar")
     message = _refused(cifar, path, "'conv1.weight' is [64, 3, 7, 7] in the file", name="resnet18_cifar")
     assert "--backbone resnet18_imagenet" in message
-    net, _ = build_backbone("resnet18_imagenet")
-    sd = {k: v for k, v in model.state_dict().items() if k != "layer4.1.bn2.weight"}
-    torch.save(sd, tmp_path / "less.pt")
-    _refused(net, tmp_path / "less.pt", "has no tensor 'layer4.1.bn2.weight' that the backbone has (1 missing)")
-    torch.save({**model.state_dict(), "layer5.0.weight": torch.zeros(1)}, tmp_path / "more.pt")
-    _refused(net, tmp_path / "more.pt", "has tensor 'layer5.0.weight' that the backbone lacks")
     cnn, _ = build_backbone("small_cnn")
     _refused(cnn, path, "none of its")
+    sd = {k: v for k, v in cnn.state_dict().items() if k != "features.10.weight"}
+    torch.save(sd, tmp_path / "less.pt")
+    _refused(cnn, tmp_path / "less.pt", "has no tensor 'features.10.weight' that the backbone has (1 missing)")
+    torch.save({**cnn.state_dict(), "features.12.weight": torch.zeros(1)}, tmp_path / "more.pt")
+    _refused(cnn, tmp_path / "more.pt", "has tensor 'features.12.weight' that the backbone lacks")
 
 
-def test_vit_position_embedding_names_the_image_size(tmp_path):
+def test_vit_position_embedding_is_resampled_to_the_grid(tmp_path):
+    """Weights trained at another image size: pos_embed resampled as timm does (reported); another patch size or
+    width is named."""
+    from timm.layers import resample_abs_pos_embed
+
     src, _ = build_backbone("vit_nano_p4")   # 32 px, 8x8 patches of 4 px
     torch.save(src.state_dict(), tmp_path / "vit.pt")
-    net, _ = build_backbone("vit_nano_p2")   # 16 px, 8x8 patches of 2 px: the patch embedding differs first
+    net, _ = build_backbone("vit_nano_p2")   # 16 px, 8x8 patches of 2 px: the patch embedding differs
     _refused(net, tmp_path / "vit.pt", "4 px patches")
-    grid = {k: v for k, v in src.state_dict().items()}
-    grid["pos_embed"] = torch.zeros(1, 1 + 14 * 14, 128)
-    torch.save(grid, tmp_path / "vit14.pt")
-    _refused(build_backbone("vit_nano_p4")[0], tmp_path / "vit14.pt", "give --image-size 56")
+    sd = dict(src.state_dict())
+    sd["pos_embed"] = torch.randn(1, 1 + 14 * 14, 128)   # trained at 56 px
+    torch.save(sd, tmp_path / "vit14.pt")
+    net, _ = build_backbone("vit_nano_p4")
+    report = load_backbone_weights(net, tmp_path / "vit14.pt")
+    assert "resampled pos_embed from 14x14 to 8x8 patches" in report.line()
+    torch.testing.assert_close(net.pos_embed.detach(), resample_abs_pos_embed(sd["pos_embed"], [8, 8]))
+    sd["pos_embed"] = torch.randn(1, 1 + 14 * 14, 64)
+    torch.save(sd, tmp_path / "narrow.pt")
+    _refused(net, tmp_path / "narrow.pt", "the position embeddings differ in width")
 
 
 @pytest.mark.parametrize("case", ["missing", "directory", "empty", "fifo", "not_a_dict", "nan", "damaged"])

@@ -73,6 +73,7 @@ class _Evil:
     ("freeze", 2, "--freeze 'blocks' names no part of the backbone"),
     ("decay", 2, "layer_decay=1.5 must be a finite number in (0, 1]"),
     ("own-out", 2, "is a checkpoint of --out"),
+    ("empty-freeze", 2, "--freeze '' is not a list of block counts or module names"),
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
     """What `unison train` runs before any worker starts (`validate_run`, `preflight`): one line, its exit code."""
@@ -94,6 +95,8 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         (tmp_path / "run" / "checkpoints").mkdir(parents=True)
         (tmp_path / "run" / "checkpoints" / "step_1.pt").write_bytes(b"x")
         argv += ["--init", str(tmp_path / "run" / "checkpoints" / "step_1.pt")]
+    elif case == "empty-freeze":   # was taken for no --freeze at all
+        argv += ["--freeze", ""]
     elif case == "freeze":
         argv += ["--freeze", "blocks"]
     else:
@@ -121,3 +124,31 @@ def test_momentum_encoder_starts_from_init_too(tmp_path):
     target = {k.split(".", 2)[-1]: v for k, v in method.state_dict().items() if k.startswith("target.backbone.")}
     assert target and all(torch.equal(target[k], src.state_dict()[k]) for k in target)
     assert setup["init"]["matched"] == 24
+
+
+@pytest.mark.parametrize("option", ["layer_decay", "freeze"])
+def test_check_run_refuses_what_it_would_leave_out(option):
+    """``unison check --run`` trains whole runs without these options: refused, not silently ignored."""
+    from unison.equivalence.curves import check_run_options
+    from unison.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"does not take --{option.replace('_', '-')}"):
+        check_run_options({option: 0.5 if option == "layer_decay" else "1"})
+
+
+def test_a_restart_that_resumes_reads_no_init_in_the_preflight(tmp_path, monkeypatch):
+    """A restarted or requeued attempt runs the same command: with a checkpoint in --out the workers resume from it, so the
+    pre-flight does not read --init either (here it no longer exists)."""
+    from unison.cli.train_args import parse_train_args
+    from unison.training.preflight import check_crops, check_init_not_replaced, resumes_after_restart
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001.pt").write_bytes(b"x")
+    cfg = parse_train_args([*TINY, "--init", str(tmp_path / "gone.pt"), "--out", str(tmp_path / "run")])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resumes_after_restart(cfg)
+    check_init_not_replaced(cfg, tmp_path / "run")
+    check_crops(cfg, None)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    with pytest.raises(UnisonError, match="no such file"):
+        check_crops(cfg, None)
