@@ -27,6 +27,7 @@ given: ``small_cnn``, or a ViT for the methods that need patch tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -86,6 +87,12 @@ class SSLMethod(nn.Module):
         """Raise `ConfigError` for hyper-parameters that do not fit the run's global batch and world size (a queue
         length, ...). The pre-flight calls it (`unison.training.resolve.validated_method_params`) with the numbers
         the workers will see, and the methods' own step-time checks call the same code."""
+
+    @classmethod
+    def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:
+        """Raise `ConfigError` for views of `view_sizes` px this method cannot train on with a backbone of `patch`
+        px patches (None: not a ViT), e.g. I-JEPA's target blocks leaving no context. The pre-flight calls it
+        (`unison.training.preflight.check_crops`) and so does every worker's build (`build_method`)."""
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: Any, *, gather_distributed: bool = True,
                  shared_queue: bool = True, steps_total: int = 1):

@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,20 @@ class IJEPAPredictor(nn.Module):
         return self.proj(self.norm(x[:, -k:])).view(n, m, k, -1)
 
 
+def target_block(p: IJEPAParams, grid: int) -> tuple[int, int]:
+    """(h, w) of a target block on a `grid` x `grid` patch grid; ConfigError if no context would be left."""
+    n_patches = grid * grid
+    k = max(1, round(p.target_scale * n_patches))
+    h = min(grid, max(1, round(math.sqrt(k * p.target_aspect))))
+    w = min(grid, max(1, round(k / h)))
+    if p.num_targets * h * w >= n_patches:
+        raise ConfigError(f"I-JEPA: {p.num_targets} target blocks of {h} x {w} patches cover the {grid} x {grid} "
+                          f"patches of the image, no context is left; use a backbone with smaller patches "
+                          f"(vit_*_p2 for 16 px images) or fewer / smaller targets (--param num_targets=2, "
+                          f"--param target_scale=0.1)")
+    return h, w
+
+
 class IJEPA(SSLMethod):
     step_count: torch.Tensor
     name = "ijepa"
@@ -120,18 +135,14 @@ class IJEPA(SSLMethod):
         mark_rank_local_state(self, ["step_count"])
         self.loss_fn = IJEPALoss()
 
+    @classmethod
+    def check_views(cls, params: IJEPAParams, patch: int | None, view_sizes: Sequence[int]) -> None:
+        for size in sorted(set(view_sizes)):
+            if patch and size % patch == 0:   # other sizes: the ViT's own one-line refusal (`ViT.grid_size`)
+                target_block(params, size // patch)
+
     def block_shape(self, grid: int) -> tuple[int, int]:
-        """(h, w) of a target block on a `grid` x `grid` patch grid; ConfigError if no context would be left."""
-        p, n_patches = self.params, grid * grid
-        k = max(1, round(p.target_scale * n_patches))
-        h = min(grid, max(1, round(math.sqrt(k * p.target_aspect))))
-        w = min(grid, max(1, round(k / h)))
-        if p.num_targets * h * w >= n_patches:
-            raise ConfigError(f"I-JEPA: {p.num_targets} target blocks of {h} x {w} patches cover the {grid} x {grid} "
-                              f"patches of the image, no context is left; use a backbone with smaller patches "
-                              f"(vit_*_p2 for 16 px images) or fewer / smaller targets (--param num_targets=2, "
-                              f"--param target_scale=0.1)")
-        return h, w
+        return target_block(self.params, grid)
 
     def momentum(self, step: int) -> float:
         base = self.params.momentum_base

@@ -79,6 +79,7 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
                             shared_queue=cfg.distributed.shared_queue, steps_total=total_steps, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
+    method_cls.check_views(params, getattr(encoder, "patch_size", None), view_sizes)   # as the pre-flight does
     method = method.to(device, dtype)
     if extra and cfg.teacher_dtype == "bf16":   # after .to(dtype), which would undo it
         extra["teacher"].to(torch.bfloat16)

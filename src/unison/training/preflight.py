@@ -32,7 +32,9 @@ from unison.data.samples import Catalog
 from unison.data.source import check_label_spaces, open_checked, planned_view_sizes
 from unison.distributed.env import restart_reason
 from unison.errors import CheckpointError, ConfigError, RunDirRefused
-from unison.models.backbones import check_backbone
+from unison.methods import get_method
+from unison.models.backbones import check_backbone, resolve_backbone
+from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_header
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
@@ -139,6 +141,10 @@ def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
     # the workers' rule; a restart that resumes from the run directory reads no --init there either
     setup = dataclasses.replace(cfg, init=None) if resumes_after_restart(cfg) else cfg
     check_backbone_setup(setup, recipe.backbone, sizes[0] if sizes else cfg.image_size)
+    name = resolve_backbone(recipe.backbone, sizes[0] if sizes else cfg.image_size)
+    method = get_method(cfg.method)   # its views against the backbone's patches, as every worker's build checks them
+    method.check_views(method.Params(**cfg.method_params), vit_patch_size(name) if name in VIT_BACKBONES else None,
+                       sizes)
 
 
 def resumes_after_restart(cfg: TrainConfig) -> bool:

@@ -63,3 +63,11 @@ def test_local_crop_settings_on_the_command_line(capsys, tmp_path):
     assert "local_crop_size" in err or "--local-crop-size" in err
     err = _refused([*_TINY, "--method", "simclr", "--local-crops", "2", "--out", str(tmp_path / "c")], capsys)
     assert "simclr with the digits augmentation has none" in err
+
+
+def test_ijepa_targets_that_leave_no_context_are_refused_before_workers(tmp_path, capsys):
+    """The method's own view rule (`SSLMethod.check_views`) in the pre-flight: it was found by the first step."""
+    out = tmp_path / "r"
+    err = _refused(["train", "--world-size", "1", "--data", "digits", "--method", "ijepa", "--backbone", "vit_nano_p4",
+                    "--no-progress", "--out", str(out)], capsys)
+    assert "no context is left" in err and not out.exists()
