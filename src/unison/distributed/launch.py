@@ -121,6 +121,9 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
     die_with_parent()
     one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
+    # SIGINT is how the launcher aborts a worker at once after a Ctrl-C (`_terminate_all`): a KeyboardInterrupt,
+    # whatever the disposition inherited from the fork server (a launcher started as a background job ignores it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()   # the launcher's environment at launch, not the one the fork server started with
     os.environ.update(env)
     watchdog.attach_launcher_table(heartbeats, int(env["RANK"]))

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,7 +145,17 @@ def test_a_second_sigterm_during_the_save_lets_it_complete(tmp_path, capfd, monk
                                                                                  "step_00000004.pt"]
 
 
-def test_ctrl_c_during_the_preemption_save_keeps_the_previous_checkpoint(tmp_path, capfd, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt here, as in a terminal: a process started as a background job (``cmd &`` in a
+    script, as CI may start the suite) inherits SIGINT ignored, and Python keeps it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_the_preemption_save_keeps_the_previous_checkpoint(tmp_path, capfd, monkeypatch,
+                                                                          ctrl_c_raises):
     run = tmp_path / "run"
     before = children()
     code, err, latency = _preempt(run, "rank=1,step=2,kind=term;rank=0,step=4,kind=int,at=save,to=launcher", capfd,
@@ -158,7 +169,8 @@ def test_ctrl_c_during_the_preemption_save_keeps_the_previous_checkpoint(tmp_pat
     assert latency < 20, f"Ctrl-C took {latency:.1f} s to end the run"
 
 
-def test_ctrl_c_ends_the_run_promptly_with_no_orphan_and_no_half_written_file(tmp_path, capfd, monkeypatch):
+def test_ctrl_c_ends_the_run_promptly_with_no_orphan_and_no_half_written_file(tmp_path, capfd, monkeypatch,
+                                                                              ctrl_c_raises):
     run = tmp_path / "run"
     before, errors_before = children(), error_dirs()
     code, err, latency = _preempt(run, "rank=1,step=5,kind=int,to=launcher", capfd, monkeypatch)
