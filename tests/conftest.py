@@ -21,7 +21,8 @@ import torch
 
 pytest_plugins = ["helpers.data_source", "helpers.data_stream"]   # fixtures shared by unit and distributed tests
 
-DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
+TESTS = Path(__file__).resolve().parent
+DISTRIBUTED = TESTS / "distributed"
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +55,18 @@ def _starts_processes(item) -> bool:
 
 
 # The folders whose files take longest, run first: `scripts/test.sh` hands whole files to two pytest workers in
-# collection order, and a long file handed out last would leave one worker alone at the end.
-LONGEST_FIRST = ("training", "cluster", "parallel", "cli", "methods", "equivalence")
+# collection order, and a long file handed out last would leave one worker alone at the end (unit/plan: its
+# 8-rank and host-sync matrices over every method are the longest file of all).
+LONGEST_FIRST = ("unit/plan", "distributed/training", "distributed/cluster", "distributed/parallel", "distributed/cli",
+                 "distributed/methods", "distributed/equivalence")
 
 
 def _run_order(item) -> int:
     path = Path(item.fspath).resolve()
-    if DISTRIBUTED not in path.parents:
-        return len(LONGEST_FIRST) + 1
-    folder = path.relative_to(DISTRIBUTED).parts[0]
-    return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
+    for i, folder in enumerate(LONGEST_FIRST):
+        if TESTS / folder in path.parents:
+            return i
+    return len(LONGEST_FIRST) + (DISTRIBUTED not in path.parents)
 
 
 def pytest_collection_modifyitems(items):
