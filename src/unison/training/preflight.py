@@ -67,10 +67,7 @@ def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) ->
     out = Path(cfg.out)
     check_init_not_replaced(cfg, out)
     if own.backbone is None:   # unison's backbone against the views, and --init, --freeze, --layer-decay against it
-        if own.dataset is None:
-            check_crops(cfg, catalogs["data"])
-        else:
-            check_backbone_setup(cfg, resolve_recipe(cfg).backbone, cfg.image_size)
+        check_crops(cfg, sizes or [])
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
             if is_inside(out, folder):
@@ -130,12 +127,12 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     cfg.teacher, cfg.teacher_backbone = str(header.path), trained
 
 
-def check_crops(cfg: TrainConfig, catalog: Catalog | None) -> None:
-    """The views the workers' augmenter will make (multi-crop: global and local crops), against what the backbone
-    takes (a ViT's patch size, a timm model built for one input size): the workers' build applies the same rule
-    (`unison.models.backbones.check_view_sizes`), here before any of them starts."""
+def check_crops(cfg: TrainConfig, sizes: list[int]) -> None:
+    """The views the workers' augmenter will make (`sizes`, `planned_view_sizes`'s; none known for the user's own
+    dataset; multi-crop: global and local crops), against what the backbone takes (a ViT's patch size, a timm model
+    built for one input size): the workers' build applies the same rule (`unison.models.backbones.check_view_sizes`),
+    here before any of them starts."""
     recipe = resolve_recipe(cfg)
-    sizes = planned_view_sizes(data_spec(cfg), recipe.augmentation, catalog)
     if len(set(sizes)) > 1:
         check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
     # the workers' rule; a restart that resumes from the run directory reads no --init there either

@@ -148,7 +148,7 @@ def test_a_restart_that_resumes_reads_no_init_in_the_preflight(tmp_path, monkeyp
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert resumes_after_restart(cfg)
     check_init_not_replaced(cfg, tmp_path / "run")
-    check_crops(cfg, None)
+    check_crops(cfg, [])
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     with pytest.raises(UnisonError, match="no such file"):
-        check_crops(cfg, None)
+        check_crops(cfg, [])
