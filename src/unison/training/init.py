@@ -6,8 +6,8 @@ around it (so a momentum encoder or teacher copies the loaded weights) and befor
 full`` shards the loaded weights): the workers' build (`unison.training.step.build_method`) calls it on the real
 backbone, the pre-flight (`unison.training.init_read.check_backbone_setup`) on one built on the meta device (no
 memory: the weights are matched, the names checked, nothing stored). It loads `weights` (`InitWeights`, read by
-`unison.training.init_read.read_init` from a weights file or a unison run/checkpoint), checks the ``--freeze``
-names (the step freezes them after the SyncBN conversion, which makes new batch-norm parameters) and that
+`unison.training.init_read.read_init` from a weights file or a unison run/checkpoint), freezes the ``--freeze``
+parameters (``requires_grad=False``: the method, the SyncBN conversion and DDP/FSDP keep it), checks that
 ``--layer-decay`` finds numbered blocks, and returns what the run records in ``resolved`` (config.json, the
 checkpoints, summary.json): the ``--init`` file, its source, the tensors matched and skipped and their SHA-256.
 
@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.models.weights import load_state
-from unison.optim.groups import frozen_names, layer_scales
+from unison.optim.groups import freeze, layer_scales
 
 
 @dataclass
@@ -39,7 +39,7 @@ class InitWeights:
 
 def prepare_backbone(backbone: nn.Module, cfg: TrainConfig, name: str,
                      weights: InitWeights | None = None) -> dict[str, Any]:
-    """Load `weights`, check ``--freeze`` and ``--layer-decay`` against the backbone; the record for ``resolved``."""
+    """Load `weights`, freeze ``--freeze``, check ``--layer-decay`` against the backbone; the record for ``resolved``."""
     record: dict[str, Any] = {}
     if weights is not None:
         report = load_state(backbone, weights.state, weights.path, weights.source, name=name)
@@ -48,8 +48,8 @@ def prepare_backbone(backbone: nn.Module, cfg: TrainConfig, name: str,
                           "skipped": report.skipped[:8], "skipped_count": len(report.skipped),
                           "sha256": report.sha256, "report": report.line()[:1000]}
     names = [n for n, _ in backbone.named_parameters()]
-    if cfg.freeze is not None:   # names checked here; `build_run` freezes them once SyncBN has replaced the batch-norm layers
-        record["frozen_parameters"] = len(frozen_names(names, cfg.freeze))
+    if cfg.freeze is not None:   # before the method (and SyncBN, DDP/FSDP), which keep requires_grad as set here
+        record["frozen_parameters"] = len(freeze(backbone, cfg.freeze))
     if cfg.layer_decay is not None:
         layer_scales(names, cfg.layer_decay)   # the backbone has numbered blocks (the step builds the groups)
     return record

@@ -7,8 +7,8 @@
 
 Everything that decides what a step computes lives here and nowhere else:
 
-* the model (`unison.training.model.build_method`): backbone (``--init`` weights loaded) and distill's frozen
-  teacher -> method (hyper-parameters from ``--param``) -> SyncBN (`convert_sync_batchnorm`) -> ``--freeze``
+* the model (`unison.training.model.build_method`): backbone (``--init`` weights loaded, ``--freeze`` applied)
+  and distill's frozen teacher -> method (hyper-parameters from ``--param``) -> SyncBN (`convert_sync_batchnorm`)
   -> channels_last -> optional activation checkpointing -> DDP
   (`wrap_ddp`: comm hooks, rank-local state), or with ``--shard full`` FSDP2 (`apply_fsdp`:
   every backbone block and head sharded; ``Run.parallel_model`` is then the sharded method itself) ->
@@ -54,7 +54,7 @@ from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
-from unison.optim.groups import freeze, layer_scales, param_groups
+from unison.optim.groups import layer_scales, param_groups
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
@@ -178,8 +178,6 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
-    if cfg.freeze is not None:   # before DDP/FSDP, which take requires_grad as set
-        freeze(method.backbone, cfg.freeze)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
