@@ -227,7 +227,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
 
     def to_eval(x: torch.Tensor) -> torch.Tensor:  # as the training loop's kNN: the run's size and mean/std
         y = eval_transform(x, ev.image_size, ev.mean, ev.std).to(dtype)
-        return y.contiguous(memory_format=torch.channels_last) if cfg.channels_last else y
+        return y.contiguous(memory_format=torch.channels_last) if cfg.nhwc else y
 
     t1 = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):   # as training's kNN

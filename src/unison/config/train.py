@@ -171,7 +171,7 @@ class TrainConfig:
                 "refused on a machine without CUDA)", "choices": AMP_MODES})
     channels_last: bool = field(default=True, metadata={
         "help": "channels_last (NHWC) memory format for conv backbones: oneDNN on CPU and tensor cores on GPU are faster "
-                "with it (the CPU SimCLR step about 1.3x)"})
+                "with it (the CPU SimCLR step about 1.3x); float32 and bf16 only: float64 stays NCHW"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the method"})
     deterministic: bool = field(default=False, metadata={"help": "deterministic algorithms (bitwise repeatable runs)"})
     threads: int | None = field(default=None, metadata={
@@ -282,6 +282,13 @@ class TrainConfig:
                                   "use --decode cpu")
             if self.data_mode == "memory":
                 raise ConfigError("--decode gpu decodes streamed batches; use --data-mode stream (or auto)")
+
+    @property
+    def nhwc(self) -> bool:
+        """Whether conv backbones and their inputs use channels_last: float64 never does (no NHWC kernel for it on
+        the CPU or the GPU: the CPU falls back to a conversion around the slow convolution, 11x slower on the small
+        CNN), so `--precision float64` runs, `unison check` among them, keep NCHW whatever --channels-last says."""
+        return self.channels_last and self.precision != "float64"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -182,7 +182,7 @@ def _batch(run: Any, local: int, device: torch.device) -> Any:
     from unison.training.step import Batch
 
     views = [torch.randn(local, 3, s, s, device=device, dtype=run.dtype) for s in run.augment.view_sizes]
-    if run.cfg.channels_last:
+    if run.cfg.nhwc:
         views = [v.contiguous(memory_format=torch.channels_last) for v in views]
     return Batch(0, 0, 0, torch.arange(local, device=device), views)
 

@@ -130,7 +130,7 @@ class HeldBack:
 
     def _format(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.run.dtype)
-        return x.contiguous(memory_format=torch.channels_last) if self.run.cfg.channels_last else x
+        return x.contiguous(memory_format=torch.channels_last) if self.run.cfg.nhwc else x
 
 
 def measure_signals(run: Run, held: HeldBack) -> dict[str, float]:

@@ -130,7 +130,7 @@ class Run:
     def to_eval(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> the evaluation input of this run (centre resize, training-set normalisation)."""
         x = eval_transform(images, self.image_size, self.data.mean, self.data.std).to(self.dtype)
-        return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last else x
+        return x.contiguous(memory_format=torch.channels_last) if self.cfg.nhwc else x
 
 
 def data_spec(cfg: TrainConfig) -> DataSpec:
@@ -178,7 +178,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
-    if cfg.channels_last:
+    if cfg.nhwc:
         model = model.to(memory_format=torch.channels_last)
     if cfg.distributed.activation_checkpointing:
         from unison.parallel.fsdp import apply_activation_checkpointing  # FSDP2's import: where it is used
@@ -266,7 +266,7 @@ def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
             started = time.perf_counter()
             epoch, indices, views = next(stream)
             views = [v.to(run.dtype) for v in views]
-            if run.cfg.channels_last:
+            if run.cfg.nhwc:
                 views = [v.contiguous(memory_format=torch.channels_last) for v in views]
             yield Batch(step, micro, epoch, indices, views, time.perf_counter() - started)
 
@@ -294,7 +294,7 @@ def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch]) -> to
         return torch.stack([forward_backward(run, batch) for batch in micro_batches]).mean()
     first = micro_batches[0]
     views = [torch.cat([b.views[v] for b in micro_batches]) for v in range(len(first.views))]
-    if run.cfg.channels_last:
+    if run.cfg.nhwc:
         views = [v.contiguous(memory_format=torch.channels_last) for v in views]
     whole = Batch(first.step, 0, first.epoch, torch.cat([b.indices for b in micro_batches]), views)
     # pass 1 (embeddings without graphs, the loss on all of them, its backward), pass 2 (each micro-batch's
