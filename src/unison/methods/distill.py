@@ -25,7 +25,23 @@ for convolutional students, their one-view augmentation: the ``distill`` preset)
 from the number of training images (``queue_size=0``: 512 for 1-2k images, 8192 past 20k; `auto_queue_size`).
 Not done: their fixed gradient clipping at norm 1 (give ``--grad-clip 1``) and their learning rate's sqrt scaling
 with the batch (unison scales linearly).
-Not implemented: DINO-style distillation through a teacher's DINO head.
+
+``--param loss=dino``: DINO-style distillation through the teacher's DINO head, as DINOv2 distils its smaller
+models (Oquab et al. 2023, sec. 5: a frozen teacher *with its trained heads*, the student with its own heads, the
+DINO cross-entropy; theirs also adds iBOT's masked-patch term and multi-crop, not done here). The teacher is a
+unison run of a method with a DINO head (dino, ibot: `unison.methods.distillation.DINOHead`, the run's own
+(backbone, head) pair as its kNN evaluated it) or ``random``; anything else is refused before any worker starts
+(`unison.training.teacher.teacher_head_spec`). On the same (mixed) view x as above:
+
+    teacher (frozen, eval, no grad):  t = h_T(pool(T(x)))  [B, K]      (h_T: the teacher's DINO head, K its out_dim)
+    student:                          s = h_S(pool(S(x)))  [B, K]      (h_S: a new DINO head of h_T's shape)
+    loss = mean over images of H(softmax((t - c) / tau_t), softmax(s / tau_s))     (tau_t 0.07, tau_s 0.1)
+    c <- m c + (1 - m) mean of t over the global batch  (after the loss, m = 0.9)
+
+with `unison.losses.dino.DINOLoss` (``same_crop``: the pairs (x, x), not DINO's cross-view pairs: teacher and
+student see the same view, as LightlyTrain's distillation) and DINO's values of tau_s, m and tau_t after its warm-up
+(no warm-up: the teacher is trained). No queue, no local term. The head's shape (out_dim, hidden_dim,
+bottleneck_dim, head_layers, head_batch_norm) is the teacher's, recorded in the run's config.
 
 Distributed semantics (exact, ``unison check --method distill``):
 
@@ -43,6 +59,10 @@ Distributed semantics (exact, ``unison check --method distill``):
   builds it from the same file, or the same seed), and checkpointed with the run, so `unison eval`/`export`
   of a distilled run need no teacher file. Under ``--shard full`` it is sharded block by block like the
   student and, frozen, resharded after its one forward per step (gathered once per step).
+* loss=dino: the per-image terms need nothing from other ranks; the centre c is updated from the all-reduced
+  [sum of t, count] of the global batch (`DINOLoss.update_center`), identically on every rank (a rank-local,
+  checkpointed buffer); the teacher's head is frozen, in eval mode (its batch norm: running statistics), part of
+  the teacher's rank-local state, checkpointed with it and, under ``--shard full``, a sharded unit of its own.
 * ``teacher_dtype``: the teacher's parameters may be bf16 (built so by the training layer); its input is
   cast to their dtype and its output back.
 
