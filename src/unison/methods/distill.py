@@ -200,7 +200,7 @@ class Distill(SSLMethod):
         self.teacher.eval()
         self.teacher_dim = teacher_dim
         mark_rank_local_state(self.teacher)
-        self.register_buffer("queue", torch.zeros(params.queue_size, teacher_dim))
+        self.register_buffer("queue", torch.zeros(0 if dino else params.queue_size, teacher_dim))   # dino: none
         mark_rank_local_state(self, ["queue"])
 
     def train(self, mode: bool = True) -> Distill:

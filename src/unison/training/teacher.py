@@ -9,6 +9,11 @@
 * ``random``: a random-init teacher of ``--teacher-backbone`` (default ``small_cnn``), seeded with ``--seed``:
   what ``unison check --method distill`` runs (its exactness is the student's gradient's, whatever the teacher).
 
+``--param loss=dino`` also takes the teacher's DINO head (a dino or ibot run's ``head.``; ``random``: DINO's
+default head, seeded): `teacher_head_spec` is the one rule on which teachers have one (the pre-flight and every
+worker apply it), `build_teacher` returns the head with the network, and the run records the head's shape in its
+config (`recorded_head_spec`), so eval/export rebuild it without the teacher.
+
 The names (method, ``--teacher`` given, ``--teacher-backbone``) are checked by
 `unison.training.resolve.validate_teacher`; `unison.training.preflight.resolve_teacher` then reads a teacher run's
 checkpoint (every field checked, as a resume would), pins ``--teacher`` to that checkpoint file and records its
@@ -18,7 +23,7 @@ the architecture only: a distilled run's checkpoint holds its teacher, so eval/e
 
 Example::
 
-    net, dim = build_teacher(cfg, image_size=32)     # cfg validated and resolved by the pre-flight
+    net, dim, head = build_teacher(cfg, image_size=32)     # cfg validated and resolved by the pre-flight
 """
 
 from __future__ import annotations
