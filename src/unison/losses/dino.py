@@ -7,6 +7,7 @@ to 0.07 by the method) and tau_s = 0.1:
     P_t = softmax((t - c) / tau_t),   log P_s = log_softmax(s / tau_s)
     L   = mean over pairs (i teacher crop, v student crop, v != i) of
           (1/n) sum_b -<P_t_i[b], log P_s_v[b]>
+    (``same_crop=True``, distillation of a frozen teacher on the student's own views: the pairs (i, i) instead)
 
 After the loss is computed with the *old* centre (as official DINO), the centre moves:
 
@@ -42,8 +43,9 @@ class DINOLoss(nn.Module):
     center: torch.Tensor   # buffer (rank-local running centre of the teacher outputs)
 
     def __init__(self, out_dim: int, student_temp: float = 0.1, center_momentum: float = 0.9,
-                 gather_distributed: bool = True):
+                 gather_distributed: bool = True, same_crop: bool = False):
         super().__init__()
+        self.same_crop = same_crop   # pairs (i, i) only: a frozen teacher distilled on the student's own view
         if student_temp <= 0:
             raise ValueError(f"student_temp must be > 0, got {student_temp}")
         self.student_temp = student_temp
@@ -54,9 +56,9 @@ class DINOLoss(nn.Module):
 
     def forward(self, student_out: list[torch.Tensor], teacher_out: list[torch.Tensor],
                 teacher_temp: float) -> torch.Tensor:
-        if len(teacher_out) < 1 or len(student_out) < 2:
-            raise ValueError(f"DINO needs >= 1 teacher and >= 2 student crops, got {len(teacher_out)} and "
-                             f"{len(student_out)}")
+        if len(teacher_out) < 1 or len(student_out) < (len(teacher_out) if self.same_crop else 2):
+            raise ValueError(f"DINO needs >= 1 teacher and >= {'as many' if self.same_crop else 2} student crops, got "
+                             f"{len(teacher_out)} and {len(student_out)}")
         if teacher_temp <= 0:
             raise ValueError(f"teacher_temp must be > 0, got {teacher_temp}")
         with torch.no_grad():
@@ -66,7 +68,7 @@ class DINOLoss(nn.Module):
         terms = 0
         for i, p in enumerate(p_t):
             for v, log_p in enumerate(log_p_s):
-                if v == i:
+                if (v == i) != self.same_crop:
                     continue
                 total = total + (-(p * log_p).sum(dim=-1)).mean()
                 terms += 1

@@ -25,7 +25,23 @@ for convolutional students, their one-view augmentation: the ``distill`` preset)
 from the number of training images (``queue_size=0``: 512 for 1-2k images, 8192 past 20k; `auto_queue_size`).
 Not done: their fixed gradient clipping at norm 1 (give ``--grad-clip 1``) and their learning rate's sqrt scaling
 with the batch (unison scales linearly).
-Not implemented: DINO-style distillation through a teacher's DINO head.
+
+``--param loss=dino``: DINO-style distillation through the teacher's DINO head, as DINOv2 distils its smaller
+models (Oquab et al. 2023, sec. 5: a frozen teacher *with its trained heads*, the student with its own heads, the
+DINO cross-entropy; theirs also adds iBOT's masked-patch term and multi-crop, not done here). The teacher is a
+unison run of a method with a DINO head (dino, ibot: `unison.methods.distillation.DINOHead`, the run's own
+(backbone, head) pair as its kNN evaluated it) or ``random``; anything else is refused before any worker starts
+(`unison.training.teacher.teacher_head_spec`). On the same (mixed) view x as above:
+
+    teacher (frozen, eval, no grad):  t = h_T(pool(T(x)))  [B, K]      (h_T: the teacher's DINO head, K its out_dim)
+    student:                          s = h_S(pool(S(x)))  [B, K]      (h_S: a new DINO head of h_T's shape)
+    loss = mean over images of H(softmax((t - c) / tau_t), softmax(s / tau_s))     (tau_t 0.07, tau_s 0.1)
+    c <- m c + (1 - m) mean of t over the global batch  (after the loss, m = 0.9)
+
+with `unison.losses.dino.DINOLoss` (``same_crop``: the pairs (x, x), not DINO's cross-view pairs: teacher and
+student see the same view, as LightlyTrain's distillation) and DINO's values of tau_s, m and tau_t after its warm-up
+(no warm-up: the teacher is trained). No queue, no local term. The head's shape (out_dim, hidden_dim,
+bottleneck_dim, head_layers, head_batch_norm) is the teacher's, recorded in the run's config.
 
 Distributed semantics (exact, ``unison check --method distill``):
 
@@ -43,6 +59,10 @@ Distributed semantics (exact, ``unison check --method distill``):
   builds it from the same file, or the same seed), and checkpointed with the run, so `unison eval`/`export`
   of a distilled run need no teacher file. Under ``--shard full`` it is sharded block by block like the
   student and, frozen, resharded after its one forward per step (gathered once per step).
+* loss=dino: the per-image terms need nothing from other ranks; the centre c is updated from the all-reduced
+  [sum of t, count] of the global batch (`DINOLoss.update_center`), identically on every rank (a rank-local,
+  checkpointed buffer); the teacher's head is frozen, in eval mode (its batch norm: running statistics), part of
+  the teacher's rank-local state, checkpointed with it and, under ``--shard full``, a sharded unit of its own.
 * ``teacher_dtype``: the teacher's parameters may be bf16 (built so by the training layer); its input is
   cast to their dtype and its output back.
 
@@ -57,7 +77,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -66,13 +86,19 @@ import torch.nn.functional as F
 from unison.distributed import collectives as C
 from unison.distributed.tagging import mark_rank_local_state
 from unison.errors import ConfigError
+from unison.losses import DINOLoss
 from unison.models.dense import dense_features, make_dense
 from unison.rng import sample_uniform
 
 from .base import Recipe, SampleKeys, SSLMethod
+from .distillation import DINOHead
 from .params import check_params
 
-LOSSES = ("kl", "mse")
+DINO_LOSS = "dino"
+LOSSES = ("kl", "mse", DINO_LOSS)
+# the head's fields (of DistillParams, DINOParams, IBOTParams) -> DINOHead's arguments
+HEAD_FIELDS = {"out_dim": "out_dim", "hidden_dim": "hidden_dim", "bottleneck_dim": "bottleneck_dim",
+               "head_layers": "num_layers", "head_batch_norm": "batch_norm"}
 _MIXUP_STREAM = 0x0D15_7111   # the rng stream of mixup's draws (augmentations use small streams)
 
 
@@ -84,13 +110,30 @@ class DistillParams:
     temperature_local: float = 0.07
     local_weight: float = 1.0
     mixup: bool = True
+    # loss=dino (through the teacher's DINO head): DINO's temperatures and centre momentum (tau_t after warm-up)
+    student_temp: float = 0.1
+    teacher_temp: float = 0.07
+    center_momentum: float = 0.9
+    # loss=dino: the teacher head's architecture, which the student's head copies; set by the run from the teacher
+    # (recorded in its config, so eval/export rebuild it without the teacher): leave them out
+    out_dim: int = 0
+    hidden_dim: int = 0
+    bottleneck_dim: int = 0
+    head_layers: int = 0
+    head_batch_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
-            raise ConfigError(f"Distill parameter loss={self.loss!r} is unknown; use kl (LightlyTrain's distillation) "
-                              "or mse (their v2) (--param loss=VALUE)")
-        check_params(self, counts=("queue_size",), temperatures=("temperature_global", "temperature_local"),
-                     non_negative=("local_weight",))
+            raise ConfigError(f"Distill parameter loss={self.loss!r} is unknown; use kl (LightlyTrain's distillation), "
+                              "mse (their v2) or dino (through a DINO teacher's head) (--param loss=VALUE)")
+        check_params(self, counts=("queue_size", "out_dim", "hidden_dim", "bottleneck_dim", "head_layers"),
+                     temperatures=("temperature_global", "temperature_local", "student_temp", "teacher_temp"),
+                     non_negative=("local_weight",), unit_interval=("center_momentum",))
+
+
+def head_spec(params: Any) -> dict[str, Any]:
+    """`DINOHead`'s arguments (but its input width) from a method's parameters that name a DINO head."""
+    return {arg: getattr(params, field) for field, arg in HEAD_FIELDS.items()}
 
 
 # LightlyTrain's queue_size="auto" (distillationv3.py): (data set size below, queue length): about 25-50 % of it
@@ -107,12 +150,14 @@ def auto_queue_size(data_size: int | None) -> int:
 
 
 class TeacherHolder(nn.Module):
-    """Holds the frozen teacher as ``.backbone`` (never called itself: FSDP shards the backbone's blocks, exact
-    accumulation intercepts ``*.backbone`` like the momentum teachers')."""
+    """Holds the frozen teacher as ``.backbone`` and, for loss=dino, its DINO head as ``.head`` (never called
+    itself: FSDP shards the backbone's blocks and the head, exact accumulation intercepts ``*.backbone`` like the
+    momentum teachers')."""
 
-    def __init__(self, backbone: nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module | None = None):
         super().__init__()
         self.backbone = backbone
+        self.head = head
 
 
 class Distill(SSLMethod):
@@ -125,24 +170,37 @@ class Distill(SSLMethod):
                     embedded={"base_lr": 2e-3})
 
     queue: torch.Tensor
+    head: DINOHead          # loss=dino: the student's DINO head
+    loss_fn: DINOLoss       # loss=dino: its centre
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DistillParams, *, teacher: nn.Module,
-                 teacher_dim: int, data_size: int | None = None, **kw: Any):
+                 teacher_dim: int, data_size: int | None = None, teacher_head: nn.Module | None = None, **kw: Any):
         if not params.queue_size:   # the length used: the training layer records it in the run's config
             params = replace(params, queue_size=auto_queue_size(data_size))
+        dino = params.loss == DINO_LOSS
+        if dino != (teacher_head is not None):
+            raise ValueError(f"Distill: loss={params.loss} takes {'a' if dino else 'no'} teacher_head")
+        if isinstance(teacher_head, DINOHead):   # the student's head copies the teacher's (recorded by the run)
+            params = replace(params, **{field: teacher_head.spec[arg] for field, arg in HEAD_FIELDS.items()})
         super().__init__(make_dense(backbone), feature_dim, params, **kw)
-        # mse (v2) matches the maps only: no global head (DDP refuses parameters without a gradient)
+        # mse (v2) matches the maps only, dino the heads' outputs only: no unused head (DDP refuses parameters
+        # without a gradient)
         self.head_global = nn.Linear(feature_dim, teacher_dim) if params.loss == "kl" else None
-        self.head_local = nn.Linear(feature_dim, teacher_dim)
+        self.head_local = nn.Linear(feature_dim, teacher_dim) if not dino else None
         for head in (self.head_global, self.head_local):
             if head is not None:
                 nn.init.trunc_normal_(head.weight, std=0.02)
-        for p in teacher.parameters():
+        if dino:
+            self.head = DINOHead(feature_dim, **head_spec(params))
+            self.loss_fn = DINOLoss(params.out_dim, params.student_temp, params.center_momentum,
+                                    gather_distributed=self.gather_distributed, same_crop=True)
+        for p in [*teacher.parameters(), *(teacher_head.parameters() if teacher_head is not None else ())]:
             p.requires_grad_(False)
-        self.teacher = TeacherHolder(make_dense(teacher).eval())
+        self.teacher = TeacherHolder(make_dense(teacher).eval(), teacher_head)
+        self.teacher.eval()
         self.teacher_dim = teacher_dim
         mark_rank_local_state(self.teacher)
-        self.register_buffer("queue", torch.zeros(params.queue_size, teacher_dim))
+        self.register_buffer("queue", torch.zeros(0 if dino else params.queue_size, teacher_dim))   # dino: none
         mark_rank_local_state(self, ["queue"])
 
     def train(self, mode: bool = True) -> Distill:
@@ -181,10 +239,12 @@ class Distill(SSLMethod):
             if keys is None:
                 raise ValueError("Distill with mixup needs keys=SampleKeys(seed, epoch, indices)")
             x = self._mixup(x, keys)
+        if self.params.loss == DINO_LOSS:
+            return self._dino_loss(x)
         t_pooled, t_grid = self._teacher(x)
         s_pooled, s_grid = dense_features(self.backbone, x, self.feature_dim)
         h, w = t_grid.shape[1:3]
-        s_local = F.interpolate(self.head_local(s_grid).permute(0, 3, 1, 2), size=(h, w), mode="bilinear",
+        s_local = F.interpolate(cast(nn.Module, self.head_local)(s_grid).permute(0, 3, 1, 2), size=(h, w), mode="bilinear",
                                 align_corners=False).permute(0, 2, 3, 1).flatten(1, 2)
         t_local = t_grid.flatten(1, 2)
         if self.head_global is None:   # loss=mse
@@ -200,6 +260,14 @@ class Distill(SSLMethod):
                          t_local @ t_local.transpose(1, 2) / p.temperature_local)
         return global_loss + p.local_weight * local_loss
 
+    def _dino_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """H(softmax((h_T(f_T(x)) - c) / tau_t), softmax(h_S(f_S(x)) / tau_s)) on the same view (module docstring)."""
+        head = cast(nn.Module, self.teacher.head)
+        with torch.no_grad():   # the head's dtype: the teacher's (bf16 with --teacher-dtype bf16)
+            t = head(self._teacher(x)[0].to(next(head.parameters()).dtype)).to(x.dtype)
+        s = self.head(self.embed(x))
+        return self.loss_fn([s], [t], self.params.teacher_temp)
+
     @torch.no_grad()
     def _enqueue(self, t: torch.Tensor) -> None:
         """The global batch's teacher embeddings at the front of the queue (every rank the same)."""
@@ -211,9 +279,16 @@ class Distill(SSLMethod):
         else:
             self.queue.copy_(torch.cat([t, self.queue[:q - n]]))
 
+    def resolved_params(self) -> dict[str, Any]:
+        """The parameters this run resolved (the queue's length, loss=dino: the teacher head's architecture),
+        recorded in its config so that eval/export rebuild the model without the teacher or the data."""
+        fields = ["queue_size", *(HEAD_FIELDS if self.params.loss == DINO_LOSS else ())]
+        return {f: getattr(self.params, f) for f in fields}
+
     def exactness_note(self) -> str | None:
         if not self.gather_distributed:
-            return "gather is off: each rank's queue and mixup partners come from its local batch"
+            what = "centre" if self.params.loss == DINO_LOSS else "queue"
+            return f"gather is off: each rank's {what} and mixup partners come from its local batch"
         return None
 
 

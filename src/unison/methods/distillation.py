@@ -16,7 +16,7 @@ carry the fields named by `DistillationParams`.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,9 @@ class DINOHead(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
                  num_layers: int = 3, batch_norm: bool = False):
         super().__init__()
+        # the architecture, as `DINOHead(in_dim, **spec)` rebuilds it (distill's student head copies its teacher's)
+        self.spec: dict[str, Any] = {"out_dim": out_dim, "hidden_dim": hidden_dim, "bottleneck_dim": bottleneck_dim,
+                     "num_layers": num_layers, "batch_norm": batch_norm}
         if num_layers < 1:
             raise ValueError(f"the DINO head needs at least 1 layer, got {num_layers}")
         layers: list[nn.Module] = []

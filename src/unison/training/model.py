@@ -62,8 +62,8 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
         seed_everything(cfg.seed, cfg.deterministic)
-        teacher, teacher_dim = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
-        extra = {"teacher": teacher, "teacher_dim": teacher_dim, "data_size": data_size}
+        teacher, teacher_dim, head = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
+        extra = {"teacher": teacher, "teacher_dim": teacher_dim, "data_size": data_size, "teacher_head": head}
     seed_everything(cfg.seed, cfg.deterministic)
     name, size = backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size
     if own is not None:
@@ -81,6 +81,8 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
         raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
     method_cls.check_views(params, getattr(encoder, "patch_size", None), view_sizes)   # as the pre-flight does
     method = method.to(device, dtype)
-    if extra and cfg.teacher_dtype == "bf16":   # after .to(dtype), which would undo it
-        extra["teacher"].to(torch.bfloat16)
+    if extra and cfg.teacher_dtype == "bf16":   # after .to(dtype), which would undo it (the head too)
+        for module in (extra["teacher"], extra["teacher_head"]):
+            if module is not None:
+                module.to(torch.bfloat16)
     return method

@@ -46,7 +46,7 @@ from unison.training.pieces import OwnPieces
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
-from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_run_backbone
+from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
 
 
 def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) -> None:
@@ -106,6 +106,8 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
     workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
     if cfg.teacher in (None, RANDOM):
+        if cfg.teacher == RANDOM:
+            teacher_head_spec(cfg, None)   # head parameters given with --param: DINO's default head's
         return
     out = Path(cfg.out)
     if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
@@ -119,7 +121,9 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     if header.path.is_dir():
         raise CheckpointError(f"--teacher {header.path} is a sharded (.dcp) checkpoint; give a .pt checkpoint of the "
                               "run or its unison export (with --teacher-backbone)")
-    trained = teacher_run_backbone(load_checkpoint(header.path, run=True))
+    ckpt = load_checkpoint(header.path, run=True)
+    teacher_head_spec(cfg, ckpt)   # loss=dino: a DINO head in the teacher (the workers' rule, `build_teacher`)
+    trained = teacher_run_backbone(ckpt)
     given = cfg.teacher_backbone
     if given is not None and given != trained and not trained.startswith(given + "_"):
         raise ConfigError(f"--teacher-backbone {given} is not the backbone of the teacher run {cfg.teacher} "

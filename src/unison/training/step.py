@@ -52,6 +52,7 @@ from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
+from unison.methods.distill import Distill
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
 from unison.optim.groups import layer_scales, param_groups
@@ -62,7 +63,6 @@ from unison.training.checkpoint.extra_state import ExtraState  # the submodule: 
 from unison.training.init import InitWeights
 from unison.training.model import build_method
 from unison.training.resolve import exact_accumulation, resolve_recipe
-from unison.training.teacher import needs_teacher
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
     from unison.training.pieces import OwnPieces
@@ -173,8 +173,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
                           view_sizes=augment.view_sizes, setup=setup, init=init,
                           data_size=source.batches_per_epoch * global_batch, own=own_backbone)
-    if needs_teacher(cfg.method):   # distill's queue length, resolved from the data: kept in the run's config
-        cfg.method_params = {**cfg.method_params, "queue_size": method.params.queue_size}
+    if isinstance(method, Distill):   # its queue length (from the data), its teacher head's shape: in the config
+        cfg.method_params = {**cfg.method_params, **method.resolved_params()}
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)

@@ -69,9 +69,12 @@ def test_check_passes_on_streamed_images_of_many_sizes_and_modes(tmp_path, capsy
     assert "PASS" in out and "streamed at 16 px" in out and "dtype=float64" in out
 
 
-@pytest.mark.parametrize("shard, teacher", [("none", None), ("full", "vit_nano_p2")])
-def test_distill_check_passes_under_ddp_and_full_sharding(shard, teacher):
+@pytest.mark.parametrize("shard, teacher, loss", [("none", None, "kl"), ("full", "vit_nano_p2", "kl"),
+                                                 ("none", None, "dino"), ("full", "vit_nano_p2", "dino")])
+def test_distill_check_passes_under_ddp_and_full_sharding(shard, teacher, loss):
     """`unison check --method distill` (its seeded random-init teacher; under --shard full a ViT teacher of another
-    architecture than the student, sharded block by block): the student's gradient is exact at W=2."""
-    report = run_equivalence("distill", world_size=2, steps=2, shard=shard, teacher_backbone=teacher)
+    architecture than the student, sharded block by block; loss=dino: through the teacher's DINO head, sharded as
+    a unit, with the all-reduced centre): the student's gradient is exact at W=2."""
+    report = run_equivalence("distill", world_size=2, steps=2, shard=shard, teacher_backbone=teacher,
+                             method_params={"loss": loss})
     assert report.passed and report.note is None, report.summary()

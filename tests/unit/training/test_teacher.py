@@ -56,6 +56,25 @@ def test_a_run_distils_from_a_unison_run_pinned_to_its_checkpoint(teacher_run, t
         (teacher_run / "latest.bak").rename(teacher_run / "checkpoints" / "latest")
 
 
+def test_loss_dino_distils_through_a_dino_runs_head_kept_in_the_checkpoint(tmp_path, capfd):
+    """--param loss=dino from a DINO run: its (backbone, head) pair loaded and frozen, the head's shape recorded,
+    so the student's checkpoint rebuilds (export) without the teacher."""
+    from unison.training.checkpoint.files import latest_checkpoint
+    from unison.training.checkpoint.safe_load import load_file
+
+    teacher, out = tmp_path / "dino", tmp_path / "student"
+    assert main([*TRAIN, "--method", "dino", "--out", str(teacher), *TINY]) == 0
+    code, err = _run(["--method", "distill", "--teacher", str(teacher), "--param", "loss=dino", "--out", str(out),
+                      *TINY], capfd)
+    assert code == 0, err
+    params = json.loads((out / "config.json").read_text())["method_params"]
+    assert (params["loss"], params["out_dim"], params["head_layers"]) == ("dino", 1024, 2)   # DINO's default head
+    mine, theirs = (load_file(latest_checkpoint(run))["model"] for run in (out, teacher))
+    assert all(torch.equal(mine[f"teacher.{k}"], v) for k, v in theirs.items() if k.startswith(("head.", "backbone.")))
+    (teacher / "checkpoints").rename(tmp_path / "away")   # the teacher out of reach: eval/export need it not
+    assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "s.pt")]) == 0
+
+
 CASES = [
     ("no-teacher", ["--method", "distill"], 2, "--method distill needs --teacher"),
     ("teacher-for-simclr", ["--method", "simclr", "--teacher", "random"], 2, "--teacher is for --method distill"),
@@ -72,6 +91,12 @@ CASES = [
     ("teacher-weights-mismatch", ["--method", "distill", "--teacher", "{tmp}/foo.pth", "--teacher-backbone",
                                   "small_cnn"], 4, "none of its 1 tensors (foo, ...) is a tensor of the backbone"),
     ("bad-loss", ["--method", "distill", "--teacher", "random", "--param", "loss=l1"], 2, "loss='l1' is unknown"),
+    ("dino-loss-headless-run", ["--method", "distill", "--teacher", "{run}", "--param", "loss=dino"], 2,
+     "is a distill run without one; give a unison run of --method dino or ibot"),
+    ("dino-loss-weights-file", ["--method", "distill", "--teacher", "{tmp}/foo.pth", "--teacher-backbone", "small_cnn",
+                                "--param", "loss=dino"], 2, "is a weights file without one"),
+    ("dino-loss-head-param", ["--method", "distill", "--teacher", "random", "--param", "loss=dino", "--param",
+                              "out_dim=7"], 2, "--param out_dim=7 is not the teacher head's (1024)"),
 ]
 
 
@@ -100,7 +125,8 @@ def test_a_weights_file_teacher_holds_the_files_tensors(tmp_path):
     net, _ = build_backbone("small_cnn")
     torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "t.pth")
     cfg = TrainConfig(method="distill", teacher=str(tmp_path / "t.pth"), teacher_backbone="small_cnn")
-    got, dim = build_teacher(cfg, 16)
+    got, dim, head = build_teacher(cfg, 16)
+    assert head is None
     assert dim == 128 and all(torch.equal(got.state_dict()[k], v) for k, v in net.state_dict().items())
 
 
