@@ -114,6 +114,11 @@ class SSLMethod(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x)
 
+    def resolved_params(self) -> dict[str, Any]:
+        """Parameters the method resolved from the run (not given by the user) that rebuilding it needs: the
+        training layer records them in the run's config, so eval/export need neither the data nor a teacher."""
+        return {}
+
     def exactness_note(self) -> str | None:
         """Why this configuration is not equivalent to one process on the global batch, or None."""
         if not self.gather_distributed:

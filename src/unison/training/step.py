@@ -52,7 +52,6 @@ from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
-from unison.methods.distill import Distill
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
 from unison.optim.groups import layer_scales, param_groups
@@ -173,8 +172,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
                           view_sizes=augment.view_sizes, setup=setup, init=init,
                           data_size=source.batches_per_epoch * global_batch, own=own_backbone)
-    if isinstance(method, Distill):   # its queue length (from the data), its teacher head's shape: in the config
-        cfg.method_params = {**cfg.method_params, **method.resolved_params()}
+    # e.g. distill's queue length (from the data) and its teacher head's shape: kept in the run's config
+    cfg.method_params = {**cfg.method_params, **method.resolved_params()}
     model: nn.Module = method
     if cfg.distributed.sync_batchnorm:
         model = convert_sync_batchnorm(model, device)
