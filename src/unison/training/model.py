@@ -62,7 +62,8 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
         seed_everything(cfg.seed, cfg.deterministic)
-        teacher, teacher_dim, head = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights)
+        teacher, teacher_dim, head = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights,
+                                               dtype=dtype)
         extra = {"teacher": teacher, "teacher_dim": teacher_dim, "data_size": data_size, "teacher_head": head}
     seed_everything(cfg.seed, cfg.deterministic)
     name, size = backbone or resolve_recipe(cfg).backbone, image_size or cfg.image_size
@@ -71,6 +72,7 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     else:
         encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
         name = resolve_backbone(name, size)
+    encoder.to(dtype)   # before --init's tensors are read into it: a float64 run keeps float64 weights' digits
     if setup is not None:
         setup.update(prepare_backbone(encoder, cfg, name, init))
     try:

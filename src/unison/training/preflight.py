@@ -31,7 +31,7 @@ from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
 from unison.data.source import check_label_spaces, open_checked, planned_view_sizes
 from unison.distributed.env import restart_reason
-from unison.errors import CheckpointError, ConfigError, RunDirRefused
+from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
 from unison.models.backbones import check_backbone, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
@@ -118,9 +118,6 @@ def resolve_teacher(cfg: TrainConfig) -> None:
             build_teacher(cfg, cfg.image_size)
         return
     header = read_header(cfg.teacher)
-    if header.path.is_dir():
-        raise CheckpointError(f"--teacher {header.path} is a sharded (.dcp) checkpoint; give a .pt checkpoint of the "
-                              "run or its unison export (with --teacher-backbone)")
     ckpt = load_checkpoint(header.path, run=True)
     teacher_head_spec(cfg, ckpt)   # loss=dino: a DINO head in the teacher (the workers' rule, `build_teacher`)
     trained = teacher_run_backbone(ckpt)

@@ -18,7 +18,8 @@ The names (method, ``--teacher`` given, ``--teacher-backbone``) are checked by
 `unison.training.resolve.validate_teacher`; `unison.training.preflight.resolve_teacher` then reads a teacher run's
 checkpoint (every field checked, as a resume would), pins ``--teacher`` to that checkpoint file and records its
 backbone in ``teacher_backbone``; `build_teacher` (called by `unison.training.step.build_method` in every worker)
-reads that file (``torch.load(weights_only=True)``). ``weights=False`` (`load_method`, the memory estimate) builds
+reads that file (``torch.load(weights_only=True)``; a ``.dcp`` checkpoint consolidated by every worker, as
+``--init`` and a resume read one). ``weights=False`` (`load_method`, the memory estimate) builds
 the architecture only: a distilled run's checkpoint holds its teacher, so eval/export need no teacher file.
 
 Example::
@@ -31,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from unison.config import TrainConfig
@@ -41,6 +43,7 @@ from unison.methods.distill import DINO_LOSS, HEAD_FIELDS, DistillParams, head_s
 from unison.methods.distillation import DINOHead, SelfDistillation
 from unison.models.backbones import build_backbone, resolve_backbone
 from unison.models.weights import load_backbone_weights, load_state, unwrap
+from unison.training.checkpoint.dcp import load_consolidated
 from unison.training.checkpoint.files import is_checkpoint_name, latest_checkpoint, named_checkpoint
 from unison.training.checkpoint.safe_load import load_file
 
@@ -67,9 +70,8 @@ def read_teacher_run(teacher: str) -> dict:
         if latest is None:
             raise CheckpointError(f"--teacher {teacher} holds no checkpoint; give a finished run or a checkpoint")
         path = latest
-    if path.is_dir():
-        raise CheckpointError(f"--teacher {path} is a sharded (.dcp) checkpoint; give a .pt checkpoint of the run or "
-                              "its unison export (with --teacher-backbone)")
+    if path.is_dir():   # a --shard full run's .dcp: consolidated (with every worker, a collective read)
+        return load_consolidated(path)
     return load_file(path)
 
 
@@ -118,10 +120,12 @@ def recorded_head_spec(cfg: TrainConfig) -> dict[str, Any] | None:
     return head_spec(params) if all(sizes) else None
 
 
-def build_teacher(cfg: TrainConfig, image_size: int | None, *,
-                  weights: bool = True) -> tuple[nn.Module, int, nn.Module | None]:
+def build_teacher(cfg: TrainConfig, image_size: int | None, *, weights: bool = True,
+                  dtype: torch.dtype | None = None) -> tuple[nn.Module, int, nn.Module | None]:
     """The teacher network, its width and (``--param loss=dino``) its frozen DINO head; `weights=False`: the
-    architecture only (a distilled run's checkpoint holds the teacher's weights, its config the head's shape)."""
+    architecture only (a distilled run's checkpoint holds the teacher's weights, its config the head's shape).
+    `dtype`: the run's, given to the modules before the weights are read into them (a float64 teacher read into
+    float32 modules and cast back would lose its last digits)."""
     run = cfg.teacher is not None and is_teacher_run(cfg.teacher)
     recorded = None if weights else recorded_head_spec(cfg)
     needs_ckpt = weights or cfg.teacher_backbone is None or (recorded is None and _wants_head(cfg))
@@ -130,6 +134,9 @@ def build_teacher(cfg: TrainConfig, image_size: int | None, *,
     net, dim = build_backbone(name, image_size)
     spec = recorded or teacher_head_spec(cfg, ckpt)
     head = DINOHead(dim, **spec) if spec is not None else None
+    for module in (net, head):
+        if module is not None and dtype is not None:
+            module.to(dtype)
     if not weights or cfg.teacher in (None, RANDOM):
         return net, dim, head
     if ckpt is not None:   # the run's backbone, as trained, matched as --init matches it (a removed pool: no tensors)

@@ -202,3 +202,18 @@ def test_sigkill_during_sharded_saves_leaves_a_loadable_latest(tmp_path):
             assert load_checkpoint(path)["step"] == int(path.stem.split("_")[1])
         last = ckpt["step"]
     print(f"{mid_save} of 3 kills left a half-written checkpoint directory")
+
+
+@pytest.mark.distributed
+def test_a_sharded_run_is_a_teacher_with_its_dino_head(full_run, tmp_path):
+    """--teacher of a --shard full run (.dcp): consolidated in the pre-flight and by every worker (a collective
+    read), its backbone and DINO head taken as the run saved them."""
+    out = tmp_path / "student"
+    assert main(["train", *TINY, "--method", "distill", "--teacher", str(full_run), "--param", "loss=dino",
+                 "--world-size", "2", "--max-steps", "1", "--no-random-init-knn", "--out", str(out)]) == 0
+    student, dino = load_checkpoint(out)["model"], load_checkpoint(full_run)["model"]
+    taken = {k[len("teacher."):]: v for k, v in student.items() if k.startswith("teacher.")}
+    assert {k.split(".")[0] for k in taken} == {"backbone", "head"}
+    for k, v in taken.items():   # the dense wrapper of the teacher's backbone may nest its names
+        source = k if k in dino else k.replace("backbone.net.", "backbone.")
+        assert torch.equal(v, dino[source]), k

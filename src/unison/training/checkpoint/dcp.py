@@ -77,7 +77,8 @@ def load_consolidated(path: str | Path, map_location: Any = "cpu") -> dict[str, 
     metadata = read_metadata_safely(directory)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    model = {fqn[len("model."):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    # on the CPU whatever device context the caller is in (the memory estimate builds under "meta")
+    model = {fqn[len("model."):]: torch.empty(tuple(md.size), dtype=md.properties.dtype, device="cpu")
              for fqn, md in metadata.state_dict_metadata.items()
              if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     state = {"model": model}
