@@ -43,7 +43,6 @@ from unison.methods.distill import DINO_LOSS, HEAD_FIELDS, DistillParams, head_s
 from unison.methods.distillation import DINOHead, SelfDistillation
 from unison.models.backbones import build_backbone, resolve_backbone
 from unison.models.weights import load_backbone_weights, load_state, unwrap
-from unison.training.checkpoint.dcp import load_consolidated
 from unison.training.checkpoint.files import is_checkpoint_name, latest_checkpoint, named_checkpoint
 from unison.training.checkpoint.safe_load import load_file
 
@@ -70,7 +69,10 @@ def read_teacher_run(teacher: str) -> dict:
         if latest is None:
             raise CheckpointError(f"--teacher {teacher} holds no checkpoint; give a finished run or a checkpoint")
         path = latest
-    if path.is_dir():   # a --shard full run's .dcp: consolidated (with every worker, a collective read)
+    if path.is_dir():   # a --shard full run's .dcp: consolidated (by every worker: a collective read); imported
+        # here: torch.distributed.checkpoint costs the launching process about 0.8 s
+        from unison.training.checkpoint.dcp_read import load_consolidated
+
         return load_consolidated(path)
     return load_file(path)
 

@@ -13,7 +13,7 @@ import pytest
 from helpers.dcp_checkpoint import small_sharded_checkpoint
 
 import unison.cli.train_args
-import unison.training.checkpoint.dcp as dcp_io
+import unison.training.checkpoint.dcp_read as dcp_io
 import unison.training.step
 from unison.config import TrainConfig
 from unison.errors import CheckpointError

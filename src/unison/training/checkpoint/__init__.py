@@ -49,9 +49,9 @@ def __getattr__(name: str) -> Any:
     about 0.8 s here, which the launcher's parent process, the CLI and ``unison eval`` of a ``.pt`` need not pay
     (a DDP worker imports it anyway: DDP's constructor imports torch._dynamo, which imports them)."""
     if name in _DCP_NAMES:
-        from . import dcp
+        from . import dcp, dcp_read
 
-        return getattr(dcp, name)
+        return getattr(dcp_read if hasattr(dcp_read, name) else dcp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [

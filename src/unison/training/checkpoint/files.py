@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 DCP_SUFFIX = ".dcp"
+DCP_HEADER = "unison.pt"   # the header file inside a .dcp checkpoint directory
 METADATA = ".metadata"   # DCP's index of which tensor slices are where
 
 STEP_RE = re.compile(r"step_(\d{8,})\.(?:pt|dcp)")   # .dcp: a directory (sharded runs)

@@ -33,7 +33,7 @@ from unison.errors import CheckpointError, CorruptCheckpointError
 from unison.training.pieces import OWN
 
 from .contents import MAX_STEP, check_fields, check_run_fields, shown
-from .files import checkpoint_dir, is_checkpoint_name, named_checkpoint, resume_candidates
+from .files import DCP_HEADER, checkpoint_dir, is_checkpoint_name, named_checkpoint, resume_candidates
 from .safe_load import load_file, read_metadata_safely
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ Expected = str | Mapping[str, Any] | None   # a method name, or `structure(cfg)`
 
 FORMAT = "unison-checkpoint"
 VERSION = 1
-DCP_HEADER = "unison.pt"   # the header file inside a .dcp checkpoint directory
 _ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
 
 

@@ -17,7 +17,7 @@ Guarantees
 
 Only rank 0 may call `save_checkpoint` (one writer per run directory): that is the
 caller's business. Every rank may call `load_checkpoint`, which also reads a ``.dcp`` directory
-(consolidated into one process: `dcp.load_consolidated`), so `unison eval`/`export` read both kinds.
+(consolidated into one process: `dcp_read.load_consolidated`), so `unison eval`/`export` read both kinds.
 
 Example::
 
@@ -104,7 +104,7 @@ def save_checkpoint(run_dir: str | Path, state: dict, step: int, keep: int = 3,
 def _load_one(path: Path, map_location: Any, expect_method: Expected, run: bool) -> dict:
     # A directory is a sharded run's checkpoint (torch.distributed.checkpoint), consolidated here.
     if path.is_dir():   # a --shard full checkpoint: torch.distributed.checkpoint is imported when one is read
-        from .dcp import load_consolidated
+        from .dcp_read import load_consolidated
 
         ckpt = load_consolidated(path, map_location)
     else:

@@ -27,8 +27,8 @@ from unison.optim import constructor_args
 from .background import Checkpointer
 from .compat import check_compatible
 from .contents import check_optimizer_state, check_step_in_run
-from .files import is_sharded_checkpoint, latest_checkpoint
-from .header import DCP_HEADER, check_header, run_header, structure
+from .files import DCP_HEADER, is_sharded_checkpoint, latest_checkpoint
+from .header import check_header, run_header, structure
 from .pt import load_checkpoint
 from .rng_state import pack_rng_state, restore_run_rng
 from .safe_load import load_file, read_metadata_safely
@@ -143,7 +143,7 @@ def _load_dcp_into(run: Run, directory: Path) -> None:
 
     from unison.parallel.zero import ShardedOptimizer
 
-    from .dcp import load_safely
+    from .dcp_read import load_safely
 
     optimizer = _optimizer_twin(run) if isinstance(run.optimizer, ShardedOptimizer) else run.optimizer
     model_state: Any
