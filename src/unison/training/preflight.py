@@ -33,6 +33,7 @@ from unison.data.source import check_label_spaces, open_checked, planned_view_si
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
+from unison.methods.distill import HEAD_FIELDS
 from unison.models.backbones import check_backbone, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import Input, is_inside, same_file
@@ -106,8 +107,8 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
     workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
     if cfg.teacher in (None, RANDOM):
-        if cfg.teacher == RANDOM:
-            teacher_head_spec(cfg, None)   # head parameters given with --param: DINO's default head's
+        if cfg.teacher == RANDOM:   # head parameters given with --param: DINO's default head's
+            _record_head(cfg, teacher_head_spec(cfg, None))
         return
     out = Path(cfg.out)
     if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
@@ -119,13 +120,20 @@ def resolve_teacher(cfg: TrainConfig) -> None:
         return
     header = read_header(cfg.teacher)
     ckpt = load_checkpoint(header.path, run=True)
-    teacher_head_spec(cfg, ckpt)   # loss=dino: a DINO head in the teacher (the workers' rule, `build_teacher`)
+    _record_head(cfg, teacher_head_spec(cfg, ckpt))   # loss=dino: a DINO head in the teacher (the workers' rule)
     trained = teacher_run_backbone(ckpt)
     given = cfg.teacher_backbone
     if given is not None and given != trained and not trained.startswith(given + "_"):
         raise ConfigError(f"--teacher-backbone {given} is not the backbone of the teacher run {cfg.teacher} "
                           f"({trained}); leave --teacher-backbone out for a unison run")
     cfg.teacher, cfg.teacher_backbone = str(header.path), trained
+
+
+def _record_head(cfg: TrainConfig, spec: dict | None) -> None:
+    """loss=dino: the teacher head's shape, learnt once here, in the config as the run records it (so the memory
+    estimate builds the student's head from it instead of reading the teacher's checkpoint again)."""
+    if spec is not None:
+        cfg.method_params = {**cfg.method_params, **{field: spec[arg] for field, arg in HEAD_FIELDS.items()}}
 
 
 def check_crops(cfg: TrainConfig, sizes: list[int]) -> None:
