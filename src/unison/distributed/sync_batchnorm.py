@@ -132,10 +132,31 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
                 sum_dy if need_b and weight is not None else None, None, None, None, None)
 
 
+class RunningStatistics:
+    """Mixin of a batch norm frozen by ``--freeze``: always in eval mode, so it normalises with its running
+    statistics and never updates them (``model.train()`` included), as mmdetection's ``norm_eval`` and detectron2's
+    ``FrozenBatchNorm2d`` keep a pretrained network's frozen stages. It needs nothing from other ranks, so the
+    conversions below leave it as it is. `hold_running_statistics` turns a batch norm into one."""
+
+    def train(self, mode: bool = True):
+        return super().train(False)  # type: ignore[misc]
+
+
+_HELD: dict[type, type] = {}
+
+
+def hold_running_statistics(bn: nn.modules.batchnorm._BatchNorm) -> None:
+    """Make `bn` a `RunningStatistics` batch norm of its own class (its state dict and ``isinstance`` unchanged)."""
+    cls = type(bn)
+    if not issubclass(cls, RunningStatistics):
+        bn.__class__ = _HELD.setdefault(cls, type(f"Frozen{cls.__name__}", (RunningStatistics, cls), {}))
+    bn.train(False)
+
+
 def _convert(module: nn.Module, factory) -> nn.Module:
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-            module, (GlobalBatchNorm, nn.SyncBatchNorm)):
+            module, (GlobalBatchNorm, nn.SyncBatchNorm, RunningStatistics)):
         out = factory(module)
         with torch.no_grad():
             if module.affine:   # frozen stays frozen (a momentum encoder's, --freeze's), as torch's CUDA conversion keeps it
@@ -158,17 +179,16 @@ def _convert(module: nn.Module, factory) -> nn.Module:
 def convert_sync_batchnorm(module: nn.Module, device: torch.device | str | None = None) -> nn.Module:
     """Replace every batch-norm layer by a synchronised one suited to `device`.
 
-    CUDA: `torch.nn.SyncBatchNorm` (fused kernels). Anything else: `GlobalBatchNorm`.
+    CUDA: `torch.nn.SyncBatchNorm` (fused kernels). Anything else: `GlobalBatchNorm`. Both through `_convert`
+    (torch's own converter would also convert the `RunningStatistics` batch norms of ``--freeze``).
     """
     device = torch.device(device) if device is not None else next(
         (p.device for p in module.parameters()), torch.device("cpu"))
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    kind = nn.SyncBatchNorm if device.type == "cuda" else GlobalBatchNorm
 
-    def factory(bn: nn.modules.batchnorm._BatchNorm) -> GlobalBatchNorm:
+    def factory(bn: nn.modules.batchnorm._BatchNorm) -> nn.modules.batchnorm._BatchNorm:
         p = bn.weight if bn.affine else bn.running_mean
-        return GlobalBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                               device=p.device if p is not None else None,
-                               dtype=p.dtype if p is not None else None)
+        return kind(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
+                    device=p.device if p is not None else None, dtype=p.dtype if p is not None else None)
 
     return _convert(module, factory)

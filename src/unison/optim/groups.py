@@ -20,6 +20,9 @@ groups the trainable parameters by factor; each group carries it as ``"lr_scale"
 * ``all``: the whole backbone;
 * a module or parameter name of the backbone (``patch_embed``, ``blocks.0``, ``layer1``, ``cls_token``).
 
+A batch norm whose weight and bias are both frozen is held in eval mode (running statistics, not updated), as
+mmdetection's ``frozen_stages`` with ``norm_eval``; one without parameters (``affine=False``) is left as it is.
+
 Both take plain names and values (not the training configuration) and raise one-line `ConfigError`s.
 
 Example::
@@ -37,6 +40,7 @@ from typing import Any
 import torch.nn as nn
 
 from unison.config.fields import did_you_mean
+from unison.distributed.sync_batchnorm import hold_running_statistics
 from unison.errors import ConfigError
 
 _INPUT = re.compile(r"^(patch_embed|cls_token|pos_embed|reg_token|mask_token|conv1|bn1|stem|conv_stem)(\.|$)")
@@ -128,12 +132,18 @@ def _natural(name: str) -> tuple[Any, ...]:
 
 
 def freeze(backbone: nn.Module, spec: str) -> list[str]:
-    """Set ``requires_grad=False`` on the parameters `spec` names (before DDP/FSDP wrapping); returns them."""
+    """Set ``requires_grad=False`` on the parameters `spec` names (before SyncBN, DDP/FSDP wrapping), and hold
+    every batch norm whose parameters all are frozen in eval mode (`hold_running_statistics`: its running statistics
+    are neither used from the batch nor updated, so a frozen block is a fixed function); returns the parameters."""
     names = [n for n, _ in backbone.named_parameters()]
     chosen = frozen_names(names, spec)
     for n, p in backbone.named_parameters():
         if n in chosen:
             p.requires_grad_(False)
+    for prefix, module in backbone.named_modules():
+        own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and own and all(n in chosen for n in own):
+            hold_running_statistics(module)
     return [n for n in names if n in chosen]
 
 

@@ -18,6 +18,8 @@ from unison.models import build_backbone
 from unison.training.init import prepare_backbone
 from unison.training.init_read import read_init
 
+# frozen blocks' batch norms run in eval mode: their running statistics stay the file's
+FROZEN_STATISTICS = ("features.1.running_mean", "features.1.num_batches_tracked", "features.4.running_var")
 TINY = ["--world-size", "1", "--max-steps", "1", "--no-progress", "--batch-size", "16", "--subset", "64",
         "--val-subset", "16", "--knn-k", "5", "--no-random-init-knn", "--signal-images", "0", "--no-online-probe",
         "--logger", "none"]
@@ -60,9 +62,9 @@ def test_run_starts_from_init_with_frozen_blocks_and_records_it(trained):
 
     start = torch.load(trained["weights"])
     model = load_checkpoint(trained["run"])["model"]
-    for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias"):
+    for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias", *FROZEN_STATISTICS):
         assert torch.equal(model[f"backbone.{k}"], start[k]), k   # --freeze 1: block ids 0, 1 (conv-BN blocks 0, 1)
-    for k in ("features.6.weight", "features.9.weight"):
+    for k in ("features.6.weight", "features.9.weight", "features.7.running_mean"):
         assert not torch.equal(model[f"backbone.{k}"], start[k]), k   # trained
     resolved = json.loads((trained["run"] / "config.json").read_text())["resolved"]
     summary = json.loads((trained["run"] / "summary.json").read_text())
@@ -102,9 +104,10 @@ def test_init_freeze_and_layer_decay_under_sharding(trained, capfd, shard):
     assert err.count("unison: --init: matched 24 tensors of state dict") == 1 and "Traceback" not in err, err
     start = torch.load(trained["weights"])
     model = load_checkpoint(trained["tmp"] / shard)["model"]
-    for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias"):
+    for k in ("features.0.weight", "features.1.weight", "features.3.weight", "features.4.bias", *FROZEN_STATISTICS):
         assert torch.equal(model[f"backbone.{k}"], start[k]), k
-    assert not torch.equal(model["backbone.features.9.weight"], start["features.9.weight"])
+    for k in ("features.9.weight", "features.7.running_var"):
+        assert not torch.equal(model[f"backbone.{k}"], start[k]), k
 
 
 def test_a_resumed_run_takes_the_checkpoint_not_init(trained, capfd):

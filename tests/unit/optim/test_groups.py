@@ -54,3 +54,34 @@ def test_bad_freeze_specs(spec, fragment):
 def test_layer_decay_needs_numbered_blocks():
     with pytest.raises(ConfigError, match="needs a backbone with numbered blocks"):
         layer_scales(["fc.weight", "fc.bias"], 0.7)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_frozen_batch_norm_keeps_its_running_statistics_through_train_mode_and_syncbn(device):
+    """--freeze 1 on the small CNN: the batch norms of conv-BN blocks 0 and 1 stay in eval mode after
+    ``train()``, keep their running statistics over a training-mode forward and are not converted to a synchronised
+    batch norm (``device``: the GPU's converter's choice, torch.nn.SyncBatchNorm, built on the CPU); block 2's
+    batch norm trains and is converted."""
+    from unison.distributed.sync_batchnorm import GlobalBatchNorm, RunningStatistics, convert_sync_batchnorm
+    from unison.models import build_backbone
+    from unison.optim.groups import freeze
+
+    torch.manual_seed(0)
+    net, _ = build_backbone("small_cnn", 16)
+    freeze(net, "1")
+    held, trained = net.features[4], net.features[7]
+    assert isinstance(net.features[1], RunningStatistics) and isinstance(held, RunningStatistics)
+    assert isinstance(held, nn.BatchNorm2d) and not isinstance(trained, RunningStatistics)
+    converted = convert_sync_batchnorm(net, torch.device(device))   # the CPU module: only the factory's class differs
+    assert converted.features[4] is held
+    assert isinstance(converted.features[7], nn.SyncBatchNorm if device == "cuda" else GlobalBatchNorm)
+    if device == "cuda":
+        return
+    before = {k: v.clone() for k, v in converted.state_dict().items()}
+    converted.train()
+    assert not held.training and converted.features[7].training
+    converted(torch.randn(8, 3, 16, 16) * 3 + 1)
+    for k in ("features.1.running_mean", "features.4.running_var", "features.4.num_batches_tracked"):
+        assert torch.equal(converted.state_dict()[k], before[k]), k
+    assert not torch.equal(converted.state_dict()["features.7.running_mean"], before["features.7.running_mean"])
+    assert set(converted.state_dict()) == set(before) and trained is not converted.features[7]
