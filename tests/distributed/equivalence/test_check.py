@@ -78,3 +78,10 @@ def test_distill_check_passes_under_ddp_and_full_sharding(shard, teacher, loss):
     report = run_equivalence("distill", world_size=2, steps=2, shard=shard, teacher_backbone=teacher,
                              method_params={"loss": loss})
     assert report.passed and report.note is None, report.summary()
+
+
+def test_frozen_blocks_check_passes_with_their_batch_norm_held():
+    """--freeze 1 under MoCo (shuffle BN in the key encoder, a momentum copy of the frozen blocks): the frozen batch
+    norms run on their running statistics at every rank, the step stays exact at W=2."""
+    report = run_equivalence("moco", world_size=2, steps=2, freeze="1")
+    assert report.passed and report.ranks_identical, report.summary()
