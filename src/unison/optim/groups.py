@@ -21,7 +21,7 @@ groups the trainable parameters by factor; each group carries it as ``"lr_scale"
 * a module or parameter name of the backbone (``patch_embed``, ``blocks.0``, ``layer1``, ``cls_token``).
 
 A batch norm whose weight and bias are both frozen is held in eval mode (running statistics, not updated), as
-mmdetection's ``frozen_stages`` with ``norm_eval``; one without parameters (``affine=False``) is left as it is.
+mmdetection's ``frozen_stages``; one without parameters (``affine=False``) is left as it is.
 
 Both take plain names and values (not the training configuration) and raise one-line `ConfigError`s.
 
