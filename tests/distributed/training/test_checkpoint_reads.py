@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import QUIET
 
 import unison.cli.train_args
 import unison.training.step
@@ -20,7 +21,7 @@ from unison.training.checkpoint import (
 )
 
 TINY = ["--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5", "--no-progress",
-        "--precision", "float64", "--checkpoint-every", "2", "--log-every", "1", "--world-size", "1"]
+        "--precision", "float64", "--checkpoint-every", "2", "--log-every", "1", "--world-size", "1", *QUIET]
 
 
 @pytest.fixture(autouse=True)

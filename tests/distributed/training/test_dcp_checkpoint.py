@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import QUIET
 from helpers.dcp_checkpoint import _Payload
 
 from unison.cli import main
@@ -25,7 +26,7 @@ from unison.errors import CheckpointError
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 
 TINY = ["--batch-size", "32", "--subset", "256", "--val-subset", "32", "--knn-k", "5", "--no-progress",
-        "--precision", "float64", "--log-every", "1"]
+        "--precision", "float64", "--log-every", "1", *QUIET]
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import fault_injection
 import pytest
 import torch
-from fault_helpers import children
+from fault_helpers import QUIET, children
 from helpers.faults import FAULT
 
 from unison.cli import main
@@ -36,7 +36,7 @@ STEPS = 8
 
 TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "512", "--val-subset", "100",
         "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
-        "--log-every", "1"]  # see test_resuming_a_run_killed_before_its_first_metrics_row for why every step
+        "--log-every", "1", *QUIET]  # see test_resuming_a_run_killed_before_its_first_metrics_row for why every step
 
 
 def _fault_time(err: str) -> float:
