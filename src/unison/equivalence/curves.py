@@ -137,9 +137,11 @@ def run_curves(method: str = "simclr", steps: int = 200, world_sizes: tuple[int,
             if (run_dir / "metrics.csv").exists():  # never mix with the rows of an earlier run
                 (run_dir / "metrics.csv").unlink()
             # --epochs >= steps so that --max-steps decides the length, and the schedule, of both runs; one
-            # thread per worker: identical kernels at every W, and no oversubscription
+            # thread per worker: identical kernels at every W, and no oversubscription. The curves are compared,
+            # so neither run measures the random-init kNN or the label-free signals (they train nothing)
             cfg = TrainConfig(method=method, data=data, backbone=backbone, batch_size=batch_size, epochs=steps,
                               max_steps=steps, log_every=1, checkpoint_every=steps, keep_checkpoints=1,
+                              random_init_knn=False, signal_images=0,
                               precision=precision, seed=seed, threads=1, progress=False, out=str(run_dir),
                               method_params=dict(method_params or {}),
                               distributed=DistributedConfig(world_size=w, sync_batchnorm=sync_batchnorm,

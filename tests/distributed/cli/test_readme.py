@@ -3,7 +3,7 @@
 Every command of the README's "Using it" block is taken from README.md itself and run in a
 fresh directory (with a copy of ``examples/``), with flags appended that make it small: a
 few steps on a tiny ImageFolder standing in for ``/data/cifar10/{train,val}``, 2 workers
-instead of 4, tiny subsets and k. What is not a matter of size is kept as written; two
+instead of 4, tiny subsets (the signals' held-back images too) and k. What is not a matter of size is kept as written; two
 commands are narrowed: ``check --method all`` runs one method (every method's check is in
 tests/distributed/equivalence/test_check.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measure for minutes).
 ``check --no-sync-batchnorm`` is expected to fail: the README says so.
@@ -25,8 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-SMALL_TRAIN = ["--max-steps", "2", "--batch-size", "16", "--subset", "32", "--val-subset", "16", "--knn-k", "5",
-               "--no-progress"]
+SMALL_TRAIN = ["--max-steps", "2", "--batch-size", "16", "--subset", "32", "--val-subset", "16", "--signal-images", "16",
+               "--knn-k", "5", "--no-progress"]
 
 
 def readme_commands() -> list[str]:

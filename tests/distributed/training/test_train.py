@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from fault_helpers import QUIET
 
 from unison.cli import main
 from unison.training.checkpoint import load_checkpoint
@@ -32,7 +33,8 @@ def test_main_job_outputs(tmp_path, capsys):
 @pytest.mark.slow
 def test_checkpoint_at_world_size_2_resumes_at_world_size_1(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    common = [*SMALL, "--max-steps", "6", "--warmup-epochs", "0", "--precision", "float64"]
+    common = [*SMALL, "--max-steps", "6", "--warmup-epochs", "0", "--precision", "float64", "--subset", "512",
+              "--val-subset", "64", *QUIET]
     assert main(["train", *common, "--checkpoint-every", "3", "--out", str(a)]) == 0
     mid = a / "checkpoints" / "step_00000003.pt"
     assert main(["train", "--resume", str(mid), "--world-size", "1", "--out", str(b), "--no-progress"]) == 0
