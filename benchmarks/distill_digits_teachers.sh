@@ -10,35 +10,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 unison=${UNISON:-.venv/bin/unison}
 out=${1:-runs/distill_digits_teachers}; shift || true
+set -- --no-random-init-knn "$@"   # every run: the table compares trained encoders
 mkdir -p "$out"
-row() {   # name, run dir, wall seconds
-  python3 - "$2/summary.json" "$1" "$3" <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))
-print(f"| {sys.argv[2]} | {s['knn_top1']:.4f} | {float(sys.argv[3]):.0f} |")
-PY
-}
-run() {   # name, run dir, unison train flags...
-  local name=$1 dir=$2; shift 2
-  if [ -f "$dir/summary.json" ]; then
-    row "$name" "$dir" 0 >> "$out/table.md"
-  else
-    local start; start=$(date +%s)
-    $unison train --out "$dir" --no-progress --no-random-init-knn "$@" > "$dir.log" 2>&1
-    row "$name" "$dir" $(( $(date +%s) - start )) >> "$out/table.md"
-  fi
-  tail -1 "$out/table.md"
-}
-echo "| run | kNN top-1 | wall (s) |" > "$out/table.md"
-echo "|---|---|---|" >> "$out/table.md"
-run "scratch: simclr, 150 steps" "$out/scratch_simclr" --method simclr "$@"
-run "scratch: moco, 150 steps (teacher moco150)" "$out/moco150" --method moco "$@"
-run "scratch: dino, 150 steps (teacher dino150)" "$out/dino150" --method dino "$@"
-run "distill from moco150" "$out/kl_moco150" --method distill --teacher "$out/moco150" "$@"
-run "distill from dino150" "$out/kl_dino150" --method distill --teacher "$out/dino150" "$@"
-run "distill loss=dino from dino150" "$out/dino_dino150" --method distill --param loss=dino --teacher "$out/dino150" "$@"
-run "teacher moco600: moco, 600 steps" "$out/moco600" --method moco --epochs 120 "$@"
-run "distill from moco600" "$out/kl_moco600" --method distill --teacher "$out/moco600" "$@"
-run "teacher dino600: dino, 600 steps" "$out/dino600" --method dino --epochs 120 "$@"
-run "distill loss=dino from dino600" "$out/dino_dino600" --method distill --param loss=dino --teacher "$out/dino600" "$@"
-run "distill from dino600" "$out/kl_dino600" --method distill --teacher "$out/dino600" "$@"
+source benchmarks/train_table.sh
+table_header
+train_row "scratch: simclr, 150 steps" "$out/scratch_simclr" --method simclr "$@"
+train_row "scratch: moco, 150 steps (teacher moco150)" "$out/moco150" --method moco "$@"
+train_row "scratch: dino, 150 steps (teacher dino150)" "$out/dino150" --method dino "$@"
+train_row "distill from moco150" "$out/kl_moco150" --method distill --teacher "$out/moco150" "$@"
+train_row "distill from dino150" "$out/kl_dino150" --method distill --teacher "$out/dino150" "$@"
+train_row "distill loss=dino from dino150" "$out/dino_dino150" --method distill --param loss=dino --teacher "$out/dino150" "$@"
+train_row "teacher moco600: moco, 600 steps" "$out/moco600" --method moco --epochs 120 "$@"
+train_row "distill from moco600" "$out/kl_moco600" --method distill --teacher "$out/moco600" "$@"
+train_row "teacher dino600: dino, 600 steps" "$out/dino600" --method dino --epochs 120 "$@"
+train_row "distill loss=dino from dino600" "$out/dino_dino600" --method distill --param loss=dino --teacher "$out/dino600" "$@"
+train_row "distill from dino600" "$out/kl_dino600" --method distill --teacher "$out/dino600" "$@"
