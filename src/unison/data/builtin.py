@@ -15,8 +15,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,14 +50,30 @@ def load_digits(split: str) -> ImageTensorDataset:
 
 def digits_all() -> tuple[torch.Tensor, torch.Tensor]:
     """All 1797 digits as uint8 [N, 3, 16, 16] and int64 labels."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    d = sklearn_digits()
-    x = torch.from_numpy(d.images).to(torch.float32)[:, None] * (255 / 16)  # [N, 1, 8, 8], 0..255
+    pixels, labels = _digits_file()
+    x = torch.tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) * (255 / 16)  # [N, 1, 8, 8], 0..255
     # Bilinear (not nearest): smooth strokes survive random crops/rotations better than 2x2 blocks.
     x = F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False)
     images = x.round().clamp(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
-    return images, torch.from_numpy(d.target).to(torch.int64)
+    return images, torch.tensor(labels, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_file() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's copy of the UCI digits (``sklearn/datasets/data/digits.csv.gz``: 64 pixels and the label per
+    row), read as its ``load_digits`` reads it but without importing scikit-learn: that import takes about 2 s, in
+    every worker of every run on the embedded default (the train and the val split share this one read)."""
+    spec = importlib.util.find_spec("sklearn")   # finds the package without importing it
+    path = (Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+            if spec is not None and spec.submodule_search_locations else None)
+    if path is None or not path.is_file():   # another layout: scikit-learn's own reader
+        from sklearn.datasets import load_digits as sklearn_digits
+
+        d = sklearn_digits()
+        return d.data.astype(np.float64), d.target.astype(np.int64)
+    data = np.loadtxt(path, delimiter=",")
+    data.setflags(write=False)   # cached: shared by every caller
+    return data[:, :-1], data[:, -1].astype(np.int64)
 
 
 def _stratified_val_mask(labels: torch.Tensor, frac: float) -> torch.Tensor:

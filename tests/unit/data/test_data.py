@@ -119,6 +119,22 @@ def test_digits_shapes_split_and_stats():
     assert torch.equal(load_dataset("digits", "val", seed=5).images, val.images)
 
 
+def test_digits_are_scikit_learns_read_without_its_reader(monkeypatch):
+    """The embedded digits are read from scikit-learn's file, not through `sklearn.datasets.load_digits` (whose
+    import took 2 s in every worker): the same pixels and labels as scikit-learn's reader gives."""
+    import sklearn.datasets
+
+    reference = sklearn.datasets.load_digits()
+
+    def refused():
+        raise AssertionError("scikit-learn's reader was called")
+
+    monkeypatch.setattr(sklearn.datasets, "load_digits", refused)
+    builtin._digits_file.cache_clear()
+    pixels, labels = builtin._digits_file()
+    assert np.array_equal(pixels, reference.data) and np.array_equal(labels, reference.target)
+
+
 def test_digits_train_and_val_partition_the_data():
     train, val = load_dataset("digits", "train"), load_dataset("digits", "val")
     all_images, all_labels = builtin.digits_all()
