@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import fault_injection
 import pytest
-import torch
-from fault_helpers import QUIET, children
+from fault_helpers import QUIET, assert_same_training_state, children, error_line, fault_time, load_intact
 from helpers.faults import FAULT
 
 from unison.cli import main
@@ -37,51 +34,6 @@ STEPS = 8
 TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "512", "--val-subset", "100",
         "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
         "--log-every", "1", *QUIET]  # see test_resuming_a_run_killed_before_its_first_metrics_row for why every step
-
-
-def _fault_time(err: str) -> float:
-    """When the injected fault fired (the hook prints it)."""
-    m = re.search(rf"unison: {FAULT}: \w+ on rank \d+ at step \d+ \(t=([\d.]+)\)", err)
-    assert m, err
-    return float(m.group(1))
-
-
-def _error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("unison: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def _assert_same_training_state(a: dict, b: dict) -> None:
-    """Model (parameters and buffers: momentum encoders, queues, centres) and optimizer state, float64 at 1e-9."""
-    assert a["step"] == b["step"]
-
-    def compare(x, y, where):
-        if isinstance(x, torch.Tensor):
-            if x.is_floating_point():
-                scale = max(float(x.abs().max()), 1e-6)
-                assert float((x - y).abs().max()) / scale < 1e-9, where
-            else:
-                assert torch.equal(x, y), where
-        elif isinstance(x, dict):
-            assert x.keys() == y.keys(), where
-            for k in x:
-                compare(x[k], y[k], f"{where}.{k}")
-        elif isinstance(x, (list, tuple)):
-            assert len(x) == len(y), where
-            for i, (u, v) in enumerate(zip(x, y)):
-                compare(u, v, f"{where}[{i}]")
-        else:
-            assert x == y, where
-
-    compare(a["model"], b["model"], "model")
-    compare(a["optimizer"], b["optimizer"], "optimizer")
-
-
-def _load_intact(run: Path) -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the latest checkpoint itself loads: no fallback to an older one
-        return load_checkpoint(run, expect_method="simclr")
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +66,18 @@ def test_sigkilled_worker_ends_the_run_and_resuming_matches_an_uninterrupted_run
         ended = time.time()
         err = capfd.readouterr().err
         assert code == 1, err
-        assert _error_line(err) == f"unison: error: worker rank {rank} failed: killed by SIGKILL"
-        latency = ended - _fault_time(err)
+        assert error_line(err) == f"unison: error: worker rank {rank} failed: killed by SIGKILL"
+        latency = ended - fault_time(err)
         assert latency < 15, f"the run took {latency:.1f} s to end after the kill"
         assert not children() - before, "a worker process was left behind"
         # The last checkpoint before the kill. Checkpoints are written in the background: when rank 0 (the writer)
         # is killed right after a save began, that save is lost and the one before it is the last complete one.
         last = kill_step // 2 * 2
-        assert _load_intact(run)["step"] in ({last} if rank == 1 else {last, last - 2})
+        assert load_intact(run)["step"] in ({last} if rank == 1 else {last, last - 2})
         report.append(f"round {round_}: killed rank {rank} at step {kill_step}, run ended {latency:.2f} s later")
     monkeypatch.delenv(FAULT)
     assert main(["train", *TINY, "--resume", "auto", "--out", str(run)]) == 0
-    _assert_same_training_state(load_checkpoint(run), reference)
+    assert_same_training_state(load_checkpoint(run), reference)
     print("\n".join(report))
 
 
@@ -135,10 +87,10 @@ def test_non_finite_loss_stops_the_run_with_step_rank_and_hint(tmp_path, capfd, 
     monkeypatch.setenv(FAULT, "rank=1,step=3,kind=nan")
     capfd.readouterr()
     assert main(["train", *TINY, "--out", str(run)]) == 5
-    assert _error_line(capfd.readouterr().err) == (
+    assert error_line(capfd.readouterr().err) == (
         "unison: error: worker rank 1 failed: NonFiniteLossError: non-finite loss (nan) at step 3 on rank 1; "
         "lower --lr, set --grad-clip, or check the data (the last checkpoint is intact)")
-    assert _load_intact(run)["step"] == 2
+    assert load_intact(run)["step"] == 2
     assert not children()
 
 
@@ -151,10 +103,10 @@ def test_hung_worker_ends_the_run_after_the_collective_timeout(tmp_path, capfd, 
     ended = time.time()
     err = capfd.readouterr().err
     assert code == 1
-    line = _error_line(err)
+    line = error_line(err)
     assert line.startswith("unison: error: worker rank 0 failed: ") and "Timed out" in line, line
     assert line.endswith("(rank 1 did not fail but stopped responding)"), line
-    latency = ended - _fault_time(err)
+    latency = ended - fault_time(err)
     assert timeout <= latency < timeout + 20, f"ended {latency:.1f} s after the hang, timeout {timeout} s"
     assert not children()
 
@@ -194,7 +146,7 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_by_itself(reference, tm
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "kill on rank 1 at step 3" in proc.stderr
     assert f"unison: restart 1: resuming from {run / 'checkpoints' / 'step_00000002.pt'}" in proc.stderr
-    _assert_same_training_state(load_checkpoint(run), reference)
+    assert_same_training_state(load_checkpoint(run), reference)
 
 
 # ------------------------------------------------------------------ rendezvous on loopback
