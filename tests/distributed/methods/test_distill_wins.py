@@ -8,7 +8,7 @@ with SimCLR (the main job). Measured here: 0.9387 against 0.8914 (+17 of 359 ima
 
 Distillation needs a teacher trained well beyond the student's own steps: with a teacher of the student's length,
 or at the few steps a CI test affords (world size 1, batch 64, 20-44 steps), the distilled student stays below
-training from scratch (docs/benchmarks.md). This test therefore takes about 7 minutes on 2 cores and runs only
+training from scratch (docs/benchmarks.md). This test therefore takes about 5 minutes on 2 cores and runs only
 when ``UNISON_LONG_TESTS=1`` is set; the suite skips it with that reason.
 """
 
@@ -23,7 +23,7 @@ from unison.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("UNISON_LONG_TESTS") != "1",
-                                 reason="set UNISON_LONG_TESTS=1: trains a 600-step teacher (about 7 min on 2 cores)")]
+                                 reason="set UNISON_LONG_TESTS=1: trains a 600-step teacher (about 5 min on 2 cores)")]
 
 COMMON = ["--no-progress", "--no-random-init-knn"]
 
