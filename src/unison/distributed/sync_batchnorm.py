@@ -149,7 +149,9 @@ def hold_running_statistics(bn: nn.modules.batchnorm._BatchNorm) -> None:
     """Make `bn` a `RunningStatistics` batch norm of its own class (its state dict and ``isinstance`` unchanged)."""
     cls = type(bn)
     if not issubclass(cls, RunningStatistics):
-        bn.__class__ = _HELD.setdefault(cls, type(f"Frozen{cls.__name__}", (RunningStatistics, cls), {}))
+        if cls not in _HELD:   # one class per batch-norm class
+            _HELD[cls] = type(f"Frozen{cls.__name__}", (RunningStatistics, cls), {})
+        bn.__class__ = _HELD[cls]
     bn.train(False)
 
 

@@ -136,6 +136,11 @@ def head_spec(params: Any) -> dict[str, Any]:
     return {arg: getattr(params, field) for field, arg in HEAD_FIELDS.items()}
 
 
+def head_params(spec: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `head_spec`: the method parameters (``out_dim``, ``head_layers``, ...) of `DINOHead` arguments."""
+    return {field: spec[arg] for field, arg in HEAD_FIELDS.items()}
+
+
 # LightlyTrain's queue_size="auto" (distillationv3.py): (data set size below, queue length): about 25-50 % of it
 QUEUE_BUCKETS = ((50, 16), (100, 32), (250, 64), (500, 128), (1_000, 256), (2_000, 512), (4_000, 1024),
                  (10_000, 2048), (20_000, 4096))
@@ -181,7 +186,7 @@ class Distill(SSLMethod):
         if dino != (teacher_head is not None):
             raise ValueError(f"Distill: loss={params.loss} takes {'a' if dino else 'no'} teacher_head")
         if isinstance(teacher_head, DINOHead):   # the student's head copies the teacher's (recorded by the run)
-            params = replace(params, **{field: teacher_head.spec[arg] for field, arg in HEAD_FIELDS.items()})
+            params = replace(params, **head_params(teacher_head.spec))
         super().__init__(make_dense(backbone), feature_dim, params, **kw)
         # mse (v2) matches the maps only, dino the heads' outputs only: no unused head (DDP refuses parameters
         # without a gradient)

@@ -33,7 +33,7 @@ from unison.data.source import check_label_spaces, open_checked, planned_view_si
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
-from unison.methods.distill import HEAD_FIELDS
+from unison.methods.distill import head_params
 from unison.models.backbones import check_backbone, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import Input, is_inside, same_file
@@ -133,7 +133,7 @@ def _record_head(cfg: TrainConfig, spec: dict | None) -> None:
     """loss=dino: the teacher head's shape, learnt once here, in the config as the run records it (so the memory
     estimate builds the student's head from it instead of reading the teacher's checkpoint again)."""
     if spec is not None:
-        cfg.method_params = {**cfg.method_params, **{field: spec[arg] for field, arg in HEAD_FIELDS.items()}}
+        cfg.method_params = {**cfg.method_params, **head_params(spec)}
 
 
 def check_crops(cfg: TrainConfig, sizes: list[int]) -> None:
