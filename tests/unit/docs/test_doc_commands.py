@@ -35,3 +35,14 @@ def test_the_readme_shows_commands_and_a_renamed_option_is_caught():
     assert HOOKS.check_command(["train", "--method", "moco", "--world-size", "2"]) is None
     why = HOOKS.check_command(["train", "--no-such-option", "3"])
     assert why is not None and "--no-such-option" in why
+
+
+def test_no_page_names_an_internal_issue_number():
+    """Pages are for readers outside the repository: 'issue 25, item 3' means nothing to them (a peer's tracker,
+    named with its project, e.g. 'torch issue 78549' or 'pytorch#135712', is a reference and stays)."""
+    import re
+
+    internal = re.compile(r"(?<!torch )(?<!pytorch )\bissues? \d+", re.I)
+    found = [f"{page.relative_to(ROOT)}:{n}: {m.group(0)}" for page in PAGES
+             for n, line in enumerate(page.read_text().splitlines(), 1) for m in internal.finditer(line)]
+    assert not found, found
