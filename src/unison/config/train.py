@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.distributed import DistributedConfig
+from unison.config.extras import install_command
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.errors import ConfigError
@@ -266,7 +267,7 @@ class TrainConfig:
             raise ConfigError(f"logger={shown(self.logger)} is unknown; use one of {', '.join(LOGGERS)}")
         package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(self.logger)
         if package and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--logger {self.logger} needs the {package} package: pip install 'unison[{package}]' "
+            raise ConfigError(f"--logger {self.logger} needs the {package} package: {install_command(package)} "
                               "(or use --logger csv)")
 
 
