@@ -148,6 +148,9 @@ class TrainConfig:
     knn_t: float = field(default=0.1, metadata={
         "range": Range(MIN_KNN_T, 1e6, hint=" (below it the kNN weights exp(similarity / t) overflow)"),
         "help": "kNN temperature for similarity weighting"})
+    knn: bool = field(default=True, metadata={
+        "help": "kNN evaluation of the encoder on held-out data, at --eval-every and at the end (--no-knn skips it "
+                "and the random-init baseline: a smoke run's minutes are otherwise mostly evaluation)"})
     random_init_knn: bool = field(default=True, metadata={
         "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "
                 "result line; --no-random-init-knn skips it)"})

@@ -57,6 +57,7 @@ from unison.training.loop_hooks import (
     KnnEvalHook,
     LogHook,
     StopHook,
+    evaluation_cost,
     knn_top1,
 )
 from unison.training.metrics import MetricsLogger
@@ -211,6 +212,10 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
                      "(warm-up, cosine) and the method's schedules follow the new length, as if it had been planned so")
         print(replanned, file=sys.stderr, flush=True)
         runlog.line(replanned)
+    note = evaluation_cost(run, step, baseline=step == 0 and cfg.random_init_knn)
+    if note and C.rank() == 0:
+        print(f"unison: {note}", file=sys.stderr, flush=True)
+        runlog.line(note)
     if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:
         with watch.phase("eval", step):
             history["random_init_knn_top1"] = knn_top1(run)

@@ -193,3 +193,40 @@ def test_plot_on_a_full_disk_leaves_no_file_behind(tmp_path, capsys, monkeypatch
     assert list(out.parent.iterdir()) == []   # neither a 0-byte page nor a temporary
     _plot([str(run), "--out", str(out)], capsys)   # space again: the same command works
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+# ------------------------------------------------------------------ the progress bar at any width
+@pytest.mark.parametrize("columns", [50, 80, 100, 140])
+def test_progress_bar_keeps_a_bar_and_whole_metrics_at_any_width(columns):
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    from unison.training.progress_bar import MIN_BAR, progress_bar
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    with os.fdopen(slave, "w", encoding="utf-8") as terminal:
+        bar = progress_bar(150, 0, "simclr x2", file=terminal)
+        bar.update(45)
+        metrics = {"loss": "4.1234", "img/s": "1234", "probe": "0.54", "RankMe": "12.3", "std": "0.45",
+                   "data wait": "3%"}
+        bar.show(metrics)
+        bar.close()
+    shown = b""
+    while select.select([master], [], [], 0.2)[0]:
+        try:
+            shown += os.read(master, 1 << 16)
+        except OSError:   # EIO: the terminal's other side is closed and everything was read
+            break
+    os.close(master)
+    last = [ln for ln in re.split(r"[\r\n]+", shown.decode()) if ln.strip()][-1]
+    assert len(last) < columns and last.endswith(("]", "150")), last     # nothing cut off
+    assert len(last.split("|")[1]) >= MIN_BAR and last.startswith("simclr x2:  30%|"), last
+    fields = [f for f in re.findall(r", ([^,\]]+)", last) if not f.endswith("step/s")]
+    expected = ["loss 4.1234", "1234 img/s", "probe 0.54", "RankMe 12.3", "std 0.45", "data wait 3%"]
+    assert fields[:len(fields)] == expected[:len(fields)]   # whole, most important first
+    assert ("loss 4.1234" in last) == (columns >= 80) and ("data wait 3%" in last) == (columns >= 140), last
