@@ -123,3 +123,59 @@ def test_no_knn_skips_the_evaluation(tmp_path, capfd):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["knn_top1"] is None and summary["random_init_knn_top1"] is None
     assert "kNN not measured" in out
+
+
+# ------------------------------------------------------------------ scripts/setup.sh
+FAKE_PYTHON = """#!/bin/sh
+# a stand-in for .venv/bin/python: imports work once the fake pip has "installed" torch
+case "$*" in *torch*) [ -f "$FAKE_STATE/torch" ] || exit 1 ;; esac
+exit 0
+"""
+FAKE_PIP = """#!/bin/sh
+# a stand-in for .venv/bin/pip: records its arguments, says what pip says, fails when asked to
+echo "$*" >> "$FAKE_STATE/pip.log"
+echo "Collecting something"
+case "$*" in *torch==*) touch "$FAKE_STATE/torch" ;; esac
+exit "${FAKE_PIP_EXIT:-0}"
+"""
+
+
+def _checkout_with_a_fake_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of scripts/setup.sh and pyproject.toml, its .venv holding the fakes above: (checkout, state dir)."""
+    repo, state = tmp_path / "repo", tmp_path / "state"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    state.mkdir()
+    (repo / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+    (repo / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    for name, text in (("python", FAKE_PYTHON), ("pip", FAKE_PIP)):
+        (repo / ".venv" / "bin" / name).write_text(text)
+        (repo / ".venv" / "bin" / name).chmod(0o755)
+    return repo, state
+
+
+def _setup(repo: Path, state: Path, **env: str) -> tuple[int, str, list[str]]:
+    """Run the copy's setup.sh: (exit code, what it printed, the pip commands it ran)."""
+    log = state / "pip.log"
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "FAKE_STATE": str(state), **env})
+    return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines() if log.exists() else []
+
+
+def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp_path):
+    repo, state = _checkout_with_a_fake_venv(tmp_path)
+    code, shown, pips = _setup(repo, state)
+    assert code == 0, shown
+    assert [p.split()[-1] for p in pips] == ["torchvision==0.29.1", ".[test]"] and not any(" -q" in p for p in pips)
+    assert "setup: installing torch 2.14.1" in shown and "Collecting something" in shown   # not silent
+    assert "setup: installing unison from" in shown
+    code, shown, pips = _setup(repo, state)   # nothing changed: no pip at all
+    assert code == 0 and pips == [] and "up to date" in shown, shown
+    with open(repo / "pyproject.toml", "a") as f:
+        f.write("# a dependency added\n")
+    code, shown, pips = _setup(repo, state, FAKE_PIP_EXIT="1")   # changed, and the install fails
+    assert code == 1 and "installing unison failed" in shown and len(pips) == 1, shown
+    code, shown, pips = _setup(repo, state)   # so the next run installs again
+    assert code == 0 and [p.split()[-1] for p in pips] == [".[test]"], shown
+    assert _setup(repo, state)[2] == []
