@@ -179,3 +179,43 @@ def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp
     code, shown, pips = _setup(repo, state)   # so the next run installs again
     assert code == 0 and [p.split()[-1] for p in pips] == [".[test]"], shown
     assert _setup(repo, state)[2] == []
+
+
+# ------------------------------------------------------------------ the wheel
+def test_a_wheel_from_the_repository_trains_in_a_fresh_venv_outside_it(tmp_path):
+    """`python -m build`, the wheel installed into a new virtual environment, `unison train` run from a folder
+    outside the repository with nothing of it on the path. Offline: the wheel's dependencies (torch, ...) are this
+    environment's, seen through a .pth file (a new venv cannot download them here); unison itself is the wheel's."""
+    import shutil
+    import sysconfig
+
+    source = tmp_path / "source"   # what the wheel is built from: the repository's own files, copied
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"),
+                            str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("unison-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "dependencies.pth").write_text("\n".join(sorted(deps)) + "\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    installed = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+                               capture_output=True, text=True, env=clean, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = subprocess.run([python, "-c", "import unison; print(unison.__file__)"], cwd=elsewhere, env=clean,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(venv), where
+    trained = subprocess.run([venv / "bin" / "unison", "train", *TINY, "--max-steps", "2", "--out", "run"],
+                             cwd=elsewhere, env={**clean, "UNISON_NO_CACHE": "1"}, capture_output=True, text=True,
+                             timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert trained.stdout.startswith("simclr x2 workers, 2 steps, ") and "kNN top-1 0." in trained.stdout
+    assert json.loads((elsewhere / "run" / "summary.json").read_text())["data"] == "digits"
