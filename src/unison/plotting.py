@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import json
@@ -155,20 +154,13 @@ def plot_runs(runs: list[str], out: str, *, replace: bool = False, x_axis: str =
 
 
 def _save(fig: Any, target: Path) -> None:
-    """`fig` as the PNG `target`, through a temporary sibling and a rename: a failed write (a full disk) leaves
-    neither a half-written `target` nor the temporary, and is one line."""
-    import matplotlib.pyplot as plt
+    """`fig` as the PNG `target` (`save_figure`: nothing half-written is left); a failed write is one line."""
+    from unison.training.plots import save_figure
 
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, dpi=100, format="png", metadata={"Software": SOFTWARE})
-        os.replace(tmp, target)
+        save_figure(fig, target, metadata={"Software": SOFTWARE})
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise write_error(target, exc) from None
-    finally:
-        plt.close(fig)
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ Readable at any length: up to `FEW_POINTS` points each is a dot; a longer series
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -145,9 +147,20 @@ def _finish(fig: Any, axes: dict[str, Any], runs: Sequence[tuple[str | None, Seq
     fig.tight_layout()
 
 
-def save_figure(fig: Any, path: str | Path) -> Path:
+def save_figure(fig: Any, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """`fig` as the PNG `path`, through a temporary sibling and a rename: a reader never sees half a page, and a
+    failed write (a full disk) leaves neither a half-written `path` nor the temporary (the `OSError` is raised)."""
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=100, format="png", metadata=metadata)
+        os.replace(tmp, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    finally:
+        plt.close(fig)
+    return target
