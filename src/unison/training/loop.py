@@ -318,7 +318,6 @@ def start_line(run: Run, world: int, step: int) -> str:
     r, cfg = run.resolved, run.cfg
     where = f"resuming at step {step}" if step else "starting"
     return (f"{cfg.method} x{count(world, 'worker')} on {cfg.data}, {where}: {count(run.total_steps, 'step')} "
-            f"({run.steps_per_epoch} per "
-            f"epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} px, {r['optimizer']} peak lr "
-            f"{r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation {r['augmentation']}; run dir "
-            f"{cfg.out}")
+            f"({run.steps_per_epoch} per epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} "
+            f"px, {r['optimizer']} peak lr {r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation "
+            f"{r['augmentation']}; run dir {cfg.out}")

@@ -167,8 +167,8 @@ def evaluation_cost(run: Run, step: int, baseline: bool) -> str | None:
             "at the end" if times == 1 else f"{times} times")
     return (f"the kNN evaluation embeds {reference:,} reference and {queries:,} held-out images {when}: "
             f"{embedded:,} images, more than the {trained:,} this run trains on ({count(run.total_steps - step, 'step')}); "
-            "--no-knn skips it (a smoke run), --no-random-init-knn the baseline only, --subset/--val-subset bound "
-            "the sets")
+            "--no-knn skips it (a smoke run), --no-random-init-knn only the baseline, --subset/--val-subset make the "
+            "sets smaller")
 
 
 class KnnEvalHook(TrainHook):
