@@ -1,8 +1,8 @@
 """The front door's frictions as a new user met them, in process: the README's map of the commands, the wording
-of a few messages, `unison plot`, the progress bar at narrow widths, the evaluation-cost note and setup's stamp.
+of a few messages, `unison plot` and its odd inputs, the progress bar at narrow widths.
 
-The ones that start processes (Ctrl-C to a background run, the wheel, a smoke run) are in
-tests/distributed/cli/test_frontdoor_frictions.py.
+The ones that start processes (SIGINT to a background run, a smoke run in a 100-column terminal, scripts/setup.sh,
+the wheel) are in tests/distributed/cli/test_frontdoor_frictions.py.
 """
 
 from __future__ import annotations
