@@ -1,6 +1,7 @@
 """The front door's frictions that need real processes, each as the user met it: SIGINT to a background run's
-process group, a smoke run's evaluation cost, and a wheel built from the repository installed into a fresh
-virtual environment. (The in-process ones are in tests/unit/cli/test_frontdoor_frictions.py.)
+process group (with --no-knn, which skips the evaluation), a smoke run in a 100-column terminal (what evaluation
+will cost, and a progress bar that keeps its bar), scripts/setup.sh against a fake virtual environment, and a wheel
+built from the repository installed into a fresh one. (The in-process ones: tests/unit/cli/test_frontdoor_frictions.py.)
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _as_background_job() -> None:
 def test_sigint_to_a_background_runs_process_group_says_interrupted_and_how_to_resume(tmp_path):
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "unison.cli", "train", *TINY, "--max-steps", "400", "--checkpoint-every", "2",
-            "--no-random-init-knn", "--signal-images", "0", "--out", str(run)]
+            "--no-knn", "--signal-images", "0", "--out", str(run)]   # --no-knn: no evaluation (nor its note)
     proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_as_background_job)
     try:
@@ -65,6 +66,7 @@ def test_sigint_to_a_background_runs_process_group_says_interrupted_and_how_to_r
     last = err.strip().splitlines()[-1]
     assert last.startswith("unison: interrupted; the last checkpoint is ") and "KeyboardInterrupt" not in err
     assert last.endswith(f"; continue with --resume auto --out {run}") and "failed" not in last, err[-3000:]
+    assert "unison: kNN evaluation skipped: --no-knn" in err and "kNN evaluation embeds" not in err
 
 
 def _in_terminal(argv: list[str], columns: int, timeout: float = 240) -> tuple[int, str]:
@@ -111,18 +113,6 @@ def test_smoke_run_in_a_100_column_terminal_says_what_evaluation_costs_and_keeps
         assert len(bar.split("|")[1]) >= 10, bar                        # a bar, 10 columns at least
         assert re.search(r", loss \d+\.\d{4}, \d+ img/s", bar), bar
     assert bars[-1].startswith("simclr x2: 100%|" + "\u2588" * 10), bars[-1]
-
-
-def test_no_knn_skips_the_evaluation(tmp_path, capfd):
-    from unison.cli import main
-
-    run = tmp_path / "run"
-    assert main(["train", "--world-size", "1", *TINY, "--max-steps", "1", "--no-knn", "--out", str(run)]) == 0
-    out, err = capfd.readouterr()
-    assert "unison: kNN evaluation skipped: --no-knn" in err and "kNN evaluation embeds" not in err
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["knn_top1"] is None and summary["random_init_knn_top1"] is None
-    assert "kNN not measured" in out
 
 
 # ------------------------------------------------------------------ scripts/setup.sh
