@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.config import TrainConfig
-from unison.config.fields import Range, check_fields
+from unison.config.fields import Range, check_fields, count
 from unison.config.train import MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
 
@@ -280,7 +280,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     if r["knn_top1"] is not None:
         print(f"  kNN top-1     {r['knn_top1']:.4f}   (k={opts.knn_k}, t={opts.knn_t})")
     if r["linear_top1"] is not None:
-        print(f"  linear top-1  {r['linear_top1']:.4f}   ({opts.linear_epochs} epochs, {opts.linear_optimizer}, "
+        print(f"  linear top-1  {r['linear_top1']:.4f}   ({count(opts.linear_epochs, 'epoch')}, {opts.linear_optimizer}, "
               f"{opts.linear_norm} features; train top-1 {r['linear_train_top1']:.4f}, {r['linear_time_s']:.1f} s)")
     if opts.json:
         from unison.paths import write_text_atomic

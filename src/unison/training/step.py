@@ -152,6 +152,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
     data = build_data(cfg, device, recipe.augmentation, train_set, val_set, own)
+    if not cfg.knn and data.knn is not None:
+        data.knn, data.knn_skipped = None, "--no-knn"
     image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
