@@ -132,6 +132,18 @@ def _check_recorded(given: str | None, path: str, flag: str) -> None:
                         "--data and --val")
 
 
+def recorded_data(cfg: TrainConfig, ckpt: dict[str, Any]) -> tuple[str, str | None]:
+    """The run's ``--data`` and ``--val`` as the run read them: their absolute form, recorded beside what was given
+    (``data_path``/``val_path``), so that a relative path works from any folder (older runs: as given)."""
+    resolved = ckpt.get("resolved") or {}
+
+    def pick(given: str | None, name: str) -> str | None:
+        recorded = resolved.get(f"{name}_path")
+        return recorded if given and isinstance(recorded, str) and recorded else given
+
+    return pick(cfg.data, "data") or cfg.data, pick(cfg.val, "val")
+
+
 def _require_labels(classes: list[str], flag: str, path: str) -> None:
     """DataError for data without class labels (kNN and the probe score predicted classes)."""
     if not classes:
@@ -207,11 +219,12 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)
     t0 = time.perf_counter()
     method, cfg, ckpt = load_method(opts.checkpoint, device)
-    data = opts.data or cfg.data
-    own_data = opts.data is None or opts.data == cfg.data
+    run_data, run_val = recorded_data(cfg, ckpt)
+    data = opts.data or run_data
+    own_data = opts.data is None or opts.data in (cfg.data, run_data)
     # An explicit --data without --val means that data's own held-out split, not the run's --val.
-    val = opts.val or (cfg.val if own_data else None) or data
-    own_val = val == (cfg.val or cfg.data)
+    val = opts.val or (run_val if own_data else None) or data
+    own_val = val in (cfg.val or cfg.data, run_val or run_data)
     subset = opts.subset if opts.subset is not None else (cfg.subset if own_data else None)
     val_subset = opts.val_subset if opts.val_subset is not None else (cfg.val_subset if own_val else None)
     if val == data and opts.val is None and data not in BUILTIN:   # a folder, list or shard has no held-out split
