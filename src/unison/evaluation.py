@@ -200,26 +200,17 @@ def _features(method: Any, images: Any, to_eval: Any, opts: EvalOptions, what: s
                      progress=Progress(f"eval: embedding {what}", images.shape[0]))
 
 
-def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
-    """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes)."""
-    from unison.data.augment import eval_transform
+def _named_data(opts: EvalOptions, cfg: TrainConfig, ckpt: dict[str, Any],
+                device: torch.device) -> tuple[_EvalData, str, str]:
+    """The reference and held-out sets of ``--data``/``--val`` (default: the run's), with their names."""
     from unison.data.source import BUILTIN, check_held_out
-    from unison.eval.knn import report_unreadable
-    from unison.eval.linear import linear_probe
-    from unison.training.load import load_method
+    from unison.training.pieces import OWN
     from unison.training.step import data_spec
-    from unison.training.summary import steady_heap
 
-    opts.validate()
-    assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
-    steady_heap()
-    device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    t0 = time.perf_counter()
-    method, cfg, ckpt = load_method(opts.checkpoint, device)
     run_data, run_val = recorded_data(cfg, ckpt)
+    if opts.data is None and run_data.startswith(OWN):
+        raise ConfigError(f"{opts.checkpoint} trained on your own dataset {run_data[len(OWN):]}, which unison cannot "
+                          "read again: give --data and --val, or unison.evaluate(RUN, dataset=..., val=...)")
     data = opts.data or run_data
     own_data = opts.data is None or opts.data in (cfg.data, run_data)
     # An explicit --data without --val means that data's own held-out split, not the run's --val.
@@ -235,7 +226,55 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     _check_recorded(opts.val, val, "--val")
     spec = dataclasses.replace(data_spec(cfg), data=data, val=None if val == data else val, subset=subset,
                                val_subset=val_subset, batch_size=1)
-    ev = _eval_data(spec, cfg, ckpt, device)
+    return _eval_data(spec, cfg, ckpt, device), data, val
+
+
+def _object_data(dataset: Any, val: Any, opts: EvalOptions, cfg: TrainConfig, ckpt: dict[str, Any],
+                 device: torch.device) -> tuple[_EvalData, str, str]:
+    """The sets of the user's labelled `dataset` (reference) and `val` (held-out) objects, at the run's image size,
+    normalised as the run was (or, for a run of the user's own transform, with the reference images' statistics)."""
+    from unison.data.own import own_knn_sets
+    from unison.data.subsets import channel_stats
+    from unison.training.load import preprocessing
+
+    if dataset is None or val is None or opts.data or opts.val:
+        raise ConfigError("give both dataset= (labelled reference images) and val= (labelled held-out images), as "
+                          "objects, and no data=/val= paths with them")
+    recorded = preprocessing(cfg, ckpt)
+    size = int(recorded["image_size"] or cfg.image_size or 32)
+    sets = own_knn_sets(dataset, val, size, device, cfg.seed, opts.val_subset)
+    if recorded["mean"]:
+        mean, std = recorded["mean"], recorded["std"]
+    else:
+        mean, std = channel_stats(sets.reference.decode(0, 256)[0].cpu())
+    names = [f"own:{type(x).__name__}" for x in (dataset, val)]
+    return _EvalData(sets, size, tuple(mean), tuple(std)), names[0], names[1]
+
+
+def evaluate_checkpoint(opts: EvalOptions, *, backbone: Any = None, dataset: Any = None,
+                        val: Any = None) -> dict[str, Any]:
+    """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes). `backbone`: an
+    instance for a run of the user's own backbone class (`unison.training.load.own_backbone`); `dataset` and `val`:
+    labelled reference and held-out dataset objects, in place of ``--data``/``--val``."""
+    from unison.data.augment import eval_transform
+    from unison.eval.knn import report_unreadable
+    from unison.eval.linear import linear_probe
+    from unison.training.load import load_method
+    from unison.training.summary import steady_heap
+
+    opts.validate()
+    assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
+    steady_heap()
+    device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    t0 = time.perf_counter()
+    method, cfg, ckpt = load_method(opts.checkpoint, device, backbone=backbone)
+    if dataset is not None or val is not None:
+        ev, data_name, val_name = _object_data(dataset, val, opts, cfg, ckpt, device)
+    else:
+        ev, data_name, val_name = _named_data(opts, cfg, ckpt, device)
     dtype = getattr(torch, cfg.precision)
 
     def to_eval(x: torch.Tensor) -> torch.Tensor:  # as the training loop's kNN: the run's size and mean/std
@@ -255,7 +294,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     num_classes = ev.sets.num_classes
     result: dict[str, Any] = {
         "unison": "eval", "checkpoint": str(opts.checkpoint), "method": ckpt["method"], "backbone": cfg.backbone,
-        "step": int(ckpt["step"]), "data": data, "val": val, "train_images": len(train_f), "val_images": len(val_f),
+        "step": int(ckpt["step"]), "data": data_name, "val": val_name, "train_images": len(train_f), "val_images": len(val_f),
         "feature_dim": int(train_f.shape[1]), "knn_top1": None, "linear_top1": None, "linear_train_top1": None,
         "load_time_s": t1 - t0, "feature_time_s": t2 - t1,
     }
