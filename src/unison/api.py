@@ -44,14 +44,16 @@ Run = str | os.PathLike[str]
 
 
 def train(cfg: TrainConfig, *, backbone: nn.Module | None = None, feature_dim: int | None = None,
-          dataset: Any = None, transform: Callable[[Any], Any] | None = None, isolated: bool = False) -> Summary:
+          dataset: Any = None, transform: Callable[[Any], Any] | None = None, val: Any = None,
+          isolated: bool = False) -> Summary:
     """Train as `cfg` says; return the run's `Summary` (also written to ``<out>/summary.json``).
 
     Your own pieces replace unison's (README, "Your own pieces"): `backbone` (an ``nn.Module`` returning
     ``[batch, feature_dim]``) with its `feature_dim`, `dataset` (a ``Dataset``/``IterableDataset`` of images) and
     `transform` (image -> view or list of views). They are not modified; above one worker they are sent to the
-    worker processes pickled (module-level classes and functions). The accuracy of a run on your own data:
-    `evaluate` with labelled ``dataset=`` and ``val=`` objects.
+    worker processes pickled (module-level classes and functions). `val`: labelled held-out images (a ``Dataset`` of
+    ``(image, label)`` items, or with a ``targets`` list) for the run's kNN against `dataset`'s labelled items;
+    afterwards, `evaluate` with ``dataset=`` and ``val=`` gives kNN and linear probe.
     `isolated`: run even a single worker in a fresh process (benchmarks: each run's peak memory
     and thread settings are its own).
 
@@ -63,7 +65,7 @@ def train(cfg: TrainConfig, *, backbone: nn.Module | None = None, feature_dim: i
     from unison.training.pieces import OwnPieces
     from unison.training.run import run_training
 
-    own = OwnPieces(backbone, feature_dim, dataset, transform)
+    own = OwnPieces(backbone, feature_dim, dataset, transform, val)
     return run_training(cfg, isolated=isolated, own=own if own.given else None)
 
 

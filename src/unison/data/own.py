@@ -262,9 +262,11 @@ class OwnBatches:
 
 
 def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, dataset: Any,
-                     transform: Callable[[Any], Any] | None, *, max_batches: int | None = None) -> TrainData:
+                     transform: Callable[[Any], Any] | None, *, max_batches: int | None = None,
+                     val: Any = None) -> TrainData:
     """The `TrainData` of the user's `dataset` (and `transform`): views, image size, normalisation. `max_batches`:
-    the global batches of the run, the epoch of an iterable dataset without ``__len__``."""
+    the global batches of the run, the epoch of an iterable dataset without ``__len__``. `val`: labelled held-out
+    items, the kNN queries against `dataset`'s labelled items (`own_knn_sets`)."""
     probe = ViewAugmenter(augmentation, spec.image_size or 32, (0.5,) * 3, (0.5,) * 3, **spec.augment_overrides())
     images = OwnImages(dataset, transform, probe.num_views, spec.seed)
     first = images.first()
@@ -288,8 +290,15 @@ def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, da
     source = OwnBatches(images, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
                         batches_per_epoch=max_batches)
     n = images.length if images.length is not None else source.batches_per_epoch * spec.batch_size
+    if val is not None:
+        if images.iterable:
+            raise ConfigError(f"val= needs a map-style dataset= of (image, label) items to score against; "
+                              f"{images.name} is iterable")
+        knn = own_knn_sets(dataset, val, size, device, spec.seed, spec.val_subset)
+        return TrainData(source, augment, "own", size, mean, std, n, None, None, knn, None, own=images)
     return TrainData(source, augment, "own", size, mean, std, n, None, None, None,
-                     f"the data is your own dataset ({images.name}), with no held-out set", own=images)
+                     f"the data is your own dataset ({images.name}), with no held-out set: give val= (labelled "
+                     "held-out items) for a kNN", own=images)
 
 
 def _spaced(n: int) -> list[int]:

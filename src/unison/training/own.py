@@ -101,7 +101,8 @@ class _Sink(io.RawIOBase):
 
 def check_picklable(pieces: OwnPieces) -> None:
     """Each piece must pickle (the launcher sends it to every worker); `ConfigError` naming the one that does not."""
-    for what, piece in (("backbone", pieces.backbone), ("dataset", pieces.dataset), ("transform", pieces.transform)):
+    for what, piece in (("backbone", pieces.backbone), ("dataset", pieces.dataset), ("transform", pieces.transform),
+                        ("val", pieces.val)):
         if piece is None:
             continue
         module = getattr(piece, "__module__", None) if callable(piece) and not isinstance(piece, nn.Module) \

@@ -243,7 +243,8 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
         from unison.data.own import build_own_source  # only runs given a dataset read it
 
         batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
-        return build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
+        return build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches,
+                                 val=own.val)
     return build_batch_source(data_spec(cfg), device, augmentation, train_set=train_set, val_set=val_set)
 
 

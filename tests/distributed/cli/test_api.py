@@ -111,3 +111,13 @@ def test_a_backbone_class_that_needs_arguments_is_one_line(tmp_path, capsys, one
     scores = unison.evaluate(tmp_path / "run", backbone=NeedsWidth(8), dataset=Photos(24), val=Photos(12, seed=2),
                              knn_k=3, linear=False)
     assert 0 <= scores["knn_top1"] <= 1
+
+
+def test_train_with_your_own_dataset_and_a_held_out_dataset_reports_knn(tmp_path, one_torch_thread):
+    cfg = TrainConfig(method="simclr", batch_size=16, max_steps=2, knn_k=5, signal_images=0, progress=False,
+                      out=str(tmp_path / "run"), distributed=DistributedConfig(world_size=1))
+    summary = unison.train(cfg, backbone=TinyNet(), feature_dim=WIDTH, dataset=Photos(32), val=Photos(12, seed=2))
+    assert summary.knn_top1 is not None and 0 <= summary.knn_top1 <= 1
+    assert summary.random_init_knn_top1 is not None
+    with pytest.raises(ConfigError, match="val= holds the held-out images of dataset="):
+        unison.train(cfg, val=Photos(12))
