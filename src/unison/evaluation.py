@@ -233,7 +233,7 @@ def _object_data(dataset: Any, val: Any, opts: EvalOptions, cfg: TrainConfig, ck
                  device: torch.device) -> tuple[_EvalData, str, str]:
     """The sets of the user's labelled `dataset` (reference) and `val` (held-out) objects, at the run's image size,
     normalised as the run was (or, for a run of the user's own transform, with the reference images' statistics)."""
-    from unison.data.own import own_knn_sets
+    from unison.data.own_knn import own_knn_sets
     from unison.data.subsets import channel_stats
     from unison.training.load import preprocessing
 

@@ -243,8 +243,13 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
         from unison.data.own import build_own_source  # only runs given a dataset read it
 
         batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
-        return build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches,
-                                 val=own.val)
+        data = build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
+        if own.val is not None:   # labelled held-out items: the kNN against the dataset's labelled items
+            from unison.data.own_knn import own_knn_sets
+
+            data.knn = own_knn_sets(own.dataset, own.val, data.image_size, device, cfg.seed, cfg.val_subset)
+            data.knn_skipped = None
+        return data
     return build_batch_source(data_spec(cfg), device, augmentation, train_set=train_set, val_set=val_set)
 
 
