@@ -135,10 +135,10 @@ def evaluate(run: Run | Any = None, *, dataset: Any = None, val: Any = None, bac
     return evaluate_checkpoint(opts, backbone=backbone, dataset=dataset, val=val)
 
 
-def embed(run: Run, data: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+def embed(run: Run, data: str | os.PathLike[str] | None = None, out: str | os.PathLike[str] | None = None,
           **options: Any) -> dict[str, Any]:
-    """`unison embed`: the backbone features of every image of `data` (a folder, file list or .tar shards), in
-    input order. With `out` (a ``.npy``) they go there and the file names to ``OUT.names.csv``; without it the
+    """`unison embed`: the backbone features of every image of `data` (a folder, file list or .tar shards; default:
+    the run's training data), in input order. With `out` (a ``.npy``) they go there and the file names to ``OUT.names.csv``; without it the
     result holds them: ``features`` (float32 ``[N, feature_dim]``) and ``files``, ``labels`` (the class names,
     empty for unlabelled images). Other keywords: ``unison embed``'s options (``world_size``, ``batch_size``, ...).
 
@@ -150,15 +150,16 @@ def embed(run: Run, data: str | os.PathLike[str], out: str | os.PathLike[str] | 
     from unison.embedding import EmbedOptions
     from unison.embedding import embed as embed_images
 
+    data = None if data is None else os.fspath(data)
     if out is not None:
-        return embed_images(_options(EmbedOptions, "embed", checkpoint=os.fspath(_path(run)), data=os.fspath(data),
+        return embed_images(_options(EmbedOptions, "embed", checkpoint=os.fspath(_path(run)), data=data,
                                      out=os.fspath(out), **options))
     import csv
 
     import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="unison-embed-") as tmp:
-        r = embed_images(_options(EmbedOptions, "embed", checkpoint=os.fspath(_path(run)), data=os.fspath(data),
+        r = embed_images(_options(EmbedOptions, "embed", checkpoint=os.fspath(_path(run)), data=data,
                                   out=str(Path(tmp) / "features.npy"), **options))
         with open(r["names"], encoding="utf-8", newline="") as f:
             rows = list(csv.DictReader(f))

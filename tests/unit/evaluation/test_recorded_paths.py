@@ -1,5 +1,6 @@
 """A run given relative ``--data``/``--val`` records their absolute form beside them (config.json and the
-checkpoints), so ``unison eval`` of the run from another folder needs no ``--data``/``--val`` again."""
+checkpoints), so ``unison eval`` and ``unison embed`` of the run from another folder need no ``--data``/``--val``
+again."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def test_eval_from_another_folder_finds_the_runs_relative_data(tmp_path, monkeyp
     assert main(["eval", "--checkpoint", str(work / "runs" / "r"), "--linear-epochs", "2", "--knn-k", "5"]) == 0
     out = capsys.readouterr().out
     assert "kNN top-1" in out and "linear top-1" in out
+    assert main(["embed", "--checkpoint", str(work / "runs" / "r"), "--out", "f.npy"]) == 0   # the run's data
+    assert "32 images" in capsys.readouterr().out
     config = json.loads((work / "runs" / "r" / "config.json").read_text())
     assert config["data"] == "photos" and config["resolved"]["data_path"] == str(work / "photos")
     assert config["val"] == "held_out" and config["resolved"]["val_path"] == str(work / "held_out")
