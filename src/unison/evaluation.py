@@ -16,6 +16,12 @@ standard error when it takes more than a few seconds, and both protocols run on 
 
 No process group is needed: without one the collectives are the identity.
 
+A run of your own backbone (``unison.train(cfg, backbone=...)``) is rebuilt from its class when that imports and
+builds without arguments (`unison.training.load.own_backbone`; else one line, and ``unison.evaluate(run,
+backbone=YourNet(...))`` takes an instance); a run's ``--data``/``--val`` are read where the run read them (their
+absolute form, recorded beside what was given); labelled dataset objects replace them through
+``unison.evaluate(run, dataset=..., val=...)``.
+
 Example::
 
     unison eval --checkpoint runs/default                       # kNN + linear on the run's data
