@@ -52,6 +52,7 @@ from unison.distributed.watchdog import Watchdog
 from unison.errors import CheckpointError
 from unison.eval.signals import all_signals
 from unison.rng import epoch_permutation
+from unison.training.checkpoint.contents import check_optimizer_state
 from unison.training.hooks import StepEnd, TrainHook
 from unison.training.metrics import COLLAPSE_STD_LINE, MetricsLogger
 from unison.training.runlog import RunLog
@@ -361,11 +362,13 @@ class ProbeHook(TrainHook):
         self.bias = state["bias"].to(device, torch.float32).clone().requires_grad_(True)
         self.mean, self.var = state["mean"].to(device, torch.float64), state["var"].to(device, torch.float64)
         self.optimizer = torch.optim.Adam([self.weight, self.bias], lr=PROBE_LR)
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"the checkpoint's online_probe optimizer state is malformed ({e}); the file is "
-                                  "damaged") from None
+        check_optimizer_state(self.optimizer, state["optimizer"], "(its online probe)")
+        params = (self.weight, self.bias)
+        for i, entry in state["optimizer"]["state"].items():   # Adam's moments: exactly their parameter's shape
+            if any(k != "step" and isinstance(v, torch.Tensor) and v.shape != params[i].shape for k, v in entry.items()):
+                raise CheckpointError("the checkpoint's online probe has optimizer state that does not fit its weights; "
+                                      "the file is damaged")
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def accuracy(self) -> float | None:
         """The probe's accuracy on the batches since the last call (each predicted before it learnt from it)."""

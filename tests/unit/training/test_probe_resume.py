@@ -11,7 +11,7 @@ from unison.training.checkpoint import load_checkpoint
 
 TINY = ["train", "--world-size", "1", "--batch-size", "32", "--subset", "128", "--val-subset", "32", "--knn-k", "5",
         "--no-progress", "--no-random-init-knn", "--signal-images", "0", "--max-steps", "6", "--checkpoint-every",
-        "3", "--log-every", "2", "--precision", "float64"]
+        "3", "--log-every", "2", "--precision", "float64", "--threads", "1"]
 
 
 def _probe(run):
@@ -29,3 +29,20 @@ def test_a_resumed_run_reports_the_uninterrupted_probe_accuracy(tmp_path, one_to
     assert ref_final is not None and final == ref_final
     assert [r for r in ref_rows if r[0] > 3] == rows   # every accuracy logged after the resume
     assert load_checkpoint(middle)["extra"]["online_probe"]["state"]["weight"] is not None
+
+
+def test_a_damaged_probe_state_is_one_line(tmp_path, capsys, one_torch_thread):
+    import torch
+
+    from unison.training.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    assert main([*TINY, "--max-steps", "3", "--out", str(run)]) == 0
+    ckpt = load_checkpoint(run)
+    probe = ckpt["extra"]["online_probe"]["state"]
+    probe["optimizer"]["state"][0]["exp_avg"] = torch.zeros(1)   # not the weight's shape
+    save_checkpoint(tmp_path / "damaged", ckpt, step=3)
+    capsys.readouterr()
+    assert main([*TINY, "--resume", str(tmp_path / "damaged"), "--out", str(tmp_path / "b")]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "online probe" in err[-1] and "does not fit" in err[-1], err
