@@ -123,6 +123,8 @@ def evaluate(run: Run | Any = None, *, dataset: Any = None, val: Any = None, bac
 
     if isinstance(val, (str, os.PathLike)):   # a path, as --val
         options["val"], val = os.fspath(val), None
+    if isinstance(dataset, (str, os.PathLike)):   # a path, as --data
+        options["data"], dataset = os.fspath(dataset), None
     if isinstance(run, EvalOptions):
         if options:
             raise ConfigError(f"evaluate: give the options in the EvalOptions or as keywords, not both "

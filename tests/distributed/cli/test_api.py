@@ -42,6 +42,15 @@ def test_dir_shows_the_api_with_examples():
         assert "Example" in (getattr(unison, name).__doc__ or ""), name
 
 
+def test_import_unison_stays_light():
+    import subprocess
+    import sys
+
+    code = "import sys, unison; print(sorted(m for m in ('torch', 'unison.api') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("api") / "run"
