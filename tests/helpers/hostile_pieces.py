@@ -75,3 +75,11 @@ class NaNOut(TinyNet):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * float("nan")
+
+
+class StreamRaises(torch.utils.data.IterableDataset):
+    """An iterable of `Photos` images whose pass raises after 3 items (a shard that went away)."""
+
+    def __iter__(self):
+        yield from Photos(3).images
+        raise OSError("shard-0003.tar is gone")

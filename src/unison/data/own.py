@@ -166,13 +166,13 @@ class OwnImages:
 
     def iterate(self) -> Iterator[Any]:
         """One pass over an iterable dataset (the user's ``__iter__``)."""
-        position = 0
+        yielded = 0
         try:
-            for position, item in enumerate(self.dataset):   # noqa: B007 (position is read after a failure)
+            for item in self.dataset:
                 yield item
+                yielded += 1
         except Exception as e:
-            raise user_raised(f"your dataset {self.name} raised while yielding its item {position + 1 if position else 0}",
-                              e) from None
+            raise user_raised(f"your dataset {self.name} raised at item {yielded} of its pass", e) from None
 
     def first(self) -> Any:
         """Item 0 (the first the iterable yields), and for a map-style dataset its last item too: a ``__len__`` that
@@ -180,7 +180,7 @@ class OwnImages:
         if not self.iterable:
             if self.length == 0:
                 raise DataError(f"dataset {self.name} is empty")
-            self.item(self.length - 1 if self.length else 0)
+            self.item((self.length or 1) - 1)
             return self.item(0)
         for item in self.iterate():
             return item

@@ -6,7 +6,7 @@ and at two workers: tests/distributed/training/test_own_contracts.py."""
 from __future__ import annotations
 
 import pytest
-from helpers.hostile_pieces import Length, NaNOut, RaisesAt, WiderInTraining
+from helpers.hostile_pieces import Length, NaNOut, RaisesAt, StreamRaises, WiderInTraining
 from helpers.own_pieces import WIDTH, Photos
 
 import unison
@@ -26,6 +26,8 @@ CASES = {  # name: (pieces, error class, fragments of the one line)
     "getitem raises": (dict(dataset=RaisesAt(bad=5)), DataError,
                        ["your dataset RaisesAt raised at item 5: ValueError: cannot decode photo 5", FRAME,
                         'raise ValueError(f"cannot decode photo {i}")']),
+    "iterable raises": (dict(dataset=StreamRaises()), DataError,
+                        ["your dataset StreamRaises raised at item 3 of its pass: OSError: shard-0003.tar is gone", FRAME]),
     "len 1e12": (dict(dataset=Length(10**12)), ConfigError, ["dataset Length's __len__ returned 1000000000000"]),
     "len negative": (dict(dataset=Length(-3)), ConfigError, ["dataset Length's __len__ returned -3"]),
     "len more than there are": (dict(dataset=_LiesAboutLength()), DataError,
