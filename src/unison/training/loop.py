@@ -135,6 +135,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     # ---- build the step, restore a checkpoint (or record the random-initialisation baseline)
     run = _build(cfg, device, own)
     runlog = RunLog(cfg.out, enabled=C.rank() == 0)
+    probe = ProbeHook(run)
+    run.extra_state.register("online_probe", probe)   # before the restore: a resumed run's probe continues
     step, history = _restore(run, watch, runlog)
     if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
         # a full disk, a read-only folder: one line naming the file (not an OSError traceback on every rank)
@@ -144,7 +146,6 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     on_exit.callback(logger.release)
 
     # ---- the hooks, in the order they run after every step
-    probe = ProbeHook(run)
     signals = SignalsHook(run, watch, logger, runlog)
     log = LogHook(run, logger, runlog, step, probe=probe, signals=signals)
     knn = KnnEvalHook(run, watch, logger, runlog)

@@ -185,6 +185,7 @@ class CheckpointHeader:
     step: int
     config: dict[str, Any]
     version: int = VERSION
+    resolved: dict[str, Any] | None = None   # the recipe values the run resolved (image size, data paths, ...)
 
 
 def _read_one(path: Path, expect_method: Expected) -> CheckpointHeader:
@@ -195,7 +196,8 @@ def _read_one(path: Path, expect_method: Expected) -> CheckpointHeader:
     else:
         ckpt = load_file(path, "cpu", mmap=True)   # mapped: the tensors are not read
         check_header(ckpt, path, expect_method, run=True)
-    return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]))
+    return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]),
+                            dict(ckpt.get("resolved") or {}))
 
 
 def read_header(path: str | Path, *, expect_method: Expected = None) -> CheckpointHeader:
