@@ -54,7 +54,7 @@ class EmbedOptions:
         "metavar": "RUN_DIR_OR_FILE"})
     data: str | None = field(default=None, metadata={
         "help": "images to embed: an image folder (with or without class folders), a file list or .tar shards; "
-                "required", "required": True})
+                "default: the run's training data (as the run read it, from any folder)"})
     out: str | None = field(default=None, metadata={
         "help": "features file, .npy (float32 [N, dim]); the file names go to OUT with .names.csv; required",
         "required": True, "metavar": "OUT.npy"})
@@ -69,7 +69,7 @@ class EmbedOptions:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available) | cpu | cuda", "choices": DEVICES})
 
     def validate(self) -> EmbedOptions:
-        for name in ("checkpoint", "data", "out"):
+        for name in ("checkpoint", "out"):
             if not getattr(self, name):
                 raise ConfigError(f"give --{name}, e.g. unison embed --checkpoint runs/default --data photos/ "
                                   "--out photos.npy")
@@ -206,6 +206,8 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
     from unison.paths import write_error
 
     opts.validate()
+    if opts.data is None:
+        opts = dataclasses.replace(opts, data=run_data(str(opts.checkpoint)))
     if detect_launch_env() is not None:   # every rank would write the whole output from its share alone
         raise ConfigError("unison embed starts its own processes (--world-size N); run it directly, not under "
                           "torchrun, srun or mpirun")
@@ -234,6 +236,20 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
                       f"{next(iter(unreadable.values()))}", stacklevel=2)
     return {"out": str(out), "names": str(names), "rows": rows, "dim": max(r["dim"] for r in results),
             "unreadable": len(unreadable), "peak_memory_mib": [r["peak_memory_mib"] for r in results]}
+
+
+def run_data(checkpoint: str) -> str:
+    """The training data of the run of `checkpoint`, absolute as the run recorded it (``resolved.data_path``)."""
+    from unison.data.spec import BUILTIN
+    from unison.training.checkpoint import read_header
+
+    header = read_header(checkpoint)
+    given = str(header.config.get("data"))
+    data = (header.resolved or {}).get("data_path") or given
+    if given in BUILTIN or given.startswith("own:"):
+        raise ConfigError(f"{checkpoint} trained on {given}, which unison embed does not read: give --data (a folder, "
+                          "a file list or .tar shards)")
+    return str(data)
 
 
 def cmd_embed(ns: argparse.Namespace) -> int:

@@ -16,6 +16,12 @@ standard error when it takes more than a few seconds, and both protocols run on 
 
 No process group is needed: without one the collectives are the identity.
 
+A run of your own backbone (``unison.train(cfg, backbone=...)``) is rebuilt from its class when that imports and
+builds without arguments (`unison.training.load.own_backbone`; else one line, and ``unison.evaluate(run,
+backbone=YourNet(...))`` takes an instance); a run's ``--data``/``--val`` are read where the run read them (their
+absolute form, recorded beside what was given); labelled dataset objects replace them through
+``unison.evaluate(run, dataset=..., val=...)``.
+
 Example::
 
     unison eval --checkpoint runs/default                       # kNN + linear on the run's data
@@ -41,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.config import TrainConfig
-from unison.config.fields import Range, check_fields
+from unison.config.fields import Range, check_fields, count
 from unison.config.train import MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
 
@@ -132,6 +138,18 @@ def _check_recorded(given: str | None, path: str, flag: str) -> None:
                         "--data and --val")
 
 
+def recorded_data(cfg: TrainConfig, ckpt: dict[str, Any]) -> tuple[str, str | None]:
+    """The run's ``--data`` and ``--val`` as the run read them: their absolute form, recorded beside what was given
+    (``data_path``/``val_path``), so that a relative path works from any folder (older runs: as given)."""
+    resolved = ckpt.get("resolved") or {}
+
+    def pick(given: str | None, name: str) -> str | None:
+        recorded = resolved.get(f"{name}_path")
+        return recorded if given and isinstance(recorded, str) and recorded else given
+
+    return pick(cfg.data, "data") or cfg.data, pick(cfg.val, "val")
+
+
 def _require_labels(classes: list[str], flag: str, path: str) -> None:
     """DataError for data without class labels (kNN and the probe score predicted classes)."""
     if not classes:
@@ -188,30 +206,22 @@ def _features(method: Any, images: Any, to_eval: Any, opts: EvalOptions, what: s
                      progress=Progress(f"eval: embedding {what}", images.shape[0]))
 
 
-def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
-    """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes)."""
-    from unison.data.augment import eval_transform
+def _named_data(opts: EvalOptions, cfg: TrainConfig, ckpt: dict[str, Any],
+                device: torch.device) -> tuple[_EvalData, str, str]:
+    """The reference and held-out sets of ``--data``/``--val`` (default: the run's), with their names."""
     from unison.data.source import BUILTIN, check_held_out
-    from unison.eval.knn import report_unreadable
-    from unison.eval.linear import linear_probe
-    from unison.training.load import load_method
+    from unison.training.pieces import OWN
     from unison.training.step import data_spec
-    from unison.training.summary import steady_heap
 
-    opts.validate()
-    assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
-    steady_heap()
-    device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    t0 = time.perf_counter()
-    method, cfg, ckpt = load_method(opts.checkpoint, device)
-    data = opts.data or cfg.data
-    own_data = opts.data is None or opts.data == cfg.data
+    run_data, run_val = recorded_data(cfg, ckpt)
+    if opts.data is None and run_data.startswith(OWN):
+        raise ConfigError(f"{opts.checkpoint} trained on your own dataset {run_data[len(OWN):]}, which unison cannot "
+                          "read again: give --data and --val, or unison.evaluate(RUN, dataset=..., val=...)")
+    data = opts.data or run_data
+    own_data = opts.data is None or opts.data in (cfg.data, run_data)
     # An explicit --data without --val means that data's own held-out split, not the run's --val.
-    val = opts.val or (cfg.val if own_data else None) or data
-    own_val = val == (cfg.val or cfg.data)
+    val = opts.val or (run_val if own_data else None) or data
+    own_val = val in (cfg.val or cfg.data, run_val or run_data)
     subset = opts.subset if opts.subset is not None else (cfg.subset if own_data else None)
     val_subset = opts.val_subset if opts.val_subset is not None else (cfg.val_subset if own_val else None)
     if val == data and opts.val is None and data not in BUILTIN:   # a folder, list or shard has no held-out split
@@ -222,7 +232,55 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     _check_recorded(opts.val, val, "--val")
     spec = dataclasses.replace(data_spec(cfg), data=data, val=None if val == data else val, subset=subset,
                                val_subset=val_subset, batch_size=1)
-    ev = _eval_data(spec, cfg, ckpt, device)
+    return _eval_data(spec, cfg, ckpt, device), data, val
+
+
+def _object_data(dataset: Any, val: Any, opts: EvalOptions, cfg: TrainConfig, ckpt: dict[str, Any],
+                 device: torch.device) -> tuple[_EvalData, str, str]:
+    """The sets of the user's labelled `dataset` (reference) and `val` (held-out) objects, at the run's image size,
+    normalised as the run was (or, for a run of the user's own transform, with the reference images' statistics)."""
+    from unison.data.own_knn import own_knn_sets
+    from unison.data.subsets import channel_stats
+    from unison.training.load import preprocessing
+
+    if dataset is None or val is None or opts.data or opts.val:
+        raise ConfigError("give both dataset= (labelled reference images) and val= (labelled held-out images), as "
+                          "objects, and no data=/val= paths with them")
+    recorded = preprocessing(cfg, ckpt)
+    size = int(recorded["image_size"] or cfg.image_size or 32)
+    sets = own_knn_sets(dataset, val, size, device, cfg.seed, opts.val_subset)
+    if recorded["mean"]:
+        mean, std = recorded["mean"], recorded["std"]
+    else:
+        mean, std = channel_stats(sets.reference.decode(0, 256)[0].cpu())
+    names = [f"own:{type(x).__name__}" for x in (dataset, val)]
+    return _EvalData(sets, size, tuple(mean), tuple(std)), names[0], names[1]
+
+
+def evaluate_checkpoint(opts: EvalOptions, *, backbone: Any = None, dataset: Any = None,
+                        val: Any = None) -> dict[str, Any]:
+    """Run kNN and/or the linear probe for `opts`; return the results (what ``--json`` writes). `backbone`: an
+    instance for a run of the user's own backbone class (`unison.training.load.own_backbone`); `dataset` and `val`:
+    labelled reference and held-out dataset objects, in place of ``--data``/``--val``."""
+    from unison.data.augment import eval_transform
+    from unison.eval.knn import report_unreadable
+    from unison.eval.linear import linear_probe
+    from unison.training.load import load_method
+    from unison.training.summary import steady_heap
+
+    opts.validate()
+    assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
+    steady_heap()
+    device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    t0 = time.perf_counter()
+    method, cfg, ckpt = load_method(opts.checkpoint, device, backbone=backbone)
+    if dataset is not None or val is not None:
+        ev, data_name, val_name = _object_data(dataset, val, opts, cfg, ckpt, device)
+    else:
+        ev, data_name, val_name = _named_data(opts, cfg, ckpt, device)
     dtype = getattr(torch, cfg.precision)
 
     def to_eval(x: torch.Tensor) -> torch.Tensor:  # as the training loop's kNN: the run's size and mean/std
@@ -242,7 +300,7 @@ def evaluate_checkpoint(opts: EvalOptions) -> dict[str, Any]:
     num_classes = ev.sets.num_classes
     result: dict[str, Any] = {
         "unison": "eval", "checkpoint": str(opts.checkpoint), "method": ckpt["method"], "backbone": cfg.backbone,
-        "step": int(ckpt["step"]), "data": data, "val": val, "train_images": len(train_f), "val_images": len(val_f),
+        "step": int(ckpt["step"]), "data": data_name, "val": val_name, "train_images": len(train_f), "val_images": len(val_f),
         "feature_dim": int(train_f.shape[1]), "knn_top1": None, "linear_top1": None, "linear_train_top1": None,
         "load_time_s": t1 - t0, "feature_time_s": t2 - t1,
     }
@@ -280,7 +338,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     if r["knn_top1"] is not None:
         print(f"  kNN top-1     {r['knn_top1']:.4f}   (k={opts.knn_k}, t={opts.knn_t})")
     if r["linear_top1"] is not None:
-        print(f"  linear top-1  {r['linear_top1']:.4f}   ({opts.linear_epochs} epochs, {opts.linear_optimizer}, "
+        print(f"  linear top-1  {r['linear_top1']:.4f}   ({count(opts.linear_epochs, 'epoch')}, {opts.linear_optimizer}, "
               f"{opts.linear_norm} features; train top-1 {r['linear_train_top1']:.4f}, {r['linear_time_s']:.1f} s)")
     if opts.json:
         from unison.paths import write_text_atomic

@@ -2,9 +2,11 @@
 
 A RUN is a run directory (its ``metrics.csv``, and the random-initialisation kNN from its ``summary.json`` when
 there is one) or a ``metrics.csv`` file. Every file read is a regular file of bounded size, decoded as UTF-8, and
-every value a bounded finite number (`read_metrics`): a damaged file is one line naming it, the line and the
-column. ``--out`` is a new ``.png`` file, or one this command wrote earlier (its PNG metadata says so); never a
-file inside a RUN, never anything else that exists.
+every value a bounded number (`read_metrics`; past ±`MAX_PLOTTED` or not finite: a gap in its curve, as a
+diverged loss): a damaged file is one line naming it, the line and the column. ``--out`` is a new ``.png`` file;
+with ``--replace`` also one this command wrote earlier (its PNG metadata says so); never a file inside a RUN,
+never anything else that exists. It is written to a temporary sibling and renamed: a full disk leaves no
+half-written ``--out``. The x-axis is steps, or epochs once a run spans one (``--x``).
 
 Example::
 
@@ -21,15 +23,18 @@ import math
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
-from unison.config.fields import MAX_NUMBER_CHARS
+from unison.config.fields import MAX_NUMBER_CHARS, count
 from unison.errors import ConfigError, DataError
-from unison.paths import Input, check_output
+from unison.paths import Input, check_output, write_error
+from unison.training.plots import X_AXES
 
 MAX_METRICS_BYTES = 256 * 2**20   # a 100k-step run logging every step writes about 20 MB
 MAX_SUMMARY_BYTES = 1 << 20
 MAX_RUNS = 20
 MAX_LABEL_CHARS = 60
+MAX_PLOTTED = 1e100   # larger magnitudes overflow matplotlib's axis arithmetic (a range of 2e308 is inf)
 SOFTWARE = "unison plot"          # the PNG's Software field: how --out knows an earlier plot of its own
 
 
@@ -52,7 +57,7 @@ def _read_bounded(path: Path, what: str, limit: int) -> str:
     if len(data) > limit:
         raise DataError(f"{what} {path} is past {limit >> 20} MiB; is it a unison metrics file?")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")   # a byte-order mark (a spreadsheet's "CSV UTF-8") is not part of the text
     except UnicodeDecodeError as exc:
         raise DataError(f"{what} {path} is not UTF-8 text (byte {exc.start}); is it a unison metrics file?") from None
 
@@ -66,21 +71,27 @@ def _number(text: str, where: str) -> float | None:
         value = float(text)
     except ValueError:
         raise DataError(f"{where}: {text[:20]!r} is not a number") from None
-    return value if math.isfinite(value) else None   # a diverged loss is a gap in the curve, not an axis to infinity
+    # a diverged loss is a gap in the curve, not an axis to infinity; so is a finite value too large to draw
+    return value if math.isfinite(value) and abs(value) <= MAX_PLOTTED else None
 
 
 def read_metrics(path: Path) -> list[dict[str, float | None]]:
     """The rows of a ``metrics.csv`` (numbers, None where empty or not finite); `DataError` if it is not one."""
     text = _read_bounded(path, "metrics file", MAX_METRICS_BYTES)
     reader = csv.reader(io.StringIO(text))
-    header = next(reader, None)
-    if not header or "epoch" not in header or "step" not in header:
-        raise DataError(f"metrics file {path} has no step and epoch columns; is it a unison metrics.csv?")
-    rows = []
-    for number, values in enumerate(reader, start=2):
-        if len(values) != len(header):
-            raise DataError(f"metrics file {path} line {number} has {len(values)} values for {len(header)} columns")
-        rows.append({k: _number(v, f"metrics file {path} line {number}, column {k}") for k, v in zip(header, values)})
+    try:
+        header = next(reader, None)
+        if not header or "epoch" not in header or "step" not in header:
+            raise DataError(f"metrics file {path} has no step and epoch columns; is it a unison metrics.csv?")
+        rows = []
+        for values in reader:
+            where = f"metrics file {path} line {reader.line_num}"
+            if len(values) != len(header):
+                raise DataError(f"{where} has {len(values)} values for {len(header)} columns")
+            rows.append({k: _number(v, f"{where}, column {k}") for k, v in zip(header, values)})
+    except csv.Error as exc:   # a field past the csv module's limit (131,072 characters), a NUL byte, ...
+        raise DataError(f"metrics file {path} line {reader.line_num} is not CSV ({exc}); is it a unison "
+                        "metrics.csv?") from None
     return rows
 
 
@@ -119,7 +130,7 @@ def _own_plot(path: Path) -> bool:
     return head.startswith(b"\x89PNG") and SOFTWARE.encode() in head
 
 
-def plot_runs(runs: list[str], out: str) -> Path:
+def plot_runs(runs: list[str], out: str, *, replace: bool = False, x_axis: str = "auto") -> Path:
     """Overlay `runs` into `out` (see the module docstring)."""
     from unison.training.metrics import COLLAPSE_STD_LINE
     from unison.training.plots import runs_figure
@@ -133,23 +144,28 @@ def plot_runs(runs: list[str], out: str) -> Path:
     found = [run_metrics(r) for r in runs]
     inputs = [Input(f"run {r}", d if d is not None else m, tree=d is not None) for r, (m, d) in zip(runs, found)]
     target = check_output(out, "--out", inputs=inputs, own=_own_plot, own_text="a plot written by unison plot")
+    if (target.exists() or target.is_symlink()) and not replace:
+        raise ConfigError(f"--out {out} already exists (a plot written by unison plot); it is left as it is: add "
+                          "--replace to write over it, or choose another --out")
     page = [((r[-MAX_LABEL_CHARS:] if len(runs) > 1 else None), read_metrics(m), _baseline(d) if d else None)
             for r, (m, d) in zip(runs, found)]
-    import matplotlib.pyplot as plt
-
-    fig = runs_figure(page, collapse_std=COLLAPSE_STD_LINE)
-    try:
-        fig.savefig(target, dpi=100, metadata={"Software": SOFTWARE})
-    except OSError as exc:
-        raise ConfigError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    _save(runs_figure(page, collapse_std=COLLAPSE_STD_LINE, x_axis=x_axis), target)
     return target
 
 
+def _save(fig: Any, target: Path) -> None:
+    """`fig` as the PNG `target` (`save_figure`: nothing half-written is left); a failed write is one line."""
+    from unison.training.plots import save_figure
+
+    try:
+        save_figure(fig, target, metadata={"Software": SOFTWARE})
+    except OSError as exc:
+        raise write_error(target, exc) from None
+
+
 def cmd_plot(ns: argparse.Namespace) -> int:
-    target = plot_runs(list(ns.runs or []), ns.out)
-    print(f"wrote {target}: {len(ns.runs)} run(s), loss, learning rate, accuracy and the label-free signals")
+    target = plot_runs(list(ns.runs or []), ns.out, replace=ns.replace, x_axis=ns.x)
+    print(f"wrote {target}: {count(len(ns.runs), 'run')}, loss, learning rate, accuracy and the label-free signals")
     return 0
 
 
@@ -157,5 +173,9 @@ def add_subcommand(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("plot", help=help_text, description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", metavar="RUN", help="run directories (or their metrics.csv)")
     p.add_argument("--out", required=True, metavar="FILE.png", help="the page to write (a new .png file)")
+    p.add_argument("--replace", action="store_true",
+                   help="write over --out if it is a plot written earlier by unison plot (never any other file)")
+    p.add_argument("--x", choices=X_AXES, default="auto",
+                   help="the x-axis: optimiser steps, epochs, or auto (epochs once a run spans one, else steps)")
     p.set_defaults(func=cmd_plot)
 

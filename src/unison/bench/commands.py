@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unison.config.extras import install_command
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
 from unison.errors import BenchError, ConfigError, WorkerFailure
 
@@ -63,7 +64,7 @@ PART_OPTIONS = {
     "data": (*_COMMON, "data_folder", "data_images", "data_batch_size", "data_batches", "data_loader_workers",
              "data_repeats", "data_threads"),
 }
-LIGHTLY_EXTRA = "pip install 'unison[bench]'"
+LIGHTLY_EXTRA = install_command("bench")
 
 
 def add_subcommand(subparsers: Any, help_text: str) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from unison.config import TrainConfig
+from unison.config.extras import install_command
 from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
@@ -47,7 +48,7 @@ def lightly_available() -> str | None:
         from lightly.models.modules import SimCLRProjectionHead  # noqa: F401
         from lightly.transforms import SimCLRTransform  # noqa: F401
     except Exception as exc:  # ImportError, or a broken dependency
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; pip install 'unison[bench]'"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; {install_command('bench')}"
     return None
 
 

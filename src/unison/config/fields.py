@@ -136,6 +136,11 @@ def shown(value: Any, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 step``, ``2 steps``: a number and its noun, as every message counts things."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def coerce_value(value: Any, typ: Any) -> Any:
     """`value` converted to `typ` where the conversion is exact (numeric strings, integral floats); else as is.
 

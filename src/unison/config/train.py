@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.distributed import DistributedConfig
+from unison.config.extras import install_command
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.errors import ConfigError
@@ -147,6 +148,9 @@ class TrainConfig:
     knn_t: float = field(default=0.1, metadata={
         "range": Range(MIN_KNN_T, 1e6, hint=" (below it the kNN weights exp(similarity / t) overflow)"),
         "help": "kNN temperature for similarity weighting"})
+    knn: bool = field(default=True, metadata={
+        "help": "kNN evaluation of the encoder on held-out data, at --eval-every and at the end (--no-knn skips it "
+                "and the random-init baseline: a smoke run's minutes are otherwise mostly evaluation)"})
     random_init_knn: bool = field(default=True, metadata={
         "help": "before training, measure the kNN accuracy of the randomly initialised encoder (the baseline of the "
                 "result line; --no-random-init-knn skips it)"})
@@ -266,7 +270,7 @@ class TrainConfig:
             raise ConfigError(f"logger={shown(self.logger)} is unknown; use one of {', '.join(LOGGERS)}")
         package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(self.logger)
         if package and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--logger {self.logger} needs the {package} package: pip install 'unison[{package}]' "
+            raise ConfigError(f"--logger {self.logger} needs the {package} package: {install_command(package)} "
                               "(or use --logger csv)")
 
 

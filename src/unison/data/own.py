@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import random
+import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unison.distributed.collectives import local_slice
+from unison.distributed.collectives import all_gather_object, gather_no_grad, local_slice
 from unison.errors import ConfigError, DataError
 from unison.rng import combine_key
 
@@ -45,12 +48,13 @@ from .augment import ViewAugmenter
 from .batches import EpochOrder
 from .source import STATS_IMAGES, TrainData, default_image_size
 from .spec import DataSpec, check_batch
-from .stream import default_loader_workers, job_loader
+from .stream import default_loader_workers, job_loader, raise_failed
 from .subsets import channel_stats
 
 __all__ = ["ITEMS", "OwnBatches", "OwnImages", "as_image", "build_own_source", "seeded_rngs"]
 
 ITEMS = ("a PIL image, a uint8 or float [0, 1] tensor/array [3, H, W] or [H, W, 3], or (image, label)")
+MAX_ITEMS = 2**32   # a map-style dataset's length: its epoch order is a permutation of every index (8 bytes each)
 _TRANSFORM_STREAM = 0x0A_7F_0001   # the RNG stream of user transforms (unison's augmentation uses small streams)
 
 
@@ -101,41 +105,100 @@ def seeded_rngs(seed: int, epoch: int, index: int, view: int) -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
+def user_raised(what: str, error: BaseException) -> DataError:
+    """One line for an exception raised in the user's code: `what` unison was doing ("your dataset X raised at item
+    5"), the exception, and the user's frame that raised it (the innermost outside Python's and unison's files)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    outside = [f for f in frames if not any(f.filename.startswith(p) for p in _LIBRARY_DIRS)]
+    chosen = outside or list(frames)
+    where = ""
+    if chosen:
+        frame = chosen[-1]
+        where = f" (at {frame.filename}:{frame.lineno} in {frame.name}" + (f": {frame.line}" if frame.line else "") + ")"
+    text = str(error).splitlines()[0] if str(error) else ""
+    return DataError(f"{what}: {type(error).__name__}: {text}{where}")
+
+
+_LIBRARY_DIRS = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(__file__))})
+
+
 class OwnImages:
-    """The user's dataset (map-style or iterable) and transform: items, their views and uint8 images."""
+    """The user's dataset (map-style or iterable) and transform: items, their views and uint8 images.
+
+    Every call into the user's code goes through `item`, `iterate` and `views`: an exception there is one
+    `DataError` naming the item and the user's frame (`user_raised`); ``__len__`` is checked (an int from 0 to
+    `MAX_ITEMS`)."""
 
     def __init__(self, dataset: Any, transform: Callable[[Any], Any] | None, num_views: int, seed: int):
         self.dataset, self.transform, self.num_views, self.seed = dataset, transform, num_views, seed
         self.name = type(dataset).__name__
         self.iterable = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__")
-        try:
-            self.length: int | None = len(dataset)
-        except TypeError:
-            self.length = None
+        self.length = self._length()
         if not self.iterable and self.length is None:
             raise ConfigError(f"dataset {self.name} has __getitem__ but no __len__; give a torch.utils.data.Dataset "
                               "with both, or an IterableDataset")
 
-    def first(self) -> Any:
-        """Item 0 (the first the iterable yields)."""
+    def _length(self) -> int | None:
+        """``len(dataset)``, checked; None without ``__len__`` (an iterable's may be absent or raise TypeError)."""
+        if not hasattr(type(self.dataset), "__len__"):
+            return None
         try:
-            return next(iter(self.dataset)) if self.iterable else self.dataset[0]
-        except StopIteration:
-            raise DataError(f"dataset {self.name} is empty") from None
+            n = type(self.dataset).__len__(self.dataset)
+        except TypeError as e:
+            if self.iterable:
+                return None   # torch's IterableDataset without a length of its own
+            raise user_raised(f"your dataset {self.name}'s __len__ raised", e) from None
+        except Exception as e:
+            raise user_raised(f"your dataset {self.name}'s __len__ raised", e) from None
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_ITEMS:
+            raise ConfigError(f"dataset {self.name}'s __len__ returned {str(n)[:40]}; it must return the number of "
+                              f"items, an int from 0 to {MAX_ITEMS:,}")
+        return int(n)
+
+    def item(self, index: int) -> Any:
+        """Item `index` of a map-style dataset (the user's ``__getitem__``)."""
+        try:
+            return self.dataset[index]
+        except Exception as e:
+            last = (f" (its last by __len__, which says {self.length:,} items)" if isinstance(e, (IndexError, KeyError))
+                    and self.length is not None and index == self.length - 1 else "")
+            raise user_raised(f"your dataset {self.name} raised at item {index}{last}", e) from None
+
+    def iterate(self) -> Iterator[Any]:
+        """One pass over an iterable dataset (the user's ``__iter__``)."""
+        yielded = 0
+        try:
+            for item in self.dataset:
+                yield item
+                yielded += 1
+        except Exception as e:
+            raise user_raised(f"your dataset {self.name} raised at item {yielded} of its pass", e) from None
+
+    def first(self) -> Any:
+        """Item 0 (the first the iterable yields), and for a map-style dataset its last item too: a ``__len__`` that
+        says more items than there are fails here, before any worker starts."""
+        if not self.iterable:
+            if self.length == 0:
+                raise DataError(f"dataset {self.name} is empty")
+            self.item((self.length or 1) - 1)
+            return self.item(0)
+        for item in self.iterate():
+            return item
+        raise DataError(f"dataset {self.name} is empty")
 
     def views(self, item: Any, index: int, epoch: int) -> list[torch.Tensor]:
         """The transform's views of one item (float ``[3, h, w]`` each), seeded by (seed, epoch, index, view)."""
         assert self.transform is not None
         image = raw_image(item)
         with seeded_rngs(self.seed, epoch, index, 0):
-            out = self.transform(image)
+            out = self._transform(image, index, 0)
         if isinstance(out, (list, tuple)):
             views = list(out)
         else:
             views = [out]
             for v in range(1, self.num_views):
                 with seeded_rngs(self.seed, epoch, index, v):
-                    views.append(self.transform(image))
+                    views.append(self._transform(image, index, v))
         where = f"transform({self.name} item {index})"
         if len(views) != self.num_views:
             raise ConfigError(f"{where} returned {len(views)} views; the method takes {self.num_views}: return one "
@@ -147,12 +210,19 @@ class OwnImages:
                                   "(end the transform with ToTensor()/ToDtype(float32, scale=True) and Normalize)")
         return views
 
+    def _transform(self, image: Any, index: int, view: int) -> Any:
+        assert self.transform is not None
+        try:
+            return self.transform(image)
+        except Exception as e:
+            raise user_raised(f"your transform raised on item {index} of {self.name} (view {view})", e) from None
+
     def image(self, item: Any, index: int) -> torch.Tensor:
         return as_image(item, f"item {index} of {self.name}")
 
     def items(self, indices: Sequence[int]) -> list[Any]:
         """Items at `indices` (map-style only)."""
-        return [self.dataset[int(i)] for i in indices]
+        return [self.item(int(i)) for i in indices]
 
     def uint8_at(self, indices: Sequence[int], size: int) -> torch.Tensor:
         """uint8 ``[N, 3, size, size]`` of the items at `indices`: shorter side resized to `size`, centre square."""
@@ -233,7 +303,17 @@ class OwnBatches:
     def _loader(self, batch_number: int) -> Iterator[dict[str, Any]]:
         if self.loader_workers == 0:   # in this process, without a DataLoader (which draws from torch's RNG)
             return (self.make((epoch, rows.tolist())) for epoch, rows in self.order.iter_from(batch_number))
-        return iter(job_loader(self.make, self.order, batch_number, self.loader_workers, self.device))
+        return map(raise_failed, job_loader(self.make, self.order, batch_number, self.loader_workers, self.device))
+
+    def _same_batch_everywhere(self, epoch: int, first: int) -> None:
+        """Every rank at the same (pass, position) of the iterable: one that yields fewer items on some rank (a shard
+        missing on one host) would otherwise train on, its ranks in different passes. One tiny all-gather a step."""
+        where = gather_no_grad(torch.tensor([[epoch, first]], dtype=torch.int64, device=self.device)).tolist()
+        if any(w != where[0] for w in where):
+            r = next(r for r, w in enumerate(where) if w != where[0])
+            raise DataError(f"your dataset {self.images.name} yields different items on different ranks: rank 0 is at "
+                            f"item {where[0][1]} of pass {where[0][0]}, rank {r} at item {where[r][1]} of pass "
+                            f"{where[r][0]}; every rank must iterate the same items (the same shards on every host)")
 
     def _iterable(self, batch_number: int) -> Iterator[dict[str, Any]]:
         """Pass after pass over the iterable (epoch = pass): global batches of consecutive items, this rank's slice."""
@@ -241,7 +321,7 @@ class OwnBatches:
         epoch, skip = divmod(batch_number, self.batches_per_epoch) if self.images.length is not None else (0, batch_number)
         while True:
             position, batch, made = 0, [], 0
-            for item in self.images.dataset:
+            for item in self.images.iterate():
                 batch.append(item)
                 position += 1
                 if len(batch) < b:
@@ -250,6 +330,7 @@ class OwnBatches:
                     skip -= 1
                 else:
                     first = position - b
+                    self._same_batch_everywhere(epoch, first)
                     keep = list(range(first, position))[rows]
                     yield self.make.of(epoch, keep, batch[rows])
                 made, batch = made + 1, []
@@ -264,9 +345,15 @@ class OwnBatches:
 def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, dataset: Any,
                      transform: Callable[[Any], Any] | None, *, max_batches: int | None = None) -> TrainData:
     """The `TrainData` of the user's `dataset` (and `transform`): views, image size, normalisation. `max_batches`:
-    the global batches of the run, the epoch of an iterable dataset without ``__len__``."""
+    the global batches of the run, the epoch of an iterable dataset without ``__len__``. Its kNN sets, given labelled held-out
+    items: `unison.data.own_knn.own_knn_sets`."""
     probe = ViewAugmenter(augmentation, spec.image_size or 32, (0.5,) * 3, (0.5,) * 3, **spec.augment_overrides())
     images = OwnImages(dataset, transform, probe.num_views, spec.seed)
+    lengths = all_gather_object(images.length)   # every rank must read the same dataset: named before any step
+    if len(set(lengths)) > 1:
+        differ = next(r for r, n in enumerate(lengths) if n != lengths[0])
+        raise DataError(f"your dataset {images.name} has {lengths[0]} items on rank 0 and {lengths[differ]} on rank "
+                        f"{differ} (__len__): every rank must see the same items (the same files on every host)")
     first = images.first()
     image = images.image(first, 0)
     if transform is not None:
@@ -278,7 +365,7 @@ def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, da
         size = spec.image_size or default_image_size(int(image.shape[-2]), int(image.shape[-1]),
                                                      f"dataset {images.name}")
     if images.iterable:   # the first items (an iterable has no others to pick)
-        first_items = itertools.islice(iter(dataset), STATS_IMAGES)
+        first_items = itertools.islice(images.iterate(), STATS_IMAGES)
         stats_images = torch.stack([square(images.image(x, i), size) for i, x in enumerate(first_items)])
     else:
         stats_images = images.uint8_at(_spaced(images.length or 0), size)
@@ -289,9 +376,11 @@ def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, da
                         batches_per_epoch=max_batches)
     n = images.length if images.length is not None else source.batches_per_epoch * spec.batch_size
     return TrainData(source, augment, "own", size, mean, std, n, None, None, None,
-                     f"the data is your own dataset ({images.name}), with no held-out set", own=images)
+                     f"the data is your own dataset ({images.name}), with no held-out set: give val= (labelled "
+                     "held-out items) for a kNN", own=images)
 
 
 def _spaced(n: int) -> list[int]:
     """`STATS_IMAGES` evenly spaced indices of `n` (the items the channel statistics are measured on)."""
     return [int(i) for i in np.linspace(0, n - 1, min(n, STATS_IMAGES)).round().astype(np.int64)]
+

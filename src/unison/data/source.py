@@ -15,6 +15,11 @@ with `unison.training.step.data_spec`. ``--data-mode`` (``DataSpec.data_mode``):
   to it, distorting them), else ``stream``. ``digits`` and ``cifar10`` are always in memory;
   ``--decode gpu`` streams (its combination with ``memory`` is refused by `TrainConfig.validate`).
 
+Across the two modes the samples, their order and every random draw of their views are the same; the pixels are
+not (memory: one bilinear warp of the image held at one size; stream: a crop of the decoded original, resized with
+antialiasing), nor exactly the normalisation statistics, so losses agree closely, not bit for bit (README, "Across
+data modes").
+
 Before anything is decoded, `open_checked` lists the data and applies the size rules of
 `unison.data.spec` (``--subset`` within the data, one global batch within the images used): the
 pre-flight (`unison.training.preflight`) calls it before any worker starts, and every build here.

@@ -51,14 +51,14 @@ import numpy as np
 import torch
 
 from unison.distributed.signals import STOP_SIGNALS, die_with_parent
-from unison.errors import DataError
+from unison.errors import DataError, UnisonError
 
 from .augment import ViewAugmenter
 from .batches import EpochOrder
 from .decode import CropDecoder
 from .samples import Catalog
 
-__all__ = ["StreamingBatches", "default_loader_workers", "job_loader"]
+__all__ = ["StreamingBatches", "default_loader_workers", "job_loader", "raise_failed"]
 
 _SKIP_REPORTS = 3  # unreadable files named individually; after that, a count now and then
 
@@ -97,7 +97,17 @@ class _JobDataset(torch.utils.data.Dataset):
         self.decode = decode
 
     def __getitem__(self, job: tuple[int, list[int]]) -> dict[str, Any]:
-        return self.decode(job)
+        try:
+            return self.decode(job)
+        except UnisonError as e:   # one line, not torch's "Caught ... in DataLoader worker process" and its traceback
+            return {"raised": e}
+
+
+def raise_failed(out: dict[str, Any]) -> dict[str, Any]:
+    """A job's batch from `job_loader`, or the `UnisonError` its loader process raised, raised here as it was."""
+    if "raised" in out:
+        raise out["raised"]
+    return out
 
 
 def _as_is(item: Any) -> Any:
@@ -150,7 +160,7 @@ class StreamingBatches:
         return job_loader(self.decoder, self.order, batch_number, self.loader_workers, self.device, self.prefetch)
 
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
-        for out in self.loader(batch_number):
+        for out in map(raise_failed, self.loader(batch_number)):
             if out["error"] is not None:
                 where, why = out["error"]
                 raise DataError(f"cannot read image {where} ({why}); fix or remove it, or pass --on-corrupt skip")

@@ -337,9 +337,18 @@ def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, An
         failure = _first_failure(procs, errors)
     if failure is not None and failure.error_type == "Preempted":
         raise Preempted(errors[failure.rank]["message"])   # every rank stopped after the same step; rank 0 wrote
+    if failure is not None and _interrupted(failure, procs[failure.rank].exitcode):
+        # SIGINT that reached the workers but not this process: sent to a background job's process group (whose
+        # shell made it ignore SIGINT), or to a worker by pid. The run was interrupted, as by Ctrl-C, not failed.
+        raise KeyboardInterrupt(f"rank {failure.rank} received SIGINT")
     if failure is not None:
         raise failure
     return [results.get(r) for r in range(cfg.world_size)]
+
+
+def _interrupted(failure: WorkerFailure, exitcode: int | None) -> bool:
+    """The first failure is a worker's KeyboardInterrupt (or death by SIGINT), not an error of the run."""
+    return failure.error_type == "KeyboardInterrupt" or exitcode == -signal.SIGINT
 
 
 def _receive_results(conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]]) -> None:

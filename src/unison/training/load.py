@@ -9,10 +9,12 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.errors import ConfigError
@@ -61,14 +63,47 @@ def own_backbone_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor] | None
     return {k[len(prefix):]: v for k, v in ckpt["model"].items() if k.startswith(prefix)}
 
 
-def load_method(checkpoint: str | Path, device: torch.device | str = "cpu") -> tuple[SSLMethod, TrainConfig, dict]:
+def load_method(checkpoint: str | Path, device: torch.device | str = "cpu", *,
+                backbone: nn.Module | None = None) -> tuple[SSLMethod, TrainConfig, dict]:
     """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
 
     Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
-    used (SyncBN has the same state-dict keys). Raises `CheckpointError` / `ConfigError`.
+    used (SyncBN has the same state-dict keys). `backbone`: an instance of the user's own backbone class, for a
+    run that trained one (else its class is imported and built without arguments: `own_backbone`).
+    Raises `CheckpointError` / `ConfigError`.
     """
     ckpt = load_checkpoint(checkpoint, map_location=device, run=True)   # every field checked, the config too
-    return method_of(checkpoint, ckpt, device), config_of(ckpt), ckpt
+    return method_of(checkpoint, ckpt, device, backbone=backbone), config_of(ckpt), ckpt
+
+
+def own_backbone(checkpoint: str | Path, name: str, given: nn.Module | None) -> nn.Module:
+    """The user's backbone of a run that trained one (`name`: ``module.Class``): `given`, else the class imported
+    from its module and built without arguments. Only an ``nn.Module`` subclass is ever called: a checkpoint
+    cannot name another callable. `ConfigError` (one line) when it cannot be imported or built."""
+    if given is not None:
+        if not isinstance(given, nn.Module):
+            raise ConfigError(f"backbone= is {type(given).__name__}; give an instance of {name} (a torch.nn.Module)")
+        return given
+    module_name, _, qualname = name.rpartition(".")
+    hint = f"pass an instance: unison.evaluate(RUN, backbone={qualname}(...)) or unison.load_backbone(RUN, backbone=...)"
+    if not module_name or module_name == "__main__":
+        raise ConfigError(f"{checkpoint} trained your own backbone {name}, defined in the script that trained it, "
+                          f"which cannot be imported from here: move the class into a module, or {hint}")
+    try:
+        cls: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+    except Exception as e:   # ImportError, AttributeError, or the module's own failure
+        raise ConfigError(f"{checkpoint} trained your own backbone {name}, which cannot be imported here "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): put its module on "
+                          f"PYTHONPATH, or {hint}") from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ConfigError(f"{checkpoint} names {name} as its backbone, which is not a torch.nn.Module class")
+    try:
+        return cast(nn.Module, cls())
+    except Exception as e:
+        raise ConfigError(f"{name}() fails ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): its "
+                          f"class takes arguments unison cannot know; {hint}") from None
 
 
 def config_of(ckpt: dict[str, Any]) -> TrainConfig:
@@ -81,16 +116,21 @@ def config_of(ckpt: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
-def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device | str = "cpu") -> SSLMethod:
-    """The method of `ckpt` (read from `checkpoint` by `load_checkpoint`) with its weights, in eval mode."""
+def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device | str = "cpu", *,
+              backbone: nn.Module | None = None) -> SSLMethod:
+    """The method of `ckpt` (read from `checkpoint` by `load_checkpoint`) with its weights, in eval mode; a run
+    of the user's own backbone is rebuilt around `backbone` or its class (`own_backbone`)."""
     cfg = config_of(ckpt)
+    own = None
     if own_backbone_weights(ckpt) is not None:
-        raise ConfigError(f"{checkpoint} trained your own backbone {str(cfg.backbone)[len(OWN):]} (unison.train(..., "
-                          "backbone=...)), which unison cannot rebuild: unison export writes its state_dict for your "
-                          "module, and unison.train with the same backbone= (and --resume) continues it")
+        feature_dim = (ckpt.get("resolved") or {}).get("feature_dim")
+        if type(feature_dim) is not int or feature_dim < 1:
+            raise ConfigError(f"{checkpoint} trained your own backbone but does not record its feature_dim (an older "
+                              "run): unison export writes its state_dict for your module")
+        own = (own_backbone(checkpoint, str(cfg.backbone)[len(OWN):], backbone), feature_dim)
     try:  # the method as the training step built it; steps_total only shapes training-time schedules
         method = build_method(cfg, max(1, int(ckpt["step"])), getattr(torch, cfg.precision), torch.device(device),
-                              image_size=preprocessing(cfg, ckpt)["image_size"], teacher_weights=False)
+                              image_size=preprocessing(cfg, ckpt)["image_size"], teacher_weights=False, own=own)
     except ValueError as e:  # a method this unison lacks, a timm backbone without timm installed, ...
         raise ConfigError(str(e)) from None
     check_compatible(method, ckpt.get("model"), checkpoint)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.config import TrainConfig
+from unison.config.fields import count
 from unison.distributed import collectives as C
 from unison.distributed.env import (
     apply_launch_env,
@@ -56,6 +57,7 @@ from unison.training.loop_hooks import (
     KnnEvalHook,
     LogHook,
     StopHook,
+    evaluation_cost,
     knn_top1,
 )
 from unison.training.metrics import MetricsLogger
@@ -133,6 +135,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     # ---- build the step, restore a checkpoint (or record the random-initialisation baseline)
     run = _build(cfg, device, own)
     runlog = RunLog(cfg.out, enabled=C.rank() == 0)
+    probe = ProbeHook(run)
+    run.extra_state.register("online_probe", probe)   # before the restore: a resumed run's probe continues
     step, history = _restore(run, watch, runlog)
     if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
         # a full disk, a read-only folder: one line naming the file (not an OSError traceback on every rank)
@@ -142,7 +146,6 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     on_exit.callback(logger.release)
 
     # ---- the hooks, in the order they run after every step
-    probe = ProbeHook(run)
     signals = SignalsHook(run, watch, logger, runlog)
     log = LogHook(run, logger, runlog, step, probe=probe, signals=signals)
     knn = KnnEvalHook(run, watch, logger, runlog)
@@ -204,11 +207,16 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
     step, history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
     runlog.line(start_line(run, C.world_size(), step))
     if "resumed_from_total_steps" in run.resolved and C.rank() == 0:
-        replanned = (f"unison: the checkpoint's run was planned for {run.resolved['resumed_from_total_steps']} steps, "
+        replanned = (f"unison: the checkpoint's run was planned for "
+                     f"{count(run.resolved['resumed_from_total_steps'], 'step')}, "
                      f"this one for {run.total_steps} (--epochs/--max-steps): from step {step} the learning rate "
                      "(warm-up, cosine) and the method's schedules follow the new length, as if it had been planned so")
         print(replanned, file=sys.stderr, flush=True)
         runlog.line(replanned)
+    note = evaluation_cost(run, step, baseline=step == 0 and cfg.random_init_knn)
+    if note and C.rank() == 0:
+        print(f"unison: {note}", file=sys.stderr, flush=True)
+        runlog.line(note)
     if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:
         with watch.phase("eval", step):
             history["random_init_knn_top1"] = knn_top1(run)
@@ -310,7 +318,7 @@ def start_line(run: Run, world: int, step: int) -> str:
     """The first ``train.log`` line of a run (or of a resumed attempt): what runs, and the values it resolved to."""
     r, cfg = run.resolved, run.cfg
     where = f"resuming at step {step}" if step else "starting"
-    return (f"{cfg.method} x{world} workers on {cfg.data}, {where}: {run.total_steps} steps ({run.steps_per_epoch} per "
-            f"epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} px, {r['optimizer']} peak lr "
-            f"{r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation {r['augmentation']}; run dir "
-            f"{cfg.out}")
+    return (f"{cfg.method} x{count(world, 'worker')} on {cfg.data}, {where}: {count(run.total_steps, 'step')} "
+            f"({run.steps_per_epoch} per epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} "
+            f"px, {r['optimizer']} peak lr {r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation "
+            f"{r['augmentation']}; run dir {cfg.out}")

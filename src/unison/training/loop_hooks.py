@@ -22,14 +22,16 @@ from typing import Any
 
 import torch
 
+from unison.config.fields import count
 from unison.distributed import collectives as C
 from unison.distributed.signals import stop_requests
 from unison.distributed.watchdog import Watchdog
 from unison.eval.knn import knn_accuracy
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, save_run_checkpoint
 from unison.training.hooks import StepEnd, TrainHook
-from unison.training.metrics import MetricsLogger, progress_bar
+from unison.training.metrics import MetricsLogger
 from unison.training.preemption import StopAgreement, preempted, save_failed_elsewhere
+from unison.training.progress_bar import progress_bar
 from unison.training.runlog import RunLog
 from unison.training.step import Batch, Run
 
@@ -106,12 +108,13 @@ class LogHook(TrainHook):
         self.logger.log(step=step, epoch=step / run.steps_per_epoch, loss=self.final_loss, lr=end.lr,
                         images_per_s=ips, data_wait=round(data_wait, 4), probe_top1=probe)
         latest = self.signals.latest if self.signals is not None else {}
-        if self.progress is not None:   # short: the signals' last RankMe and std, the probe's accuracy
-            extra = {"rankme": f"{latest['rankme']:.1f}", "std": f"{latest['emb_std']:.2f}"} if latest else {}
+        if self.progress is not None:   # most important first: a narrow terminal drops the last ones
+            bar = {"loss": f"{self.final_loss:.4f}", "img/s": f"{ips:.0f}"}
             if probe is not None:
-                extra["probe"] = f"{probe:.2f}"
-            self.progress.set_postfix(loss=f"{self.final_loss:.4f}", img_s=f"{ips:.0f}", data=f"{data_wait:.0%}",
-                                      **extra)
+                bar["probe"] = f"{probe:.2f}"
+            if latest:   # the signals' last RankMe and std
+                bar.update(RankMe=f"{latest['rankme']:.1f}", std=f"{latest['emb_std']:.2f}")
+            self.progress.show({**bar, "data wait": f"{data_wait:.0%}"})
         shown = f", online probe {probe:.3f}" if probe is not None else ""
         self.runlog.line(f"step {step}/{run.total_steps} (epoch {step / run.steps_per_epoch:.2f}): loss "
                          f"{self.final_loss:.4f}, lr {end.lr:.4g}, {ips:.0f} img/s{shown}")
@@ -144,6 +147,28 @@ def knn_top1(run: Run) -> float | None:
                            run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t, batch_size=knn_batch(run))
     run.method.train(was_training)
     return acc
+
+
+def evaluation_cost(run: Run, step: int, baseline: bool) -> str | None:
+    """A line saying what the kNN evaluation will cost when it embeds more images than the run trains on from
+    `step` (a smoke run of a few steps on real data: minutes of evaluation), with the flags that skip or bound it;
+    None otherwise. `baseline`: the random-initialisation kNN runs too."""
+    knn, per_epoch, every = run.data.knn, run.steps_per_epoch, run.cfg.eval_every
+    if knn is None:
+        return None
+    during = ((run.total_steps - 1) // per_epoch) // every - (step // per_epoch) // every if every else 0
+    times = int(baseline) + max(0, during) + 1
+    reference, queries = len(knn.reference_labels), len(knn.query_labels)
+    embedded = times * (reference + queries)
+    trained = (run.total_steps - step) * run.global_batch * run.accumulate
+    if embedded <= trained:
+        return None
+    when = ("before training and at the end" if times == 2 and baseline else
+            "at the end" if times == 1 else f"{times} times")
+    return (f"the kNN evaluation embeds {reference:,} reference and {queries:,} held-out images {when}: "
+            f"{embedded:,} images, more than the {trained:,} this run trains on ({count(run.total_steps - step, 'step')}); "
+            "--no-knn skips it (a smoke run), --no-random-init-knn only the baseline, --subset/--val-subset make the "
+            "sets smaller")
 
 
 class KnnEvalHook(TrainHook):

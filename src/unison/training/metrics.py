@@ -103,21 +103,6 @@ class MetricsLogger:
         plot_metrics(self.rows, self.run_dir / "plot.png", random_init_knn_top1)
 
 
-def progress_bar(total: int, initial: int, desc: str) -> Any:
-    """tqdm's bar on rank 0, guarded by a thread lock instead of tqdm's default multiprocessing lock.
-
-    Why: tqdm's default lock holds a multiprocessing semaphore, registered with the resource tracker the
-    launcher shares with its workers; a worker ends with ``os._exit`` (`unison.distributed.env.exit_worker`),
-    which never releases it, so every run ended with "resource_tracker: There appear to be 1 leaked semaphore
-    objects". One process draws the bar, so a thread lock is all it needs."""
-    import threading
-
-    from tqdm.auto import tqdm
-
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", mininterval=1.0, dynamic_ncols=True)
-
-
 def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None) -> Any:
     """The figure of ``plot.png`` (`unison.training.plots`): loss, learning rate, accuracy (the random-init kNN
     dashed), and the label-free signals, against epochs."""

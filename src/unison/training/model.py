@@ -26,6 +26,13 @@ from unison.training.teacher import build_teacher, needs_teacher
 __all__ = ["build_method", "seed_everything"]
 
 
+def _method_named(method: str, params: dict[str, Any]) -> str:
+    """The method as a message names it: with the ``--param`` values given, if any (no empty ``{}``)."""
+    if not params:
+        return method
+    return f"{method} with --param {', '.join(f'{k}={v!r}' for k, v in params.items())}"
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     """Seed every generator the build uses, identically on every rank (same initialisation everywhere)."""
     import random
@@ -80,7 +87,7 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
                             shared_queue=cfg.distributed.shared_queue, steps_total=total_steps, **extra)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{cfg.method} hyper-parameters {cfg.method_params}: {exc}") from None
+        raise ConfigError(f"{_method_named(cfg.method, cfg.method_params)}: {exc}") from None
     method_cls.check_views(params, getattr(encoder, "patch_size", None), view_sizes)   # as the pre-flight does
     method = method.to(device, dtype)
     if extra and cfg.teacher_dtype == "bf16":   # after .to(dtype), which would undo it (the head too)

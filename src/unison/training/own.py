@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import re
@@ -32,7 +33,7 @@ import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.data.augment import PRESETS, view_sizes
-from unison.data.own import OwnBatches, seeded_rngs
+from unison.data.own import OwnBatches, seeded_rngs, user_raised
 from unison.errors import ConfigError
 from unison.training.init_read import init_weights_of
 from unison.training.model import build_method
@@ -66,25 +67,34 @@ def check_pieces(cfg: TrainConfig, pieces: OwnPieces, sizes: list[int] | None = 
 
 
 def check_features(backbone: nn.Module, feature_dim: int, sizes: list[int]) -> None:
-    """One forward of `backbone` (eval mode, no gradients: nothing of it changes) on 2 images of each size."""
+    """One forward of `backbone` on 2 images of each size, in eval mode and (on a copy: its batch-norm statistics
+    move) in training mode, without gradients: the output must be finite ``[2, feature_dim]`` in both (training
+    embeds in both modes: the step in training mode, kNN and the signals in eval mode). The object passed is left
+    as it was."""
     param = next(iter(backbone.parameters()), None)
     device, dtype = (param.device, param.dtype) if param is not None else (torch.device("cpu"), torch.float32)
+    name = type(backbone).__name__
     was_training = backbone.training
-    backbone.eval()
     try:
-        for size in sizes:
-            with torch.no_grad():
-                try:
-                    out = backbone(torch.zeros(2, 3, size, size, device=device, dtype=dtype))
-                except Exception as e:   # the user's code: any error, said in one line
-                    raise ConfigError(f"backbone= {type(backbone).__name__} fails on a batch of 2 images of "
-                                      f"{size}x{size} px (the views' size): {type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            if shape != (2, feature_dim):
-                raise ConfigError(f"backbone= {type(backbone).__name__} returns {shape} for 2 images of {size}x{size} "
-                                  f"px; it must return [batch, feature_dim] = (2, {feature_dim}): give the right "
-                                  "feature_dim, or end the backbone with flatten/pooling")
+        for mode, net in (("eval", backbone.eval()), ("training", copy.deepcopy(backbone).train())):
+            for size in sizes:
+                images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+                with torch.no_grad():
+                    try:
+                        out = net(images)
+                    except Exception as e:   # the user's code: any error, said in one line with its frame
+                        raise ConfigError(str(user_raised(f"backbone= {name} fails on a batch of 2 images of "
+                                                          f"{size}x{size} px in {mode} mode (the views' size)", e))) from None
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                if shape != (2, feature_dim):
+                    raise ConfigError(f"backbone= {name} in {mode} mode returns {shape} for 2 images of {size}x{size} "
+                                      f"px; it must return [batch, feature_dim] = (2, {feature_dim}), in training and "
+                                      "eval mode alike: give the right feature_dim, or end the backbone with "
+                                      "flatten/pooling")
+                if not bool(out.isfinite().all()):
+                    raise ConfigError(f"backbone= {name} returns non-finite features (NaN or inf) for 2 images of "
+                                      f"{size}x{size} px in {mode} mode (pixels in [0, 1]); check its weights and "
+                                      "forward")
     finally:
         backbone.train(was_training)
 
@@ -101,7 +111,8 @@ class _Sink(io.RawIOBase):
 
 def check_picklable(pieces: OwnPieces) -> None:
     """Each piece must pickle (the launcher sends it to every worker); `ConfigError` naming the one that does not."""
-    for what, piece in (("backbone", pieces.backbone), ("dataset", pieces.dataset), ("transform", pieces.transform)):
+    for what, piece in (("backbone", pieces.backbone), ("dataset", pieces.dataset), ("transform", pieces.transform),
+                        ("val", pieces.val)):
         if piece is None:
             continue
         module = getattr(piece, "__module__", None) if callable(piece) and not isinstance(piece, nn.Module) \

@@ -1,6 +1,6 @@
 """`OwnPieces`: the user's own backbone (with its feature width), dataset and view transform, as a value.
 
-``unison.train(cfg, backbone=..., feature_dim=..., dataset=..., transform=...)`` and ``unison.check(...)`` wrap what
+``unison.train(cfg, backbone=..., feature_dim=..., dataset=..., transform=..., val=...)`` and ``unison.check(...)`` wrap what
 they are given in it; `OwnPieces.check_types` checks each piece's kind and `OwnPieces.apply` names them in the
 configuration (``own:<module>.<Class>``: what config.json, the summary and the checkpoints record). The checks that
 need the run's data and model are `unison.training.own`'s. This module imports nothing else of unison's training
@@ -31,10 +31,11 @@ class OwnPieces:
     feature_dim: int | None = None
     dataset: Any = None
     transform: Callable[[Any], Any] | None = None
+    val: Any = None   # labelled held-out images of `dataset`'s classes: the run's kNN queries
 
     @property
     def given(self) -> bool:
-        return any(x is not None for x in (self.backbone, self.feature_dim, self.dataset, self.transform))
+        return any(x is not None for x in (self.backbone, self.feature_dim, self.dataset, self.transform, self.val))
 
     def backbone_name(self) -> str:
         return f"{OWN}{_qualname(self.backbone)}"
@@ -68,6 +69,12 @@ class OwnPieces:
                               "IterableDataset, whose __iter__ starts a new pass each epoch")
         if self.transform is not None and not callable(self.transform):
             raise ConfigError(f"transform= is {type(self.transform).__name__}; give a callable image -> view(s)")
+        if self.val is not None and self.dataset is None:
+            raise ConfigError("val= holds the held-out images of dataset=; give dataset= too (unison's own data takes "
+                              "--val PATH)")
+        if self.val is not None and not (hasattr(self.val, "__getitem__") and hasattr(self.val, "__len__")):
+            raise ConfigError(f"val= is {type(self.val).__name__}; give a map-style torch.utils.data.Dataset of "
+                              "(image, label) items (__len__ and __getitem__)")
         if self.transform is not None and self.dataset is None:
             raise ConfigError("transform= makes the views of dataset= items; give dataset= too (unison's own data "
                               "uses its augmentation, --augmentation)")

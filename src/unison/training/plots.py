@@ -1,14 +1,17 @@
 """``plot.png``: one page per run (or several runs overlaid, ``unison plot``) from the rows of ``metrics.csv``.
 
-Six panels against epochs: the training loss, the learning rate, accuracy (kNN dots, the online probe's
-line, the random-initialisation kNN dashed), RankMe, the embedding std x sqrt(d) (1: spread uniformly over the
-sphere; the collapse threshold dashed) and alignment / uniformity. Readable at any length: up to `FEW_POINTS`
-points each is a dot; a longer series is thinned to at most `MAX_POINTS` bucket means, and a noisy one (the
-loss, the probe) is drawn faint with a moving average over it.
+Six panels against steps or epochs (`x_axis`; ``auto``: epochs once a run spans `EPOCH_AXIS_FROM` epochs,
+else steps, so that a short run is not squashed into 0-0.007 of an epoch): the training loss, the learning
+rate, accuracy (kNN dots, the online probe's line, the random-initialisation kNN dashed), RankMe, the embedding
+std x sqrt(d) (1: spread uniformly over the sphere; the collapse threshold dashed) and alignment / uniformity.
+Readable at any length: up to `FEW_POINTS` points each is a dot; a longer series is thinned to at most
+`MAX_POINTS` bucket means, and a noisy one (the loss, the probe) is drawn faint with a moving average over it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,14 +19,30 @@ from typing import Any
 FEW_POINTS = 30      # up to this many points, each is drawn with a marker (a run of one logged step is one dot)
 MAX_POINTS = 1_000   # a longer series is thinned to this many bucket means (a 100k-step run logs 10k losses)
 SMOOTH = 0.02        # moving-average window of noisy series: this share of the points (at least 1)
+EPOCH_AXIS_FROM = 1.0   # x_axis "auto": epochs when the longest run reaches this many, steps below
+X_AXES = ("auto", "step", "epoch")
 
 Series = tuple[list[float], list[float]]
 
 
-def _series(rows: Sequence[dict[str, Any]], key: str) -> Series:
-    pts = [(float(r["epoch"]), float(r[key])) for r in rows
-           if r.get(key) is not None and r.get("epoch") is not None]
-    return [x for x, _ in pts], [y for _, y in pts]
+def _series(rows: Sequence[dict[str, Any]], key: str, x: str) -> Series:
+    pts = [(float(r[x]), float(r[key])) for r in rows if r.get(key) is not None and r.get(x) is not None]
+    return [p for p, _ in pts], [y for _, y in pts]
+
+
+def choose_x_axis(runs: Sequence[Sequence[dict[str, Any]]], x_axis: str = "auto") -> str:
+    """``step`` or ``epoch``: `x_axis` if it names one, else by the longest run's span (`EPOCH_AXIS_FROM`)."""
+    if x_axis != "auto":
+        return x_axis
+    epochs = [float(r["epoch"]) for rows in runs for r in rows if r.get("epoch") is not None]
+    return "epoch" if epochs and max(epochs) >= EPOCH_AXIS_FROM else "step"
+
+
+def text_label(label: str) -> str:
+    """`label` drawn as written: ``$...$`` is not matplotlib mathtext (a run directory may be named so), and a
+    leading ``_`` would hide it from the legend."""
+    label = label.replace("$", r"\$")
+    return "\u200b" + label if label.startswith("_") else label
 
 
 def thin(xs: list[float], ys: list[float], limit: int = MAX_POINTS) -> Series:
@@ -67,8 +86,9 @@ PANELS = (("loss", "training loss"), ("lr", "learning rate"), ("accuracy", "accu
 
 
 def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], float | None]],
-                collapse_std: float | None = None) -> Any:
-    """The page of one run or several overlaid: `runs` holds (label or None, metrics rows, random-init kNN)."""
+                collapse_std: float | None = None, x_axis: str = "auto") -> Any:
+    """The page of one run or several overlaid: `runs` holds (label or None, metrics rows, random-init kNN);
+    `x_axis`: ``step``, ``epoch`` or ``auto`` (`choose_x_axis`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,11 +98,13 @@ def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], float
     axes = dict(zip((k for k, _ in PANELS), grid.flat))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     acc_values: list[float] = []
-    for i, (label, rows, baseline) in enumerate(runs):
+    x = choose_x_axis([rows for _, rows, _ in runs], x_axis)
+    for i, (given, rows, baseline) in enumerate(runs):
         c = colours[i % len(colours)]
-        _draw(axes["loss"], _series(rows, "loss"), c, label, noisy=True)
-        _draw(axes["lr"], _series(rows, "lr"), c, label)
-        knn, probe = _series(rows, "knn_top1"), _series(rows, "probe_top1")
+        label = text_label(given) if given else None
+        _draw(axes["loss"], _series(rows, "loss", x), c, label, noisy=True)
+        _draw(axes["lr"], _series(rows, "lr", x), c, label)
+        knn, probe = _series(rows, "knn_top1", x), _series(rows, "probe_top1", x)
         name = f"{label}: " if label else ""
         _draw(axes["accuracy"], knn, c, f"{name}kNN" if knn[0] else None)
         _draw(axes["accuracy"], probe, c, f"{name}online probe" if probe[0] else None, noisy=True, style=":")
@@ -90,10 +112,10 @@ def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], float
             axes["accuracy"].axhline(baseline, color=c, linestyle="--", alpha=0.7,
                                      label=f"{name}random init ({baseline:.3f})")
         acc_values += knn[1] + probe[1] + ([baseline] if baseline is not None else [])
-        _draw(axes["rankme"], _series(rows, "rankme"), c, label)
-        _draw(axes["emb_std"], _series(rows, "emb_std"), c, label)
-        _draw(axes["align_uniform"], _series(rows, "align"), c, label)
-        _draw(axes["align_uniform"], _series(rows, "uniform"), c, None, style="--")
+        _draw(axes["rankme"], _series(rows, "rankme", x), c, label)
+        _draw(axes["emb_std"], _series(rows, "emb_std", x), c, label)
+        _draw(axes["align_uniform"], _series(rows, "align", x), c, label)
+        _draw(axes["align_uniform"], _series(rows, "uniform", x), c, None, style="--")
     if acc_values:   # a range around the values, inside [0, 1], so one point is not a flat empty axis
         low, high = min(acc_values), max(acc_values)
         pad = max(0.02, 0.15 * (high - low))
@@ -103,17 +125,18 @@ def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], float
         axes["emb_std"].axhline(collapse_std, color="tab:red", linewidth=0.8, linestyle="--",
                                 label=f"collapse ({collapse_std})")
     axes["emb_std"].set_ylim(bottom=0)
-    _finish(fig, axes, runs)
+    _finish(fig, axes, runs, x)
     return fig
 
 
-def _finish(fig: Any, axes: dict[str, Any], runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], Any]]) -> None:
-    epochs = [float(r["epoch"]) for _, rows, _ in runs for r in rows if r.get("epoch") is not None]
+def _finish(fig: Any, axes: dict[str, Any], runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], Any]],
+            x: str) -> None:
+    xs = [float(r[x]) for _, rows, _ in runs for r in rows if r.get(x) is not None]
     for key, title in PANELS:
         ax = axes[key]
-        ax.set(xlabel="epoch", title=title)
-        if epochs:   # every panel on the runs' epoch range (the baselines span it)
-            ax.set_xlim(0.0, max(epochs) * 1.05 or 1.0)
+        ax.set(xlabel=x, title=title)
+        if xs:   # every panel on the runs' range (the baselines span it)
+            ax.set_xlim(0.0, max(xs) * 1.05 or 1.0)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0] and (key in ("accuracy", "emb_std") or len(runs) > 1 and key == "loss"):
             ax.legend(loc="best", fontsize="small")
@@ -124,9 +147,20 @@ def _finish(fig: Any, axes: dict[str, Any], runs: Sequence[tuple[str | None, Seq
     fig.tight_layout()
 
 
-def save_figure(fig: Any, path: str | Path) -> Path:
+def save_figure(fig: Any, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """`fig` as the PNG `path`, through a temporary sibling and a rename: a reader never sees half a page, and a
+    failed write (a full disk) leaves neither a half-written `path` nor the temporary (the `OSError` is raised)."""
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=100, format="png", metadata=metadata)
+        os.replace(tmp, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    finally:
+        plt.close(fig)
+    return target

@@ -26,8 +26,9 @@ The probe standardises the features with their running mean and variance (global
 in a few hundred steps. It never changes the encoder's training: it reads the features under ``no_grad`` in eval
 mode (no batch-norm statistics move), its weights start at zero (no random draws), it has its own optimizer, and
 under DDP its small gradient is all-reduced by itself (never through the method's DDP), so it learns the same at any
-W. Its state is not checkpointed: a resumed run's probe starts again (a linear probe catches up in a few
-hundred steps). Why on by default: it costs one no-grad forward of 64 images per step (a few % of a batch-256
+W. Its state (weights, optimizer, feature statistics and the counts since the last logged accuracy) is in every
+checkpoint (``online_probe``, `unison.training.checkpoint.extra_state`): a resumed run reports the accuracy the
+uninterrupted one does. Why on by default: it costs one no-grad forward of 64 images per step (a few % of a batch-256
 step, measured in docs/benchmarks.md) and is the accuracy curve a labelled run otherwise lacks between kNN
 evaluations. Why the augmented first view and not an un-augmented image: the view is already on the device in
 the step's format for memory and streamed data alike (an un-augmented image of streamed data would be decoded
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +49,10 @@ import torch.nn.functional as F
 
 from unison.distributed import collectives as C
 from unison.distributed.watchdog import Watchdog
+from unison.errors import CheckpointError
 from unison.eval.signals import all_signals
 from unison.rng import epoch_permutation
+from unison.training.checkpoint.contents import check_optimizer_state
 from unison.training.hooks import StepEnd, TrainHook
 from unison.training.metrics import COLLAPSE_STD_LINE, MetricsLogger
 from unison.training.runlog import RunLog
@@ -65,6 +69,10 @@ COLLAPSE_EVALS = 2          # ... for this many evaluations in a row
 PROBE_IMAGES = 64           # the probe learns from about this many images of each step (index % stride == 0)
 PROBE_MOMENTUM = 0.5        # of the running feature statistics the probe standardises with
 PROBE_LR = 3e-2             # Adam on the probe's weights
+
+
+def _cpu(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.detach().cpu()
 
 
 def held_back_indices(num_images: int, count: int, seed: int) -> np.ndarray:
@@ -323,6 +331,44 @@ class ProbeHook(TrainHook):
         self.weight = torch.zeros(self.classes, d, device=run.device, requires_grad=True)
         self.bias = torch.zeros(self.classes, device=run.device, requires_grad=True)
         self.optimizer = torch.optim.Adam([self.weight, self.bias], lr=PROBE_LR)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint carries of the probe (plain tensors; None before its first step)."""
+        if self.weight is None or self.optimizer is None:
+            return {"weight": None, "counts": self.counts.detach().cpu()}
+        return {"weight": self.weight.detach().cpu(), "bias": self.bias.detach().cpu() if self.bias is not None
+                else None, "mean": _cpu(self.mean), "var": _cpu(self.var), "counts": self.counts.detach().cpu(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The probe as the checkpoint left it; one that does not fit this run's classes starts fresh."""
+        counts = state.get("counts") if isinstance(state, dict) else None
+        if not (isinstance(counts, torch.Tensor) and counts.shape == (2,)):
+            raise CheckpointError("the checkpoint's online_probe state is malformed; the file is damaged")
+        self.counts = counts.to(self.run.device, torch.float64)
+        weight = state.get("weight")
+        if weight is None:
+            return
+        fits = (isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[0] == self.classes
+                and all(isinstance(state.get(k), torch.Tensor) and state[k].shape == (weight.shape[1],)
+                        for k in ("mean", "var")) and isinstance(state.get("bias"), torch.Tensor)
+                and isinstance(state.get("optimizer"), dict))
+        if not fits:
+            warnings.warn("the checkpoint's online probe does not fit this run's classes; it starts fresh",
+                          RuntimeWarning, stacklevel=2)
+            return
+        device = self.run.device
+        self.weight = weight.to(device, torch.float32).clone().requires_grad_(True)
+        self.bias = state["bias"].to(device, torch.float32).clone().requires_grad_(True)
+        self.mean, self.var = state["mean"].to(device, torch.float64), state["var"].to(device, torch.float64)
+        self.optimizer = torch.optim.Adam([self.weight, self.bias], lr=PROBE_LR)
+        check_optimizer_state(self.optimizer, state["optimizer"], "(its online probe)")
+        params = (self.weight, self.bias)
+        for i, entry in state["optimizer"]["state"].items():   # Adam's moments: exactly their parameter's shape
+            if any(k != "step" and isinstance(v, torch.Tensor) and v.shape != params[i].shape for k, v in entry.items()):
+                raise CheckpointError("the checkpoint's online probe has optimizer state that does not fit its weights; "
+                                      "the file is damaged")
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def accuracy(self) -> float | None:
         """The probe's accuracy on the batches since the last call (each predicted before it learnt from it)."""

@@ -45,7 +45,7 @@ from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource
 from unison.data.source import TrainData, build_batch_source
-from unison.data.spec import DataSpec
+from unison.data.spec import BUILTIN, DataSpec
 from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
@@ -61,6 +61,7 @@ from unison.training.accumulate import ExactAccumulation, average_gradients, no_
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
 from unison.training.model import build_method
+from unison.training.pieces import OWN
 from unison.training.resolve import exact_accumulation, resolve_recipe
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
@@ -152,6 +153,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     recipe = resolve_recipe(cfg)
     dtype = getattr(torch, cfg.precision)
     data = build_data(cfg, device, recipe.augmentation, train_set, val_set, own)
+    if not cfg.knn and data.knn is not None:
+        data.knn, data.knn_skipped = None, "--no-knn"
     image_size, augment, source = data.image_size, data.augment, data.source
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
@@ -215,10 +218,21 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         "std": [float(s) for s in data.std], "method_params": dataclasses.asdict(method.params),
                         **({"feature_dim": method.feature_dim} if own_backbone else {}),
                         **({"transform": own.transform_name()} if own is not None and own.transform else {}),
-                        **setup},
+                        **recorded_paths(cfg), **setup},
               data=data, exact=exact)
     register_checkpoint_state(run)
     return run
+
+
+def recorded_paths(cfg: TrainConfig) -> dict[str, str]:
+    """``data_path``/``val_path``: the absolute form of a relative ``--data``/``--val`` (config.json and the
+    checkpoints record both), so that ``unison eval`` from another folder finds the run's data."""
+    out = {}
+    for name in ("data", "val"):
+        given = getattr(cfg, name)
+        if isinstance(given, str) and given not in BUILTIN and not given.startswith(OWN) and "://" not in given:
+            out[f"{name}_path"] = os.path.abspath(os.path.expanduser(given))
+    return out
 
 
 def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_set: ImageTensorDataset | None,
@@ -229,7 +243,13 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
         from unison.data.own import build_own_source  # only runs given a dataset read it
 
         batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
-        return build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
+        data = build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
+        if own.val is not None:   # labelled held-out items: the kNN against the dataset's labelled items
+            from unison.data.own_knn import own_knn_sets
+
+            data.knn = own_knn_sets(own.dataset, own.val, data.image_size, device, cfg.seed, cfg.val_subset)
+            data.knn_skipped = None
+        return data
     return build_batch_source(data_spec(cfg), device, augmentation, train_set=train_set, val_set=val_set)
 
 

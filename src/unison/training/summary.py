@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from unison.config.fields import count
+
 
 @dataclass
 class Summary:
@@ -69,7 +71,8 @@ class Summary:
         stopped = " (stopped on collapse)" if self.signals.get("stopped_on_collapse") else ""
         if self.probe_top1 is not None:
             rank += f", online probe {self.probe_top1:.4f}"
-        return (f"{self.method} x{self.world_size} workers, {self.steps} steps{stopped}{took}: {knn}{base}{rank} "
+        return (f"{self.method} x{count(self.world_size, 'worker')}, {count(self.steps, 'step')}{stopped}{took}: "
+                f"{knn}{base}{rank} "
                 f"(run dir {self.out})")
 
 

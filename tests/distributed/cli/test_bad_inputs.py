@@ -277,7 +277,7 @@ CASES = [
      "no context is left; use a backbone with smaller patches"),
     # --- checkpoints to resume (CheckpointError, exit 4)
     ("resume-path-missing", ["--resume", "{tmp}/nope"], 4, "nope does not exist; pass a checkpoint file or a run"),
-    ("resume-dir-without-checkpoints", ["--resume", "{c}/no_checkpoints"], 4, "nothing to resume"),
+    ("resume-dir-without-checkpoints", ["--resume", "{c}/no_checkpoints"], 4, "a unison train run that wrote checkpoints"),
     ("resume-truncated-file", ["--resume", "{c}/truncated.pt"], 4, "truncated.pt is truncated or corrupt"),
     ("resume-empty-file", ["--resume", "{c}/empty.pt"], 4, "empty.pt is empty (0 bytes)"),
     ("resume-foreign-file", ["--resume", "{c}/foreign.pt"], 4,

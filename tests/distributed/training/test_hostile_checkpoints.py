@@ -192,7 +192,7 @@ def test_resume_in_place_leaves_the_run_directory_as_it_was(good, tmp_path, capf
 def test_checkpoint_past_this_runs_steps_is_refused(good, capfd):
     code, err = _run(["train", *W1, "--max-steps", "1", "--resume", str(good["path"]), "--out", str(good["run"])],
                      capfd)
-    assert code == 4 and "is at step 2, past the 1 steps of this run; give more --epochs" in _line(err), err
+    assert code == 4 and "is at step 2, past the 1 step of this run; give more --epochs" in _line(err), err
 
 
 @pytest.mark.parametrize("command", ["eval", "export"])

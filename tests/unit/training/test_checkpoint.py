@@ -24,6 +24,7 @@ from unison.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from unison.training.checkpoint.header import NO_CHECKPOINT_HINT
 
 try:
     import numpy as np
@@ -329,10 +330,10 @@ def test_foreign_file_newer_version_and_wrong_method(tmp_path):
 def test_missing_path_and_empty_run_dir(tmp_path):
     assert "does not exist" in _error(load_checkpoint, tmp_path / "nope")
     assert "does not exist" in _error(load_checkpoint, tmp_path / "nope" / "step_00000001.pt")
-    assert _error(load_checkpoint, tmp_path) == f"no checkpoint in {tmp_path / 'checkpoints'}; nothing to resume"
+    assert _error(load_checkpoint, tmp_path) == f"no checkpoint in {tmp_path / 'checkpoints'}; " + NO_CHECKPOINT_HINT
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / ".step_00000001.pt.1.ab.tmp").write_bytes(b"partial")
-    assert _error(load_checkpoint, tmp_path) == f"no checkpoint in {tmp_path / 'checkpoints'}; nothing to resume"
+    assert _error(load_checkpoint, tmp_path) == f"no checkpoint in {tmp_path / 'checkpoints'}; " + NO_CHECKPOINT_HINT
     assert latest_checkpoint(tmp_path) is None and list_checkpoints(tmp_path / "nope") == []
 
 

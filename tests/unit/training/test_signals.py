@@ -112,7 +112,8 @@ def test_unison_plot_overlays_two_runs(two_runs, capsys):
     assert main(["plot", str(two_runs / "probe"), str(two_runs / "plain" / "metrics.csv"), "--out", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
     assert "wrote" in capsys.readouterr().out
-    assert main(["plot", str(two_runs / "probe"), "--out", str(out)]) == 0   # its own earlier output may be replaced
+    assert main(["plot", str(two_runs / "probe"), "--out", str(out)]) == 2   # never silently replaced
+    assert main(["plot", str(two_runs / "probe"), "--out", str(out), "--replace"]) == 0   # its own, when asked
 
 
 def _refused(argv: list[str], capsys, code: int, fragment: str) -> None:

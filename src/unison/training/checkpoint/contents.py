@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from unison.config import DistributedConfig, TrainConfig
-from unison.config.fields import article, type_error
+from unison.config.fields import article, count, type_error
 from unison.config.train import LOGGERS
 from unison.errors import CheckpointError, ConfigError
 from unison.training.pieces import OWN
@@ -177,7 +177,7 @@ def _check_resolved(resolved: Any, step: int, path: Path) -> None:
     if not problem and total is not None and not _is_int(total, 0, MAX_STEP):
         problem = f"total_steps {shown(total)} is not an integer from 0 to {MAX_STEP}"
     if not problem and total is not None and step > total:
-        raise _bad(path, "step", f"{step} is past the {total} steps of the run that saved it")
+        raise _bad(path, "step", f"{step} is past the {count(total, 'step')} of the run that saved it")
     if problem:
         raise _bad(path, "resolved recipe", problem)
 
@@ -185,7 +185,7 @@ def _check_resolved(resolved: Any, step: int, path: Path) -> None:
 def check_step_in_run(step: int, total_steps: int, path: str | Path) -> None:
     """A checkpoint's step must lie within the run that resumes it (else the run would just 'finish' there)."""
     if step > total_steps:
-        raise CheckpointError(f"checkpoint {path} is at step {step}, past the {total_steps} steps of this run; "
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past the {count(total_steps, 'step')} of this run; "
                               "give more --epochs (or a larger --max-steps) to train on, or resume another "
                               "checkpoint")
 

@@ -45,6 +45,8 @@ T = TypeVar("T")
 STRUCTURE = {"backbone": "--backbone", "backbone_args": "--backbone-arg"}
 Expected = str | Mapping[str, Any] | None   # a method name, or `structure(cfg)`
 
+# resume, eval, embed, export, --init and --teacher all read through here: no command's own word ("resume")
+NO_CHECKPOINT_HINT = "give the run directory of a unison train run that wrote checkpoints, or a checkpoint file"
 FORMAT = "unison-checkpoint"
 VERSION = 1
 _ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
@@ -183,6 +185,7 @@ class CheckpointHeader:
     step: int
     config: dict[str, Any]
     version: int = VERSION
+    resolved: dict[str, Any] | None = None   # the recipe values the run resolved (image size, data paths, ...)
 
 
 def _read_one(path: Path, expect_method: Expected) -> CheckpointHeader:
@@ -193,7 +196,8 @@ def _read_one(path: Path, expect_method: Expected) -> CheckpointHeader:
     else:
         ckpt = load_file(path, "cpu", mmap=True)   # mapped: the tensors are not read
         check_header(ckpt, path, expect_method, run=True)
-    return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]))
+    return CheckpointHeader(path, ckpt["method"], int(ckpt["step"]), dict(ckpt["config"]), int(ckpt["version"]),
+                            dict(ckpt.get("resolved") or {}))
 
 
 def read_header(path: str | Path, *, expect_method: Expected = None) -> CheckpointHeader:
@@ -218,7 +222,7 @@ def first_loadable(run_dir: Path, read: Callable[[Path], T]) -> T:
     Only `CorruptCheckpointError` falls back; any other error (another method, an unsafe file) is raised."""
     candidates = resume_candidates(run_dir)
     if not candidates:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; nothing to resume")
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; {NO_CHECKPOINT_HINT}")
     first_error: CheckpointError | None = None
     for i, candidate in enumerate(candidates):
         try:

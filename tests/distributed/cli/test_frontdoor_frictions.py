@@ -1,0 +1,211 @@
+"""The front door's frictions that need real processes, each as the user met it: SIGINT to a background run's
+process group (with --no-knn, which skips the evaluation), a smoke run in a 100-column terminal (what evaluation
+will cost, and a progress bar that keeps its bar), scripts/setup.sh against a fake virtual environment, and a wheel
+built from the repository installed into a fresh one. (The in-process ones: tests/unit/cli/test_frontdoor_frictions.py.)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+import unison
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ["--no-progress", "--batch-size", "32", "--subset", "128", "--val-subset", "32", "--knn-k", "5"]
+
+
+SRC = Path(unison.__file__).resolve().parents[1]   # the code under test (the checkout's, or another's)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "UNISON_NO_CACHE": "1", **extra}
+
+
+def _as_background_job() -> None:
+    """What `cmd &` in a script does to the job: its own process group, SIGINT ignored."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_sigint_to_a_background_runs_process_group_says_interrupted_and_how_to_resume(tmp_path):
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "unison.cli", "train", *TINY, "--max-steps", "400", "--checkpoint-every", "2",
+            "--no-knn", "--signal-images", "0", "--out", str(run)]   # --no-knn: no evaluation (nor its note)
+    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_background_job)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run / "checkpoints").glob("step_*.pt")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.killpg(proc.pid, signal.SIGINT)   # kill -INT -PGID: the launcher ignores it, its workers do not
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("unison: interrupted; the last checkpoint is ") and "KeyboardInterrupt" not in err
+    assert last.endswith(f"; continue with --resume auto --out {run}") and "failed" not in last, err[-3000:]
+    assert "unison: kNN evaluation skipped: --no-knn" in err and "kNN evaluation embeds" not in err
+
+
+def _in_terminal(argv: list[str], columns: int, timeout: float = 240) -> tuple[int, str]:
+    """Run `argv` with a terminal of `columns` columns as its standard streams: (exit code, what it showed)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=_env())
+    os.close(slave)
+    shown, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:   # EIO: every writer of the terminal is gone
+                    break
+                if not data:
+                    break
+                shown += data
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic())), shown.decode(errors="replace")
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_smoke_run_in_a_100_column_terminal_says_what_evaluation_costs_and_keeps_its_bar(tmp_path):
+    run = tmp_path / "run"
+    code, shown = _in_terminal([sys.executable, "-m", "unison.cli", "train", *TINY[1:], "--max-steps", "3",
+                                "--out", str(run)], columns=100)
+    assert code == 0, shown[-3000:]
+    lines = shown.replace("\r\n", "\n").replace("\r", "\n").splitlines()
+    note = next((ln for ln in lines if "kNN evaluation embeds" in ln), "")
+    assert note.startswith("unison: the kNN evaluation embeds 128 reference and 32 held-out images before training "
+                           "and at the end: 320 images, more than the 96 this run trains on (3 steps)"), shown[-3000:]
+    assert "--no-knn skips it" in note
+    bars = [ln for ln in lines if ln.startswith("simclr x2:") and "loss" in ln]
+    assert bars, shown[-3000:]
+    for bar in bars:   # tqdm draws one column short of the width
+        assert len(bar) <= 99 and bar.endswith("]"), bar                # no metric cut off
+        assert len(bar.split("|")[1]) >= 10, bar                        # a bar, 10 columns at least
+        assert re.search(r", loss \d+\.\d{4}, \d+ img/s", bar), bar
+    assert bars[-1].startswith("simclr x2: 100%|" + "\u2588" * 10), bars[-1]
+
+
+# ------------------------------------------------------------------ scripts/setup.sh
+FAKE_PYTHON = """#!/bin/sh
+# a stand-in for .venv/bin/python: imports work once the fake pip has "installed" torch
+case "$*" in *torch*) [ -f "$FAKE_STATE/torch" ] || exit 1 ;; esac
+exit 0
+"""
+FAKE_PIP = """#!/bin/sh
+# a stand-in for .venv/bin/pip: records its arguments, says what pip says, fails when asked to
+echo "$*" >> "$FAKE_STATE/pip.log"
+echo "Collecting something"
+case "$*" in *torch==*) touch "$FAKE_STATE/torch" ;; esac
+exit "${FAKE_PIP_EXIT:-0}"
+"""
+
+
+def _checkout_with_a_fake_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of scripts/setup.sh and pyproject.toml, its .venv holding the fakes above: (checkout, state dir)."""
+    repo, state = tmp_path / "repo", tmp_path / "state"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    state.mkdir()
+    (repo / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+    (repo / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    for name, text in (("python", FAKE_PYTHON), ("pip", FAKE_PIP)):
+        (repo / ".venv" / "bin" / name).write_text(text)
+        (repo / ".venv" / "bin" / name).chmod(0o755)
+    return repo, state
+
+
+def _setup(repo: Path, state: Path, **env: str) -> tuple[int, str, list[str]]:
+    """Run the copy's setup.sh: (exit code, what it printed, the pip commands it ran)."""
+    log = state / "pip.log"
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "FAKE_STATE": str(state), **env})
+    return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines() if log.exists() else []
+
+
+def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp_path):
+    repo, state = _checkout_with_a_fake_venv(tmp_path)
+    code, shown, pips = _setup(repo, state)
+    assert code == 0, shown
+    assert [p.split()[-1] for p in pips] == ["torchvision==0.29.1", ".[test]"] and not any(" -q" in p for p in pips)
+    assert "setup: installing torch 2.14.1" in shown and "Collecting something" in shown   # not silent
+    assert "setup: installing unison from" in shown
+    code, shown, pips = _setup(repo, state)   # nothing changed: no pip at all
+    assert code == 0 and pips == [] and "up to date" in shown, shown
+    with open(repo / "pyproject.toml", "a") as f:
+        f.write("# a dependency added\n")
+    code, shown, pips = _setup(repo, state, FAKE_PIP_EXIT="1")   # changed, and the install fails
+    assert code == 1 and "installing unison failed" in shown and len(pips) == 1, shown
+    code, shown, pips = _setup(repo, state)   # so the next run installs again
+    assert code == 0 and [p.split()[-1] for p in pips] == [".[test]"], shown
+    assert _setup(repo, state)[2] == []
+
+
+# ------------------------------------------------------------------ the wheel
+def test_a_wheel_from_the_repository_trains_in_a_fresh_venv_outside_it(tmp_path):
+    """`python -m build`, the wheel installed into a new virtual environment, `unison train` run from a folder
+    outside the repository with nothing of it on the path. Offline: the wheel's dependencies (torch, ...) are this
+    environment's, seen through a .pth file (a new venv cannot download them here); unison itself is the wheel's."""
+    import shutil
+    import sysconfig
+
+    source = tmp_path / "source"   # what the wheel is built from: the repository's own files, copied
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"),
+                            str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("unison-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "dependencies.pth").write_text("\n".join(sorted(deps)) + "\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    installed = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+                               capture_output=True, text=True, env=clean, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = subprocess.run([python, "-c", "import unison; print(unison.__file__)"], cwd=elsewhere, env=clean,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(venv), where
+    trained = subprocess.run([venv / "bin" / "unison", "train", *TINY, "--max-steps", "2", "--out", "run"],
+                             cwd=elsewhere, env={**clean, "UNISON_NO_CACHE": "1"}, capture_output=True, text=True,
+                             timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert trained.stdout.startswith("simclr x2 workers, 2 steps, ") and "kNN top-1 0." in trained.stdout
+    assert json.loads((elsewhere / "run" / "summary.json").read_text())["data"] == "digits"
