@@ -10,7 +10,7 @@
     unison.export("runs/default", "backbone.pt")                         # the backbone's state_dict + its .json
     report = unison.check("simclr", world_size=2)                        # -> CheckReport
 
-    # your own pieces in unison's loop (README, "Your own pieces"): module-level classes/functions
+    # your own pieces in unison's loop (guide: "Bring your own model, data or loop"): module-level classes/functions
     summary = unison.train(cfg, backbone=MyNet(), feature_dim=512, dataset=MyPhotos(), transform=my_views)
     scores = unison.evaluate(summary.out, dataset=MyLabelled("train"), val=MyLabelled("val"))
 
@@ -48,7 +48,7 @@ def train(cfg: TrainConfig, *, backbone: nn.Module | None = None, feature_dim: i
           isolated: bool = False) -> Summary:
     """Train as `cfg` says; return the run's `Summary` (also written to ``<out>/summary.json``).
 
-    Your own pieces replace unison's (README, "Your own pieces"): `backbone` (an ``nn.Module`` returning
+    Your own pieces replace unison's (guide: "Bring your own model, data or loop"): `backbone` (an ``nn.Module`` returning
     ``[batch, feature_dim]``) with its `feature_dim`, `dataset` (a ``Dataset``/``IterableDataset`` of images) and
     `transform` (image -> view or list of views). They are not modified; above one worker they are sent to the
     worker processes pickled (module-level classes and functions). `val`: labelled held-out images (a ``Dataset`` of
