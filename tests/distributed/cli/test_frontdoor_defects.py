@@ -4,7 +4,7 @@ process, on a few steps of the embedded digits; a script without the main guard,
 * a fresh run into an earlier run's directory moves that run aside, never mixes the two;
 * the README's library snippet imports, and a script without ``if __name__ == "__main__":`` is told so;
 * ``unison export`` of a timm backbone prints a loading call that loads the weights;
-* one-view methods leave the alignment signal empty, saying why, instead of a constant 0;
+* one-view methods measure the alignment of two draws of their augmentation, not of one view with itself (0);
 * distill's augmentation has one name, in the README and in config.json.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,16 @@ def test_a_script_without_the_main_guard_is_told_so(tmp_path):
                     f"again in each worker process, which imports {script} from the top (as Python's multiprocessing "
                     f'does): put that call under `if __name__ == "__main__":` in {script}'), proc.stderr[-3000:]
     assert proc.stderr.count("Traceback") == 1   # the script's own, ending in that line: no worker's traceback
+
+
+def test_a_one_view_method_measures_the_alignment_of_two_views(tmp_path):
+    """mae, ijepa and distill train on one view: the signals compared that view with itself, and the alignment was
+    0.000 at every evaluation (train.log, metrics.csv, summary.json, TensorBoard, plot.png). A second draw of the
+    method's augmentation gives the two views (distill: a small CNN from a random teacher, the cheapest of the three)."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--method", "distill", "--teacher", "random", "--teacher-backbone", "small_cnn",
+                 "--backbone", "small_cnn", "--max-steps", "1", "--signal-images", "64", "--out", str(run)]) == 0
+    logged = [float(m) for m in re.findall(r"alignment ([0-9.]+),", (run / "train.log").read_text())]
+    rows = [float(r["align"]) for r in csv.DictReader((run / "metrics.csv").read_text().splitlines()) if r["align"]]
+    assert len(logged) == len(rows) == 2 and all(a > 0.001 for a in logged + rows)
+    assert json.loads((run / "summary.json").read_text())["signals"]["align"] == rows[-1]
