@@ -20,8 +20,9 @@ gathered in image order and every rank computes the signals from the same matrix
 own augmentation drawn at the keys (seed, `SIGNAL_EPOCH`, image index), an epoch no training step reaches, so
 they are the same at any W and at every evaluation; a method that trains on one view (mae, ijepa, distill) gets its
 second view from a second draw of its augmentation (`SECOND_VIEW_EPOCH`): two views of one image, whose alignment
-means what it means for the others (comparing the one view with itself gave 0 at every evaluation). Streamed data: the held-back images are decoded at the
-training size (shorter side resized, centre square) before they are augmented.
+means what it means for the others (comparing the one view with itself gave 0 at every evaluation). Streamed
+data: the held-back images are decoded at the training size (shorter side resized, centre square) before they
+are augmented.
 
 The probe standardises the features with their running mean and variance (global sums, momentum
 `PROBE_MOMENTUM`): a backbone's raw features can sit at 0.01 +- 0.01, where a plain linear layer learns nothing
