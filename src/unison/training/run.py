@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 
 from unison.config import TrainConfig
-from unison.distributed.env import apply_launch_env, check_backend_launcher, detect_launch_env
+from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
 from unison.distributed.main_guard import refuse_reentered_main
 
@@ -43,6 +43,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
     if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
+    check_gpu_per_worker(cfg.distributed, launch_env)   # NCCL: a GPU per worker, before any worker starts
     validate_run(cfg, own=own)
     in_process = launched or (cfg.distributed.world_size == 1 and not isolated)
     if own is not None and not in_process:
