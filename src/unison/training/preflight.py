@@ -183,8 +183,9 @@ def set_aside_other_run(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     if _continues(cfg, out):
         return
-    inputs = [Input(what, path) for what, path in (("--data", cfg.data), ("--val", cfg.val), ("--init", cfg.init),
-                                                   ("--teacher", cfg.teacher), ("--resume", cfg.resume)) if path]
+    given = (("--data", cfg.data), ("--val", cfg.val), ("--init", cfg.init), ("--teacher", cfg.teacher),
+             ("--resume", cfg.resume))
+    inputs = [Input(what, path) for what, path in given if path and os.path.lexists(path)]   # not digits, random
     moved = set_aside_earlier_run(out, inputs)
     if moved is None:
         return

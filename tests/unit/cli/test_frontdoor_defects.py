@@ -72,3 +72,26 @@ def test_more_workers_than_gpus_under_nccl_is_refused_before_any_worker_starts(g
                                           r"one GPU per worker: start at most 1 processes per node"):
         check_gpu_per_worker(cfg.distributed, launched)
     check_gpu_per_worker(replace(cfg.distributed, backend="gloo"), None)   # CPU workers: as many as asked
+
+
+def test_setting_an_earlier_run_aside_moves_everything_and_never_an_input(tmp_path):
+    from unison.paths import Input
+    from unison.training.owner import EARLIER_RUNS, LOCK_NAME, set_aside_earlier_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000003.pt").write_bytes(b"x")
+    for name in ("config.json", "metrics.csv", "notes.txt", LOCK_NAME):
+        (run / name).write_text(name)
+    (run / "val" / "a").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=rf"^--val {run / 'val'} lies inside {run / 'val'}, a file of the earlier run"):
+        set_aside_earlier_run(run, [Input("--val", run / "val")])
+    assert (run / "config.json").exists() and not (run / EARLIER_RUNS).exists()   # refused before anything moved
+    folder, moved = set_aside_earlier_run(run, [Input("--data", tmp_path / "data")])
+    assert moved == ["checkpoints", "config.json", "metrics.csv", "notes.txt", "val"]
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, EARLIER_RUNS]   # the lock stays: the run holds it
+    assert (folder / "notes.txt").read_text() == "notes.txt" and folder.parent == run / EARLIER_RUNS
+    (run / "config.json").write_text("the next run")
+    second, _ = set_aside_earlier_run(run)
+    assert second != folder and (folder / "config.json").read_text() == "config.json"   # never into the same folder
+    assert set_aside_earlier_run(run) is None   # nothing left to move
