@@ -22,7 +22,7 @@ import unison
 from unison.cli import main
 
 TINY = ["--no-progress", "--batch-size", "32", "--subset", "128", "--val-subset", "32", "--knn-k", "5",
-        "--world-size", "1", "--no-random-init-knn"]
+        "--world-size", "1", "--no-random-init-knn", "--signal-images", "32"]
 REPO = Path(__file__).resolve().parents[3]
 SRC = str(Path(unison.__file__).resolve().parents[1])   # the unison under test, also in the processes started here
 
@@ -37,28 +37,28 @@ def _checkpoints(run: Path) -> list[str]:
 
 def test_a_fresh_run_into_an_earlier_runs_directory_moves_that_run_aside(tmp_path, capfd):
     run = tmp_path / "run"
-    assert main(["train", *TINY, "--max-steps", "3", "--checkpoint-every", "3", "--out", str(run)]) == 0
+    assert main(["train", *TINY, "--max-steps", "2", "--checkpoint-every", "2", "--out", str(run)]) == 0
     first = {name: (run / name).read_bytes() for name in ("config.json", "metrics.csv", "train.log", "summary.json")}
     capfd.readouterr()
-    assert main(["train", *TINY, "--max-steps", "2", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    assert main(["train", *TINY, "--max-steps", "1", "--checkpoint-every", "1", "--out", str(run)]) == 0
     err = capfd.readouterr().err
     (moved,) = [line for line in err.splitlines() if "held an earlier run" in line]
     (earlier,) = (run / "earlier-runs").iterdir()
     assert f"moved checkpoints/, config.json, metrics.csv, plot.png, summary.json, train.log to {earlier}" in moved
     # the new run is alone in its directory: its own checkpoints, its own metrics, one line in its plot
-    assert _checkpoints(run) == ["step_00000001.pt", "step_00000002.pt"]
-    assert _steps(run) == [1, 2]
-    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert _checkpoints(run) == ["step_00000001.pt"]
+    assert _steps(run) == [1]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 1
     log = (run / "train.log").read_text()
-    assert "starting: 3 steps" not in log and "starting: 2 steps" in log and "held an earlier run" in log
+    assert "starting: 2 steps" not in log and "starting: 1 steps" in log and "held an earlier run" in log
     # nothing of the earlier run is lost: every file as it was, a run directory of its own
-    assert _checkpoints(earlier) == ["step_00000003.pt"]
+    assert _checkpoints(earlier) == ["step_00000002.pt"]
     assert {name: (earlier / name).read_bytes() for name in first} == first
     assert (earlier / "plot.png").is_file()
-    # --resume auto continues the new run from its step 2, not the earlier one's step 3
+    # --resume auto continues the new run from its step 1, not the earlier one's step 2
     capfd.readouterr()
-    assert main(["train", *TINY, "--max-steps", "3", "--resume", "auto", "--out", str(run)]) == 0
-    assert "resuming at step 2" in (run / "train.log").read_text() and _steps(run) == [1, 2, 3]
+    assert main(["train", *TINY, "--max-steps", "2", "--resume", "auto", "--out", str(run)]) == 0
+    assert "resuming at step 1" in (run / "train.log").read_text() and _steps(run) == [1, 2]
     assert "held an earlier run" not in capfd.readouterr().err and len(list((run / "earlier-runs").iterdir())) == 1
 
 
@@ -105,7 +105,7 @@ def test_a_one_view_method_measures_the_alignment_of_two_views(tmp_path):
     method's augmentation gives the two views (distill: a small CNN from a random teacher, the cheapest of the three)."""
     run = tmp_path / "run"
     assert main(["train", *TINY, "--method", "distill", "--teacher", "random", "--teacher-backbone", "small_cnn",
-                 "--backbone", "small_cnn", "--max-steps", "1", "--signal-images", "64", "--out", str(run)]) == 0
+                 "--backbone", "small_cnn", "--max-steps", "1", "--out", str(run)]) == 0
     logged = [float(m) for m in re.findall(r"alignment ([0-9.]+),", (run / "train.log").read_text())]
     rows = [float(r["align"]) for r in csv.DictReader((run / "metrics.csv").read_text().splitlines()) if r["align"]]
     assert len(logged) == len(rows) == 2 and all(a > 0.001 for a in logged + rows)
