@@ -50,7 +50,7 @@ def test_a_fresh_run_into_an_earlier_runs_directory_moves_that_run_aside(tmp_pat
     assert _steps(run) == [1]
     assert json.loads((run / "summary.json").read_text())["steps"] == 1
     log = (run / "train.log").read_text()
-    assert "starting: 2 steps" not in log and "starting: 1 steps" in log and "held an earlier run" in log
+    assert "starting: 2 step" not in log and "starting: 1 step " in log and "held an earlier run" in log
     # nothing of the earlier run is lost: every file as it was, a run directory of its own
     assert _checkpoints(earlier) == ["step_00000002.pt"]
     assert {name: (earlier / name).read_bytes() for name in first} == first
