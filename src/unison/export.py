@@ -9,7 +9,9 @@ encoder: for BYOL/MoCo/DINO the *online* backbone is exported) — as ``torch.sa
 or safetensors (``pip install safetensors``; not a dependency of unison). Beside it,
 ``<name>.json`` records what the backbone expects as input — the image size and the
 training set's per-channel mean/std (``x = (pixels / 255 - mean) / std``) — with the
-method, backbone and step; a safetensors file carries the same in its metadata.
+method, backbone and step, and under ``load`` the call that takes the weights without unison, with every argument
+they need (`load_call`: ``timm.create_model('vit_tiny_patch16_224', num_classes=0, patch_size=4, img_size=32)``;
+unison's ViTs are timm's ``VisionTransformer``); a safetensors file carries the same in its metadata.
 
 Its own output, and nothing else, is replaced: ``--out`` may name an earlier export (a file whose
 ``<name>.json`` sidecar says it is one), never the checkpoint read, a file in its run's ``checkpoints/``
@@ -44,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.errors import ConfigError
+from unison.models.backbones import timm_create_kwargs
+from unison.models.vit import VIT_BACKBONES, vit_timm_kwargs
 from unison.paths import check_output, write_error
 from unison.training.load import checkpoint_inputs, config_of, method_of, own_backbone_weights, preprocessing
 
@@ -176,6 +180,7 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
     info = {"unison": "backbone", "unison_version": __version__, "method": str(ckpt["method"]),
             "backbone": cfg.backbone, "backbone_args": dict(cfg.backbone_args), "step": int(ckpt["step"]),
             "feature_dim": None if feature_dim is None else int(feature_dim), **preprocessing(cfg, ckpt)}
+    info["load"] = load_call(cfg.backbone or "", info["image_size"], dict(cfg.backbone_args))
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}   # safetensors: strings only
     # The sidecar first: it is what marks the weights file as this command's own output (`is_export`).
     write_text_atomic(sidecar, json.dumps({**info, "file": out.name, "format": fmt}, indent=2) + "\n")
@@ -186,17 +191,26 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
             "parameters": n_params}
 
 
-def _load_hint(backbone: str) -> str:
+def load_call(backbone: str, image_size: int | None, backbone_args: dict[str, Any]) -> str:
+    """How to load the exported weights of `backbone` without unison: a call with every argument they need (a timm
+    model's ``img_size`` and ``--backbone-arg`` values, a unison ViT's timm ``VisionTransformer`` arguments)."""
     if backbone.endswith("_imagenet"):
-        return f"load into torchvision.models.{backbone[:-9]}() with strict=False (only fc.* is missing)"
+        return f"torchvision.models.{backbone[:-9]}() with strict=False (only fc.* is missing)"
     if backbone.endswith("_cifar"):
-        return (f"load into torchvision.models.{backbone[:-6]}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
+        return (f"torchvision.models.{backbone[:-6]}() after conv1 = Conv2d(3, 64, 3, 1, 1, bias=False) and "
                 "maxpool = Identity(), with strict=False (only fc.* is missing)")
     if backbone.startswith("timm:"):
-        return f"load into timm.create_model({backbone[5:]!r}, num_classes=0)"
+        kwargs = timm_create_kwargs(backbone[5:], image_size, backbone_args)
+        return f"timm.create_model({backbone[5:]!r}, {_arguments(kwargs)})"
+    if backbone in VIT_BACKBONES:   # timm's blocks and parameter names (unison.models.vit)
+        return f"timm.models.vision_transformer.VisionTransformer({_arguments(vit_timm_kwargs(backbone))})"
     if backbone.startswith("own:"):   # unison.training.pieces.OWN: the user's backbone
-        return f"load into your {backbone[4:]} with load_state_dict"
-    return f"load into unison.models.build_backbone({backbone!r})[0]"
+        return f"your {backbone[4:]} with load_state_dict"
+    return f"unison.models.build_backbone({backbone!r})[0]"
+
+
+def _arguments(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
 
 
 def _fmt3(values: list[float]) -> str:
@@ -216,7 +230,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
             else "mean/std not recorded in this checkpoint")
     print(f"exported the {info['backbone']} backbone of {info['method']} (step {info['step']}; {info['tensors']} "
           f"tensors, {info['parameters'] / 1e6:.2f}M parameters) to {info['path']} ({info['format']}); "
-          f"{_load_hint(info['backbone'])}; inputs {info['image_size']} px, {norm} (also in {info['sidecar']})")
+          f"load into {info['load']}; inputs {info['image_size']} px, {norm} (also in {info['sidecar']})")
     return 0
 
 

@@ -32,6 +32,15 @@ MAX_TIMEOUT_S = 2**31 / 1000
 # The shortest: below a second the rendezvous of even 2 local workers fails with C++ stack frames.
 MIN_TIMEOUT_S = 1.0
 MAX_WORLD = 2**16   # workers: more than any cluster runs in one job
+CPU_WORLD_SIZE = 2  # the default workers without a GPU: the smallest world that shows (and checks) distribution
+
+
+def default_world_size() -> int:
+    """The default number of workers: one per visible GPU on a CUDA machine (Lightning's ``devices="auto"``; one
+    GPU: one worker, as NCCL needs), else `CPU_WORLD_SIZE` CPU workers over gloo."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_WORLD_SIZE
 
 
 
@@ -42,9 +51,10 @@ class DistributedConfig:
         metadata={"help": "auto | local (in-memory, 1 process) | gloo | nccl | mpi (launched by mpirun, talks gloo/nccl)",
                   "choices": BACKENDS},
     )
-    world_size: int = field(default=2, metadata={
+    world_size: int = field(default_factory=default_world_size, metadata={
         "range": Range(1, MAX_WORLD),
-        "help": "number of worker processes (1 = single process)"})
+        "help": "number of worker processes (1 = single process; default: one per visible GPU on a CUDA machine, "
+                f"else {CPU_WORLD_SIZE})"})
     rank: int = field(default=0, metadata={   # its range, [0, world_size), is checked in validate()
         "help": "rank of this process; set by the launcher, torchrun, SLURM or mpirun"})
     sync_batchnorm: bool = field(

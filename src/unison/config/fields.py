@@ -346,18 +346,26 @@ def add_options_command(subparsers: Any, name: str, help: str, description: str,
     return parser
 
 
+def _shown_default(f: dataclasses.Field) -> Any:
+    """The default `--help` shows, read from the field without building the dataclass: a default that depends on the
+    machine (the world size: one worker per GPU) is not computed for --help (no torch import), its help names it."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is dataclasses.MISSING or "default:" in f.metadata.get("help", ""):
+        return None
+    return f.default_factory()
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
                             group_title: str | None = None) -> None:
     target = parser.add_argument_group(group_title) if group_title else parser
-    defaults = cls()
     for f in dataclasses.fields(cls):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
         typ = base_type(f.type)
         if dataclasses.is_dataclass(typ) or typ in (dict, list) or typing.get_origin(typ) in (dict, list):
             continue
-        default = getattr(defaults, f.name)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text(f, default)}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text(f, _shown_default(f))}
         if f.metadata.get("required"):
             kwargs["required"] = True
         if typ is bool:

@@ -218,6 +218,25 @@ def check_backend_launcher(cfg: DistributedConfig, launch: LaunchEnv | None) -> 
                           "mpirun -n N unison train ..., or use --backend auto, gloo or nccl")
 
 
+def check_gpu_per_worker(cfg: DistributedConfig, launch: LaunchEnv | None) -> None:
+    """NCCL needs a GPU of its own for each worker of a machine (two ranks on one device fail inside NCCL, after
+    start-up): more workers than visible GPUs is one line before any worker starts (unison's launcher: the world
+    size; torchrun, srun, mpirun: this rank's local rank), not ranks doubled up on ``cuda:0``."""
+    if cfg.backend in ("local", "gloo") or cfg.world_size == 1:
+        return
+    if cfg.communication_backend() != "nccl":
+        return
+    gpus = torch.cuda.device_count()
+    if launch is None and cfg.world_size > gpus:
+        raise ConfigError(f"--world-size {cfg.world_size} with NCCL needs one GPU per worker and this machine shows "
+                          f"{gpus} (CUDA_VISIBLE_DEVICES); give --world-size {gpus} or less (the default is one worker "
+                          f"per GPU), or --backend gloo for {cfg.world_size} workers on the CPU")
+    if launch is not None and launch.local_rank >= gpus:
+        raise ConfigError(f"rank {launch.rank} is local rank {launch.local_rank} of a node that shows {gpus} GPU(s), "
+                          f"and NCCL needs one GPU per worker: start at most {gpus} processes per node (torchrun "
+                          f"--nproc-per-node {gpus}, srun --ntasks-per-node {gpus})")
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -29,6 +29,9 @@ launcher (`unison.distributed.watchdog`); when no rank has made progress for
 ``cfg.watchdog_s`` seconds (hung collective, SIGSTOPped or frozen workers, a blocked loader)
 the launcher kills them all and raises `WatchdogTimeout` naming every rank's phase and step.
 
+A worker that re-ran the user's script (no ``if __name__ == "__main__":``) is one `ConfigError` naming the guard
+(`unison.distributed.main_guard`).
+
 Hand-written rather than `torch.multiprocessing.spawn` because we need the error text of
 the *first* failure, the bounded shutdown, the death signal, signal forwarding and the watchdog.
 """
@@ -54,6 +57,7 @@ from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure
 
 from . import watchdog
 from .env import exit_worker
+from .main_guard import REENTERED_MAIN_EXIT, WORKER_NAME, reentered_main_message
 from .signals import STOP_SIGNALS, die_with_parent, install_stop_handlers
 
 
@@ -288,7 +292,7 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
                        "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
                 p = ctx.Process(target=_worker_main, args=(target, payload, env, heartbeats, threads, pipes[r][1], streams),
-                                name=f"unison-rank{r}", daemon=False)
+                                name=f"{WORKER_NAME}{r}", daemon=False)
                 p.start()
                 pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
                 procs.append(p)
@@ -335,6 +339,8 @@ def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, An
             p.join()
         _receive_results(conns, results, errors)
         failure = _first_failure(procs, errors)
+    if failure is not None and failure.error_type is None and procs[failure.rank].exitcode == REENTERED_MAIN_EXIT:
+        raise ConfigError(reentered_main_message("the call that started the workers (unison.train, unison.check)"))
     if failure is not None and failure.error_type == "Preempted":
         raise Preempted(errors[failure.rank]["message"])   # every rank stopped after the same step; rank 0 wrote
     if failure is not None and _interrupted(failure, procs[failure.rank].exitcode):

@@ -218,12 +218,14 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
 
     `record` is the worker body (tests pass a deliberately broken copy to see the check fail); `own`: the user's
     backbone, dataset and transform, checked as `unison.train` checks them and sent to the workers pickled."""
+    from unison.distributed.main_guard import refuse_reentered_main
     from unison.distributed.testing import run_in_workers
     from unison.errors import ConfigError
     from unison.training.init_read import check_backbone_setup
     from unison.training.own import check_picklable, check_pieces
     from unison.training.resolve import resolve_recipe, validate_run
 
+    refuse_reentered_main("unison.check")   # a script without the main guard, re-run by a worker
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")

@@ -171,7 +171,7 @@ class Distill(SSLMethod):
     needs_teacher = True
     needs_sample_keys = True   # mixup's partners and lam: from (seed, epoch, index), never the rank
     # LightlyTrain: AdamW lr 5e-4 at batch 1536 (sqrt-scaled), weight decay 1e-6 for conv students; one view.
-    recipe = Recipe(optimizer="adamw", base_lr=2e-4, weight_decay=1e-6, augmentation="crop",
+    recipe = Recipe(optimizer="adamw", base_lr=2e-4, weight_decay=1e-6, augmentation="distill",
                     embedded={"base_lr": 2e-3})
 
     queue: torch.Tensor

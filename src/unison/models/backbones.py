@@ -129,13 +129,31 @@ def check_view_sizes(what: str, patch: int | None, fixed: int | None, view_sizes
 
 def _create_timm(timm: Any, model: str, image_size: int | None, kwargs: dict[str, Any]) -> nn.Module:
     """``timm.create_model`` with ``img_size=image_size`` when the model takes one and `kwargs` sets none."""
+    return _create_timm_with(timm, model, image_size, kwargs)[0]
+
+
+def _create_timm_with(timm: Any, model: str, image_size: int | None,
+                      kwargs: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """`_create_timm`'s model and the arguments it was created with."""
     if image_size is not None and "img_size" not in kwargs:
         try:
-            return timm.create_model(model, img_size=image_size, **kwargs)
+            return timm.create_model(model, img_size=image_size, **kwargs), {**kwargs, "img_size": image_size}
         except TypeError as exc:
             if not re.search(r"\bimg_size\b", str(exc)):   # the model takes no image size (CNNs): build it without
                 raise
-    return timm.create_model(model, **kwargs)
+    return timm.create_model(model, **kwargs), dict(kwargs)
+
+
+def timm_create_kwargs(model: str, image_size: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``timm.create_model(model, ...)`` that build `timm_backbone`'s model for `image_size` and
+    `args` (``num_classes=0``, the ``--backbone-arg`` values, ``img_size`` when the model takes one): what loading
+    its weights needs (a ViT's position embedding and patch projection follow ``img_size`` and ``patch_size``).
+    Built on the meta device: no memory, no weights."""
+    import timm
+
+    with torch.device("meta"):
+        return {k: v for k, v in _create_timm_with(timm, model, image_size, {"num_classes": 0, **args})[1].items()
+                if k != "pretrained"}
 
 
 def timm_backbone(model: str, image_size: int | None, args: dict[str, Any],

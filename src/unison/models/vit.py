@@ -18,8 +18,9 @@ sharding wrapper can wrap each block separately. Images of another size than ``i
 ``timm.layers.resample_abs_pos_embed``, in the parameter's precision); the size must be a
 multiple of the patch size.
 The parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``pos_embed``,
-``blocks.0.attn.qkv.weight``, ``norm.weight``), so an exported state dict loads into
-``timm.create_model("vit_tiny_patch16_224", num_classes=0, img_size=..., patch_size=...)``.
+``blocks.0.attn.qkv.weight``, ``norm.weight``), so an exported state dict loads, strictly, into
+``timm.models.vision_transformer.VisionTransformer(**vit_timm_kwargs(name))`` (``vit_tiny_p4``: ``img_size=32,
+patch_size=4, embed_dim=192, depth=12, num_heads=3, num_classes=0``), whose forward gives the same feature.
 
 Why timm (a dependency, ``timm>=1.0``): its ``Block`` (fused attention through
 ``F.scaled_dot_product_attention``), ``PatchEmbed`` and ViT initialisation are the reference
@@ -154,12 +155,20 @@ def vit_patch_size(name: str) -> int:
     return _PATCHES["_" + suffix if suffix else ""][0]
 
 
+def vit_timm_kwargs(name: str) -> dict[str, int]:
+    """The arguments of timm's ``VisionTransformer`` that take the state dict of ViT `name` (`build_vit`'s): its
+    parameter names are timm's, and timm's class-token forward gives the same feature."""
+    size, _, suffix = name[len("vit_"):].partition("_")
+    patch, img = _PATCHES["_" + suffix if suffix else ""]
+    dim, depth, heads = VIT_SIZES[size]
+    return {"img_size": img, "patch_size": patch, "embed_dim": dim, "depth": depth, "num_heads": heads,
+            "num_classes": 0}
+
+
 def build_vit(name: str) -> ViT:
     """A `ViT` from a name of `VIT_BACKBONES` (``vit_tiny``, ``vit_nano_p2``, ...)."""
     if name not in VIT_BACKBONES:
         raise ValueError(f"unknown ViT {name!r}; use one of {', '.join(VIT_BACKBONES)}")
-    body = name[len("vit_"):]
-    size, _, suffix = body.partition("_")
-    patch, img = _PATCHES["_" + suffix if suffix else ""]
-    dim, depth, heads = VIT_SIZES[size]
-    return ViT(img_size=img, patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads)
+    kw = vit_timm_kwargs(name)
+    return ViT(img_size=kw["img_size"], patch_size=kw["patch_size"], embed_dim=kw["embed_dim"], depth=kw["depth"],
+               num_heads=kw["num_heads"])

@@ -8,8 +8,10 @@ under torchrun/srun/mpirun. The kernel drops it when that process ends however i
 preempted run never blocks its own restart (torchrun restarts, SLURM requeues, ``--resume auto``), and
 the file left behind means nothing by itself, except that the folder is a run directory (`is_run_dir`: a
 fresh run refuses a non-empty folder that is not one, `check_run_dir`, so a user's own files are never
-replaced). Children forked while it is held (data-loader processes) close their copy at once
-(`os.register_at_fork`), so a straggler cannot hold a dead run's directory.
+replaced). A run that does not continue the run already in its directory moves that run's files aside first,
+into ``earlier-runs/<time>/`` inside it (`set_aside_earlier_run`), so two runs never mix. Children forked while
+it is held (data-loader processes) close their copy at once (`os.register_at_fork`), so a straggler cannot hold
+a dead run's directory.
 
 Example::
 
@@ -26,17 +28,19 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from unison.config.fields import shown
 from unison.data.files import read_regular
 from unison.errors import RunDirRefused
-from unison.paths import write_error
+from unison.paths import Input, is_inside, write_error
 
 from .checkpoint.files import list_checkpoints
 
 LOCK_NAME = ".unison.lock"
+EARLIER_RUNS = "earlier-runs"   # where a fresh run moves the files of the run that was in its directory
 _HELD: set[int] = set()   # lock file descriptors held by this process
 
 
@@ -159,3 +163,57 @@ def check_run_dir(out: Path) -> None:
         raise RunDirRefused(f"--out {out} already holds files that no unison run wrote ({some}); a run writes its "
                             "config.json, metrics.csv, plot.png, summary.json, train.log and checkpoints/ there and "
                             "would replace them: choose a new or empty folder")
+
+
+def set_aside_earlier_run(out: Path, inputs: Sequence[Input] = ()) -> tuple[Path, list[str]] | None:
+    """Move everything in the run directory `out` but its lock file and ``earlier-runs/`` (checkpoints,
+    config.json, metrics.csv, plot.png, summary.json, train.log, tensorboard/, ..., whatever a run or the user put
+    there) into a new ``out/earlier-runs/<time>/`` (the time the earlier run started, from its config.json), a
+    complete run directory of its own: nothing is lost, and the next run writes into an empty folder. Called by
+    the run's owner, holding the lock. Returns the folder and the moved names, or None when nothing was there.
+    `inputs`: what this run reads; one of them inside a moved entry is refused (one line) before anything moves."""
+    try:
+        with os.scandir(out) as entries:
+            names = sorted(e.name for e in entries if e.name not in (LOCK_NAME, EARLIER_RUNS))
+    except OSError:
+        return None
+    if not names:
+        return None
+    for inp in inputs:
+        inside = next((n for n in names if inp.path and is_inside(inp.path, out / n)), None)
+        if inside is not None:
+            raise RunDirRefused(f"{inp.what} {inp.path} lies inside {out / inside}, a file of the earlier run in --out "
+                                f"{out}, which this run moves aside to {out / EARLIER_RUNS}: choose another --out")
+    target = _new_folder(out / EARLIER_RUNS, _started(out))
+    try:
+        for name in names:
+            os.rename(out / name, target / name)   # within one folder tree: one file system, never a copy
+    except OSError as e:
+        raise write_error(target / name, e) from None
+    return target, names
+
+
+def _started(out: Path) -> str:
+    """When the run in `out` started (its config.json's time, written at its start), as a folder name."""
+    for name in ("config.json", "train.log", ""):
+        try:
+            return time.strftime("%Y%m%d-%H%M%S", time.localtime((out / name).stat().st_mtime))
+        except OSError:
+            continue
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _new_folder(parent: Path, name: str) -> Path:
+    """A folder `parent/name` that did not exist (``name-2``, ``name-3``, ... when it did)."""
+    try:
+        parent.mkdir(exist_ok=True)
+        for n in range(1, 1000):
+            folder = parent / (name if n == 1 else f"{name}-{n}")
+            try:
+                folder.mkdir()
+                return folder
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise write_error(parent, e) from None
+    raise RunDirRefused(f"{parent} holds 999 earlier runs named {name}: move some away")

@@ -42,7 +42,7 @@ from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name,
 from unison.training.checkpoint.header import structure
 from unison.training.init_read import check_backbone_setup
 from unison.training.own import check_pieces
-from unison.training.owner import check_run_dir
+from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
 from unison.training.resolve import resolve_recipe
 from unison.training.runlog import append_run_log
@@ -98,8 +98,8 @@ def check_init_not_replaced(cfg: TrainConfig, out: Path) -> None:
     if not cfg.init or cfg.resume or resumes_after_restart(cfg):   # a resumed run does not read --init
         return
     if same_file(cfg.init, out) or is_inside(cfg.init, out / CHECKPOINT_DIR):
-        raise RunDirRefused(f"--init {cfg.init} is a checkpoint of --out {out}, whose checkpoints this fresh run "
-                            f"replaces as it saves; give a new --out (or --resume {out} to continue that run)")
+        raise RunDirRefused(f"--init {cfg.init} is a checkpoint of --out {out}, whose files this fresh run moves "
+                            f"aside before it starts; give a new --out (or --resume {out} to continue that run)")
 
 
 def resolve_teacher(cfg: TrainConfig) -> None:
@@ -174,25 +174,39 @@ def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:
                 yield Path(e.path), f" (its class folder {e.name} is a link to {os.path.realpath(e.path)})"
 
 
-def warn_fresh_run(cfg: TrainConfig, launched: bool) -> None:
-    """A run whose checkpoints do not continue those already in its directory (a fresh run, or a resume from
-    another run's) replaces them as it saves and prunes: say so (the run owns the directory by now)."""
+def set_aside_other_run(cfg: TrainConfig) -> None:
+    """A run that does not continue the run already in its directory (a fresh run; a resume from another run's
+    checkpoint) moves that run's files aside (`unison.training.owner.set_aside_earlier_run`: every file, into
+    ``earlier-runs/<time>/``) and says in one line what moved where, so two runs never mix their checkpoints,
+    metrics.csv, plot.png, train.log, ... and ``--resume auto`` later continues this run. Called by the
+    directory's owner, holding its lock, before any worker starts."""
     out = Path(cfg.out)
-    latest = latest_checkpoint(out)
-    if launched or restart_reason() is not None or latest is None:
+    if _continues(cfg, out):
         return
+    given = (("--data", cfg.data), ("--val", cfg.val), ("--init", cfg.init), ("--teacher", cfg.teacher),
+             ("--resume", cfg.resume))
+    inputs = [Input(what, path) for what, path in given if path and os.path.lexists(path)]   # not digits, random
+    moved = set_aside_earlier_run(out, inputs)
+    if moved is None:
+        return
+    folder, names = moved
+    latest = latest_checkpoint(folder)
+    what = f"an earlier run (checkpoints up to {latest.name})" if latest is not None else "files of an earlier run"
+    shown_names = ", ".join(n + ("/" if (folder / n).is_dir() else "") for n in names[:8]) + (
+        ", ..." if len(names) > 8 else "")
+    line = (f"unison: {out} held {what}: moved {shown_names} to {folder}, so this run starts in an empty folder"
+            + (f" (--resume {folder} continues that run)" if latest is not None else ""))
+    print(line, file=sys.stderr)
+    append_run_log(out, line)
+
+
+def _continues(cfg: TrainConfig, out: Path) -> bool:
+    """This run continues the run in `out`: it resumes from one of `out`'s own checkpoints, or it is a restarted or
+    requeued attempt that resumes from them by itself."""
     if cfg.resume:
-        resume = Path(cfg.resume)
-        source = resumed_checkpoint(resume)
-        if source is None or same_file(source, latest):
-            return
-        warning = (f"unison: warning: {out} holds checkpoints of another run (up to {latest.name}), which this run, "
-                   f"resumed from {cfg.resume}, will replace as it saves; pass a new --out to keep them")
-    else:
-        warning = (f"unison: warning: {out} holds checkpoints of an earlier run, which this fresh run will replace; "
-                   f"use --resume {out} (or --resume auto) to continue it")
-    print(warning, file=sys.stderr)
-    append_run_log(out, warning)
+        source = resumed_checkpoint(Path(cfg.resume))
+        return source is not None and is_inside(source, out / CHECKPOINT_DIR)
+    return resumes_after_restart(cfg)
 
 
 def resumed_checkpoint(resume: Path) -> Path | None:

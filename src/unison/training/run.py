@@ -17,15 +17,16 @@ import contextlib
 import dataclasses
 
 from unison.config import TrainConfig
-from unison.distributed.env import apply_launch_env, check_backend_launcher, detect_launch_env
+from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
+from unison.distributed.main_guard import refuse_reentered_main
 
 from .footprint import check_model_memory
 from .loop import train_worker, train_worker_own
 from .own import check_picklable
 from .owner import RunDirLock
 from .pieces import OwnPieces
-from .preflight import preflight, warn_fresh_run
+from .preflight import preflight, set_aside_other_run
 from .resolve import validate_run
 from .summary import Summary
 
@@ -36,11 +37,13 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     `isolated`: run even a single worker in a fresh process (benchmarks: each run's peak memory
     and thread settings are its own). `own`: the user's backbone, dataset and transform (`unison.training.own`),
     sent to unison's worker processes pickled."""
+    refuse_reentered_main("unison.train")   # a script without the main guard, re-run by a worker
     launch_env = detect_launch_env()
     launched = launch_env is not None
     check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
     if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
+    check_gpu_per_worker(cfg.distributed, launch_env)   # NCCL: a GPU per worker, before any worker starts
     validate_run(cfg, own=own)
     in_process = launched or (cfg.distributed.world_size == 1 and not isolated)
     if own is not None and not in_process:
@@ -50,7 +53,8 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     preflight(cfg, launched=launched, own=own)
     owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
     with RunDirLock(cfg.out) if owner else contextlib.nullcontext():
-        warn_fresh_run(cfg, launched)
+        if owner:
+            set_aside_other_run(cfg)   # a run never mixes its files with those of the run it replaces
         if in_process:
             return Summary.from_dict(train_worker(cfg.to_dict(), own))
         if own is not None:

@@ -18,8 +18,11 @@ Identical for any world size: the held-back images are embedded in fixed chunks 
 chunks, so the same arithmetic, at any W), each rank embedding a contiguous run of chunks; the features are
 gathered in image order and every rank computes the signals from the same matrix. The two views are the run's
 own augmentation drawn at the keys (seed, `SIGNAL_EPOCH`, image index), an epoch no training step reaches, so
-they are the same at any W and at every evaluation. Streamed data: the held-back images are decoded at the
-training size (shorter side resized, centre square) before they are augmented.
+they are the same at any W and at every evaluation; a method that trains on one view (mae, ijepa, distill) gets its
+second view from a second draw of its augmentation (`SECOND_VIEW_EPOCH`): two views of one image, whose alignment
+means what it means for the others (comparing the one view with itself gave 0 at every evaluation). Streamed
+data: the held-back images are decoded at the training size (shorter side resized, centre square) before they
+are augmented.
 
 The probe standardises the features with their running mean and variance (global sums, momentum
 `PROBE_MOMENTUM`): a backbone's raw features can sit at 0.01 +- 0.01, where a plain linear layer learns nothing
@@ -60,6 +63,7 @@ from unison.training.step import Batch, Run
 
 CHUNK = 64                  # images per embedding call: the same chunks at any world size
 SIGNAL_EPOCH = 2**61        # the augmentation key of the two views: past any training epoch (at most 1e9)
+SECOND_VIEW_EPOCH = SIGNAL_EPOCH + 1   # ... and of the second view of a one-view method, an independent draw
 AUTO_EVALUATIONS = 50       # --signals-every 0: about this many evaluations in a long run,
 AUTO_MIN_EVERY = 50         # and at most one every 50 steps (one evaluation costs about one step at batch 256)
 COLLAPSE_STD = COLLAPSE_STD_LINE   # 0.05: embedding std x sqrt(d) below this: collapsed (see `collapsed`)
@@ -130,7 +134,9 @@ class HeldBack:
         # streamed: decoded now; an unreadable image stays black (its place fixed, so every W sees the same set)
         images = self.images[a:b] if isinstance(self.images, torch.Tensor) else self.images.decode(a, b)[0]
         views = run.augment(images, self.keys[a:b], SIGNAL_EPOCH, run.cfg.seed)
-        made = [run.to_eval(images), *(self._format(v) for v in (views[0], views[min(1, len(views) - 1)]))]
+        if len(views) == 1:   # one-view methods (mae, ijepa, distill): a second draw of their augmentation
+            views = [views[0], run.augment(images, self.keys[a:b], SECOND_VIEW_EPOCH, run.cfg.seed)[0]]
+        made = [run.to_eval(images), *(self._format(v) for v in views[:2])]
         size = sum(x.numel() * x.element_size() for x in made)
         if self.cached_bytes + size <= self.CACHE_BYTES:
             self.cache[chunk], self.cached_bytes = made, self.cached_bytes + size

@@ -11,12 +11,13 @@ from unison.models import build_backbone
 from unison.training.checkpoint import save_checkpoint
 
 
-def _checkpoint(run_dir, backbone: str, image_size: int | None = None) -> torch.nn.Module:
+def _checkpoint(run_dir, backbone: str, image_size: int | None = None, backbone_args: dict | None = None,
+                ) -> torch.nn.Module:
     """A freshly built SimCLR with non-trivial batch-norm statistics, saved as a unison checkpoint."""
     from unison.models.backbones import resolve_backbone
 
     torch.manual_seed(0)
-    net, dim = build_backbone(backbone, image_size)
+    net, dim = build_backbone(backbone, image_size, backbone_args=backbone_args)
     cls = get_method("simclr")
     method = cls(net, dim, cls.Params())
     with torch.no_grad():  # eval-mode features then depend on every saved buffer, not just the weights
@@ -26,7 +27,7 @@ def _checkpoint(run_dir, backbone: str, image_size: int | None = None) -> torch.
                 m.running_var.uniform_(0.5, 1.5)
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.normal_(0, 0.1)
-    cfg = TrainConfig(backbone=backbone, image_size=image_size).to_dict()
+    cfg = TrainConfig(backbone=backbone, image_size=image_size, backbone_args=backbone_args or {}).to_dict()
     state = {"method": "simclr", "config": cfg, "model": method.state_dict()}
     if image_size is not None:  # what a run records since the stem follows the image size
         state["resolved"] = {"backbone": resolve_backbone(backbone, image_size), "image_size": image_size}
@@ -54,6 +55,29 @@ def test_export_resnet18_loads_into_torchvision_with_cifar_stem(tmp_path, capsys
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(tv.eval()(x), method.backbone(x))
+
+
+@pytest.mark.parametrize("backbone, args", [("timm:vit_tiny_patch16_224", {"patch_size": 4, "depth": 2}), ("vit_nano_p2", {})])
+def test_export_prints_a_loading_call_that_loads_the_weights(tmp_path, capsys, backbone, args):
+    """A timm ViT trained at 16 px with 4 px patches: the printed ``timm.create_model(name, num_classes=0)`` failed
+    (pos_embed and patch_embed of another size). The call printed (and in the sidecar) takes the weights strictly and
+    gives the backbone's features; unison's own ViTs load into timm's VisionTransformer the same way."""
+    import json
+    import re
+
+    import timm
+
+    method = _checkpoint(tmp_path / "run", backbone, 16, args)
+    out = tmp_path / "vit.pt"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    call = re.search(r"; load into (.*?); inputs 16 px", capsys.readouterr().out).group(1)
+    model = eval(call, {"timm": timm})
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), method.backbone(x))
+    assert call == json.loads(out.with_suffix(".json").read_text())["load"]
+    assert ("patch_size=4" in call and "img_size=16" in call) if args else "VisionTransformer(" in call
 
 
 def test_export_resnet18_at_imagenet_size_loads_into_plain_torchvision(tmp_path, capsys):
