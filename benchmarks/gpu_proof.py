@@ -182,7 +182,7 @@ def matmul_bf16(device: str) -> float:
 
 
 def phase_throughput(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
-    from unison.bench.config import PRESETS, config_from_overrides
+    from unison.bench.config import config_from_overrides
     from unison.bench.lightly_compare import compare
 
     rate = matmul_bf16(args.device)
@@ -194,7 +194,6 @@ def phase_throughput(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, A
     if args.tiny:
         over.update(backbone="small_cnn", threads=1)
     cfg = config_from_overrides(over)
-    assert cfg.backend == PRESETS[preset].backend
     rows = compare(cfg, train, val, Path(args.out) / "lightly")
     for r in rows:
         if not r.get("error"):
@@ -236,12 +235,14 @@ def _unison_synthetic(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
     from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
+    one_process = DistributedConfig(backend="local", world_size=1)
     device = torch.device(spec["device"])
     cfg = TrainConfig(method="simclr", data="synthetic", backbone=spec["backbone"], batch_size=spec["batch"],
                       epochs=1, image_size=spec["size"], amp="bf16" if device.type == "cuda" else "none",
-                      progress=False, online_probe=False)
+                      progress=False, online_probe=False, distributed=one_process)
     run = build_run(cfg, device, train_set=_synthetic_images(spec).to(device))
     wait = 0.0
     for batch in batches(run):
@@ -334,11 +335,13 @@ def phase_plan(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plan_config(method: str, backbone: str, size: int, batch: int, device: str):
+    """One GPU, one process: what the plan simulates and the measurement runs."""
     from unison.config import TrainConfig
+    from unison.config.distributed import DistributedConfig
 
     return TrainConfig(method=method, data="synthetic", backbone=backbone, batch_size=batch, epochs=1,
                        image_size=size, amp="bf16" if device == "cuda" else "none", progress=False,
-                       online_probe=False)
+                       online_probe=False, distributed=DistributedConfig(backend="local", world_size=1))
 
 
 def _measured_peak(cfg, size: int) -> dict[str, Any]:

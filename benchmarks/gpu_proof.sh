@@ -25,20 +25,12 @@ OUT=${OUT:-runs/gpu_proof}
 WORK=${UNISON_PROOF_WORK:-runs/gpu_proof}
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK"/phase-*.json "$WORK"/phase-*.status "$WORK"/proof.json "$WORK"/proof.md
-exec > >(tee "$OUT/gpu_proof.log") 2>&1
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 SITE=${TMPDIR:-/tmp}/unison_gpu_site
 
-# The wheels are built for Python 3.12 (the device's); another Python (the dry run here) uses its own packages.
-if [ -d gpu_carry/wheels ] && "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
-  "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" gpu_carry/wheels/*.whl \
-    || echo "gpu_proof.sh: installing the wheels failed; the phases that need them will say so" >&2
-else
-  echo "gpu_proof.sh: wheels not installed (gpu_carry/wheels: $([ -d gpu_carry/wheels ] && echo for Python 3.12 || echo absent); this is $("$PY" -V 2>&1)): using this environment's packages"
-fi
 export PYTHONPATH="src:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# Time boxes (s). The dry run's are safety nets for a loaded CI machine; it takes well under a minute on 2 idle cores.
+# Time boxes (s). The dry run's are safety nets for a loaded CI machine (its own CPU time is about 40 s).
 if [ -n "$TINY" ]; then LIMITS="tests:120 throughput:240 plan:120"; else LIMITS="tests:100 throughput:170 plan:60"; fi
 
 phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its record leaves a marker instead
@@ -54,9 +46,25 @@ phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its 
 }
 report() { "$PY" benchmarks/gpu_proof.py report --out "$WORK" && cp "$WORK"/proof.json "$WORK"/proof.md "$OUT"/ 2>/dev/null; }
 
-for item in $LIMITS; do phase "${item%%:*}" "${item##*:}"; done
-LEFT=$((DEADLINE - $(date +%s)))
-[ -n "$TINY" ] && LEFT=180
-if [ "$LEFT" -gt 20 ]; then phase accuracy "$LEFT"; else echo "no time left" > "$WORK/phase-accuracy.status"; report; fi
-echo "== proof: $OUT/proof.md, $OUT/proof.json ($(( $(date +%s) - START )) s) =="
-cat "$OUT/proof.md"
+install_wheels() {   # built for Python 3.12 (the device's); another Python (the dry run here) uses its own packages
+  if [ -d gpu_carry/wheels ] && "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+    rm -rf "$SITE"
+    "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" gpu_carry/wheels/*.whl \
+      && echo "gpu_proof.sh: installed $(ls gpu_carry/wheels | tr '\n' ' ')" \
+      || echo "gpu_proof.sh: installing the wheels failed; the phases that need them will say so"
+  else
+    echo "gpu_proof.sh: wheels not installed (gpu_carry/wheels: $([ -d gpu_carry/wheels ] && echo for Python 3.12 \
+|| echo absent); this is $("$PY" -V 2>&1)): using this environment's packages"
+  fi
+}
+
+main() {
+  install_wheels
+  for item in $LIMITS; do phase "${item%%:*}" "${item##*:}"; done
+  LEFT=$((DEADLINE - $(date +%s)))
+  [ -n "$TINY" ] && LEFT=180
+  if [ "$LEFT" -gt 20 ]; then phase accuracy "$LEFT"; else echo "no time left" > "$WORK/phase-accuracy.status"; report; fi
+  echo "== proof: $OUT/proof.md, $OUT/proof.json ($(( $(date +%s) - START )) s) =="
+  cat "$OUT/proof.md"
+}
+main 2>&1 | tee "$OUT/gpu_proof.log"

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the GPU tests run on a lent GPU (benchmarks/gpu_proof.sh)", allow_module_level=True)
 
 from unison.config import TrainConfig  # noqa: E402
+from unison.config.distributed import DistributedConfig  # noqa: E402
 from unison.data.synthetic import synthetic_dataset  # noqa: E402
 from unison.distributed.testing import run_in_workers  # noqa: E402
 from unison.equivalence.steps import run_equivalence  # noqa: E402
@@ -31,7 +32,8 @@ def _one_step(cfg_kwargs: dict, backbone: str = "resnet18") -> dict:
     from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
     cfg = TrainConfig(method="simclr", data="synthetic", backbone=backbone, batch_size=32, epochs=1,
-                      image_size=32, progress=False, online_probe=False, **cfg_kwargs)
+                      image_size=32, progress=False, online_probe=False,
+                      distributed=DistributedConfig(backend="local", world_size=1), **cfg_kwargs)
     run = build_run(cfg, CUDA, train_set=synthetic_dataset(64, 32).to(CUDA))
     conv = next(m for m in run.method.modules() if isinstance(m, torch.nn.Conv2d))
     seen: dict = {}
