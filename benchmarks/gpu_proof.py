@@ -378,7 +378,8 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     steps_per_epoch = n // s["batch"]
     ips = _measured_rate(Path(args.out)) or (2.0e3 if args.device == "cuda" else 50.0)
     left = (args.deadline - time.time() - s["reserve_s"]) if args.deadline else 60.0
-    epochs = int(max(s["min_epochs"], min(s["max_epochs"], left * ips / (steps_per_epoch * s["batch"]))))
+    # 85 %: the steady rate leaves out warm-up and the online probe; a run past the time box would return nothing
+    epochs = int(max(s["min_epochs"], min(s["max_epochs"], 0.85 * left * ips / (steps_per_epoch * s["batch"]))))
     run_dir = Path(args.out) / "runs" / "accuracy"
     argv = ["train", "--method", "simclr", "--backbone", "resnet18" if not args.tiny else "small_cnn",
             "--data", train, "--val", val, "--epochs", str(epochs), "--batch-size", str(s["batch"]),
