@@ -72,9 +72,10 @@ def training_step_flops(method: str, backbone: str, batch: int, image_size: int)
 
 
 def matmul_rate(threads: int, sizes: tuple[int, ...] = (1024, 2048), repeats: int = 5,
-                device: str = "cpu") -> float:
-    """FLOP/s of the best dense fp32 ``torch.mm`` (n x n by n x n, 2 n^3 FLOPs) over `sizes`, each the best of
-    `repeats` after one warm-up, with `threads` torch threads: what this machine's matrix units reach now."""
+                device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of the best dense ``torch.mm`` in `dtype` (n x n by n x n, 2 n^3 FLOPs) over `sizes`, each the best of
+    `repeats` after one warm-up, with `threads` torch threads: what this machine's matrix units reach now (on a GPU
+    in bf16 at 8192: the card's measured bf16 rate, the denominator of its MFU)."""
     import time
 
     previous = torch.get_num_threads()
@@ -82,8 +83,10 @@ def matmul_rate(threads: int, sizes: tuple[int, ...] = (1024, 2048), repeats: in
     best = 0.0
     try:
         for n in sizes:
-            a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+            a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
             torch.mm(a, b)
+            if device == "cuda":
+                torch.cuda.synchronize()
             for _ in range(repeats):
                 started = time.perf_counter()
                 torch.mm(a, b)

@@ -112,28 +112,10 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     criterion = NTXentLoss(temperature=0.5)
     peak_lr = SimCLR.recipe.base_lr * p["batch_size"] / 256
     optimizer = build_optimizer("sgd", model.parameters(), lr=peak_lr, weight_decay=SimCLR.recipe.weight_decay)
-    steps, step = p["steps"], 0
+    steps = p["steps"]
     schedule = Schedule(peak_lr, warmup_steps=0, total_steps=steps)   # unison's schedule, so both sides match
-    step_end: list[float] = []   # seconds since the start at the end of every step
-    model.train()
-    started = time.perf_counter()
-    while step < steps:
-        for (x0, x1), _ in loader:
-            for group in optimizer.param_groups:
-                group["lr"] = schedule.lr(step)
-            x0, x1 = x0.to(device, non_blocking=True), x1.to(device, non_blocking=True)
-            loss = criterion(model(x0), model(x1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_end.append(time.perf_counter() - started)
-            if step >= steps:
-                break
-    final_loss = float(loss.detach())
-    train_time = time.perf_counter() - started
+    step_end, wait_s, final_loss = _train_lightly(model, loader, criterion, optimizer, schedule, p, device)
+    train_time = step_end[-1]
 
     model.eval()
     to_eval = lambda x: eval_transform(x, train.image_size, train.mean, train.std)  # noqa: E731
@@ -141,14 +123,49 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
                        val.labels.to(device), to_eval, len(train.classes), k=p["knn_k"], t=0.1)
     Path(result_path).write_text(json.dumps({
         "steps": steps, "train_time_s": train_time, "step_end_s": step_end, "knn_top1": knn, "final_loss": final_loss,
+        "data_wait_share": wait_s / train_time,
         "peak_memory_mib": peak_memory_mib(device), "train_images": len(train), "val_images": len(val)}))
+
+
+def _train_lightly(model, loader, criterion, optimizer, schedule, p: dict[str, Any], device) -> tuple:
+    """Lightly's training loop: (seconds since the start at the end of every step, seconds blocked on the loader
+    for the next batch (its data wait), the final loss)."""
+    import torch
+
+    step_end: list[float] = []
+    wait_s, step = 0.0, 0
+    model.train()
+    started = time.perf_counter()
+    while step < p["steps"]:
+        batches = iter(loader)
+        while step < p["steps"]:
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            wait_s += time.perf_counter() - asked
+            if batch is None:   # the epoch's end: a new epoch starts its loader workers again
+                break
+            (x0, x1), _ = batch
+            for group in optimizer.param_groups:
+                group["lr"] = schedule.lr(step)
+            x0, x1 = x0.to(device, non_blocking=True), x1.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=p["amp"] == "bf16"):
+                loss = criterion(model(x0), model(x1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step_end.append(time.perf_counter() - started)
+    return step_end, wait_s, float(loss.detach())
 
 
 def run_lightly_side(cfg: BenchConfig, data: str, val: str | None, out_dir: Path, threads: int,
                      device: str) -> tuple[dict[str, Any], float]:
     payload = {"data": data, "val": val, "subset": cfg.subset, "val_subset": cfg.val_subset, "seed": cfg.seed,
                "batch_size": cfg.batch_size, "steps": cfg.lightly_steps, "backbone": cfg.backbone,
-               "loader_workers": cfg.lightly_loader_workers, "threads": threads, "knn_k": cfg.knn_k, "device": device}
+               "loader_workers": cfg.lightly_loader_workers, "threads": threads, "knn_k": cfg.knn_k, "device": device,
+               "amp": train_flag(cfg.train_args, "--amp") or "none"}
     result = out_dir / "lightly_side.json"
     result.unlink(missing_ok=True)
     proc = mp.get_context("spawn").Process(target=_lightly_child, args=(payload, str(result)), name="lightly-side")
@@ -159,6 +176,20 @@ def run_lightly_side(cfg: BenchConfig, data: str, val: str | None, out_dir: Path
     if proc.exitcode != 0 or not result.exists():
         raise BenchError(f"the Lightly side exited with {proc.exitcode} (its traceback is above)")
     return json.loads(result.read_text()), wall
+
+
+def train_flag(train_args: str, flag: str) -> str | None:
+    """The value of `flag` in the extra ``unison train`` arguments (``--amp bf16`` or ``--amp=bf16``), if given:
+    the Lightly side runs under the same autocast as unison's."""
+    import shlex
+
+    words = shlex.split(train_args)
+    for k, word in enumerate(words):
+        if word == flag and k + 1 < len(words):
+            return words[k + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def side_threads(cfg: BenchConfig) -> int:
@@ -191,7 +222,8 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
                  "images_per_s": n * b / s["train_time_s"], "steady_from_step": first_step,
                  "steady_images_per_s": (n - first_step) * b / (s["train_time_s"] - first_time)
                  if n > first_step else None, "knn_top1": s["knn_top1"],
-                 "peak_memory_mib": max(s["peak_memory_mib"]), "load_1m": load[0] if load else None,
+                 "peak_memory_mib": max(s["peak_memory_mib"]), "data_wait_share": s["data_wait_fraction"],
+                 "load_1m": load[0] if load else None,
                  "load_1m_after": (loadavg() or [None])[0], "version": _version("unison"), "error": None})
 
     why_not = lightly_available()
@@ -206,7 +238,8 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
                      "images_per_s": r["steps"] * cfg.batch_size / r["train_time_s"], "steady_from_step": first_step,
                      "steady_images_per_s": (len(ends) - first_step) * cfg.batch_size / (ends[-1] - ends[first_step - 1])
                      if len(ends) > first_step else None, "knn_top1": r["knn_top1"],
-                     "peak_memory_mib": r["peak_memory_mib"], "load_1m": load[0] if load else None,
+                     "peak_memory_mib": r["peak_memory_mib"], "data_wait_share": r["data_wait_share"],
+                     "load_1m": load[0] if load else None,
                      "load_1m_after": (loadavg() or [None])[0], "version": _version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})
@@ -279,7 +312,7 @@ def lightly_markdown(rows: list[dict[str, Any]]) -> str:
     steady_from = next((r.get("steady_from_step") for r in rows if r.get("steady_from_step")), None)
     headers = ["Side", "Version", "Pipeline", "Threads", "Loader workers", "Steps x batch", "Training time",
                "Warm-up", f"img/s (steady, after step {steady_from})", "img/s (all steps)", "TFLOP/s (steady)",
-               "of measured fp32 matmul", "of bf16 peak", "kNN acc", "Peak mem", "Load 1 min before / after"]
+               "of measured fp32 matmul", "of bf16 peak", "Data wait", "kNN acc", "Peak mem", "Load 1 min before / after"]
     body = []
     for r in rows:
         if r.get("error"):
@@ -294,6 +327,7 @@ def lightly_markdown(rows: list[dict[str, Any]]) -> str:
                      "n/a" if tflops is None else f"{tflops:.3f}",
                      "n/a" if r.get("matmul_fraction") is None else f"{100 * r['matmul_fraction']:.0f} %",
                      "n/a (peak unknown)" if r.get("peak_fraction") is None else f"{100 * r['peak_fraction']:.1f} %",
+                     "n/a" if r.get("data_wait_share") is None else f"{100 * r['data_wait_share']:.0f} %",
                      f"{r['knn_top1']:.3f}", f"{r['peak_memory_mib']:.0f} MiB", load_pair(r)])
     text = markdown_table(headers, body)
     measured = {r["side"]: r for r in rows if not r.get("error")}

@@ -24,6 +24,9 @@ class CheckSpec:
         "help": "backbone; default: the method's recipe (small_cnn, or a ViT for the methods that need one)"})
     dtype: str = field(default="float64", metadata={"help": "float64 (tolerance 1e-6) or float32 (1e-3)",
                                                      "choices": tuple(TOLERANCE)})
+    device: str = field(default="cpu", metadata={
+        "help": "where every rank and the reference run: cpu, or cuda (all ranks on GPU 0, over gloo)",
+        "choices": ("cpu", "cuda")})
     sync_batchnorm: bool = field(default=True, metadata={"help": "SyncBN in the distributed run"})
     gather_distributed: bool = field(default=True, metadata={"help": "global-batch losses", "flag": "gather"})
     shared_queue: bool = field(default=True, metadata={"help": "MoCo-style queues shared by all workers"})

@@ -47,7 +47,7 @@ class TrainConfig:
     data: str = field(default="digits", metadata={
         "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download), an ImageFolder directory, "
                 "a folder of images (unlabelled), a file list (one path per line, optional label) or .tar shards "
-                "(x.tar, a folder of them, or train-{0000..0146}.tar)"})
+                "(x.tar, a folder of them, or train-{0000..0146}.tar) or a pack (x.pack: unison.data.pack)"})
     val: str | None = field(default=None, metadata={
         "help": "labelled held-out data for kNN, in any --data layout; default: the held-out split of digits / "
                 "cifar10, and no kNN for other data"})

@@ -13,7 +13,7 @@ Modules, bottom to top (each imports only those earlier in this list, never the 
 configuration): `tensor_dataset` (`ImageTensorDataset`), `files` (bounded regular-file reads, strict labels,
 the pixel limit), `samples` (the `Catalog` value), `cache`
 (the cache folder), `spec` (`DataSpec` and the size rules), `subsets`, `presets`, `augment`,
-`builtin` (digits, CIFAR-10), `shards` (tar shards), `catalog` (folders, file lists; the layout
+`builtin` (digits, CIFAR-10), `shards` (tar shards), `pack` (images in one file), `catalog` (folders, file lists; the layout
 dispatcher `open_catalog`), `memory` (decoding a catalog into memory, the cache), `datasets`
 (the dispatcher `load_dataset`), `decode` / `gpu_decode` (crops of encoded images), `batches`
 (`EpochOrder`, the in-memory `BatchSource`), `stream` (the streaming one), `source` (which one), `own` (the user's

@@ -1,6 +1,6 @@
 """What a data spec holds: one `Catalog` of samples (where each one's bytes are, and its label).
 
-`open_catalog(spec)` recognises four layouts:
+`open_catalog(spec)` recognises five layouts:
 
 ==================  ==========================================================  ===========
 layout              what ``spec`` is                                            labels
@@ -13,6 +13,8 @@ file list           a text file, one image path per line (relative paths are    
                     blank lines and lines starting with ``#`` are skipped
 tar shards          ``x.tar``, a folder of ``*.tar`` or a brace pattern          ``.cls``
                     ``train-{0000..0146}.tar`` (WebDataset layout, see shards)
+pack                ``x.pack``: images back to back in one file, plus an index   its index
+                    (`unison.data.pack`)
 ==================  ==========================================================  ===========
 
 A folder holding both images and subfolders is neither layout and is refused by name (reading it
@@ -58,17 +60,18 @@ import numpy as np
 from unison.errors import DataError
 
 from .files import MAX_LIST_BYTES, check_regular, file_kind, read_regular, resolved
+from .pack import PACK_SUFFIX, open_pack
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices, stat_all
 from .shards import SHARD_SUFFIXES, open_shards, shard_paths
 
 __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "open_catalog", "scan_folder"]
 
 _PATH_MAX, _NAME_MAX = 4096, 255   # Linux's limits on a path and on one name in it (bytes)
-LAYOUTS = "an ImageFolder layout {}/<class>/<image>, a folder of images, a file list or .tar shards"
+LAYOUTS = "an ImageFolder layout {}/<class>/<image>, a folder of images, a file list, .tar shards or a .pack"
 
 
 def open_catalog(spec: str, what: str = "data") -> Catalog:
-    """The catalog of an ImageFolder, a flat folder of images, a file list or tar shards (see the module docstring).
+    """The catalog of an ImageFolder, a flat folder of images, a file list, tar shards or a pack (module docstring).
 
     Raises `DataError` with a one-line message that names the path (`what`: ``--data``, ``--val``) and
     says what was expected.
@@ -88,6 +91,9 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
         shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:120]}... ({len(str(path)):,} characters)"
         raise DataError(f"cannot read {what} {shown} ({e.strerror or e})") from None
     if not stat.S_ISDIR(st.st_mode):
+        if spec.endswith(PACK_SUFFIX) or path.name.endswith(PACK_SUFFIX):
+            check_regular(spec, "pack")
+            return open_pack(path)
         shard = spec.endswith(SHARD_SUFFIXES) or path.name.endswith(SHARD_SUFFIXES)  # the name given, or linked to
         check_regular(spec, "tar shard" if shard else "file list")
         return open_shards(shard_paths(str(path))) if shard else _open_list(path)

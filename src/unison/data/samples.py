@@ -1,7 +1,7 @@
 """The samples of a data spec as one `Catalog`: where each sample's bytes are, its label, and how to read them.
 
 This is the value every layout produces (`unison.data.catalog` for folders and file lists,
-`unison.data.shards` for tar shards) and every reader consumes (`unison.data.memory`,
+`unison.data.shards` for tar shards, `unison.data.pack` for packs) and every reader consumes (`unison.data.memory`,
 `unison.data.decode`, `unison.data.stream`); it sits below them so that none of them imports another
 to reach it. Also here: the helpers the layouts share (image extensions, class indices from
 labels, stat of many files at once).
@@ -39,6 +39,7 @@ __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "integer_classes", "lab
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 _MAX_OPEN_SHARDS = 64
+POSITIONED = ("shards", "pack")   # kinds whose samples are (file, offset, size) in a few large files
 
 
 class PackedStrings:
@@ -64,13 +65,13 @@ class PackedStrings:
 class Catalog:
     """The samples of one data spec; see the module docstring."""
 
-    kind: str                        # "folder" | "flat" | "list" | "shards"
+    kind: str                        # "folder" | "flat" | "list" | "shards" | "pack"
     location: Path                   # the folder, the list file, or the first shard
     base: Path                       # what relative file names are joined to
     names: PackedStrings             # file path relative to `base`, or member name in its shard
     labels: np.ndarray               # int64 [N]; -1 = no label
     classes: list[str]               # [] when unlabelled
-    shards: list[str] = field(default_factory=list)                             # kind "shards": the tar files
+    shards: list[str] = field(default_factory=list)                             # "shards"/"pack": the files
     shard_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [N] shard of each sample
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [N] data offset in the shard
     sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))     # [N] data size in bytes
@@ -100,17 +101,17 @@ class Catalog:
 
     def path(self, i: int) -> str:
         """The file of sample i (for shards: the shard)."""
-        if self.kind == "shards":
+        if self.kind in POSITIONED:
             return self.shards[int(self.shard_of[i])]
         return os.path.join(self.base, self.names[i])
 
     def describe(self, i: int) -> str:
         """Sample i for messages: its file, or ``shard.tar:member``."""
-        return f"{self.path(i)}:{self.names[i]}" if self.kind == "shards" else self.path(i)
+        return f"{self.path(i)}:{self.names[i]}" if self.kind in POSITIONED else self.path(i)
 
     def read(self, i: int) -> bytes:
-        """The encoded bytes of sample i (a file read, or one positioned read from its shard)."""
-        if self.kind != "shards":
+        """The encoded bytes of sample i (a file read, or one positioned read from its shard or pack)."""
+        if self.kind not in POSITIONED:
             return read_regular(self.path(i))  # a FIFO, a device or an oversized file: OSError, nothing read
         size, offset = int(self.sizes[i]), int(self.offsets[i])
         if size > MAX_IMAGE_BYTES:  # the bound of every image read, as for files
@@ -118,7 +119,8 @@ class Catalog:
                           "limit", self.path(i))
         data = os.pread(self._shard_fd(int(self.shard_of[i])), size, offset)
         if len(data) != size:
-            raise DataError(f"tar shard {self.path(i)} is truncated: member {self.names[i]} ends at byte "
+            what = "tar shard" if self.kind == "shards" else "pack"
+            raise DataError(f"{what} {self.path(i)} is truncated: member {self.names[i]} ends at byte "
                             f"{offset + size}, beyond the end of the file")
         return data
 
@@ -134,7 +136,7 @@ class Catalog:
 
     def file_stats(self) -> list[tuple[int, int]]:
         """(size, mtime_ns) of every file (samples, or shards), for cache keys."""
-        files = self.shards if self.kind == "shards" else [self.path(i) for i in range(len(self))]
+        files = self.shards if self.kind in POSITIONED else [self.path(i) for i in range(len(self))]
         return [(st.st_size, st.st_mtime_ns) for st in stat_all(files) if st is not None]  # missing: raised
 
 

@@ -137,15 +137,16 @@ def record_steps(spec_dict: dict[str, Any], own: OwnPieces | None = None) -> dic
     torch.set_num_threads(1)
     cfg = train_config_for(spec, C.world_size(), own)
     given = spec.data or (own is not None and own.dataset is not None)
-    run = build_run(cfg, torch.device("cpu"), train_set=None if given else synthetic_images(spec), own=own)
+    device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")   # ranks share GPU 0
+    run = build_run(cfg, device, train_set=None if given else synthetic_images(spec), own=own)
     losses, grads, states = [], [], []
     for micro in steps(run):
-        losses.append(C.all_reduce_no_grad(accumulated_forward_backward(run, micro), average=True))
+        losses.append(C.all_reduce_no_grad(accumulated_forward_backward(run, micro), average=True).cpu())
         # full_tensor: sharded (FSDP) gradients and parameters gathered whole (a collective; plain ones as they are)
-        grads.append({n: full_tensor(p.grad).detach().clone() for n, p in run.method.named_parameters()
+        grads.append({n: full_tensor(p.grad).detach().cpu().clone() for n, p in run.method.named_parameters()
                       if p.grad is not None})
         optimizer_step(run, micro[0].step)
-        states.append({k: full_tensor(v).detach().clone() for k, v in run.method.state_dict().items()})
+        states.append({k: full_tensor(v).detach().cpu().clone() for k, v in run.method.state_dict().items()})
     # Every rank must hold the same state; per-rank queues (shared_queue off) differ by design.
     final = {k: v for k, v in states[-1].items() if spec.shared_queue or "queue" not in k}
     gathered = C.all_gather_object(final) if C.world_size() > 1 else [final]
@@ -229,6 +230,8 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
+    if any(spec.device == "cuda" for spec in specs) and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; leave --device at cpu")
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
         cfg = validate_run(train_config_for(spec, world_size, own), own=own)
         if own is not None:

@@ -142,8 +142,6 @@ def cuda_check(cfg: TrainConfig) -> CudaCheck:
     EMA/queue/centre updates, each op checked for device mismatches; gradients are zeros of the parameters."""
     from unittest import mock
 
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
-
     from unison.training.step import build_run, forward_backward, optimizer_step
 
     if cfg.distributed.shard == "full":
@@ -161,9 +159,21 @@ def cuda_check(cfg: TrainConfig) -> CudaCheck:
                 for p in run.trainable:
                     p.grad = torch.zeros_like(p)
                 optimizer_step(run, batch.step)
-            except FakeTensorDeviceMismatchError as exc:
+            except RuntimeError as exc:
+                if not is_device_mismatch(exc):
+                    raise
                 return CudaCheck(syncs.syncs, f"{exc} at {_where(exc)}")
     return CudaCheck(syncs.syncs, None)
+
+
+def is_device_mismatch(exc: BaseException) -> bool:
+    """Whether `exc` is fake tensors' "a CPU tensor met a CUDA one": `FakeTensorDeviceMismatchError` where torch
+    has it (after 2.11), a plain RuntimeError naming the two devices in torch 2.11 and before."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+    except ImportError:
+        return isinstance(exc, RuntimeError) and "found two different devices" in str(exc)
+    return isinstance(exc, FakeTensorDeviceMismatchError)
 
 
 def _where(exc: BaseException) -> str:

@@ -1,0 +1,71 @@
+"""The GPU proof stays runnable and within the lent machine's limits: its CPU dry run runs every phase's code, the
+device command line fits, and what travels fits (benchmarks/gpu_proof.sh, scripts/gpu_prepare.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+CIFAR = REPO.parent / "shared/data/cifar10"
+WHEELS_MIB = 2.0   # the carried wheels measured 0.7 MiB (simplejpeg, braceexpand, lightly, lightning-utilities)
+
+
+def _proof_module():
+    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks/gpu_proof.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "UNISON_PROOF_WORK": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "UNISON_NO_CACHE": "1"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_proof.sh", "--device", "cpu", "--tiny"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_proof.log", "proof.json", "proof.md"]
+    proof = json.loads((tmp_path / "out/proof.json").read_text())
+    phases = proof["phases"]
+    assert {name: p["status"] for name, p in phases.items()} == dict.fromkeys(
+        ("tests", "throughput", "plan", "accuracy"), "ok"), proc.stdout[-3000:]
+    assert [t["outcome"] for t in phases["tests"]["result"]["tests"]] == ["skipped"]   # no CUDA here: one line
+    assert "no CUDA device" in phases["tests"]["result"]["tests"][0]["message"]
+    throughput = phases["throughput"]["result"]
+    assert [r["side"] for r in throughput["cifar_resnet18"]] == ["unison", "lightly"]
+    assert all(r["error"] is None and r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1
+               for r in throughput["cifar_resnet18"])
+    assert all(pair[side]["images_per_s"] > 0 for pair in throughput["synthetic_224"] for side in ("unison", "lightly"))
+    assert all(c["plan_peak_mib"] > 0 and c["measured_peak_mib"] > 0 for c in phases["plan"]["result"]["configs"])
+    assert 0 <= phases["accuracy"]["result"]["knn_top1"] <= 1
+    assert "## accuracy: ok" in (tmp_path / "out/proof.md").read_text()
+
+
+def test_the_device_command_and_carry_list_are_the_documented_ones_and_fit():
+    proof = _proof_module()
+    docs = (REPO / "docs/benchmarks.md").read_text()
+    assert len(proof.DEVICE_COMMAND) < proof.COMMAND_LIMIT
+    assert f"command = `{proof.DEVICE_COMMAND}`" in docs and f"carry = `{json.dumps(proof.DEVICE_CARRY)}`" in docs
+    assert proof.DEVICE_CARRY == [proof.CARRY] and f"/{proof.CARRY}/" in (REPO / ".gitignore").read_text()
+
+
+def test_what_travels_stays_under_the_limits():
+    proof = _proof_module()
+    carried = REPO / proof.CARRY
+    if carried.is_dir():
+        size = proof.folder_bytes(carried)
+    elif CIFAR.is_dir():
+        from unison.data.catalog import open_catalog
+        from unison.data.pack import pack_size
+
+        size = sum(pack_size(open_catalog(str(CIFAR / split))) for split in ("train", "val")) + WHEELS_MIB * 2**20
+    else:
+        pytest.skip(f"neither {carried} (scripts/gpu_prepare.sh) nor the CIFAR-10 data ({CIFAR}) is here")
+    assert size <= proof.CARRY_LIMIT_MIB * 2**20
+    assert size + proof.tree_bytes() <= proof.TRAVEL_LIMIT_MIB * 2**20

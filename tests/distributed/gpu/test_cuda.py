@@ -1,0 +1,110 @@
+"""What only a CUDA device can show (marker ``gpu``; `benchmarks/gpu_proof.sh` runs ``pytest -m gpu`` on a lent GPU):
+SyncBN, bf16 autocast, channels_last, ``--compile`` and nvJPEG on CUDA, ``unison check`` on CUDA (2 ranks sharing
+GPU 0 over gloo, float64: DDP and ``--shard full``), and whether NCCL takes two ranks on one GPU.
+
+On a machine without CUDA the whole module is one skipped line.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the GPU tests run on a lent GPU (benchmarks/gpu_proof.sh)", allow_module_level=True)
+
+from unison.config import TrainConfig  # noqa: E402
+from unison.config.distributed import DistributedConfig  # noqa: E402
+from unison.data.synthetic import synthetic_dataset  # noqa: E402
+from unison.distributed.testing import run_in_workers  # noqa: E402
+from unison.equivalence.steps import run_equivalence  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+
+
+def _one_step(cfg_kwargs: dict, backbone: str = "resnet18") -> dict:
+    """Two steps of `unison train`'s step on GPU 0 (world size 1): the first conv's output dtype, the layout of
+    the first conv weight, the losses."""
+    from unison.training.step import batches, build_run, forward_backward, optimizer_step
+
+    cfg = TrainConfig(method="simclr", data="synthetic", backbone=backbone, batch_size=32, epochs=1,
+                      image_size=32, progress=False, online_probe=False,
+                      distributed=DistributedConfig(backend="local", world_size=1), **cfg_kwargs)
+    run = build_run(cfg, CUDA, train_set=synthetic_dataset(64, 32).to(CUDA))
+    conv = next(m for m in run.method.modules() if isinstance(m, torch.nn.Conv2d))
+    seen: dict = {}
+    conv.register_forward_hook(lambda m, i, o: seen.setdefault("dtype", o.dtype))
+    losses = []
+    for batch in batches(run):
+        losses.append(float(forward_backward(run, batch)))
+        optimizer_step(run, batch.step)
+    channels_last = conv.weight.is_contiguous(memory_format=torch.channels_last)
+    return {"dtype": seen["dtype"], "channels_last": channels_last, "losses": losses}
+
+
+def _local(fn, *args):
+    return run_in_workers(fn, 1, args=args, backend="local")[0]
+
+
+def test_bf16_autocast_runs_the_convolutions_in_bf16():
+    out = _local(_one_step, {"amp": "bf16"})
+    assert out["dtype"] == torch.bfloat16 and all(np.isfinite(out["losses"]))
+
+
+def test_channels_last_weights_on_cuda():
+    assert _local(_one_step, {"channels_last": True})["channels_last"]
+    assert not _local(_one_step, {"channels_last": False})["channels_last"]
+
+
+def test_compile_matches_eager_on_the_first_step():   # small_cnn: compiling ResNet-18 takes most of a minute
+    eager, compiled = _local(_one_step, {}, "small_cnn"), _local(_one_step, {"compile": True}, "small_cnn")
+    assert abs(compiled["losses"][0] - eager["losses"][0]) <= 1e-3 * abs(eager["losses"][0])
+
+
+def test_nvjpeg_decode_matches_the_cpu_decode():
+    from PIL import Image
+    from torchvision.io import decode_jpeg
+
+    from unison.data.gpu_decode import GpuCropper
+    from unison.data.memory import decode_bytes
+
+    rng = np.random.default_rng(0)
+    images = []
+    for _ in range(4):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).resize((128, 96)).save(buf, "JPEG")
+        images.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    cropper = GpuCropper(None, seed=0, device=CUDA)   # type: ignore[arg-type]   # decode needs no augmenter
+    decoded = cropper.decode(images)
+    assert decode_jpeg is not None and all(d.device.type == "cuda" and d.shape == (3, 96, 128) for d in decoded)
+    for d, data in zip(decoded, images):   # another IDCT than libjpeg's: a few levels apart at most
+        diff = (d.cpu().int() - decode_bytes(data.numpy().tobytes()).int()).abs().float().mean()
+        assert float(diff) < 3.0
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_unison_check_on_cuda_two_ranks_one_gpu_gloo_float64(shard):
+    report = run_equivalence("simclr", 2, device="cuda", dtype="float64", shard=shard, steps=2, local_batch=8,
+                             sync_batchnorm=shard == "none")
+    assert report.passed, report.summary()
+
+
+def _nccl_all_reduce() -> float:
+    from unison.distributed import collectives as C
+
+    x = torch.ones(4, device=CUDA) * (C.rank() + 1)
+    torch.distributed.all_reduce(x)
+    return float(x[0])
+
+
+def test_nccl_two_ranks_on_one_gpu_is_tried():
+    """NCCL is expected to refuse two ranks on one GPU ("Duplicate GPU detected"); the outcome is the report."""
+    try:
+        result = run_in_workers(_nccl_all_reduce, 2, backend="nccl", timeout_s=60)
+    except Exception as e:
+        pytest.xfail(f"NCCL refused 2 ranks on 1 GPU: {type(e).__name__}: {' '.join(str(e).split())[:250]}")
+    assert result == [3.0, 3.0]
