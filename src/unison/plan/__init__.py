@@ -309,8 +309,7 @@ class PlanReport:
         step_s = compute_s + comm_s
         return {
             "method": self.cfg.method, "backbone": resolve_backbone(str(self.cfg.backbone), self.cfg.image_size),
-            "image_size": self.cfg.image_size,
-            "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
+            "image_size": self.cfg.image_size, "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
             "local_batch": s.local_batch, "global_batch": self.cfg.batch_size,
             "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
             "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
@@ -370,10 +369,8 @@ def _explained(syncs: list[HostSync]) -> list[str]:
 
 
 def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
-    """What `plan` simulates of the validated `cfg`: refused (one line) where plan cannot simulate it, with the
-    image size it assumes (the data is not read): ``--image-size``, else 224 px (the size `train` takes for large
-    images). The recipe's defaults then follow that size as in `train` (`unison.training.resolve.resolve_recipe`)
-    when `build_run` builds the simulated rank's step."""
+    """What `plan` simulates of the validated `cfg` (one line where it cannot), at ``--image-size`` or else 224 px
+    (the data is not read); the recipe's defaults follow that size in `build_run`, as in `train`."""
     if cfg.distributed.grad_compression != "none":
         raise ConfigError("unison plan does not simulate --grad-compression; leave it at none")
     if cfg.compile:

@@ -23,7 +23,7 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
     backbone = "vit_nano_auto" if method == "mae" else "small_cnn"   # MAE: a ViT (`for_method`), tiny here
     payload = {"method": method, "data": "digits", "val": None, "subset": 40, "val_subset": 20, "seed": 0,
                "batch_size": 8, "steps": 2, "backbone": backbone, "loader_workers": 0, "threads": 1, "knn_k": 5,
-               "device": "cpu"}
+               "device": "cpu", "amp": "none"}
     threads = torch.get_num_threads()
     try:
         _lightly_child(payload, str(tmp_path / "side.json"))
