@@ -10,6 +10,7 @@ the four parts and also writes ``report.md``, the sections one after another.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -39,8 +40,10 @@ _WHAT = {
              "Bytes each worker hands to collectives per step, counted by `CommMeter` (DDP wrapped with "
              "`metered=True`), against the ideal (the gradient in bytes); W real gloo/NCCL workers, random images."),
     "lightly": ("Side by side with Lightly SSL",
-                "SimCLR, same backbone type, data, global batch, steps, optimizer and schedule; one training process "
-                "per side (Lightly's with its DataLoader workers); kNN of both encoders by the same code."),
+                "Each --method (seed: Lightly's six; all: also vicreg, dino, mae) with the same backbone type, data, global "
+                "batch, steps and schedule, each side its own recipe (Lightly's: its modules, transforms and CIFAR-10 "
+                "settings); one training process per side (Lightly's with its DataLoader workers); kNN of both "
+                "encoders by the same code, throughput and peak memory."),
     "data": ("Data loading at 224 px",
              "Images/s and images per CPU-second of SimCLR's two 224 px views from a JPEG folder: unison's "
              "streaming loader against the decode limit (libjpeg-turbo), torchvision's ImageFolder + Lightly's "
@@ -57,7 +60,7 @@ _DATA = ("data", "val", "subset", "val_subset", "knn_k")
 PART_OPTIONS = {
     "table": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args"),
     "comm": (*_COMMON, "methods", "batch_size", "workers", "backend", "comm_steps"),
-    "lightly": (*_COMMON, *_DATA, "epochs", "batch_size", "backend", "train_args", "lightly_steps",
+    "lightly": (*_COMMON, *_DATA, "method", "seeds", "epochs", "batch_size", "backend", "train_args", "lightly_steps",
                 "lightly_loader_workers", "lightly_threads", "peak_tflops"),
     "scaling": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args",
                 "scaling_steps"),
@@ -207,8 +210,8 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
     import shlex
 
     from .comm import default_specs
-    from .lightly_compare import side_threads
-    from .table import RunSpec, scaling_specs, table_specs, train_argv
+    from .lightly_compare import for_method, side_run_name, unison_side_argv
+    from .table import scaling_specs, table_specs, train_argv
 
     data = data_or_skip(cfg)
     train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
@@ -222,11 +225,12 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
             for spec in specs:
                 print("unison " + shlex.join(train_argv(cfg, spec, train, val, out / "runs" / spec.name)))
         elif part == "lightly":
-            spec = RunSpec("simclr", "unison", 1, threads=side_threads(cfg), max_steps=cfg.lightly_steps)
-            argv = train_argv(cfg, spec, train, val, out / "runs" / "lightly-cmp-unison") + ["--warmup-epochs", "0"]
-            print("unison " + shlex.join(argv))
-            print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
-                  f"{cfg.lightly_steps} steps of {cfg.batch_size}")
+            for method, seeded in ((m, dataclasses.replace(cfg, seed=seed)) for m in cfg.lightly_method_list
+                                   for seed in cfg.seed_list):
+                run_dir = out / "runs" / side_run_name(seeded, method)
+                print("unison " + shlex.join(unison_side_argv(for_method(seeded, method), method, train, val, run_dir)))
+                print(f"# + Lightly SSL side of {method}: its transform, heads and loss + DataLoader("
+                      f"{cfg.lightly_loader_workers} workers), {cfg.lightly_steps} steps of {cfg.batch_size}")
         elif part == "data":
             print(f"# data: {cfg.data_batches} batches of {cfg.data_batch_size} at 224 px, "
                   f"{cfg.data_loader_workers} loader workers per side, {cfg.data_folder or 'generated JPEGs'}")

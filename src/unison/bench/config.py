@@ -29,6 +29,8 @@ from typing import Any
 from unison.errors import ConfigError
 
 PARTS = ("table", "comm", "lightly", "scaling", "data", "all")
+SEED_METHODS = ("simclr", "moco", "simsiam", "barlowtwins", "byol", "swav")   # Lightly's distributed table
+LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae")   # with a Lightly side (`unison.bench.lightly_methods`)
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -41,7 +43,12 @@ class BenchConfig:
                 "(resnet18, CIFAR-10, batch 512, k=200, 4 NCCL workers, 100 epochs, 6 methods); gpu1: the gpu preset's "
                 "Lightly comparison on one GPU; other flags override",
         "choices": ("cpu", "gpu", "gpu1")})
-    methods: str = field(default="simclr,moco", metadata={"help": "comma-separated methods for the table and comm report"})
+    methods: str = field(default="simclr,moco", metadata={
+        "help": "comma-separated methods for the table and comm report; 'seed': the six of Lightly's table (simclr, "
+                "moco, simsiam, barlowtwins, byol, swav)"})
+    method: str = field(default="simclr", metadata={
+        "help": "the Lightly comparison's method(s): a name, comma-separated names, 'seed' (the six of Lightly's "
+                "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae)"})
     backbone: str = field(default="small_cnn", metadata={"help": "backbone of every run (same module type on both "
                                                                  "sides of the Lightly comparison)"})
     data: str = field(default=f"{SHARED_CIFAR10}/train", metadata={
@@ -57,6 +64,9 @@ class BenchConfig:
                                                    "choices": ("auto", "gloo", "nccl")})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's protocol: 200)"})
     seed: int = field(default=0, metadata={"help": "seed of every run"})
+    seeds: str = field(default="", metadata={
+        "help": "the Lightly comparison: comma-separated seeds, each side run once per seed (e.g. 0,1: the spread of "
+                "the two is the noise the kNN difference is judged against); default: --seed"})
     comm_steps: int = field(default=4, metadata={
         "help": "steps per comm-report configuration (PowerSGD compresses from step 3 on; steps 3+ are reported)"})
     lightly_steps: int = field(default=200, metadata={
@@ -94,9 +104,17 @@ class BenchConfig:
 
         for m in self.method_list:
             if m not in METHODS:
-                raise ConfigError(f"bench: method {m!r} is unknown; use some of {', '.join(sorted(METHODS))}")
+                raise ConfigError(f"bench: method {m!r} is unknown; use some of {', '.join(sorted(METHODS))} or 'seed'")
         if not self.method_list:
             raise ConfigError("bench: --methods is empty; give e.g. simclr,moco")
+        for m in self.lightly_method_list:
+            if m not in LIGHTLY_METHODS:
+                raise ConfigError(f"bench lightly: --method {m!r} has no Lightly side (Lightly ships CIFAR-10 pieces "
+                                  f"for {', '.join(LIGHTLY_METHODS)}); use some of them, 'seed' or 'all'")
+        if not self.lightly_method_list:
+            raise ConfigError("bench lightly: --method is empty; give e.g. simclr, or seed")
+        if not all(s.strip().isdigit() for s in self.seeds.split(",")) and self.seeds.strip():
+            raise ConfigError(f"bench lightly: --seeds {self.seeds!r} must be seeds separated by commas, e.g. 0,1")
         for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "lightly_steps", "scaling_steps",
                      "data_images", "data_batch_size", "data_batches", "data_repeats", "data_threads"):
             if getattr(self, name) < 1:
@@ -115,7 +133,16 @@ class BenchConfig:
 
     @property
     def method_list(self) -> list[str]:
-        return [m.strip() for m in self.methods.split(",") if m.strip()]
+        return _expand(self.methods)
+
+    @property
+    def lightly_method_list(self) -> list[str]:
+        return _expand(self.method)
+
+    @property
+    def seed_list(self) -> list[int]:
+        """--seeds, else --seed alone."""
+        return list(dict.fromkeys(int(s) for s in self.seeds.split(",") if s.strip())) or [self.seed]
 
     @property
     def out_dir(self) -> Path:
@@ -123,6 +150,17 @@ class BenchConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _expand(names: str) -> list[str]:
+    """Comma-separated method names, with 'seed' (Lightly's table's six) and 'all' (every Lightly side) expanded."""
+    groups = {"seed": SEED_METHODS, "all": LIGHTLY_METHODS}
+    out: list[str] = []
+    for name in (n.strip() for n in names.split(",")):
+        for m in groups.get(name, (name,) if name else ()):
+            if m not in out:
+                out.append(m)
+    return out
 
 
 PRESETS: dict[str, BenchConfig] = {

@@ -1,32 +1,34 @@
-"""SimCLR side by side with Lightly SSL: the same backbone, data, global batch and steps.
+"""Each method side by side with Lightly SSL: the same backbone, data, global batch and steps, each its own recipe.
+
+``unison bench lightly --method M`` (a name, names, ``seed`` for the six of Lightly's table, ``all`` for every
+method with a Lightly side: `unison.bench.lightly_methods`).
 
 Lightly's side is its documented pipeline: a map-style dataset that turns each stored
 image into a PIL image (what ``torchvision.datasets.CIFAR10.__getitem__`` does) and applies
-``lightly.transforms.SimCLRTransform`` per sample, a ``torch.utils.data.DataLoader``
-(shuffle, drop_last, worker processes), the backbone + ``SimCLRProjectionHead``, each
-view forwarded separately and ``lightly.loss.NTXentLoss``. The transform arguments follow
-Lightly's CIFAR-10 settings and match unison's ``simclr`` preset: 32 px crops, colour
-jitter strength 0.5 (0.4/0.4/0.4/0.1, p=0.8), grayscale 0.2, flip 0.5, no blur, and the
-training set's mean/std.
+the method's Lightly transform per sample, a ``torch.utils.data.DataLoader`` (shuffle,
+drop_last, worker processes), the backbone with Lightly's heads, loss, momentum updates and
+optimizer for the method (`unison.bench.lightly_methods`: Lightly's CIFAR-10 settings).
 
-unison's side is ``unison train --world-size 1`` (uint8 tensor dataset, batched
-augmentation on the device, unison's NT-Xent) with the same backbone type
-(`unison.models.build_backbone`), images (same subset and seed), global batch, steps,
-optimizer (SGD, the SimCLR recipe's learning rate), schedule (cosine, no warm-up) and
-temperature (0.5).
+unison's side is ``unison train --method M --world-size 1`` at the method's recipe (uint8
+tensor dataset, batched augmentation on the device) with the same backbone type
+(`unison.models.build_backbone`), images (same subset and seed), global batch and steps;
+both sides follow unison's cosine schedule without warm-up, a pure function of the step.
 
 Both sides run as one training process each (Lightly's has its DataLoader workers
 besides), one after the other, in fresh processes under the benchmark's process. Throughput
 = steps x batch / the training loop's time (Lightly's includes starting its loader workers
 each epoch, as an epoch does). Both encoders are scored by the same code,
-`unison.eval.knn.knn_accuracy` with unison's evaluation transform.
+`unison.eval.knn.knn_accuracy` with unison's evaluation transform; peak memory is each training
+process's (peak resident set on the CPU, the CUDA allocator's peak on a GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -36,8 +38,10 @@ from unison.config.extras import install_command
 from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
-from .report import fmt_duration, markdown_table, write_csv
-from .table import RunSpec, load_pair, run_train, train_argv
+from .lightly_report import WARMUP_SHARE, lightly_markdown, write_lightly
+from .table import RunSpec, run_train, train_argv
+
+__all__ = ["WARMUP_SHARE", "compare", "lightly_available", "lightly_markdown", "write_lightly"]
 
 
 def lightly_available() -> str | None:
@@ -71,50 +75,39 @@ class _PILImages:
 
 def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     import torch
-    import torch.nn as nn
-    from lightly.loss import NTXentLoss
-    from lightly.models.modules import SimCLRProjectionHead
-    from lightly.transforms import SimCLRTransform
     from torch.utils.data import DataLoader, Dataset
 
     from unison.data import eval_transform, load_dataset
     from unison.eval.knn import knn_accuracy
-    from unison.methods import SimCLR
     from unison.models import build_backbone
-    from unison.optim import build_optimizer
     from unison.training.step import Schedule
     from unison.training.summary import peak_memory_mib
+
+    from .lightly_methods import build_lightly_side
 
     torch.set_num_threads(p["threads"])
     torch.manual_seed(p["seed"])
     device = torch.device(p["device"])
     train = load_dataset(p["data"], "train", subset=p["subset"], seed=p["seed"])
     val = load_dataset(p["val"] or p["data"], "val", subset=p["val_subset"], seed=p["seed"])
-    transform = SimCLRTransform(input_size=train.image_size, cj_strength=0.5, gaussian_blur=0.0,
-                                normalize={"mean": list(train.mean), "std": list(train.std)})
+    backbone, dim = build_backbone(p["backbone"], train.image_size)
+    side = build_lightly_side(p["method"], backbone, dim, train.image_size,
+                              {"mean": list(train.mean), "std": list(train.std)})
     # A map-style dataset (__getitem__ + __len__) is all DataLoader needs; its stubs ask for a Dataset subclass.
-    images = cast("Dataset[Any]", _PILImages(train.images, train.labels, transform))
+    images = cast("Dataset[Any]", _PILImages(train.images, train.labels, side.transform))
     loader: DataLoader[Any] = DataLoader(images, batch_size=p["batch_size"], shuffle=True, drop_last=True,
                                          num_workers=p["loader_workers"], pin_memory=device.type == "cuda",
                                          generator=torch.Generator().manual_seed(p["seed"]))
-
-    class LightlySimCLR(nn.Module):   # as in Lightly's SimCLR example
-        def __init__(self, backbone: nn.Module, dim: int):
-            super().__init__()
-            self.backbone = backbone
-            self.projection_head = SimCLRProjectionHead(dim, 512, 128)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.projection_head(self.backbone(x).flatten(start_dim=1))
-
-    backbone, dim = build_backbone(p["backbone"])
-    model = LightlySimCLR(backbone, dim).to(device)
-    criterion = NTXentLoss(temperature=0.5)
-    peak_lr = SimCLR.recipe.base_lr * p["batch_size"] / 256
-    optimizer = build_optimizer("sgd", model.parameters(), lr=peak_lr, weight_decay=SimCLR.recipe.weight_decay)
+    model = side.model.to(device)
+    peak_lr = side.recipe.peak_lr(p["batch_size"])
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    optimizer = (torch.optim.SGD(trainable, lr=peak_lr, momentum=0.9, weight_decay=side.recipe.weight_decay)
+                 if side.recipe.optimizer == "sgd" else
+                 {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[side.recipe.optimizer](
+                     trainable, lr=peak_lr, weight_decay=side.recipe.weight_decay))
     steps = p["steps"]
     schedule = Schedule(peak_lr, warmup_steps=0, total_steps=steps)   # unison's schedule, so both sides match
-    step_end, wait_s, final_loss = _train_lightly(model, loader, criterion, optimizer, schedule, p, device)
+    step_end, wait_s, final_loss = _train_lightly(model, loader, optimizer, schedule, p, device)
     train_time = step_end[-1]
 
     model.eval()
@@ -124,12 +117,13 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     Path(result_path).write_text(json.dumps({
         "steps": steps, "train_time_s": train_time, "step_end_s": step_end, "knn_top1": knn, "final_loss": final_loss,
         "data_wait_share": wait_s / train_time,
-        "peak_memory_mib": peak_memory_mib(device), "train_images": len(train), "val_images": len(val)}))
+        "peak_memory_mib": peak_memory_mib(device), "train_images": len(train), "val_images": len(val),
+        "recipe": f"{side.recipe.optimizer} peak lr {peak_lr:.4g}, weight decay {side.recipe.weight_decay:g}"}))
 
 
-def _train_lightly(model, loader, criterion, optimizer, schedule, p: dict[str, Any], device) -> tuple:
-    """Lightly's training loop: (seconds since the start at the end of every step, seconds blocked on the loader
-    for the next batch (its data wait), the final loss)."""
+def _train_lightly(model, loader, optimizer, schedule, p: dict[str, Any], device) -> tuple:
+    """Lightly's training loop (the method's step: `LightlySide.model.training_loss`): (seconds since the start at
+    the end of every step, seconds blocked on the loader for the next batch (its data wait), the final loss)."""
     import torch
 
     step_end: list[float] = []
@@ -144,12 +138,11 @@ def _train_lightly(model, loader, criterion, optimizer, schedule, p: dict[str, A
             wait_s += time.perf_counter() - asked
             if batch is None:   # the epoch's end: a new epoch starts its loader workers again
                 break
-            (x0, x1), _ = batch
+            views, _ = batch
             for group in optimizer.param_groups:
                 group["lr"] = schedule.lr(step)
-            x0, x1 = x0.to(device, non_blocking=True), x1.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=p["amp"] == "bf16"):
-                loss = criterion(model(x0), model(x1))
+                loss = model.training_loss([v.to(device, non_blocking=True) for v in views], step, p["steps"])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -160,13 +153,14 @@ def _train_lightly(model, loader, criterion, optimizer, schedule, p: dict[str, A
     return step_end, wait_s, float(loss.detach())
 
 
-def run_lightly_side(cfg: BenchConfig, data: str, val: str | None, out_dir: Path, threads: int,
+def run_lightly_side(cfg: BenchConfig, method: str, data: str, val: str | None, out_dir: Path, threads: int,
                      device: str) -> tuple[dict[str, Any], float]:
-    payload = {"data": data, "val": val, "subset": cfg.subset, "val_subset": cfg.val_subset, "seed": cfg.seed,
+    payload = {"method": method, "data": data, "val": val, "subset": cfg.subset, "val_subset": cfg.val_subset,
+               "seed": cfg.seed,
                "batch_size": cfg.batch_size, "steps": cfg.lightly_steps, "backbone": cfg.backbone,
                "loader_workers": cfg.lightly_loader_workers, "threads": threads, "knn_k": cfg.knn_k, "device": device,
                "amp": train_flag(cfg.train_args, "--amp") or "none"}
-    result = out_dir / "lightly_side.json"
+    result = out_dir / f"lightly_side_{method}_seed{cfg.seed}.json"
     result.unlink(missing_ok=True)
     proc = mp.get_context("spawn").Process(target=_lightly_child, args=(payload, str(result)), name="lightly-side")
     started = time.perf_counter()
@@ -174,15 +168,13 @@ def run_lightly_side(cfg: BenchConfig, data: str, val: str | None, out_dir: Path
     proc.join()
     wall = time.perf_counter() - started
     if proc.exitcode != 0 or not result.exists():
-        raise BenchError(f"the Lightly side exited with {proc.exitcode} (its traceback is above)")
+        raise BenchError(f"the Lightly side of {method} exited with {proc.exitcode} (its traceback is above)")
     return json.loads(result.read_text()), wall
 
 
 def train_flag(train_args: str, flag: str) -> str | None:
     """The value of `flag` in the extra ``unison train`` arguments (``--amp bf16`` or ``--amp=bf16``), if given:
     the Lightly side runs under the same autocast as unison's."""
-    import shlex
-
     words = shlex.split(train_args)
     for k, word in enumerate(words):
         if word == flag and k + 1 < len(words):
@@ -198,53 +190,83 @@ def side_threads(cfg: BenchConfig) -> int:
 
 
 def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list[dict[str, Any]]:
-    """Measure unison, then Lightly (when installed); one row per side."""
+    """For each method of ``--method``: measure unison, then Lightly (when installed); one row per side."""
     import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    threads = side_threads(cfg)
     device = "cuda" if torch.cuda.is_available() and cfg.backend == "nccl" else "cpu"
-    common = {"backbone": cfg.backbone, "global_batch": cfg.batch_size, "steps": cfg.lightly_steps}
-    rows = []
+    rows: list[dict[str, Any]] = []
+    for method in cfg.lightly_method_list:
+        for seed in cfg.seed_list:   # each side once per seed: their spread is the noise
+            rows += compare_method(for_method(dataclasses.replace(cfg, seed=seed), method), method, data, val,
+                                   out_dir, device)
+    return rows
 
-    spec = RunSpec("simclr", "unison", 1, threads=threads, max_steps=cfg.lightly_steps)
-    # the work Lightly's side does, no more: no online probe, no label-free signals
-    argv = train_argv(cfg, spec, data, val, out_dir / "runs" / "lightly-cmp-unison") + [
-        "--warmup-epochs", "0", "--no-online-probe", "--signal-images", "0"]
+
+def side_run_name(cfg: BenchConfig, method: str) -> str:
+    """The unison side's run directory under ``runs/`` (one per method and, with --seeds, per seed)."""
+    return f"lightly-cmp-{method}-unison" + (f"-seed{cfg.seed}" if len(cfg.seed_list) > 1 else "")
+
+
+def for_method(cfg: BenchConfig, method: str) -> BenchConfig:
+    """`cfg` for `method`'s comparison: a method that needs patch tokens (MAE) trains the ViT of its recipe on both
+    sides when the bench's backbone is a CNN."""
+    from unison.methods import get_method
+
+    recipe = get_method(method).recipe.backbone
+    if recipe.startswith("vit_") and not cfg.backbone.startswith(("vit_", "timm:")):
+        return dataclasses.replace(cfg, backbone=recipe)
+    return cfg
+
+
+def unison_side_argv(cfg: BenchConfig, method: str, data: str, val: str | None, run_dir: Path) -> list[str]:
+    """``unison train`` of the comparison's unison side: the method's recipe, no warm-up, and the work Lightly's
+    side does, no more (no online probe, no label-free signals)."""
+    spec = RunSpec(method, "unison", 1, threads=side_threads(cfg), max_steps=cfg.lightly_steps)
+    return train_argv(cfg, spec, data, val, run_dir) + ["--warmup-epochs", "0", "--no-online-probe",
+                                                        "--signal-images", "0"]
+
+
+def compare_method(cfg: BenchConfig, method: str, data: str, val: str | None, out_dir: Path,
+                   device: str) -> list[dict[str, Any]]:
+    threads = side_threads(cfg)
+    common = {"method": method, "seed": cfg.seed, "backbone": cfg.backbone, "global_batch": cfg.batch_size,
+              "steps": cfg.lightly_steps}
+    run_dir = out_dir / "runs" / side_run_name(cfg, method)
+    argv = unison_side_argv(cfg, method, data, val, run_dir)
     load = wait_for_load(cfg.max_load, cfg.load_wait_s)
-    print(f"unison bench: Lightly comparison, unison side (load {format_load(load)}) ...", flush=True)
-    run_dir = out_dir / "runs" / "lightly-cmp-unison"
+    print(f"unison bench: Lightly comparison, {method}, unison side (load {format_load(load)}) ...", flush=True)
     s, wall = run_train(argv, run_dir)
     first_step, first_time = _first_logged_interval(s)
     b, n = cfg.batch_size, s["steps"]
-    rows.append({"side": "unison", "pipeline": "uint8 tensor dataset + batched ViewAugmenter + unison NTXentLoss",
-                 **common, "threads": threads, "loader_workers": 0, "train_time_s": s["train_time_s"], "wall_s": wall,
-                 "images_per_s": n * b / s["train_time_s"], "steady_from_step": first_step,
-                 "steady_images_per_s": (n - first_step) * b / (s["train_time_s"] - first_time)
-                 if n > first_step else None, "knn_top1": s["knn_top1"],
-                 "peak_memory_mib": max(s["peak_memory_mib"]), "data_wait_share": s["data_wait_fraction"],
-                 "load_1m": load[0] if load else None,
-                 "load_1m_after": (loadavg() or [None])[0], "version": _version("unison"), "error": None})
-
+    rows = [{"side": "unison", "pipeline": "uint8 tensor dataset + batched ViewAugmenter + unison's method",
+             **common, "threads": threads, "loader_workers": 0, "train_time_s": s["train_time_s"], "wall_s": wall,
+             "images_per_s": n * b / s["train_time_s"], "steady_from_step": first_step,
+             "steady_images_per_s": (n - first_step) * b / (s["train_time_s"] - first_time)
+             if n > first_step else None, "knn_top1": s["knn_top1"], "final_loss": s["final_loss"],
+             "peak_memory_mib": max(s["peak_memory_mib"]), "data_wait_share": s["data_wait_fraction"],
+             "load_1m": load[0] if load else None,
+             "load_1m_after": (loadavg() or [None])[0], "version": _version("unison"), "error": None,
+             "command": "unison " + shlex.join(argv)}]
     why_not = lightly_available()
     if why_not is None:
         load = wait_for_load(cfg.max_load, cfg.load_wait_s)
-        print(f"unison bench: Lightly comparison, Lightly side (load {format_load(load)}) ...", flush=True)
-        r, wall = run_lightly_side(cfg, data, val, out_dir, threads, device)
+        print(f"unison bench: Lightly comparison, {method}, Lightly side (load {format_load(load)}) ...", flush=True)
+        r, wall = run_lightly_side(cfg, method, data, val, out_dir, threads, device)
         ends = r["step_end_s"]
-        rows.append({"side": "lightly", "pipeline": "PIL dataset + SimCLRTransform + DataLoader workers + "
-                     "SimCLRProjectionHead + NTXentLoss", **common, "threads": threads,
+        rows.append({"side": "lightly", "pipeline": f"PIL dataset + Lightly's {method} transform, heads and loss + "
+                     f"DataLoader workers ({r['recipe']})", **common, "threads": threads,
                      "loader_workers": cfg.lightly_loader_workers, "train_time_s": r["train_time_s"], "wall_s": wall,
                      "images_per_s": r["steps"] * cfg.batch_size / r["train_time_s"], "steady_from_step": first_step,
                      "steady_images_per_s": (len(ends) - first_step) * cfg.batch_size / (ends[-1] - ends[first_step - 1])
-                     if len(ends) > first_step else None, "knn_top1": r["knn_top1"],
+                     if len(ends) > first_step else None, "knn_top1": r["knn_top1"], "final_loss": r["final_loss"],
                      "peak_memory_mib": r["peak_memory_mib"], "data_wait_share": r["data_wait_share"],
                      "load_1m": load[0] if load else None,
                      "load_1m_after": (loadavg() or [None])[0], "version": _version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})
     _add_warmup(rows)
-    _add_flops(rows, cfg, s["image_size"], device)
+    _add_flops(rows, cfg, method, s["image_size"], device)
     return rows
 
 
@@ -259,22 +281,25 @@ def _add_warmup(rows: list[dict[str, Any]]) -> None:
         r["warmup_share"] = r["warmup_s"] / r["train_time_s"]
 
 
-def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, image_size: int, device: str) -> None:
+def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, method: str, image_size: int, device: str) -> None:
     """Achieved TFLOP/s of each measured side and, on a GPU with a known peak, the fraction of its bf16 peak.
 
-    Both sides do the same matrix work per step (same backbone, projection head and batch), so one count
-    from `training_step_flops` serves both.
+    unison's count (`training_step_flops`) of the method's step; for SimCLR it serves both sides (same backbone,
+    projection head and batch), for the others Lightly's heads differ and its side gets none.
     """
     import torch
 
     from .flops import bf16_peak_tflops, matmul_rate, training_step_flops
 
-    step_flops = training_step_flops("simclr", cfg.backbone, cfg.batch_size, image_size)
+    try:
+        step_flops = training_step_flops(method, cfg.backbone, cfg.batch_size, image_size)
+    except (RuntimeError, ValueError):   # a step that reads a host value (SwAV's prototype counter), one view (MAE)
+        return
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else None
     peak = cfg.peak_tflops or bf16_peak_tflops(device_name)
     matmul = matmul_rate(side_threads(cfg), device=device) if device == "cpu" else None   # now, same threads
     for r in rows:
-        if r.get("error"):
+        if r.get("error") or (r["side"] == "lightly" and method != "simclr"):
             continue
         r["step_gflop"] = step_flops / 1e9
         r["tflops_per_s"] = step_flops * r["steps"] / r["train_time_s"] / 1e12
@@ -303,64 +328,3 @@ def _version(dist: str) -> str:
         return version(dist)
     except PackageNotFoundError:
         return "n/a"
-
-
-WARMUP_SHARE = 0.05   # a side's warm-up above this share of its time: the all-steps rate understates it
-
-
-def lightly_markdown(rows: list[dict[str, Any]]) -> str:
-    steady_from = next((r.get("steady_from_step") for r in rows if r.get("steady_from_step")), None)
-    headers = ["Side", "Version", "Pipeline", "Threads", "Loader workers", "Steps x batch", "Training time",
-               "Warm-up", f"img/s (steady, after step {steady_from})", "img/s (all steps)", "TFLOP/s (steady)",
-               "of measured fp32 matmul", "of bf16 peak", "Data wait", "kNN acc", "Peak mem", "Load 1 min before / after"]
-    body = []
-    for r in rows:
-        if r.get("error"):
-            body.append([r["side"], "-", f"not measured: {r['error']}"] + ["-"] * (len(headers) - 3))
-            continue
-        steady = r.get("steady_images_per_s")
-        warmup = "n/a" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} s ({100 * r['warmup_share']:.0f} %)"
-        tflops = r.get("steady_tflops_per_s") or r.get("tflops_per_s")
-        body.append([r["side"], r["version"], r["pipeline"], r["threads"], r["loader_workers"],
-                     f"{r['steps']} x {r['global_batch']}", fmt_duration(r["train_time_s"]), warmup,
-                     "n/a" if steady is None else f"{steady:.1f}", f"{r['images_per_s']:.1f}",
-                     "n/a" if tflops is None else f"{tflops:.3f}",
-                     "n/a" if r.get("matmul_fraction") is None else f"{100 * r['matmul_fraction']:.0f} %",
-                     "n/a (peak unknown)" if r.get("peak_fraction") is None else f"{100 * r['peak_fraction']:.1f} %",
-                     "n/a" if r.get("data_wait_share") is None else f"{100 * r['data_wait_share']:.0f} %",
-                     f"{r['knn_top1']:.3f}", f"{r['peak_memory_mib']:.0f} MiB", load_pair(r)])
-    text = markdown_table(headers, body)
-    measured = {r["side"]: r for r in rows if not r.get("error")}
-    if "unison" in measured and "lightly" in measured:
-        u, lt = measured["unison"], measured["lightly"]
-        text += "\n**Throughput ratio unison / Lightly: "
-        if u.get("steady_images_per_s") and lt.get("steady_images_per_s"):
-            text += f"{u['steady_images_per_s'] / lt['steady_images_per_s']:.2f}x at steady state** (after step " \
-                    f"{steady_from}), "
-        else:
-            text += "** "
-        text += (f"{u['images_per_s'] / lt['images_per_s']:.2f}x over all steps (images/s of the training loop; all "
-                 "steps include each side's warm-up and, for Lightly, starting its loader workers at every epoch).\n")
-        long_warmup = [r["side"] for r in (u, lt) if (r.get("warmup_share") or 0) > WARMUP_SHARE]
-        if long_warmup:
-            text += (f"\nThe warm-up is over {WARMUP_SHARE:.0%} of the time of {' and '.join(long_warmup)}: quote the "
-                     "steady rate, or raise --lightly-steps.\n")
-    flop_row = next((r for r in rows if r.get("step_gflop")), None)
-    if flop_row is not None:
-        peak, matmul = flop_row.get("bf16_peak_tflops"), flop_row.get("matmul_tflops_per_s")
-        text += (f"\nTFLOP/s: {flop_row['step_gflop']:.1f} GFLOP of matrix work per step (forward + backward, "
-                 "counted by `torch.utils.flop_counter` via `unison.bench.flops`) x steady images/s / batch"
-                 + (f"; of measured fp32 matmul: against {matmul * 1e3:.0f} GFLOP/s, the best `torch.mm` (1024, 2048) "
-                    "with the sides' threads, measured in this run" if matmul else "")
-                 + (f"; of bf16 peak: against {peak:g} TFLOPS dense bf16.\n" if peak else
-                    "; no bf16 peak is known for this device (CPU, or a GPU not in `BF16_PEAK_TFLOPS`; "
-                    "pass --peak-tflops).\n"))
-    return text
-
-
-def write_lightly(rows: list[dict[str, Any]], out_dir: Path, header: str = "") -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "lightly.md", "csv": out_dir / "lightly.csv"}
-    paths["md"].write_text(header + lightly_markdown(rows))
-    write_csv(paths["csv"], rows)
-    return paths

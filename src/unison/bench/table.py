@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unison.config.fields import count
 from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
@@ -187,6 +188,26 @@ def load_pair(r: dict[str, Any]) -> str:
     return f(r.get("load_1m")) + (f" / {f(r['load_1m_after'])}" if "load_1m_after" in r else "")
 
 
+def budget_note(rows: list[dict[str, Any]]) -> str:
+    """The table's budget in one line: what each run trains and what all of them took (the figures of these rows)."""
+    if not rows:
+        return ""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    shapes = sorted({(r["steps"], r["global_batch"], r["epochs"]) for r in rows})
+    per_run = "; ".join(f"{_count(steps, 'step')} of {batch} images ({_count(epochs, 'epoch')})"
+                        for steps, batch, epochs in shapes)
+    train = sum(r["train_time_s"] for r in rows)
+    wall = sum(r.get("wall_s") or 0.0 for r in rows)
+    return (f"**Budget:** {_count(len(rows), 'run')} ({_count(len(methods), 'method')} x "
+            f"{_count(len(rows) // max(1, len(methods)), 'configuration')}), each {per_run}; training "
+            f"{fmt_duration(train)} in all, {fmt_duration(wall)} of wall-clock with start-up and kNN.\n\n")
+
+
+def _count(n: float, noun: str) -> str:
+    """`unison.config.fields.count`, for fractional epochs too (``1.5 epochs``)."""
+    return count(int(n), noun) if float(n).is_integer() else f"{n:g} {noun}s"
+
+
 def table_markdown(rows: list[dict[str, Any]]) -> str:
     headers = ["Method", "Backbone", "Batch", "Epochs", "Workers", "SyncBN", "Gather", "kNN acc (random init)",
                "Time", "Speed-up", "img/s", "Peak mem / worker", "Wall", "Load 1 min before / after"]
@@ -218,7 +239,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path, header: str = "", tit
              f"Peak mem / worker: {mem_note.get(kind, 'as reported by the workers')}"
              + (f"; a process that only imports the training loop peaks at {baseline_mib:.0f} MiB"
                 if baseline_mib and kind == "peak_rss" else "") + ".\n")
-    paths["md"].write_text(header + table_markdown(rows) + notes)
+    paths["md"].write_text(header + budget_note(rows) + table_markdown(rows) + notes)
     write_csv(paths["csv"], rows)
     plot_table(rows, paths["png"], title)
     return paths

@@ -73,8 +73,8 @@ class TrainConfig:
                 "(torchvision.io.decode_jpeg batched on the worker's GPU; needs CUDA)", "choices": DECODERS})
     backbone: str | None = field(default=None, metadata={
         "help": "small_cnn | resnet18 | resnet50 (stem by image size; _cifar / _imagenet pin it) | "
-                "vit_<nano|tiny|small|base>[_p4|_p2] | timm:<name>; default: the method's recipe (small_cnn; a "
-                "small ViT for mae, ibot, ijepa, lejepa, mocov3)"})
+                "vit_<nano|tiny|small|base>[_p8|_p4|_p2|_auto] (_auto: patches from the image size) | timm:<name>; "
+                "default: the method's recipe (small_cnn; vit_tiny_auto for mae, ibot, ijepa, lejepa, mocov3)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
     # ---- continued pre-training (issue 25): start from weights on disk, per-block lr, frozen blocks
@@ -101,7 +101,7 @@ class TrainConfig:
     local_crop_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels"),
         "help": "multi-crop methods: side of the local crops; default: 3/7 of the image size (96 for 224, 14 for "
-                "32), at least 8; with a ViT, a multiple of its patch size"})
+                "32), at least 8; with a ViT, the nearest multiple of its patch size (12 for 32 px, 4 px patches)"})
     epochs: int = field(default=30, metadata={
         "range": Range(1, MAX_EPOCHS, above="is past 1e9; to run by steps, give --max-steps (e.g. --epochs 1e9 --max-steps 100000)"),
         "help": "training epochs"})

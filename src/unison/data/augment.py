@@ -70,7 +70,7 @@ from unison.rng import sample_normal, sample_uniform
 
 from .presets import PRESETS
 
-__all__ = ["PRESETS", "ViewAugmenter", "eval_transform", "view_sizes"]
+__all__ = ["PRESETS", "ViewAugmenter", "default_local_size", "eval_transform", "view_sizes"]
 
 _N_ATTEMPTS = 10
 # Column layout of the per-view uniforms (fixed, so switching an op off leaves the others' draws unchanged).
@@ -86,10 +86,19 @@ _RGB2YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211,
 _YIQ2RGB = torch.linalg.inv(_RGB2YIQ)
 
 
+def default_local_size(image_size: int, multiple: int | None = None) -> int:
+    """The side of the local crops when none is given: 3/7 of `image_size` (DINO's 96 px at 224), at least 8; for a
+    patch-based backbone (`multiple`: its patch size) the nearest multiple of the patch, at least 8 px and one patch
+    (12 px at 32 px with 4 px patches, 24 at 64 px with 8 px patches, 96 at 224 px with 16 px patches)."""
+    if not multiple:
+        return max(8, round(image_size * 3 / 7))
+    return max(-(-8 // multiple) * multiple, round(image_size * 3 / 7 / multiple) * multiple)
+
+
 def view_sizes(params: dict, image_size: int) -> list[int]:
     """The size of each view of a preset's parameters (`PRESETS[name]` with any overrides): ``n_global`` global
-    views of `image_size`, then ``n_local`` local ones of ``local_size`` (default 3/7 of it, at least 8)."""
-    local = params["local_size"] or max(8, round(image_size * 3 / 7))
+    views of `image_size`, then ``n_local`` local ones of ``local_size`` (default `default_local_size`)."""
+    local = params["local_size"] or default_local_size(image_size)
     return [int(image_size)] * params["n_global"] + [int(local)] * params["n_local"]
 
 

@@ -347,23 +347,13 @@ def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, da
     """The `TrainData` of the user's `dataset` (and `transform`): views, image size, normalisation. `max_batches`:
     the global batches of the run, the epoch of an iterable dataset without ``__len__``. Its kNN sets, given labelled held-out
     items: `unison.data.own_knn.own_knn_sets`."""
-    probe = ViewAugmenter(augmentation, spec.image_size or 32, (0.5,) * 3, (0.5,) * 3, **spec.augment_overrides())
-    images = OwnImages(dataset, transform, probe.num_views, spec.seed)
+    images = _own_images(spec, augmentation, dataset, transform)
     lengths = all_gather_object(images.length)   # every rank must read the same dataset: named before any step
     if len(set(lengths)) > 1:
         differ = next(r for r, n in enumerate(lengths) if n != lengths[0])
         raise DataError(f"your dataset {images.name} has {lengths[0]} items on rank 0 and {lengths[differ]} on rank "
                         f"{differ} (__len__): every rank must see the same items (the same files on every host)")
-    first = images.first()
-    image = images.image(first, 0)
-    if transform is not None:
-        size = int(images.views(first, 0, 0)[0].shape[-1])
-        if spec.image_size is not None and spec.image_size != size:
-            raise ConfigError(f"image_size={spec.image_size}, but the transform makes {size} px views; leave "
-                              "image_size out (the transform decides it) or make the transform's views that size")
-    else:
-        size = spec.image_size or default_image_size(int(image.shape[-2]), int(image.shape[-1]),
-                                                     f"dataset {images.name}")
+    size = _size_of(spec, images, transform)
     if images.iterable:   # the first items (an iterable has no others to pick)
         first_items = itertools.islice(images.iterate(), STATS_IMAGES)
         stats_images = torch.stack([square(images.image(x, i), size) for i, x in enumerate(first_items)])
@@ -378,6 +368,30 @@ def build_own_source(spec: DataSpec, device: torch.device, augmentation: str, da
     return TrainData(source, augment, "own", size, mean, std, n, None, None, None,
                      f"the data is your own dataset ({images.name}), with no held-out set: give val= (labelled "
                      "held-out items) for a kNN", own=images)
+
+
+def own_image_size(spec: DataSpec, augmentation: str, dataset: Any, transform: Callable[[Any], Any] | None) -> int:
+    """The size of the global views of the user's `dataset`, as `build_own_source` takes it (from its first item)."""
+    return _size_of(spec, _own_images(spec, augmentation, dataset, transform), transform)
+
+
+def _own_images(spec: DataSpec, augmentation: str, dataset: Any, transform: Callable[[Any], Any] | None) -> OwnImages:
+    probe = ViewAugmenter(augmentation, spec.image_size or 32, (0.5,) * 3, (0.5,) * 3, **spec.augment_overrides())
+    return OwnImages(dataset, transform, probe.num_views, spec.seed)
+
+
+def _size_of(spec: DataSpec, images: OwnImages, transform: Callable[[Any], Any] | None) -> int:
+    """The global views' size: the transform's (``--image-size`` must agree), else ``--image-size`` or the first
+    item's shorter side."""
+    first = images.first()
+    if transform is not None:
+        size = int(images.views(first, 0, 0)[0].shape[-1])
+        if spec.image_size is not None and spec.image_size != size:
+            raise ConfigError(f"image_size={spec.image_size}, but the transform makes {size} px views; leave "
+                              "image_size out (the transform decides it) or make the transform's views that size")
+        return size
+    image = images.image(first, 0)
+    return spec.image_size or default_image_size(int(image.shape[-2]), int(image.shape[-1]), f"dataset {images.name}")
 
 
 def _spaced(n: int) -> list[int]:

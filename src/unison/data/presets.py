@@ -7,7 +7,8 @@ preset (`unison.methods`); any parameter can be overridden by keyword when build
 Preset parameters (`PRESETS`, any can be overridden by keyword)
 ---------------------------------------------------------------
 n_global, n_local        number of global views (``image_size``) and local views (``local_size``)
-local_size               local view size; None: ``max(8, round(image_size * 3 / 7))`` (96 for 224, 14 for 32)
+local_size               local view size; None: ``max(8, round(image_size * 3 / 7))`` (96 for 224, 14 for 32), a
+                         multiple of the backbone's patch size for ViTs (`unison.data.augment.default_local_size`)
 crop_scale               area fraction range of global crops
 local_crop_scale         area fraction range of local crops
 crop_ratio               aspect-ratio range (sampled log-uniformly)

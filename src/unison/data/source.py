@@ -191,11 +191,12 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
 
 def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, *,
                        train_set: ImageTensorDataset | None = None,
-                       val_set: ImageTensorDataset | None = None) -> TrainData:
-    """The `BatchSource` of `spec.data` (or of the given in-memory `train_set`), its augmenter and kNN sets."""
+                       val_set: ImageTensorDataset | None = None, catalog: Catalog | None = None) -> TrainData:
+    """The `BatchSource` of `spec.data` (or of the given in-memory `train_set`), its augmenter and kNN sets.
+    `catalog`: `open_checked(spec)`'s, when the caller has opened it already."""
     if train_set is not None:
         return _memory(spec, device, augmentation, None, train_set, val_set)
-    catalog = open_checked(spec)
+    catalog = catalog if catalog is not None else open_checked(spec)
     mode = choose_mode(spec, catalog, spec.subset or (len(catalog) if catalog else 0))
     if mode == "memory":
         return _memory(spec, device, augmentation, catalog, None, None)
@@ -301,13 +302,25 @@ def default_image_size(height: int, width: int, where: str) -> int:
     return size
 
 
+def planned_image_size(spec: DataSpec, catalog: Catalog | None,
+                       train_set: ImageTensorDataset | None = None) -> int | None:
+    """The size of the global views, as the build takes it (`catalog`: `open_checked`'s): ``--image-size``, else
+    the data's default (the images given in memory, the first readable image's, or a built-in set's size); None
+    when unknown (the user's own dataset)."""
+    if spec.image_size is not None:
+        return spec.image_size
+    if train_set is not None:
+        height, width = train_set.images.shape[-2:]
+        return default_image_size(height, width, spec.data)
+    if catalog is not None:
+        return default_image_size(*first_size(catalog), spec.data)
+    return BUILTIN_SIZES.get(spec.data)
+
+
 def planned_view_sizes(spec: DataSpec, augmentation: str, catalog: Catalog | None) -> list[int]:
     """The view sizes the workers' `ViewAugmenter` will make (`catalog`: `open_checked`'s), for the pre-flight:
     ``--image-size``, else the data's default (a built-in set's size, or the first readable image's)."""
-    size = spec.image_size
-    if size is None and catalog is not None:
-        size = default_image_size(*first_size(catalog), spec.data)
-    size = size or BUILTIN_SIZES.get(spec.data)
+    size = planned_image_size(spec, catalog)
     if size is None:   # images given in memory (`unison check`'s): their size is known only to the build
         return []
     return view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, size)

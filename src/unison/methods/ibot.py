@@ -96,7 +96,7 @@ class IBOT(SelfDistillation):
     Params = IBOTParams
     needs_sample_keys = True
     recipe = Recipe(optimizer="adamw", base_lr=5e-4, weight_decay=0.04, augmentation="multicrop",
-                    backbone="vit_tiny_p4", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
+                    backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: IBOTParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

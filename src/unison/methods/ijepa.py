@@ -19,8 +19,9 @@ evaluation protocol averages them).
 
 Defaults: 4 targets, predictor 128 wide, 4 blocks, 4 heads (paper: 384 wide, 6-12 blocks,
 for ViT-H); AdamW lr 1e-3 per 2048 images = 1.25e-4 per 256, weight decay 0.04 (paper; its
-0.04 -> 0.4 schedule is not implemented), crop-and-flip augmentation, ``vit_tiny_p2``
-backbone (8 x 8 patches on 16 px images).
+0.04 -> 0.4 schedule is not implemented), crop-and-flip augmentation, ``vit_tiny_auto``
+backbone (patches from the image size: 8 x 8 of 4 px at 32 px, 14 x 14 of 16 px at 224 px; the four
+target blocks leave a context at 8 x 8 already, and 2 px patches at 224 px would be 12,544 tokens).
 
 Distributed semantics: the masks depend on (seed, epoch, sample index, view) only, every
 sample has the same numbers of target and context patches, and the loss is a mean of
@@ -123,7 +124,7 @@ class IJEPA(SSLMethod):
     Params = IJEPAParams
     needs_sample_keys = True
     recipe = Recipe(optimizer="adamw", base_lr=1.25e-4, weight_decay=0.04, augmentation="crop",
-                    backbone="vit_tiny_p2", embedded={"backbone": "vit_nano_p2", "base_lr": 1e-3})
+                    backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p2", "base_lr": 1e-3})
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: IJEPAParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

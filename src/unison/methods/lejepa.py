@@ -67,7 +67,7 @@ class LeJEPA(SSLMethod):
     Params = LeJEPAParams
     needs_sample_keys = True           # the run's seed: SIGReg's directions are a function of (seed, step)
     recipe = Recipe(optimizer="adamw", base_lr=5e-4, weight_decay=0.05, augmentation="multicrop",
-                    backbone="vit_tiny_p4", embedded={"backbone": "vit_nano_p4", "base_lr": 2e-3})
+                    backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 2e-3})
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: LeJEPAParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -15,8 +15,8 @@ whole image; `unison export` writes the ViT, whose own ``forward`` returns the c
 Defaults: mask ratio 0.75, norm-pix loss and the sin-cos decoder positions of the paper; the
 decoder is narrowed for CPU (128 wide, 4 blocks, 4 heads; paper: 512, 8, 16; as in the paper's
 ablation, a deeper decoder gives better frozen features: docs/benchmarks.md). Recipe: AdamW,
-lr 1.5e-4 per 256 images, weight decay 0.05 (paper), crop-and-flip augmentation, ``vit_tiny_p4``
-backbone.
+lr 1.5e-4 per 256 images, weight decay 0.05 (paper), crop-and-flip augmentation, ``vit_tiny_auto``
+backbone (its patches from the image size: 4 px at 32 px, 16 px at 224 px).
 
 Distributed semantics: the masks are drawn with `unison.methods.masking.random_masking` from
 (seed, epoch, sample index, view), never from the rank, so a sample is masked the same way at
@@ -82,7 +82,7 @@ class MAE(SSLMethod):
     accumulation = "plain"   # a mean of per-sample terms, no batch statistics: plain accumulation is exact
     Params = MAEParams
     needs_sample_keys = True
-    recipe = Recipe(optimizer="adamw", base_lr=1.5e-4, weight_decay=0.05, augmentation="crop", backbone="vit_tiny_p4",
+    recipe = Recipe(optimizer="adamw", base_lr=1.5e-4, weight_decay=0.05, augmentation="crop", backbone="vit_tiny_auto",
                     embedded={"backbone": "vit_nano_p4", "base_lr": 2e-3})
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: MAEParams, **kw):

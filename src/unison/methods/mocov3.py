@@ -67,7 +67,7 @@ class MoCoV3(SSLMethod):
     name = "mocov3"
     Params = MoCoV3Params
     recipe = Recipe(optimizer="adamw", base_lr=1.5e-4, weight_decay=0.1, augmentation="byol",
-                    backbone="vit_tiny_p4", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
+                    backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: MoCoV3Params, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -17,9 +17,11 @@ images [B, 3, H, W] to features [B, feature_dim] (no classifier).
   stem whatever the size. `resolve_backbone` gives the pinned name a run used (recorded in the
   checkpoint, so `unison export` / `unison eval` rebuild the same stem). The export loads into
   torchvision as is (ImageNet stem) or after the same stem surgery (CIFAR stem), ``fc.*`` missing.
-* ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p4`` (4 px patches, 32 px images) and
-  ``..._p2`` (2 px patches, 16 px images): Vision Transformers with token-level access for
-  the masked-image methods (`unison.models.vit`).
+* ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p8`` (8 px patches, 64 px images), ``..._p4``
+  (4 px patches, 32 px images) and ``..._p2`` (2 px patches, 16 px images): Vision Transformers with
+  token-level access for the masked-image methods (`unison.models.vit`); ``..._auto`` takes the patch
+  size from the image size (at least 8 x 8 patches: 2 px at 16 px, 4 at 32, 8 at 64, 16 at 224), pinned
+  by `resolve_backbone` as a ResNet's stem is.
 * ``timm:<name>``: any timm model with ``num_classes=0`` (requires ``pip install timm``), with the
   run's ``--backbone-arg NAME=VALUE`` settings and ``img_size`` = the training crop size when the
   model takes one (`timm_backbone`); with crops of several sizes (multi-crop), ``dynamic_img_size=True``.
@@ -42,12 +44,12 @@ import torch.nn as nn
 
 from unison.errors import ConfigError
 
-from .vit import VIT_BACKBONES, build_vit, vit_patch_size
+from .vit import VIT_AUTO, VIT_BACKBONES, build_vit, pin_vit, vit_patch_size
 
 CIFAR_STEM_MAX_SIZE = 64
 RESNETS = ("resnet18", "resnet50")
 PINNED_RESNETS = tuple(f"{r}_{stem}" for r in RESNETS for stem in ("cifar", "imagenet"))
-BACKBONES = ("small_cnn", *RESNETS, *PINNED_RESNETS, *VIT_BACKBONES)
+BACKBONES = ("small_cnn", *RESNETS, *PINNED_RESNETS, *VIT_BACKBONES, *VIT_AUTO)
 
 
 class SmallCNN(nn.Module):
@@ -67,11 +69,25 @@ class SmallCNN(nn.Module):
 
 
 def resolve_backbone(name: str, image_size: int | None) -> str:
-    """The pinned name of `name` at `image_size`: ``resnet18`` -> ``resnet18_cifar`` or ``resnet18_imagenet``."""
+    """The pinned name of `name` at `image_size`: ``resnet18`` -> ``resnet18_cifar`` or ``resnet18_imagenet``,
+    ``vit_tiny_auto`` -> ``vit_tiny_p4`` at 32 px or ``vit_tiny`` at 224 px (`unison.models.vit.pin_vit`)."""
     if name in RESNETS:
         stem = "imagenet" if image_size is not None and image_size > CIFAR_STEM_MAX_SIZE else "cifar"
         return f"{name}_{stem}"
-    return name
+    return pin_vit(name, image_size)
+
+
+def patch_size_of(name: str, image_size: int | None, backbone_args: dict[str, Any] | None = None) -> int | None:
+    """The patch size of backbone `name` at `image_size` (None: not patch-based, e.g. a CNN): a unison ViT's
+    from its (pinned) name, a timm model's from a build on the meta device (no memory, no weights)."""
+    name = resolve_backbone(name, image_size)
+    if name in VIT_BACKBONES:
+        return vit_patch_size(name)
+    if name.startswith("timm:"):
+        with torch.device("meta"):
+            model, _ = timm_backbone(name[5:], image_size, backbone_args or {})
+        return _timm_patch_and_fixed_size(model)[0]
+    return None
 
 
 def resnet(name: str) -> tuple[nn.Module, int]:
@@ -213,6 +229,7 @@ def check_backbone(name: str, image_size: int | None = None, backbone_args: dict
                    view_sizes: Sequence[int] = ()) -> None:
     """Build `name` on the meta device (no memory, no weights): a bad timm model name or argument, or a view size
     the backbone cannot take (`check_view_sizes`), is a one-line `ConfigError` before any worker starts."""
+    name = resolve_backbone(name, image_size)
     if name.startswith("timm:"):
         with torch.device("meta"):
             timm_backbone(name[5:], image_size, backbone_args or {}, view_sizes)

@@ -30,8 +30,11 @@ forward above is written here.
 Sizes (`VIT_SIZES`; embedding dim / depth / heads): ``nano`` 128/6/4 (1.2 M parameters, for
 CPU runs), ``tiny`` 192/12/3, ``small`` 384/12/6, ``base`` 768/12/12, ``large`` 1024/24/16 (DeiT / ViT).
 Backbone names (`VIT_BACKBONES`): ``vit_<size>`` has 16 px patches on 224 px images;
-``vit_<size>_p4`` 4 px patches on 32 px images (CIFAR: 8 x 8 patches); ``vit_<size>_p2``
-2 px patches on 16 px images (the embedded digits: 8 x 8 patches).
+``vit_<size>_p8`` 8 px patches on 64 px images; ``vit_<size>_p4`` 4 px patches on 32 px images
+(CIFAR: 8 x 8 patches); ``vit_<size>_p2`` 2 px patches on 16 px images (the embedded digits: 8 x 8
+patches). ``vit_<size>_auto`` (`VIT_AUTO`, the recipes' default) takes its patch size from the image
+size (`auto_patch_size`: 2 px at 16 px, 4 at 32, 8 at 64, 16 at 128 and above) and is pinned to one
+of the names above for a run (`pin_vit`), as a ResNet's stem is.
 
 Example::
 
@@ -55,8 +58,13 @@ VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
     "base": (768, 12, 12),
     "large": (1024, 24, 16),
 }
-_PATCHES = {"": (16, 224), "_p4": (4, 32), "_p2": (2, 16)}   # name suffix -> (patch size, image size)
+_PATCHES = {"": (16, 224), "_p8": (8, 64), "_p4": (4, 32), "_p2": (2, 16)}   # name suffix -> (patch, image size)
 VIT_BACKBONES: tuple[str, ...] = tuple(f"vit_{size}{suffix}" for size in VIT_SIZES for suffix in _PATCHES)
+VIT_AUTO: tuple[str, ...] = tuple(f"vit_{size}_auto" for size in VIT_SIZES)
+# `auto_patch_size`: at least this many patches per side (masking, multi-crop and I-JEPA's blocks need a grid;
+# 8 x 8 is what the CIFAR and digits recipes were tuned on), with the largest patch that leaves them.
+AUTO_MIN_GRID = 8
+AUTO_NO_SIZE = 32   # the image size an unpinned name is read at when none is known (CIFAR, as a ResNet's stem)
 
 
 class ViT(nn.Module):
@@ -149,8 +157,30 @@ class ViT(nn.Module):
         return t[:, 0] if self.pool == "cls" else t[:, 1:].mean(dim=1)
 
 
+def auto_patch_size(image_size: int) -> int:
+    """The patch size of ``vit_<size>_auto`` at `image_size`: the largest of 16, 8, 4 and 2 px that divides it and
+    leaves at least `AUTO_MIN_GRID` patches per side (16 px at 224: 14 x 14), else the smallest that divides it.
+    An odd size, which no patch divides, is a one-line `ConfigError`."""
+    patches = sorted({p for p, _ in _PATCHES.values()}, reverse=True)
+    dividing = [p for p in patches if image_size % p == 0]
+    if not dividing:
+        raise ConfigError(f"image size {image_size} px is not a multiple of any ViT patch size "
+                          f"({', '.join(map(str, patches))}); give an even --image-size (e.g. {image_size + 1})")
+    return next((p for p in dividing if image_size // p >= AUTO_MIN_GRID), dividing[-1])
+
+
+def pin_vit(name: str, image_size: int | None) -> str:
+    """The ViT of `VIT_BACKBONES` that ``vit_<size>_auto`` is at `image_size` (`auto_patch_size`; without a size,
+    `AUTO_NO_SIZE`); any other name as it is."""
+    if name not in VIT_AUTO:
+        return name
+    patch = auto_patch_size(image_size or AUTO_NO_SIZE)
+    suffix = next(s for s, (p, _) in _PATCHES.items() if p == patch)
+    return name[: -len("_auto")] + suffix
+
+
 def vit_patch_size(name: str) -> int:
-    """The patch size of ViT `name` of `VIT_BACKBONES` (16, or 4 for ``_p4``, 2 for ``_p2``)."""
+    """The patch size of ViT `name` of `VIT_BACKBONES` (16, or 8 for ``_p8``, 4 for ``_p4``, 2 for ``_p2``)."""
     suffix = name[len("vit_"):].partition("_")[2]
     return _PATCHES["_" + suffix if suffix else ""][0]
 

@@ -37,6 +37,7 @@ from unison.config import TrainConfig
 from unison.distributed.comm_meter import CommMeter
 from unison.distributed.tagging import rank_local_state_names
 from unison.errors import ConfigError
+from unison.models.backbones import resolve_backbone
 
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
@@ -45,7 +46,8 @@ from .syncs import explain, unexplained
 MIB = 2**20
 DEFAULT_MFU = 0.4
 DEFAULT_IMAGE_SIZE = 224   # without --image-size (train's default for images of 224 px and more)
-__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "resolve_gpu", "simulate", "step_host_syncs"]
+__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "plan_config", "resolve_gpu", "simulate",
+           "step_host_syncs"]
 
 
 @dataclass
@@ -306,8 +308,8 @@ class PlanReport:
         compute_s = s.flops / (self.gpu.bf16_tflops * 1e12 * self.mfu)
         step_s = compute_s + comm_s
         return {
-            "method": self.cfg.method, "backbone": self.cfg.backbone, "image_size": self.cfg.image_size,
-            "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
+            "method": self.cfg.method, "backbone": resolve_backbone(str(self.cfg.backbone), self.cfg.image_size),
+            "image_size": self.cfg.image_size, "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
             "local_batch": s.local_batch, "global_batch": self.cfg.batch_size,
             "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
             "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
@@ -366,18 +368,25 @@ def _explained(syncs: list[HostSync]) -> list[str]:
     return lines
 
 
-def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
-    """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
-    The data is not read (synthetic images stand in): without ``--image-size`` the views are 224 px."""
+def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
+    """What `plan` simulates of the validated `cfg` (one line where it cannot), at ``--image-size`` or else 224 px
+    (the data is not read); the recipe's defaults follow that size in `build_run`, as in `train`."""
     if cfg.distributed.grad_compression != "none":
         raise ConfigError("unison plan does not simulate --grad-compression; leave it at none")
     if cfg.compile:
         raise ConfigError("unison plan does not simulate --compile; leave it off")
     if not 0 < mfu <= 1 or math.isnan(mfu):
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
-    if cfg.image_size is None:   # the data is not read: the size `train` takes for large images
+    if cfg.image_size is None:
         cfg = copy.deepcopy(cfg)
         cfg.image_size = DEFAULT_IMAGE_SIZE
+    return cfg
+
+
+def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
+    """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
+    The data is not read (synthetic images stand in): the views are `plan_config`'s size."""
+    cfg = plan_config(cfg, mfu)
     try:
         step = simulate(cfg)
         double = copy.deepcopy(cfg)

@@ -318,7 +318,8 @@ def start_line(run: Run, world: int, step: int) -> str:
     """The first ``train.log`` line of a run (or of a resumed attempt): what runs, and the values it resolved to."""
     r, cfg = run.resolved, run.cfg
     where = f"resuming at step {step}" if step else "starting"
+    backbone = cfg.backbone if r["backbone"] == cfg.backbone else f"{cfg.backbone} ({r['backbone']})"   # vit_*_auto
     return (f"{cfg.method} x{count(world, 'worker')} on {cfg.data}, {where}: {count(run.total_steps, 'step')} "
-            f"({run.steps_per_epoch} per epoch), global batch {run.global_batch}, {cfg.backbone} at {run.image_size} "
+            f"({run.steps_per_epoch} per epoch), global batch {run.global_batch}, {backbone} at {run.image_size} "
             f"px, {r['optimizer']} peak lr {r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation "
             f"{r['augmentation']}; run dir {cfg.out}")

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from unison.config import TrainConfig
 from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
-from unison.data.augment import PRESETS
+from unison.data.augment import PRESETS, default_local_size
 from unison.errors import CheckpointError, ConfigError
 from unison.methods import METHODS, get_method
-from unison.models.backbones import BACKBONES, check_backbone
+from unison.models.backbones import BACKBONES, check_backbone, patch_size_of, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.training.checkpoint.files import is_checkpoint_name
 
@@ -35,25 +35,41 @@ if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
 @dataclass(frozen=True)
 class ResolvedRecipe:
     """The optimizer, base learning rate (per 256 images), weight decay, augmentation preset and backbone a run
-    uses: the method's recipe for the run's data, overridden by whatever the configuration sets."""
+    uses: the method's recipe for the run's data, overridden by whatever the configuration sets; and what follows
+    from the image size: the local crops' side (multi-crop; None: none, or the image size is not known yet)."""
     backbone: str
     optimizer: str
     lr: float
     weight_decay: float
     augmentation: str
+    local_crop_size: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def resolve_recipe(cfg: TrainConfig) -> ResolvedRecipe:
+def resolve_recipe(cfg: TrainConfig, image_size: int | None = None) -> ResolvedRecipe:
+    """The run's recipe; `image_size` (the data's, when ``--image-size`` is not given) sizes what depends on it.
+
+    The one place where defaults follow the image size and the backbone's patches: the recipes' ViTs are
+    ``vit_<size>_auto`` (their patch size from the image size, pinned by `resolve_backbone`), and the local crops of
+    a multi-crop augmentation default to 3/7 of the image size rounded to a multiple of the backbone's patch size
+    (`default_local_size`), so that every method trains at its defaults at any even image size."""
     recipe = get_method(cfg.method).recipe.for_data(cfg.data)
+    backbone = cfg.backbone or recipe.backbone
+    augmentation = cfg.augmentation or recipe.augmentation
+    size = cfg.image_size or image_size
+    local = cfg.local_crop_size
+    if local is None and size is not None and augmentation in PRESETS and PRESETS[augmentation]["n_local"] \
+            and cfg.local_crops != 0 and not backbone.startswith("own:"):
+        local = PRESETS[augmentation]["local_size"] or default_local_size(
+            size, patch_size_of(backbone, size, cfg.backbone_args))
     return ResolvedRecipe(
-        backbone=cfg.backbone or recipe.backbone,
+        backbone=backbone,
         optimizer=cfg.optimizer or recipe.optimizer,
         lr=cfg.lr if cfg.lr is not None else recipe.base_lr,
         weight_decay=cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
-        augmentation=cfg.augmentation or recipe.augmentation)
+        augmentation=augmentation, local_crop_size=local)
 
 
 def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: OwnPieces | None = None) -> TrainConfig:
@@ -163,11 +179,14 @@ def _validate_backbone(cfg: TrainConfig) -> None:
                           f"(--backbone timm:<name>); {cfg.backbone} takes none")
     if cfg.backbone.startswith("timm:"):
         check_backbone(cfg.backbone, cfg.image_size, cfg.backbone_args)
-    if cfg.backbone in VIT_BACKBONES and cfg.image_size is not None and cfg.image_size % vit_patch_size(cfg.backbone):
-        patch = vit_patch_size(cfg.backbone)
+    pinned = resolve_backbone(cfg.backbone, cfg.image_size)   # vit_*_auto: a ConfigError at an odd size
+    if pinned in VIT_BACKBONES and cfg.image_size is not None and cfg.image_size % vit_patch_size(pinned):
+        patch = vit_patch_size(pinned)
         raise ConfigError(f"image_size={cfg.image_size} is not a multiple of the patch size {patch} of "
                           f"{cfg.backbone}; give --image-size a multiple of {patch} (e.g. "
-                          f"{max(patch, cfg.image_size // patch * patch)})")
+                          f"{max(patch, cfg.image_size // patch * patch)})" + (
+                              f", or --backbone {cfg.backbone.split('_p')[0]}_auto (patches from the image size)"
+                              if cfg.image_size % 2 == 0 else ""))
 
 
 def validated_method_params(method: str, given: dict[str, Any], *, global_batch: int | None = None,

@@ -44,7 +44,7 @@ import torch.nn as nn
 from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource
-from unison.data.source import TrainData, build_batch_source
+from unison.data.source import TrainData, build_batch_source, open_checked, planned_image_size
 from unison.data.spec import BUILTIN, DataSpec
 from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
@@ -133,13 +133,14 @@ class Run:
         return x.contiguous(memory_format=torch.channels_last) if self.cfg.nhwc else x
 
 
-def data_spec(cfg: TrainConfig) -> DataSpec:
-    """What the data side reads of `cfg` (`unison.data` never sees the training configuration)."""
+def data_spec(cfg: TrainConfig, image_size: int | None = None) -> DataSpec:
+    """What the data side reads of `cfg` (`unison.data` never sees the training configuration); with the data's
+    `image_size` (when ``--image-size`` is not given), the local crops' side the recipe derives from it."""
     return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
                     val_subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, data_mode=cfg.data_mode, decode=cfg.decode,
                     loader_workers=cfg.loader_workers, image_size=cfg.image_size,
                     world_size=cfg.distributed.world_size, local_crops=cfg.local_crops,
-                    local_crop_size=cfg.local_crop_size)
+                    local_crop_size=resolve_recipe(cfg, image_size).local_crop_size)
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
@@ -156,6 +157,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if not cfg.knn and data.knn is not None:
         data.knn, data.knn_skipped = None, "--no-knn"
     image_size, augment, source = data.image_size, data.augment, data.source
+    recipe = resolve_recipe(cfg, image_size)   # with what follows from the image size (local crops)
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
     total_steps = cfg.epochs * steps_per_epoch
@@ -165,9 +167,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     if exact and get_method(cfg.method).needs_sample_keys and source.batches_per_epoch % accumulate:
         raise ConfigError(f"{cfg.method} takes per-sample keys (seed, epoch, index), and with {source.batches_per_epoch} "
                           f"batches per epoch a step of --grad-sync-every {accumulate} micro-batches would span two "
-                          "epochs; give "
-                          f"a --batch-size for which the batches per epoch are a multiple of {accumulate}, or "
-                          "--accumulation independent")
+                          f"epochs; give a --batch-size for which the batches per epoch are a multiple of {accumulate}, "
+                          "or --accumulation independent")
 
     # ---- model: SyncBN, memory format, DDP
     own_backbone = (own.backbone, int(own.feature_dim or 0)) if own is not None and own.backbone is not None else None
@@ -240,17 +241,22 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
     """The run's data: the user's dataset (`unison.data.own`), else what `cfg` names or the sets given. The
     pre-flight of the user's pieces (`unison.training.own.check_pieces`) builds it too."""
     if own is not None and own.dataset is not None:
-        from unison.data.own import build_own_source  # only runs given a dataset read it
+        from unison.data.own import build_own_source, own_image_size  # only runs given a dataset read them
 
         batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
-        data = build_own_source(data_spec(cfg), device, augmentation, own.dataset, own.transform, max_batches=batches)
+        size = own_image_size(data_spec(cfg), augmentation, own.dataset, own.transform)
+        data = build_own_source(data_spec(cfg, size), device, augmentation, own.dataset, own.transform,
+                                max_batches=batches)
         if own.val is not None:   # labelled held-out items: the kNN against the dataset's labelled items
             from unison.data.own_knn import own_knn_sets
 
             data.knn = own_knn_sets(own.dataset, own.val, data.image_size, device, cfg.seed, cfg.val_subset)
             data.knn_skipped = None
         return data
-    return build_batch_source(data_spec(cfg), device, augmentation, train_set=train_set, val_set=val_set)
+    spec = data_spec(cfg)
+    catalog = open_checked(spec) if train_set is None else None
+    spec = data_spec(cfg, planned_image_size(spec, catalog, train_set))   # the recipe's local crops at that size
+    return build_batch_source(spec, device, augmentation, train_set=train_set, val_set=val_set, catalog=catalog)
 
 
 def _optimizer(cfg: TrainConfig, method: SSLMethod, name: str, peak_lr: float,

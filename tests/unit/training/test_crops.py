@@ -27,7 +27,8 @@ def _refused(argv, capsys, code=2) -> str:
 def test_patch16_timm_vit_with_14px_local_crops_is_refused_before_workers(tmp_path, capsys):
     pytest.importorskip("timm")
     out = tmp_path / "r"
-    err = _refused([*_TINY, "--backbone", "timm:vit_tiny_patch16_224", "--image-size", "32", "--out", str(out)], capsys)
+    err = _refused([*_TINY, "--backbone", "timm:vit_tiny_patch16_224", "--image-size", "32", "--local-crop-size", "14",
+                    "--out", str(out)], capsys)
     assert "local crops of 14 px are not a multiple of the patch size 16" in err and "--local-crop-size" in err
     assert not out.exists()   # the pre-flight refused it: no worker, no run directory
 

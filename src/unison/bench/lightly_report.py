@@ -1,0 +1,98 @@
+"""The report of `unison bench lightly` (`unison.bench.lightly_compare` measures): one row per method, seed and
+side, and per method the kNN difference unison - Lightly (judged against the seeds' spread when there are two or
+more a side), the throughput ratio and a note when a side's warm-up makes its all-steps rate mislead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .report import fmt_duration, markdown_table, write_csv
+from .table import load_pair
+
+WARMUP_SHARE = 0.05   # a side's warm-up above this share of its time: the all-steps rate understates it
+
+
+def lightly_markdown(rows: list[dict[str, Any]]) -> str:
+    steady_from = next((r.get("steady_from_step") for r in rows if r.get("steady_from_step")), None)
+    headers = ["Method", "Seed", "Side", "Version", "Pipeline", "Threads", "Loader workers", "Steps x batch", "Training time",
+               "Warm-up", f"img/s (steady, after step {steady_from})", "img/s (all steps)", "TFLOP/s (steady)",
+               "of measured fp32 matmul", "of bf16 peak", "Data wait", "kNN acc", "Peak mem",
+               "Load 1 min before / after"]
+    body = []
+    for r in rows:
+        method, seed = r.get("method", "simclr"), r.get("seed", "-")
+        if r.get("error"):
+            body.append([method, seed, r["side"], "-", f"not measured: {r['error']}"] + ["-"] * (len(headers) - 5))
+            continue
+        steady = r.get("steady_images_per_s")
+        warmup = "n/a" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} s ({100 * r['warmup_share']:.0f} %)"
+        tflops = r.get("steady_tflops_per_s") or r.get("tflops_per_s")
+        body.append([method, seed, r["side"], r["version"], r["pipeline"], r["threads"], r["loader_workers"],
+                     f"{r['steps']} x {r['global_batch']}", fmt_duration(r["train_time_s"]), warmup,
+                     "n/a" if steady is None else f"{steady:.1f}", f"{r['images_per_s']:.1f}",
+                     "n/a" if tflops is None else f"{tflops:.3f}",
+                     "n/a" if r.get("matmul_fraction") is None else f"{100 * r['matmul_fraction']:.0f} %",
+                     "n/a (peak unknown)" if r.get("peak_fraction") is None else f"{100 * r['peak_fraction']:.1f} %",
+                     "n/a" if r.get("data_wait_share") is None else f"{100 * r['data_wait_share']:.0f} %",
+                     f"{r['knn_top1']:.3f}", f"{r['peak_memory_mib']:.0f} MiB", load_pair(r)])
+    text = markdown_table(headers, body)
+    for method in dict.fromkeys(r.get("method", "simclr") for r in rows):
+        text += _ratio_note(method, [r for r in rows if r.get("method", "simclr") == method], steady_from)
+    flop_row = next((r for r in rows if r.get("step_gflop")), None)
+    if flop_row is not None:
+        peak, matmul = flop_row.get("bf16_peak_tflops"), flop_row.get("matmul_tflops_per_s")
+        text += ("\nTFLOP/s: unison's count of the method's matrix work per step (forward + backward, "
+                 "`torch.utils.flop_counter` via `unison.bench.flops`; SimCLR's serves both sides, the other methods' "
+                 "Lightly heads differ) x steady images/s / batch"
+                 + (f"; of measured fp32 matmul: against {matmul * 1e3:.0f} GFLOP/s, the best `torch.mm` (1024, 2048) "
+                    "with the sides' threads, measured in this run" if matmul else "")
+                 + (f"; of bf16 peak: against {peak:g} TFLOPS dense bf16.\n" if peak else
+                    "; no bf16 peak is known for this device (CPU, or a GPU not in `BF16_PEAK_TFLOPS`; "
+                    "pass --peak-tflops).\n"))
+    return text
+
+
+def _ratio_note(method: str, rows: list[dict[str, Any]], steady_from: int | None) -> str:
+    """kNN difference and throughput ratio unison / Lightly of one method (both sides measured; means over the
+    seeds, whose spread on each side is the noise), and a warning when a side's warm-up makes the all-steps rate
+    mislead."""
+    sides = {side: [r for r in rows if r["side"] == side and not r.get("error")] for side in ("unison", "lightly")}
+    if not sides["unison"] or not sides["lightly"]:
+        return ""
+
+    def mean(side: str, key: str) -> float | None:
+        values = [r[key] for r in sides[side] if r.get(key) is not None]
+        return sum(values) / len(values) if len(values) == len(sides[side]) else None
+
+    u_knn, l_knn = mean("unison", "knn_top1"), mean("lightly", "knn_top1")
+    assert u_knn is not None and l_knn is not None
+    text = f"\n**{method}: kNN unison - Lightly {u_knn - l_knn:+.3f}"
+    spreads = [max(r["knn_top1"] for r in v) - min(r["knn_top1"] for r in v) for v in sides.values()]
+    if min(len(v) for v in sides.values()) > 1:   # the noise: the larger spread of the seeds on one side
+        noise = max(spreads)
+        verdict = ("above" if u_knn > l_knn + noise else "within noise" if abs(u_knn - l_knn) <= noise else "BELOW")
+        text += f" ({verdict}: seed spread unison {spreads[0]:.3f}, Lightly {spreads[1]:.3f})"
+    u_steady, l_steady = mean("unison", "steady_images_per_s"), mean("lightly", "steady_images_per_s")
+    text += "; throughput unison / Lightly "
+    if u_steady and l_steady:
+        text += f"{u_steady / l_steady:.2f}x at steady state** (after step {steady_from}), "
+    else:
+        text += "** "
+    u_all, l_all = mean("unison", "images_per_s"), mean("lightly", "images_per_s")
+    assert u_all is not None and l_all is not None
+    text += (f"{u_all / l_all:.2f}x over all steps (images/s of the training loop; all steps include each side's "
+             "warm-up and, for Lightly, starting its loader workers at every epoch).\n")
+    long_warmup = [s for s, v in sides.items() if any((r.get("warmup_share") or 0) > WARMUP_SHARE for r in v)]
+    if long_warmup:
+        text += (f"\nThe warm-up is over {WARMUP_SHARE:.0%} of the time of {' and '.join(long_warmup)}: quote the "
+                 "steady rate, or raise --lightly-steps.\n")
+    return text
+
+
+def write_lightly(rows: list[dict[str, Any]], out_dir: Path, header: str = "") -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out_dir / "lightly.md", "csv": out_dir / "lightly.csv"}
+    paths["md"].write_text(header + lightly_markdown(rows))
+    write_csv(paths["csv"], rows)
+    return paths
