@@ -123,6 +123,12 @@ def _validate_accumulation(cfg: TrainConfig) -> None:
 TEACHER_RANDOM = "random"   # unison.training.teacher.RANDOM (that module reads checkpoints: not imported here)
 
 
+def resumes_its_teacher(cfg: TrainConfig) -> bool:
+    """A resumed distilled run: its teacher is the one its checkpoint holds (weights and all), never read again
+    from ``--teacher`` (`unison.training.preflight.resolve_teacher` refuses another one)."""
+    return bool(cfg.resume) and cfg.resume != "auto" and cfg.teacher is not None
+
+
 def validate_teacher(cfg: TrainConfig) -> None:
     """distill's teacher options, by name (`unison.training.teacher.resolve_teacher` then reads a teacher run):
     only distill takes them, distill needs ``--teacher``, a weights file needs ``--teacher-backbone``, which must
@@ -140,6 +146,8 @@ def validate_teacher(cfg: TrainConfig) -> None:
                           "file with --teacher-backbone NAME, or 'random' (a random-init teacher, for tests)")
     if cfg.teacher == TEACHER_RANDOM:
         cfg.teacher_backbone = cfg.teacher_backbone or "small_cnn"
+    elif resumes_its_teacher(cfg):   # the checkpoint holds the teacher: its file is not read again
+        pass
     elif not Path(cfg.teacher).exists():
         raise CheckpointError(f"--teacher {cfg.teacher} does not exist; give a unison run directory or checkpoint, a "
                               "weights file, or 'random'")

@@ -20,7 +20,9 @@ checkpoint (every field checked, as a resume would), pins ``--teacher`` to that 
 backbone in ``teacher_backbone``; `build_teacher` (called by `unison.training.step.build_method` in every worker)
 reads that file (``torch.load(weights_only=True)``; a ``.dcp`` checkpoint consolidated by every worker, as
 ``--init`` and a resume read one). ``weights=False`` (`load_method`, the memory estimate) builds
-the architecture only: a distilled run's checkpoint holds its teacher, so eval/export need no teacher file.
+the architecture only: a distilled run's checkpoint holds its teacher, so eval/export need no teacher file, and
+neither does a resume (`unison.training.resolve.resumes_its_teacher`): a resumed run keeps the teacher its checkpoint
+holds, ``--teacher`` naming another is refused (`unison.training.preflight.keep_resumed_teacher`).
 
 Example::
 
