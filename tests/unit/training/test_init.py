@@ -74,6 +74,7 @@ class _Evil:
     ("decay", 2, "layer_decay=1.5 must be a finite number in (0, 1]"),
     ("own-out", 2, "is a checkpoint of --out"),
     ("empty-freeze", 2, "--freeze '' is not a list of block counts or module names"),
+    ("superscript-freeze", 2, "--freeze '²' names no part of the backbone"),   # '²'.isdigit(): int('²') failed
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
     """What `unison train` runs before any worker starts (`validate_run`, `preflight`): one line, its exit code."""
@@ -99,6 +100,8 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         argv += ["--freeze", ""]
     elif case == "freeze":
         argv += ["--freeze", "blocks"]
+    elif case == "superscript-freeze":
+        argv += ["--freeze", "²"]
     else:
         argv += ["--layer-decay", "1.5"]
     with pytest.raises(UnisonError) as info:
