@@ -37,6 +37,38 @@ class Input:
     tree: bool = False
 
 
+NAME_MAX = 255    # bytes of one file or folder name (Linux and macOS file systems)
+PATH_MAX = 4096   # bytes of a path the kernel takes, its final NUL included (Linux)
+
+
+TEMPORARY_ROOM = 22   # what an atomic write adds to a file's name: ".NAME.PID.HEX.tmp"
+
+
+def path_too_long(path: str | Path, room: int = 0, name_room: int = 0) -> str | None:
+    """Why the file system would refuse `path` (ENAMETOOLONG, a traceback from wherever it is first used), or
+    None: a name past `NAME_MAX` bytes (the last one past `NAME_MAX` - `name_room`: its temporary name's), or the
+    absolute path, with `room` bytes for the names a command writes below it, past `PATH_MAX`."""
+    parts = Path(path).parts
+    for k, part in enumerate(parts):
+        limit = NAME_MAX - (name_room if k == len(parts) - 1 else 0)
+        if len(os.fsencode(part)) > limit:
+            why = f" ({NAME_MAX} less the {name_room} its temporary name adds)" if limit < NAME_MAX else ""
+            return (f"its name {part[:24]!r}... is {len(os.fsencode(part)):,} bytes long, past the {limit}{why} a "
+                    "file or folder name may have; give a shorter name")
+    total = len(os.fsencode(os.path.abspath(path))) + room
+    if total >= PATH_MAX:
+        files = f" with the {room} bytes of the names written below it" if room else ""
+        return (f"it is {total:,} bytes long as an absolute path{files}, past the {PATH_MAX - 1} a path may have; "
+                "give a shorter path")
+    return None
+
+
+def short_path(path: str | Path) -> str:
+    """`path` for a message: a long one cut to its first and last 40 characters."""
+    text = str(path)
+    return text if len(text) <= 100 else f"{text[:40]}...{text[-40:]} ({len(text):,} characters)"
+
+
 def _resolved(path: str | Path) -> Path:
     return Path(os.path.abspath(path)).resolve()
 
@@ -63,6 +95,9 @@ def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
     `label` names the file in messages (default: "`flag` `path`")."""
     p = Path(path)
     name = label or f"{flag} {p}"
+    too_long = path_too_long(p, name_room=TEMPORARY_ROOM)
+    if too_long:
+        raise ConfigError(f"{label or f'{flag} {short_path(p)}'}: {too_long}")
     for inp in inputs:
         if same_file(p, inp.path) or (inp.tree and Path(inp.path).is_dir() and is_inside(p, inp.path)):
             where = "is" if same_file(p, inp.path) else "lies inside"
