@@ -42,6 +42,7 @@ PATH_MAX = 4096   # bytes of a path the kernel takes, its final NUL included (Li
 
 
 TEMPORARY_ROOM = 22   # what an atomic write adds to a file's name: ".NAME.PID.HEX.tmp"
+RUN_FILE_ROOM = 64    # the longest name a training run writes below --out: checkpoints/.step_N.pt.PID.HEX.tmp
 
 
 def path_too_long(path: str | Path, room: int = 0, name_room: int = 0) -> str | None:

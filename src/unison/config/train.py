@@ -24,7 +24,6 @@ from unison.config.extras import install_command
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.errors import ConfigError
-from unison.paths import path_too_long, short_path
 
 AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")
@@ -39,7 +38,6 @@ MAX_STEPS = 2**62        # optimiser steps: a step counter in int64 never overfl
 MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, far below an index overflow
 MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
 MAX_IMAGES = 2**40       # subsets: more images than any data set
-RUN_FILE_ROOM = 64        # bytes of the longest name a run writes below --out (checkpoints/.step_N.pt.PID.HEX.tmp)
 MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 values (64 MiB at 4096)
 # fewest held-back images that can tell a collapse: RankMe of N images is at most N, and a healthy small_cnn's (random
 # init, SimCLR's first steps, digits) measured 1.3-1.5 at N=2, 1.8-2.1 at 4, 2.6-3.2 at 8, 3.9-5.1 at 16 against the
@@ -234,9 +232,6 @@ class TrainConfig:
             raise ConfigError("--out is empty; give a run directory, e.g. --out runs/x")
         if "\x00" in self.out:   # no file name holds one (os.mkdir raises ValueError)
             raise ConfigError(f"--out {shown(self.out)} is not a path (a NUL character); give a run directory")
-        too_long = path_too_long(self.out, room=RUN_FILE_ROOM)
-        if too_long:
-            raise ConfigError(f"--out {short_path(self.out)}: {too_long}")
         if self.init is not None and (not self.init or "\x00" in self.init or len(self.init) > 4096):
             raise ConfigError(f"--init {shown(self.init)} is not a path; give a weights file or a run directory")
         if self.lr == 0:

@@ -26,6 +26,7 @@ from unison.errors import CheckpointError, ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone, patch_size_of, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
+from unison.paths import RUN_FILE_ROOM, path_too_long, short_path
 from unison.training.checkpoint.files import is_checkpoint_name
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
@@ -77,6 +78,9 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: O
     fills in the recipe's backbone (what the workers, checkpoints and summary see). `own`: the user's pieces
     (`unison.training.own`), named in `cfg` in place of the backbone and data they replace. Returns `cfg`."""
     cfg.validate(cuda_available)
+    too_long = path_too_long(cfg.out, room=RUN_FILE_ROOM)   # ENAMETOOLONG from wherever --out is first used
+    if too_long:
+        raise ConfigError(f"--out {short_path(cfg.out)}: {too_long}")
     if cfg.method not in METHODS:
         raise ConfigError(f"method={shown(cfg.method)} is unknown{did_you_mean(cfg.method, METHODS)}; "
                           f"use one of {', '.join(sorted(METHODS))}")
