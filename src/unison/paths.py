@@ -119,18 +119,20 @@ def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
     return p
 
 
-def write_error(path: str | Path, e: OSError, flag: str = "--out") -> ConfigError:
-    """The one-line error for an output that could not be written (full disk, read-only, not a folder, ...)."""
+def write_error(path: str | Path, e: OSError, flag: str = "--out", kept: str = "") -> ConfigError:
+    """The one-line error for an output that could not be written (full disk, read-only, not a folder, ...);
+    `kept`: what was left as it was (as training names its last good checkpoint)."""
+    kept = f"; {kept}" if kept else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        return ConfigError(f"{what}: could not write {path}; free space or choose another {flag}")
+        return ConfigError(f"{what}: could not write {path}{kept}; free space or choose another {flag}")
     if e.errno == errno.EROFS:
-        return ConfigError(f"read-only file system: could not write {path}; choose another {flag}")
+        return ConfigError(f"read-only file system: could not write {path}{kept}; choose another {flag}")
     blocking = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:   # mkdir's "File exists" / "Not a directory" would not say which
         return ConfigError(f"could not write {path}: {blocking} is a file, not a folder; choose another {flag}")
     reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
-    return ConfigError(f"could not write {path} ({reason}); choose another {flag}")
+    return ConfigError(f"could not write {path} ({reason}){kept}; choose another {flag}")
 
 
 def write_text_atomic(path: str | Path, text: str, flag: str = "--out") -> Path:
