@@ -148,7 +148,7 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     parts = Path(payload["parts"])
     rows, dim = 0, 0
     progress = Progress("embed: embedded", stop - start, len(catalog), show=rank == 0)
-    with _Part(parts, rank, Path(opts.out)) as part:
+    with _Part(parts, rank, Path(str(opts.out))) as part:   # out: checked by check_outputs
         for b in range(0, len(images), opts.batch_size):   # one batch in memory at a time
             chunk = images[b:b + opts.batch_size]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
