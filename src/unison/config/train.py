@@ -166,8 +166,8 @@ class TrainConfig:
         "range": Range(0, MAX_SIGNAL_IMAGES, hint=" (0 = no signals)"),
         "help": "held-back training images the signals are measured on (chosen from --seed; 0 = no signals)"})
     stop_on_collapse: bool = field(default=False, metadata={
-        "help": "end the run (final checkpoint and summary kept) when the signals say the representation collapsed; "
-                "without it the run only warns"})
+        "help": "end the run (final checkpoint and summary kept) when the signals say the representation collapsed "
+                f"(judged on --signal-images {MIN_COLLAPSE_IMAGES} or more); without it the run only warns"})
     online_probe: bool = field(default=True, metadata={
         "help": "with labelled training data: train a linear classifier on the detached features of each batch's "
                 "first view beside the encoder (never changing its training) and log its accuracy"})
