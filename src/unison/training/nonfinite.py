@@ -71,13 +71,16 @@ def non_finite_cause(method: nn.Module, views: list[torch.Tensor], cfg: TrainCon
     if any(not bool(torch.isfinite(v).all()) for v in views if v.is_floating_point()):
         where = "your dataset= or transform=" if str(cfg.data or "").startswith(OWN) else "the data"
         return f"the input views hold NaN or inf before any update: {where} make(s) them; fix those"
+    unknown = f"nothing was updated yet, so not --lr: check {_starting_weights(cfg)} and the data"
     embed = getattr(method, "embed", None)
     if not callable(embed) or not views or cfg.distributed.shard == "full":   # sharded: a forward needs every rank
-        return f"nothing was updated yet, so not --lr: check {_starting_weights(cfg)} and the data"
+        return unknown
     was_training = method.training
     method.eval()
     try:
         features = embed(views[0])
+    except Exception:   # the look must not hide the NaN behind an error of its own
+        return unknown
     finally:
         method.train(was_training)
     if isinstance(features, torch.Tensor) and not bool(torch.isfinite(features.float()).all()):

@@ -44,7 +44,7 @@ from unison.training.init_read import check_backbone_setup
 from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
-from unison.training.resolve import resolve_recipe, resumes_its_teacher
+from unison.training.resolve import resolve_recipe, resumed_checkpoint_of, resumes_its_teacher
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
@@ -137,14 +137,15 @@ def keep_resumed_teacher(cfg: TrainConfig) -> None:
     """A resumed distilled run keeps the teacher its checkpoint holds (its weights are read from there, its file is
     not needed): ``--teacher`` naming that teacher (its pinned checkpoint, or the run directory holding it) is
     taken, any other is refused (one line), and the run records the checkpoint's teacher."""
-    assert cfg.resume is not None and cfg.teacher is not None
-    recorded = read_header(cfg.resume).config
+    resumed = resumed_checkpoint_of(cfg)
+    assert resumed is not None and cfg.teacher is not None
+    recorded = read_header(resumed).config
     teacher = recorded.get("teacher")
     if not isinstance(teacher, str):   # not a distilled run's checkpoint: the method check refuses it
         return
     given = cfg.teacher
     if not (given == teacher or same_file(given, teacher) or (given != RANDOM and is_inside(teacher, given))):
-        raise ConfigError(f"--teacher {given} is not the teacher of the run resumed from {cfg.resume} ({teacher}, "
+        raise ConfigError(f"--teacher {given} is not the teacher of the run resumed from {resumed} ({teacher}, "
                           "whose weights its checkpoint holds): a resumed run keeps its teacher; leave --teacher "
                           f"out, or distil from {given} in a new run (a new --out, without --resume)")
     cfg.teacher = teacher

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 from unison.config import TrainConfig
 from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
 from unison.data.augment import PRESETS, default_local_size
+from unison.distributed.env import restart_reason
 from unison.errors import CheckpointError, ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone, patch_size_of, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import RUN_FILE_ROOM, path_too_long, short_path
-from unison.training.checkpoint.files import is_checkpoint_name
+from unison.training.checkpoint.files import is_checkpoint_name, latest_checkpoint
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
     from unison.training.pieces import OwnPieces
@@ -128,9 +129,20 @@ TEACHER_RANDOM = "random"   # unison.training.teacher.RANDOM (that module reads 
 
 
 def resumes_its_teacher(cfg: TrainConfig) -> bool:
-    """A resumed distilled run: its teacher is the one its checkpoint holds (weights and all), never read again
-    from ``--teacher`` (`unison.training.preflight.resolve_teacher` refuses another one)."""
-    return bool(cfg.resume) and cfg.resume != "auto" and cfg.teacher is not None
+    """A resumed distilled run (``--resume``, or a torchrun restart or SLURM requeue that resumes from ``--out``): its
+    teacher is the one its checkpoint holds (weights and all), never read again from ``--teacher``
+    (`unison.training.preflight.resolve_teacher` refuses another one)."""
+    return cfg.teacher is not None and resumed_checkpoint_of(cfg) is not None
+
+
+def resumed_checkpoint_of(cfg: TrainConfig) -> str | None:
+    """What this run resumes from: ``--resume`` (``auto`` once resolved), or ``--out`` for a restarted or requeued
+    attempt whose run directory holds a checkpoint; None for a fresh run."""
+    if cfg.resume and cfg.resume != "auto":
+        return cfg.resume
+    if restart_reason() is not None and latest_checkpoint(cfg.out) is not None:
+        return cfg.out
+    return None
 
 
 def validate_teacher(cfg: TrainConfig) -> None:

@@ -178,15 +178,18 @@ def test_resuming_with_another_teacher_is_refused(student, capfd):
     assert json.loads((out / "config.json").read_text())["teacher"] == recorded
 
 
-@pytest.mark.parametrize("how", ["same-teacher-given", "teacher-left-out", "resume-auto"])
-def test_resuming_needs_not_the_teacher_file(student, how, tmp_path, capfd):
+@pytest.mark.parametrize("how", ["same-teacher-given", "teacher-left-out", "resume-auto", "slurm-requeue"])
+def test_resuming_needs_not_the_teacher_file(student, how, tmp_path, capfd, monkeypatch):
     """The checkpoint holds the teacher's weights: a resume reads them there, so the teacher run may be gone."""
     out, teacher = student
     recorded, before = json.loads((out / "config.json").read_text())["teacher"], _teacher_of(out)
     teacher.rename(tmp_path / "gone")
     resume = {"same-teacher-given": ["--teacher", str(teacher), "--resume", str(out)],
               "teacher-left-out": ["--resume", str(out)],
-              "resume-auto": ["--teacher", str(teacher), "--resume", "auto", "--out", str(out)]}[how]
+              "resume-auto": ["--teacher", str(teacher), "--resume", "auto", "--out", str(out)],
+              "slurm-requeue": ["--teacher", str(teacher), "--out", str(out)]}[how]   # the same command again
+    if how == "slurm-requeue":
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     code, err = _run(["--method", "distill", *resume, *TINY, "--max-steps", "2"], capfd)
     assert code == 0, err
     assert json.loads((out / "config.json").read_text())["teacher"] == recorded
