@@ -63,7 +63,7 @@ from unison.training.init import InitWeights
 from unison.training.model import build_method
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
-from unison.training.resolve import exact_accumulation, resolve_recipe, resumes_its_teacher
+from unison.training.resolve import exact_accumulation, resolve_recipe
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
     from unison.training.pieces import OwnPieces
@@ -176,8 +176,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
     method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
                           view_sizes=augment.view_sizes, setup=setup, init=init,
-                          data_size=source.batches_per_epoch * global_batch, own=own_backbone,
-                          teacher_weights=not resumes_its_teacher(cfg))   # resumed: the checkpoint holds them
+                          data_size=source.batches_per_epoch * global_batch, own=own_backbone)
     # e.g. distill's queue length (from the data) and its teacher head's shape: kept in the run's config
     cfg.method_params = {**cfg.method_params, **method.resolved_params()}
     model: nn.Module = method
