@@ -63,8 +63,9 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     around it, ``--freeze``/``--layer-decay`` checked against it (`unison.training.init.prepare_backbone`), and
     what was done is recorded in `setup`.
     A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
-    False: the architecture only, for a checkpoint that holds it; None: False when the run resumes), then the seed is set again: the student
-    starts as it would without a teacher; `data_size` (training images) sizes its automatic queue."""
+    False: the architecture only, for a checkpoint that holds it; None: False when the run resumes), then the
+    seed is set again: the student starts as it would without a teacher; `data_size` (training images) sizes its
+    automatic queue."""
     method_cls = get_method(cfg.method)
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
