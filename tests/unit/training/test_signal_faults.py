@@ -62,15 +62,16 @@ def test_init_weights_that_overflow_are_named_not_lr(huge_weights, signals, tmp_
     assert f"the weights of --init {huge_weights} reach |w| = 1e+38" in line and "--lr" not in line, line
 
 
-class NaNNet(nn.Module):
-    """A backbone whose forward returns NaN features (its weights are ordinary)."""
+class SqrtNet(nn.Module):
+    """A backbone whose forward takes the square root of its input (its weights are ordinary): finite on the
+    pre-flight's pixels in [0, 1], NaN on the normalised views of training (negative values)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x).mean((2, 3)) * float("nan")
+        return self.conv(x.sqrt()).mean((2, 3))
 
 
 @pytest.mark.parametrize("signal_images", [32, 0])
@@ -79,9 +80,9 @@ def test_an_own_backbone_returning_nan_is_named(signal_images, tmp_path):
                          signal_images=signal_images, random_init_knn=False, logger="none", out=str(tmp_path / "run"),
                          distributed=DistributedConfig(world_size=1))
     with pytest.raises(NonFiniteLossError) as caught:
-        unison.train(config, backbone=NaNNet(), feature_dim=8)
+        unison.train(config, backbone=SqrtNet(), feature_dim=8)
     message = str(caught.value)
-    assert "at step 0" in message and "your backbone= (" in message and "NaNNet) returns NaN or inf" in message
+    assert "at step 0" in message and "your backbone= (" in message and "SqrtNet) returns NaN or inf" in message
     assert "fix it" in message and "--lr" not in message and "\n" not in message, message
 
 
