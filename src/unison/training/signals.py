@@ -5,10 +5,9 @@
   needed), at the start, every ``--signals-every`` steps (0: every max(50, steps / 50) steps: one evaluation costs
   about one training step at batch 256, so at most 2 % of a run, plus the start and the end) and at the end. They go to
   ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
-* Collapse: `COLLAPSE_EVALS` evaluations in a row with the embedding std below `COLLAPSE_STD` (of the
-  ``1/sqrt(d)`` of a uniform embedding) or RankMe below `COLLAPSE_RANK` of ``min(N, d)`` -> one warning line
-  (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there (`StepEnd.stop`), its
-  checkpoint and summary written like any run's end. Collapse is judged on `MIN_COLLAPSE_IMAGES` (16) held-back
+* Collapse: `COLLAPSE_EVALS` evaluations in a row of `unison.training.collapse.collapsed` (embedding std or RankMe
+  too low) -> one warning line (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there
+  (`StepEnd.stop`), its checkpoint and summary written like any run's end. Collapse is judged on `MIN_COLLAPSE_IMAGES` (16) held-back
   images or more: below that a healthy network's RankMe already lies under its floor (``--stop-on-collapse`` with
   fewer ``--signal-images`` is refused by the configuration; data with fewer images turns it off, with a warning).
   Non-finite embeddings end the run with their cause (`unison.training.nonfinite`), before RankMe's SVD meets them.
@@ -60,8 +59,9 @@ from unison.errors import CheckpointError, NonFiniteLossError
 from unison.eval.signals import all_signals
 from unison.rng import epoch_permutation
 from unison.training.checkpoint.contents import check_optimizer_state
+from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
 from unison.training.hooks import StepEnd, TrainHook
-from unison.training.metrics import COLLAPSE_STD_LINE, MetricsLogger
+from unison.training.metrics import MetricsLogger
 from unison.training.nonfinite import non_finite_cause
 from unison.training.runlog import RunLog
 from unison.training.step import Batch, Run
@@ -71,10 +71,6 @@ SIGNAL_EPOCH = 2**61        # the augmentation key of the two views: past any tr
 SECOND_VIEW_EPOCH = SIGNAL_EPOCH + 1   # ... and of the second view of a one-view method, an independent draw
 AUTO_EVALUATIONS = 50       # --signals-every 0: about this many evaluations in a long run,
 AUTO_MIN_EVERY = 50         # and at most one every 50 steps (one evaluation costs about one step at batch 256)
-COLLAPSE_STD = COLLAPSE_STD_LINE   # 0.05: embedding std x sqrt(d) below this: collapsed (see `collapsed`)
-COLLAPSE_RANK = 0.01        # RankMe below this fraction of min(N, d), and below 2 at least: collapsed
-COLLAPSE_RANK_FLOOR = 2.0
-COLLAPSE_EVALS = 2          # ... for this many evaluations in a row
 PROBE_IMAGES = 64           # the probe learns from about this many images of each step (index % stride == 0)
 PROBE_MOMENTUM = 0.5        # of the running feature statistics the probe standardises with
 PROBE_LR = 3e-2             # Adam on the probe's weights
@@ -169,29 +165,6 @@ def measure_signals(run: Run, held: HeldBack, step: int) -> dict[str, float]:
     out = all_signals(z, a, b)
     out["rankme_max"] = float(min(z.shape))
     return out
-
-
-def collapsed(values: dict[str, float]) -> str | None:
-    """What collapsed, or None.
-
-    Thresholds (measured on the digits, small_cnn, 512 images, d = 128): a random-initialised ReLU network already
-    has std x sqrt(d) = 0.13 and RankMe 18 (its features share one direction); healthy training raises them (SimCLR
-    at step 20: 0.41 and 27) and a dip stays above 0.1 (SimSiam at lr x100: 0.12 and 4.6); a collapsing run
-    (``--weight-decay 0.5``) falls to 0.035 then 0.006, RankMe 3.5 then 1.2, within 6 steps. SimSiam §4.1 reports
-    1e-3 x sqrt(d) for its collapse. `COLLAPSE_STD` = 0.05 lies between (a third of a random network's); RankMe
-    below max(2, 1 % of min(N, d)) means at most a couple of directions carry the embedding, which no healthy run
-    above shows. Either one for `COLLAPSE_EVALS` evaluations in a row counts (one evaluation may dip)."""
-    what = []
-    if values["emb_std"] < COLLAPSE_STD:
-        what.append(f"embedding std {values['emb_std']:.3g}/sqrt(d) < {COLLAPSE_STD}/sqrt(d)")
-    floor = max(COLLAPSE_RANK_FLOOR, COLLAPSE_RANK * values["rankme_max"])
-    if values["rankme"] < floor:
-        what.append(f"RankMe {values['rankme']:.3g} < {floor:.3g} (of at most {values['rankme_max']:.0f})")
-    return " and ".join(what) or None
-
-
-COLLAPSE_ADVICE = ("what usually helps: a lower --lr, a longer --warmup-epochs, the method's recipe optimizer and "
-                   "augmentation, a larger batch, and for simsiam/byol the predictor (and its stop-gradient)")
 
 
 class SignalsHook(TrainHook):
