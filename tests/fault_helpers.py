@@ -3,11 +3,17 @@ the single error line, when an injected fault fired. Not a test module."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import subprocess
 import tempfile
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from unison.equivalence import assert_states_close
 from unison.training.checkpoint import load_checkpoint
@@ -22,6 +28,29 @@ QUIET = ["--signal-images", "0", "--no-random-init-knn"]
 TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "512", "--val-subset", "64",
         "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
         "--log-every", "1", *QUIET]
+
+
+@contextlib.contextmanager
+def full_tmpfs(target: Path, size: str = "64k", fill: bool = True) -> Iterator[Path]:
+    """A real tiny tmpfs at `target` (`fill`: filled up, so the next write fails with ENOSPC); skips where mounting
+    is not allowed (it needs root)."""
+    target.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount ({proc.stderr.strip() or 'mount failed'}): needs root")
+    try:
+        if fill:
+            with contextlib.suppress(OSError), open(target / "filler", "wb") as f:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+        yield target
+    finally:
+        for _ in range(20):   # a worker may still be closing a file
+            if subprocess.run(["umount", str(target)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
 
 
 def _parents() -> dict[int, int]:

@@ -27,12 +27,14 @@ output; an input never).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ import torch
 from unison.config.fields import Range, check_fields
 from unison.config.train import MAX_BATCH
 from unison.errors import ConfigError
+from unison.paths import write_error
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -145,23 +148,59 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     parts = Path(payload["parts"])
     rows, dim = 0, 0
     progress = Progress("embed: embedded", stop - start, len(catalog), show=rank == 0)
-    with open(parts / f"part-{rank:05d}.f32", "wb") as feats, \
-            open(parts / f"part-{rank:05d}.csv", "w", encoding="utf-8", newline="") as names:
-        writer = csv.writer(names)
+    with _Part(parts, rank, Path(str(opts.out))) as part:   # out: checked by check_outputs
         for b in range(0, len(images), opts.batch_size):   # one batch in memory at a time
             chunk = images[b:b + opts.batch_size]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
                 f, ok = embed_all(method.embed, chunk, lambda x: eval_transform(x, size, mean, std).to(dtype),
                                   opts.batch_size, normalise=False)
             kept = np.ascontiguousarray(f[ok].float().cpu().numpy(), dtype=np.float32)
-            feats.write(kept.tobytes())
-            for i in chunk.indices[ok.cpu().numpy()]:
-                label = int(catalog.labels[i])
-                writer.writerow([_csv_safe(catalog.describe(int(i))), catalog.classes[label] if label >= 0 else ""])
+            labels = [int(catalog.labels[i]) for i in chunk.indices[ok.cpu().numpy()]]
+            part.add(kept, [[_csv_safe(catalog.describe(int(i))), catalog.classes[label] if label >= 0 else ""]
+                            for i, label in zip(chunk.indices[ok.cpu().numpy()], labels)])
             rows, dim = rows + len(kept), int(kept.shape[1]) if kept.ndim == 2 else dim
             progress(min(b + opts.batch_size, len(images)))
     return {"rows": rows, "dim": dim, "unreadable": dict(images.unreadable.files),
             "peak_memory_mib": round(peak_memory_mib(device), 1)}
+
+
+class _Part:
+    """One rank's share of the output (features and file names, in the parts folder beside ``--out``), written as
+    it is embedded; a failed write (a full disk) is `write_error`'s one line, saying that ``--out`` is untouched."""
+
+    def __init__(self, parts: Path, rank: int, out: Path) -> None:
+        self.paths = parts / f"part-{rank:05d}.f32", parts / f"part-{rank:05d}.csv"
+        self.out = out
+
+    def __enter__(self) -> _Part:
+        with self._failures():
+            self.feats = open(self.paths[0], "wb")
+            self.names = open(self.paths[1], "w", encoding="utf-8", newline="")
+            self.writer = csv.writer(self.names)
+        return self
+
+    def add(self, feats: np.ndarray, names: list[list[str]]) -> None:
+        with self._failures():
+            self.feats.write(feats.tobytes())
+            self.writer.writerows(names)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._failures():   # the buffered rest is written here: a full disk can show first at close
+            for f in (getattr(self, "feats", None), getattr(self, "names", None)):
+                if f is not None:
+                    f.close()
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise write_error(self.out, e, kept=untouched(self.out)) from None
+
+
+def untouched(out: Path) -> str:
+    """What a failed embed leaves: ``--out`` as it was (its parts and temporary files are removed)."""
+    return f"the earlier {out.name} is intact" if out.exists() else "no partial file is left"
 
 
 def _csv_safe(name: str) -> str:
@@ -171,8 +210,6 @@ def _csv_safe(name: str) -> str:
 
 def _assemble(out: Path, names: Path, parts: Path, results: list[dict[str, Any]]) -> int:
     """Copy the ranks' parts, in rank order, into ``out`` (an .npy) and ``names``; returns the rows."""
-    from unison.paths import write_error
-
     rows = sum(r["rows"] for r in results)
     dim = max((r["dim"] for r in results), default=0)
     tmp_out, tmp_names = out.with_name(f".{out.name}.tmp"), names.with_name(f".{names.name}.tmp")
@@ -192,7 +229,7 @@ def _assemble(out: Path, names: Path, parts: Path, results: list[dict[str, Any]]
     except OSError as e:
         for t in (tmp_out, tmp_names):
             t.unlink(missing_ok=True)
-        raise write_error(out, e) from None
+        raise write_error(out, e, kept=untouched(out)) from None
     return rows
 
 
@@ -203,7 +240,6 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
     from unison.config.distributed import DistributedConfig
     from unison.distributed.env import detect_launch_env
     from unison.distributed.launch import launch
-    from unison.paths import write_error
 
     opts.validate()
     if opts.data is None:
@@ -217,7 +253,7 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
         out.parent.mkdir(parents=True, exist_ok=True)
         parts = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts-", dir=out.parent))
     except OSError as e:
-        raise write_error(out, e) from None
+        raise write_error(out, e, kept=untouched(out)) from None
     payload = {"options": dataclasses.asdict(opts), "device": device, "parts": str(parts)}
     try:
         if opts.world_size == 1:

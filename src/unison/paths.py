@@ -37,6 +37,39 @@ class Input:
     tree: bool = False
 
 
+NAME_MAX = 255    # bytes of one file or folder name (Linux and macOS file systems)
+PATH_MAX = 4096   # bytes of a path the kernel takes, its final NUL included (Linux)
+
+
+TEMPORARY_ROOM = 22   # what an atomic write adds to a file's name: ".NAME.PID.HEX.tmp"
+RUN_FILE_ROOM = 64    # the longest name a training run writes below --out: checkpoints/.step_N.pt.PID.HEX.tmp
+
+
+def path_too_long(path: str | Path, room: int = 0, name_room: int = 0) -> str | None:
+    """Why the file system would refuse `path` (ENAMETOOLONG, a traceback from wherever it is first used), or
+    None: a name past `NAME_MAX` bytes (the last one past `NAME_MAX` - `name_room`: its temporary name's), or the
+    absolute path, with `room` bytes for the names a command writes below it, past `PATH_MAX`."""
+    parts = Path(path).parts
+    for k, part in enumerate(parts):
+        limit = NAME_MAX - (name_room if k == len(parts) - 1 else 0)
+        if len(os.fsencode(part)) > limit:
+            why = f" ({NAME_MAX} less the {name_room} its temporary name adds)" if limit < NAME_MAX else ""
+            return (f"its name {part[:24]!r}... is {len(os.fsencode(part)):,} bytes long, past the {limit}{why} a "
+                    "file or folder name may have; give a shorter name")
+    total = len(os.fsencode(os.path.abspath(path))) + room
+    if total >= PATH_MAX:
+        files = f" with the {room} bytes of the names written below it" if room else ""
+        return (f"it is {total:,} bytes long as an absolute path{files}, past the {PATH_MAX - 1} a path may have; "
+                "give a shorter path")
+    return None
+
+
+def short_path(path: str | Path) -> str:
+    """`path` for a message: a long one cut to its first and last 40 characters."""
+    text = str(path)
+    return text if len(text) <= 100 else f"{text[:40]}...{text[-40:]} ({len(text):,} characters)"
+
+
 def _resolved(path: str | Path) -> Path:
     return Path(os.path.abspath(path)).resolve()
 
@@ -63,6 +96,9 @@ def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
     `label` names the file in messages (default: "`flag` `path`")."""
     p = Path(path)
     name = label or f"{flag} {p}"
+    too_long = path_too_long(p, name_room=TEMPORARY_ROOM)
+    if too_long:
+        raise ConfigError(f"{label or f'{flag} {short_path(p)}'}: {too_long}")
     for inp in inputs:
         if same_file(p, inp.path) or (inp.tree and Path(inp.path).is_dir() and is_inside(p, inp.path)):
             where = "is" if same_file(p, inp.path) else "lies inside"
@@ -83,18 +119,20 @@ def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
     return p
 
 
-def write_error(path: str | Path, e: OSError, flag: str = "--out") -> ConfigError:
-    """The one-line error for an output that could not be written (full disk, read-only, not a folder, ...)."""
+def write_error(path: str | Path, e: OSError, flag: str = "--out", kept: str = "") -> ConfigError:
+    """The one-line error for an output that could not be written (full disk, read-only, not a folder, ...);
+    `kept`: what was left as it was (as training names its last good checkpoint)."""
+    kept = f"; {kept}" if kept else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        return ConfigError(f"{what}: could not write {path}; free space or choose another {flag}")
+        return ConfigError(f"{what}: could not write {path}{kept}; free space or choose another {flag}")
     if e.errno == errno.EROFS:
-        return ConfigError(f"read-only file system: could not write {path}; choose another {flag}")
+        return ConfigError(f"read-only file system: could not write {path}{kept}; choose another {flag}")
     blocking = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:   # mkdir's "File exists" / "Not a directory" would not say which
         return ConfigError(f"could not write {path}: {blocking} is a file, not a folder; choose another {flag}")
     reason = e.strerror or (errno.errorcode.get(e.errno, "") if e.errno else "") or str(e)
-    return ConfigError(f"could not write {path} ({reason}); choose another {flag}")
+    return ConfigError(f"could not write {path} ({reason}){kept}; choose another {flag}")
 
 
 def write_text_atomic(path: str | Path, text: str, flag: str = "--out") -> Path:

@@ -67,8 +67,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
         check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
     if getattr(ns, "resume", None) == "auto":  # --resume auto: continue the run in --out if it has a checkpoint
         ns.resume = None
-        out = build_train_config(ns).out
-        ns.resume = out if latest_checkpoint(out) is not None else None
+        out = build_train_config(ns, validate=False).out   # unchecked here: the build below checks every value
+        try:
+            ns.resume = out if latest_checkpoint(out) is not None else None
+        except (OSError, ValueError):   # a bad --out holds no checkpoint; the build below says what is wrong
+            ns.resume = None
     launch_env = detect_launch_env()
     if launch_env is not None:   # before anything slow: every rank refuses it at once
         _check_world_size(ns, launch_env)

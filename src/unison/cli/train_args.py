@@ -77,9 +77,12 @@ def resume_base(resume: str) -> dict[str, Any]:
     return dict(read_header(resume).config)   # the header only: the worker reads the weights, once
 
 
-def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = None) -> TrainConfig:
+def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = None, *,
+                       validate: bool = True) -> TrainConfig:
     """The run's configuration from flags, ``--config`` and the resumed run, validated (`cuda_available`: as on a
-    machine with or without CUDA; None: this machine; ``unison plan`` validates for the GPUs it simulates)."""
+    machine with or without CUDA; None: this machine; ``unison plan`` validates for the GPUs it simulates).
+    `validate` False: as given, unchecked (``--resume auto`` reads ``--out`` from it before it knows whether the
+    run resumes, which changes what is checked: a resumed run's teacher file need not exist)."""
     base: dict[str, Any] = {}
     resume = getattr(ns, "resume", None)
     if resume:
@@ -104,6 +107,8 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
     cfg = TrainConfig.from_dict(base)
     if resume:
         cfg.resume = resume
+    if not validate:
+        return cfg
     from unison.training.resolve import validate_run  # the registries below import torch: not for --help
 
     return validate_run(cfg, cuda_available)

@@ -60,6 +60,12 @@ class NumberOutOfRange(ValueError):
     """A number that is well-formed but past what any option takes (|n| > 2**64, or too many characters)."""
 
 
+def ascii_digits(text: str) -> bool:
+    """`text` is a plain count, ASCII digits 0-9 only: the one test of unison's integer labels, block counts and
+    environment counters (``str.isdigit`` also takes '²', which int() then refuses, and '٣', which it reads as 3)."""
+    return bool(text) and text.isascii() and text.isdigit()
+
+
 def parse_int(text: str) -> int:
     """An integer in any notation that is exactly integral: ``12``, ``1_000``, ``1e9``, ``2.0``; bounded.
 

@@ -39,6 +39,10 @@ MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, fa
 MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
 MAX_IMAGES = 2**40       # subsets: more images than any data set
 MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 values (64 MiB at 4096)
+# fewest held-back images that can tell a collapse: RankMe of N images is at most N, and a healthy small_cnn's (random
+# init, SimCLR's first steps, digits) measured 1.3-1.5 at N=2, 1.8-2.1 at 4, 2.6-3.2 at 8, 3.9-5.1 at 16 against the
+# collapse floor of 2; one image has embedding std 0
+MIN_COLLAPSE_IMAGES = 16
 
 
 @dataclass
@@ -162,8 +166,8 @@ class TrainConfig:
         "range": Range(0, MAX_SIGNAL_IMAGES, hint=" (0 = no signals)"),
         "help": "held-back training images the signals are measured on (chosen from --seed; 0 = no signals)"})
     stop_on_collapse: bool = field(default=False, metadata={
-        "help": "end the run (final checkpoint and summary kept) when the signals say the representation collapsed; "
-                "without it the run only warns"})
+        "help": "end the run (final checkpoint and summary kept) when the signals say the representation collapsed "
+                f"(judged on --signal-images {MIN_COLLAPSE_IMAGES} or more); without it the run only warns"})
     online_probe: bool = field(default=True, metadata={
         "help": "with labelled training data: train a linear classifier on the detached features of each batch's "
                 "first view beside the encoder (never changing its training) and log its accuracy"})
@@ -248,9 +252,21 @@ class TrainConfig:
         if self.on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"on_corrupt={shown(self.on_corrupt)} is unknown; use skip or error")
         self._validate_data(cuda_available)
+        self._validate_signals()
         self._validate_choices()
         self._validate_teacher()
         return self
+
+    def _validate_signals(self) -> None:
+        if not self.stop_on_collapse or self.signal_images >= MIN_COLLAPSE_IMAGES:
+            return
+        if self.signal_images == 0:
+            raise ConfigError("--stop-on-collapse watches the signals and --signal-images 0 turns them off; give "
+                              f"--signal-images {MIN_COLLAPSE_IMAGES} or more (default 512), or leave "
+                              "--stop-on-collapse out")
+        raise ConfigError(f"--stop-on-collapse cannot judge collapse on --signal-images {self.signal_images}: the "
+                          f"RankMe of so few images stays below its floor of 2 even for a healthy network, so every "
+                          f"run would stop; give --signal-images {MIN_COLLAPSE_IMAGES} or more (default 512)")
 
     def _validate_teacher(self) -> None:
         """The teacher options' own values; the file and the architecture are checked by

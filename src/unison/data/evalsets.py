@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.config.fields import ascii_digits
 from unison.errors import ConfigError, DataError
 
 from .decode import decode_centre
@@ -151,7 +152,7 @@ def map_labels(train_classes: list[str], val_classes: list[str], data: str, val:
     missing = [c for c in val_classes if c not in index]
     if not missing:
         return np.asarray([index[c] for c in val_classes], dtype=np.int64)
-    numbers = [all(c.isascii() and c.isdigit() for c in cs) for cs in (train_classes, val_classes)]
+    numbers = [all(ascii_digits(c) for c in cs) for cs in (train_classes, val_classes)]
     if numbers[0] != numbers[1]:
         ints, names = (data, val) if numbers[0] else (val, data)
         raise ConfigError(f"--data {data} and --val {val} label classes differently: {ints} has integer labels "

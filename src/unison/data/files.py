@@ -36,6 +36,7 @@ import os
 import stat
 from pathlib import Path
 
+from unison.config.fields import ascii_digits
 from unison.errors import DataError
 
 __all__ = ["MAX_CLASSES", "MAX_IMAGE_BYTES", "MAX_LABEL_BYTES", "MAX_LIST_BYTES", "MAX_PIXELS", "check_regular",
@@ -110,7 +111,7 @@ def read_regular(path: str, limit: int | None = None) -> bytes:
 
 def parse_label(text: str, where: str) -> int:
     """A class index: ASCII digits only, below `MAX_CLASSES`; DataError naming `where` (file and line/member)."""
-    if not (text.isascii() and text.isdigit()):
+    if not ascii_digits(text):
         raise DataError(f"{where}: label {text[:20]!r} is not a class index (ASCII digits 0-9)")
     if len(text) > 20 or int(text) >= MAX_CLASSES:  # 20 digits: int() of a million-digit label takes seconds
         shown = text if len(text) <= 20 else f"{text[:20]}... ({len(text)} digits)"

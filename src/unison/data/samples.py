@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from unison.config.fields import shown
+from unison.config.fields import ascii_digits, shown
 from unison.errors import DataError
 
 from .files import MAX_CLASSES, MAX_IMAGE_BYTES, parse_label, read_regular
@@ -148,7 +148,7 @@ def label_indices(text: list[str], where: Callable[[int], str]) -> tuple[np.ndar
     odd = next((k for k, t in enumerate(text) if t.isdigit() and not t.isascii()), None)
     if odd is not None:  # '²' or '٣': a number to a reader, neither an index nor a plain name here
         parse_label(text[odd], where(odd))
-    if all(t.isascii() and t.isdigit() for t in text):
+    if all(ascii_digits(t) for t in text):
         values = np.asarray([parse_label(t, where(k)) for k, t in enumerate(text)], dtype=np.int64)
         return values, integer_classes(values)
     classes = sorted(set(text))

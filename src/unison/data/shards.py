@@ -64,7 +64,7 @@ COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 SHARD_SUFFIXES = (".tar", *COMPRESSED)
 _IMAGE_EXTS = {e[1:] for e in IMG_EXTENSIONS}
 _LABEL_EXTS = ("cls", "label", "cls.txt", "label.txt")
-_INDEX_VERSION = 3   # 2: labels parsed strictly and bounded; 3: image members sharing a name refused
+_INDEX_VERSION = 4   # 2: labels parsed strictly and bounded; 3: image members sharing a name refused; 4: one image per key
 MAX_SHARDS = 100_000
 _INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
 _NO_LABEL = -1
@@ -168,7 +168,7 @@ def index_shard(path: str) -> dict[str, Any]:
     offsets: list[int] = []
     sizes: list[int] = []
     labels: list[int] = []
-    images: set[str] = set()
+    image_of: dict[str, str] = {}   # key -> its image member: one image per key (WebDataset's sample)
     key = None
     try:
         with tarfile.open(path, mode="r:") as tf:
@@ -185,11 +185,10 @@ def index_shard(path: str) -> dict[str, Any]:
                     offsets.append(-1)
                     sizes.append(0)
                     labels.append(_NO_LABEL)
-                if ext in _IMAGE_EXTS and m.name in images:   # one key: these would be one sample, the rest dropped
-                    raise DataError(f"tar shard {path}: more than one image member is named {shown(m.name)}; each sample "
-                                    "needs its own key (the name up to the first dot), e.g. 000000.png, 000001.png")
+                if ext in _IMAGE_EXTS and base in image_of:   # one key: these would be one sample, the rest dropped
+                    _refuse_shared_key(path, image_of[base], m.name, base)
                 if ext in _IMAGE_EXTS:
-                    images.add(m.name)
+                    image_of[base] = m.name
                 if ext in _IMAGE_EXTS and offsets[-1] < 0:
                     names[-1], offsets[-1], sizes[-1] = m.name, m.offset_data, m.size
                 elif ext in _LABEL_EXTS:
@@ -209,6 +208,13 @@ def index_shard(path: str) -> dict[str, Any]:
             "offsets": np.asarray([offsets[k] for k in keep], np.int64),
             "sizes": np.asarray([sizes[k] for k in keep], np.int64),
             "labels": np.asarray([labels[k] for k in keep], np.int64)}
+
+
+def _refuse_shared_key(path: str, first: str, again: str, key: str) -> None:
+    what = (f"more than one image member is named {shown(again)}" if first == again else
+            f"the image members {shown(first)} and {shown(again)} share the key {shown(key)}")
+    raise DataError(f"tar shard {path}: {what}; each sample needs its own key (the name up to the first dot), e.g. "
+                    "000000.png, 000001.png")
 
 
 def _key_and_ext(name: str) -> tuple[str, str]:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from unison.config.distributed import DistributedConfig
-from unison.config.fields import parse_int, shown
+from unison.config.fields import ascii_digits, parse_int, shown
 from unison.errors import ConfigError, WorkerError
 
 from .hostlist import expand_hostlist, slurm_port
@@ -330,10 +330,15 @@ def restart_count() -> int:
 
 
 def _env_restart_count() -> int:
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return _env_count("TORCHELASTIC_RESTART_COUNT")
+
+
+def _env_count(name: str) -> int:
+    """A launcher's counter in the environment; 0 unless it is ASCII digits up to 2**64."""
+    value = os.environ.get(name, "0").strip()
     try:
-        return parse_int(value) if value.isdigit() else 0
-    except ValueError:   # past 2**64: not torchrun's
+        return parse_int(value) if ascii_digits(value) else 0
+    except ValueError:   # past 2**64: not the launcher's
         return 0
 
 
@@ -344,9 +349,9 @@ def restart_reason() -> str | None:
     run directory's last checkpoint by itself."""
     if restart_count() > 0:
         return f"restart {restart_count()}"
-    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
-    if requeued.isdigit() and int(requeued) > 0:
-        return f"SLURM requeue {int(requeued)}"
+    requeued = _env_count("SLURM_RESTART_COUNT")
+    if requeued > 0:
+        return f"SLURM requeue {requeued}"
     return None
 
 

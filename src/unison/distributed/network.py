@@ -22,6 +22,7 @@ import time
 import torch.distributed as dist
 
 from unison.config.distributed import DistributedConfig
+from unison.config.fields import ascii_digits
 from unison.errors import ConfigError, WorkerError
 
 
@@ -155,7 +156,7 @@ def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) 
 def _attempt_store_at(announced: bytes, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
     """The store rank 0 announced, or None when it is a dead attempt's (gone, or without the nonce)."""
     parts = announced.decode("ascii", "replace").split(" ")
-    if len(parts) != 3 or not parts[2].isdigit() or not 0 < int(parts[2]) < 65536 or len(parts[1]) > 253:
+    if len(parts) != 3 or not ascii_digits(parts[2]) or not 0 < int(parts[2]) < 65536 or len(parts[1]) > 253:
         return None
     nonce, addr, port = parts[0], parts[1], int(parts[2])
     probe = datetime.timedelta(seconds=_ATTEMPT_PROBE_S)

@@ -8,7 +8,9 @@ training layer reads with its own checks).
 
 Reading never runs code from the file: ``.pt``/``.pth`` with ``torch.load(weights_only=True)`` (a pickle naming
 a function, a crafted ``__reduce__``, is refused), ``.safetensors`` with safetensors. Only a regular file of at
-most `MAX_WEIGHTS_BYTES` is read; every key is a bounded printable string and every value a finite tensor.
+most `MAX_WEIGHTS_BYTES` is read; every key is a bounded printable string and every value a finite, dense tensor
+with values (not meta), neither quantised nor float8; a floating-point weight of the backbone takes floating-point
+values only (int, bool or complex ones would be cast silently: bool weights start a run collapsed).
 
 Matching, in this order:
 
@@ -38,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import pickle
@@ -143,6 +146,8 @@ def _read_torch(path: Path, option: str) -> Any:
                                       ".safetensors file") from None
         raise _fail(option, path, f"is truncated or not a weights file ({_reason(e)})") from None
     except OSError as e:
+        if e.errno == errno.EINVAL:   # torch's zip reader seeking before the start of a short (truncated) file
+            raise _fail(option, path, f"is truncated or not a weights file ({_reason(e)})") from None
         raise _fail(option, path, f"cannot be read ({e.strerror or e})") from None
     except Exception as e:  # RuntimeError (zip), EOFError, ...: damage
         raise _fail(option, path, f"is truncated or not a weights file ({_reason(e)})") from None
@@ -200,10 +205,28 @@ def unwrap(obj: Any, path: str | Path, option: str = "--init") -> dict[str, torc
         if not isinstance(value, torch.Tensor):
             raise _fail(option, path, f"entry {key!r} is a {type(value).__name__}, not a tensor; give a state dict "
                                       "of tensors")
+        problem = _storage_problem(value)
+        if problem:
+            raise _fail(option, path, f"tensor {key!r} {problem}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise _fail(option, path, f"tensor {key!r} holds NaN or infinite values; the file is damaged")
         state[key] = value
     return state
+
+
+def _storage_problem(value: torch.Tensor) -> str | None:
+    """What makes `value` no weights to copy into a model: no values (meta), or a storage that torch cannot
+    check or cast like dense float (sparse, quantised, float8); None for an ordinary dense tensor."""
+    if value.is_meta:
+        return ("is on the meta device: it holds no values (a model built on 'meta' was saved); save the weights of "
+                "a materialised model")
+    if value.layout != torch.strided:
+        return f"is a sparse tensor ({value.layout}); give dense weights (tensor.to_dense())"
+    if value.is_quantized:
+        return f"is quantised ({value.dtype}); give float weights (tensor.dequantize())"
+    if value.is_floating_point() and value.element_size() == 1:
+        return f"is {value.dtype}, an 8-bit float; give float16, bfloat16 or float32 weights (tensor.float())"
+    return None
 
 
 def read_backbone_state(path: str | Path, option: str = "--init") -> dict[str, torch.Tensor]:
@@ -259,6 +282,11 @@ def load_state(backbone: nn.Module, state: dict[str, torch.Tensor], path: str, s
                 raise _fail(option, path, _shape_text(k, tuple(v.shape), tuple(own[k].shape), own, name))
             state[k] = resample_pos_embed(v, *grids)
             resampled.append(f"{k} from {grids[1]}x{grids[1]} to {grids[2]}x{grids[2]} patches")
+    for k, target in own.items():   # int, bool or complex values cast into float weights: silently other weights
+        if k in state and target.is_floating_point() and not state[k].is_floating_point():
+            raise _fail(option, path, f"tensor {k!r} is {state[k].dtype} where the backbone's is {target.dtype}; "
+                                      "integer, bool and complex values would be cast (bool weights start the run "
+                                      "collapsed): give floating-point weights")
     with torch.no_grad():
         for k, target in own.items():
             if k in state:

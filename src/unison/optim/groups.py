@@ -39,7 +39,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from unison.config.fields import did_you_mean
+from unison.config.fields import ascii_digits, did_you_mean
 from unison.distributed.sync_batchnorm import hold_running_statistics
 from unison.errors import ConfigError
 
@@ -104,7 +104,7 @@ def frozen_names(names: Sequence[str], spec: str) -> set[str]:
     for item in parse_freeze(spec):
         if item == "all":
             out.update(names)
-        elif item.isdigit():
+        elif ascii_digits(item):   # '²' is a name (that names nothing), not a count
             depth = _depth(names, "--freeze N")
             if int(item) > depth:
                 raise ConfigError(f"--freeze {item}: the backbone has {depth} blocks; give at most {depth} (or 'all')")
@@ -128,7 +128,7 @@ def _modules(names: Iterable[str]) -> set[str]:
 
 
 def _natural(name: str) -> tuple[Any, ...]:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+    return tuple(int(p) if ascii_digits(p) else p for p in re.split(r"([0-9]+)", name))
 
 
 def freeze(backbone: nn.Module, spec: str) -> list[str]:

@@ -19,6 +19,7 @@ import os
 import torch
 
 from unison.config import TrainConfig
+from unison.config.fields import ascii_digits
 from unison.distributed.env import detect_launch_env
 from unison.errors import ConfigError
 from unison.training.model import build_method
@@ -72,7 +73,7 @@ def _local_workers(cfg: TrainConfig) -> int:
     if detect_launch_env() is None:
         return cfg.distributed.world_size
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(local) if local.isdecimal() and 1 <= int(local) <= cfg.distributed.world_size else 1
+    return int(local) if ascii_digits(local) and 1 <= int(local) <= cfg.distributed.world_size else 1
 
 
 def check_model_memory(cfg: TrainConfig) -> None:

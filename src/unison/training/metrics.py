@@ -111,7 +111,7 @@ def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | Non
     return runs_figure([(None, rows, random_init_knn_top1)], collapse_std=COLLAPSE_STD_LINE)
 
 
-COLLAPSE_STD_LINE = 0.05   # `unison.training.signals.COLLAPSE_STD` (which imports this module), drawn on the plot
+COLLAPSE_STD_LINE = 0.05   # `unison.training.collapse.COLLAPSE_STD` (which imports this module), drawn on the plot
 
 
 def plot_metrics(rows: list[dict[str, Any]], path: str | Path, random_init_knn_top1: float | None = None) -> Path:

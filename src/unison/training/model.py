@@ -20,7 +20,7 @@ from unison.methods.base import SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.training.init import InitWeights, prepare_backbone
-from unison.training.resolve import resolve_recipe
+from unison.training.resolve import resolve_recipe, resumes_its_teacher
 from unison.training.teacher import build_teacher, needs_teacher
 
 __all__ = ["build_method", "seed_everything"]
@@ -53,7 +53,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,
                  image_size: int | None = None, backbone: str | None = None,
                  view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None,
-                 init: InitWeights | None = None, teacher_weights: bool = True,
+                 init: InitWeights | None = None, teacher_weights: bool | None = None,
                  data_size: int | None = None, own: tuple[nn.Module, int] | None = None) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
@@ -63,12 +63,15 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     around it, ``--freeze``/``--layer-decay`` checked against it (`unison.training.init.prepare_backbone`), and
     what was done is recorded in `setup`.
     A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
-    False: the architecture only, for a checkpoint that holds it), then the seed is set again: the student
-    starts as it would without a teacher; `data_size` (training images) sizes its automatic queue."""
+    False: the architecture only, for a checkpoint that holds it; None: False when the run resumes), then the
+    seed is set again: the student starts as it would without a teacher; `data_size` (training images) sizes its
+    automatic queue."""
     method_cls = get_method(cfg.method)
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
         seed_everything(cfg.seed, cfg.deterministic)
+        if teacher_weights is None:   # a resumed run's checkpoint holds its teacher's weights: not read again
+            teacher_weights = not resumes_its_teacher(cfg)
         teacher, teacher_dim, head = build_teacher(cfg, image_size or cfg.image_size, weights=teacher_weights,
                                                dtype=dtype)
         extra = {"teacher": teacher, "teacher_dim": teacher_dim, "data_size": data_size, "teacher_head": head}

@@ -106,7 +106,7 @@ class _Sink(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        return len(b)
+        return memoryview(b).nbytes   # bytes, or a PickleBuffer (protocol 5: a NumPy array's data), which has no len()
 
 
 def check_picklable(pieces: OwnPieces) -> None:

@@ -44,7 +44,7 @@ from unison.training.init_read import check_backbone_setup
 from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
-from unison.training.resolve import resolve_recipe
+from unison.training.resolve import resolve_recipe, resumed_checkpoint_of, resumes_its_teacher
 from unison.training.runlog import append_run_log
 from unison.training.step import data_spec
 from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
@@ -107,6 +107,9 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     """distill's ``--teacher``: apart from ``--out``; a teacher run's checkpoint read as a resume reads it (every
     field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
     workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
+    if resumes_its_teacher(cfg):   # the teacher its checkpoint holds: not read again
+        keep_resumed_teacher(cfg)
+        return
     if cfg.teacher in (None, RANDOM):
         if cfg.teacher == RANDOM:   # head parameters given with --param: DINO's default head's
             _record_head(cfg, teacher_head_spec(cfg, None))
@@ -128,6 +131,25 @@ def resolve_teacher(cfg: TrainConfig) -> None:
         raise ConfigError(f"--teacher-backbone {given} is not the backbone of the teacher run {cfg.teacher} "
                           f"({trained}); leave --teacher-backbone out for a unison run")
     cfg.teacher, cfg.teacher_backbone = str(header.path), trained
+
+
+def keep_resumed_teacher(cfg: TrainConfig) -> None:
+    """A resumed distilled run keeps the teacher its checkpoint holds (its weights are read from there, its file is
+    not needed): ``--teacher`` naming that teacher (its pinned checkpoint, or the run directory holding it) is
+    taken, any other is refused (one line), and the run records the checkpoint's teacher."""
+    resumed = resumed_checkpoint_of(cfg)
+    assert resumed is not None and cfg.teacher is not None
+    recorded = read_header(resumed).config
+    teacher = recorded.get("teacher")
+    if not isinstance(teacher, str):   # not a distilled run's checkpoint: the method check refuses it
+        return
+    given = cfg.teacher
+    if not (given == teacher or same_file(given, teacher) or (given != RANDOM and is_inside(teacher, given))):
+        raise ConfigError(f"--teacher {given} is not the teacher of the run resumed from {resumed} ({teacher}, "
+                          "whose weights its checkpoint holds): a resumed run keeps its teacher; leave --teacher "
+                          f"out, or distil from {given} in a new run (a new --out, without --resume)")
+    cfg.teacher = teacher
+    cfg.teacher_backbone = recorded.get("teacher_backbone") or cfg.teacher_backbone
 
 
 def _record_head(cfg: TrainConfig, spec: dict | None) -> None:

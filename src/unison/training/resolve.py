@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 from unison.config import TrainConfig
 from unison.config.fields import article, coerce_fields, did_you_mean, shown, type_error, unknown_keys_message
 from unison.data.augment import PRESETS, default_local_size
+from unison.distributed.env import restart_reason
 from unison.errors import CheckpointError, ConfigError
 from unison.methods import METHODS, get_method
 from unison.models.backbones import BACKBONES, check_backbone, patch_size_of, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
-from unison.training.checkpoint.files import is_checkpoint_name
+from unison.paths import RUN_FILE_ROOM, path_too_long, short_path
+from unison.training.checkpoint.files import is_checkpoint_name, latest_checkpoint
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
     from unison.training.pieces import OwnPieces
@@ -77,6 +79,9 @@ def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: O
     fills in the recipe's backbone (what the workers, checkpoints and summary see). `own`: the user's pieces
     (`unison.training.own`), named in `cfg` in place of the backbone and data they replace. Returns `cfg`."""
     cfg.validate(cuda_available)
+    too_long = path_too_long(cfg.out, room=RUN_FILE_ROOM)   # ENAMETOOLONG from wherever --out is first used
+    if too_long:
+        raise ConfigError(f"--out {short_path(cfg.out)}: {too_long}")
     if cfg.method not in METHODS:
         raise ConfigError(f"method={shown(cfg.method)} is unknown{did_you_mean(cfg.method, METHODS)}; "
                           f"use one of {', '.join(sorted(METHODS))}")
@@ -123,6 +128,23 @@ def _validate_accumulation(cfg: TrainConfig) -> None:
 TEACHER_RANDOM = "random"   # unison.training.teacher.RANDOM (that module reads checkpoints: not imported here)
 
 
+def resumes_its_teacher(cfg: TrainConfig) -> bool:
+    """A resumed distilled run (``--resume``, or a torchrun restart or SLURM requeue that resumes from ``--out``): its
+    teacher is the one its checkpoint holds (weights and all), never read again from ``--teacher``
+    (`unison.training.preflight.resolve_teacher` refuses another one)."""
+    return cfg.teacher is not None and resumed_checkpoint_of(cfg) is not None
+
+
+def resumed_checkpoint_of(cfg: TrainConfig) -> str | None:
+    """What this run resumes from: ``--resume`` (``auto`` once resolved), or ``--out`` for a restarted or requeued
+    attempt whose run directory holds a checkpoint; None for a fresh run."""
+    if cfg.resume and cfg.resume != "auto":
+        return cfg.resume
+    if restart_reason() is not None and latest_checkpoint(cfg.out) is not None:
+        return cfg.out
+    return None
+
+
 def validate_teacher(cfg: TrainConfig) -> None:
     """distill's teacher options, by name (`unison.training.teacher.resolve_teacher` then reads a teacher run):
     only distill takes them, distill needs ``--teacher``, a weights file needs ``--teacher-backbone``, which must
@@ -140,6 +162,8 @@ def validate_teacher(cfg: TrainConfig) -> None:
                           "file with --teacher-backbone NAME, or 'random' (a random-init teacher, for tests)")
     if cfg.teacher == TEACHER_RANDOM:
         cfg.teacher_backbone = cfg.teacher_backbone or "small_cnn"
+    elif resumes_its_teacher(cfg):   # the checkpoint holds the teacher: its file is not read again
+        pass
     elif not Path(cfg.teacher).exists():
         raise CheckpointError(f"--teacher {cfg.teacher} does not exist; give a unison run directory or checkpoint, a "
                               "weights file, or 'random'")

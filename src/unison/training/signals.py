@@ -5,10 +5,12 @@
   needed), at the start, every ``--signals-every`` steps (0: every max(50, steps / 50) steps: one evaluation costs
   about one training step at batch 256, so at most 2 % of a run, plus the start and the end) and at the end. They go to
   ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
-* Collapse: `COLLAPSE_EVALS` evaluations in a row with the embedding std below `COLLAPSE_STD` (of the
-  ``1/sqrt(d)`` of a uniform embedding) or RankMe below `COLLAPSE_RANK` of ``min(N, d)`` -> one warning line
-  (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there (`StepEnd.stop`), its
-  checkpoint and summary written like any run's end.
+* Collapse: `COLLAPSE_EVALS` evaluations in a row of `unison.training.collapse.collapsed` (embedding std or RankMe
+  too low) -> one warning line (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there
+  (`StepEnd.stop`), its checkpoint and summary written like any run's end. Collapse is judged on `MIN_COLLAPSE_IMAGES` (16) held-back
+  images or more: below that a healthy network's RankMe already lies under its floor (``--stop-on-collapse`` with
+  fewer ``--signal-images`` is refused by the configuration; data with fewer images turns it off, with a warning).
+  Non-finite embeddings end the run with their cause (`unison.training.nonfinite`), before RankMe's SVD meets them.
 * `ProbeHook`: with labelled training data (``--online-probe``, on by default), a linear classifier on the
   detached features of the first view of about `PROBE_IMAGES` images of each step (those whose index is a
   multiple of ``global batch / 64``: the same images at any W); its accuracy on each batch before it learns from
@@ -50,14 +52,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from unison.config.train import MIN_COLLAPSE_IMAGES
 from unison.distributed import collectives as C
 from unison.distributed.watchdog import Watchdog
-from unison.errors import CheckpointError
+from unison.errors import CheckpointError, NonFiniteLossError
 from unison.eval.signals import all_signals
 from unison.rng import epoch_permutation
 from unison.training.checkpoint.contents import check_optimizer_state
+from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
 from unison.training.hooks import StepEnd, TrainHook
-from unison.training.metrics import COLLAPSE_STD_LINE, MetricsLogger
+from unison.training.metrics import MetricsLogger
+from unison.training.nonfinite import non_finite_cause
 from unison.training.runlog import RunLog
 from unison.training.step import Batch, Run
 
@@ -66,10 +71,6 @@ SIGNAL_EPOCH = 2**61        # the augmentation key of the two views: past any tr
 SECOND_VIEW_EPOCH = SIGNAL_EPOCH + 1   # ... and of the second view of a one-view method, an independent draw
 AUTO_EVALUATIONS = 50       # --signals-every 0: about this many evaluations in a long run,
 AUTO_MIN_EVERY = 50         # and at most one every 50 steps (one evaluation costs about one step at batch 256)
-COLLAPSE_STD = COLLAPSE_STD_LINE   # 0.05: embedding std x sqrt(d) below this: collapsed (see `collapsed`)
-COLLAPSE_RANK = 0.01        # RankMe below this fraction of min(N, d), and below 2 at least: collapsed
-COLLAPSE_RANK_FLOOR = 2.0
-COLLAPSE_EVALS = 2          # ... for this many evaluations in a row
 PROBE_IMAGES = 64           # the probe learns from about this many images of each step (index % stride == 0)
 PROBE_MOMENTUM = 0.5        # of the running feature statistics the probe standardises with
 PROBE_LR = 3e-2             # Adam on the probe's weights
@@ -147,8 +148,9 @@ class HeldBack:
         return x.contiguous(memory_format=torch.channels_last) if self.run.cfg.nhwc else x
 
 
-def measure_signals(run: Run, held: HeldBack) -> dict[str, float]:
-    """The signals of the encoder now (collective: every rank calls it, every rank gets the same values)."""
+def measure_signals(run: Run, held: HeldBack, step: int) -> dict[str, float]:
+    """The signals of the encoder at `step` (collective: every rank calls it, every rank gets the same values).
+    Non-finite embeddings end the run (`NonFiniteLossError`, on every rank alike) with their cause."""
     was_training = run.method.training
     run.method.eval()
     try:
@@ -156,32 +158,13 @@ def measure_signals(run: Run, held: HeldBack) -> dict[str, float]:
             z, a, b = _embed_gathered(run, len(held), held.inputs)
     finally:
         run.method.train(was_training)
+    if not all(bool(torch.isfinite(x).all()) for x in (z, a, b)):   # the SVD of RankMe would fail on them
+        cause = non_finite_cause(run.method, held.inputs(0), run.cfg, step)
+        raise NonFiniteLossError(f"non-finite embeddings of the held-back images (--signal-images) at step {step}; "
+                                 f"{cause}" + (" (the last checkpoint is intact)" if step else ""))
     out = all_signals(z, a, b)
     out["rankme_max"] = float(min(z.shape))
     return out
-
-
-def collapsed(values: dict[str, float]) -> str | None:
-    """What collapsed, or None.
-
-    Thresholds (measured on the digits, small_cnn, 512 images, d = 128): a random-initialised ReLU network already
-    has std x sqrt(d) = 0.13 and RankMe 18 (its features share one direction); healthy training raises them (SimCLR
-    at step 20: 0.41 and 27) and a dip stays above 0.1 (SimSiam at lr x100: 0.12 and 4.6); a collapsing run
-    (``--weight-decay 0.5``) falls to 0.035 then 0.006, RankMe 3.5 then 1.2, within 6 steps. SimSiam §4.1 reports
-    1e-3 x sqrt(d) for its collapse. `COLLAPSE_STD` = 0.05 lies between (a third of a random network's); RankMe
-    below max(2, 1 % of min(N, d)) means at most a couple of directions carry the embedding, which no healthy run
-    above shows. Either one for `COLLAPSE_EVALS` evaluations in a row counts (one evaluation may dip)."""
-    what = []
-    if values["emb_std"] < COLLAPSE_STD:
-        what.append(f"embedding std {values['emb_std']:.3g}/sqrt(d) < {COLLAPSE_STD}/sqrt(d)")
-    floor = max(COLLAPSE_RANK_FLOOR, COLLAPSE_RANK * values["rankme_max"])
-    if values["rankme"] < floor:
-        what.append(f"RankMe {values['rankme']:.3g} < {floor:.3g} (of at most {values['rankme_max']:.0f})")
-    return " and ".join(what) or None
-
-
-COLLAPSE_ADVICE = ("what usually helps: a lower --lr, a longer --warmup-epochs, the method's recipe optimizer and "
-                   "augmentation, a larger batch, and for simsiam/byol the predictor (and its stop-gradient)")
 
 
 class SignalsHook(TrainHook):
@@ -198,6 +181,14 @@ class SignalsHook(TrainHook):
         self.collapse: dict[str, Any] | None = None   # {"step", "what"} once warned
         self.stopped = False
         self.eval_s = 0.0
+        # collapse is judged on MIN_COLLAPSE_IMAGES held-back images or more (fewer: RankMe stays below its floor)
+        self.judges = self.held is not None and len(self.held) >= MIN_COLLAPSE_IMAGES
+        if run.cfg.stop_on_collapse and not self.judges:
+            why = (f"only {len(self.held)} held-back image(s) (the data has {run.data.num_images})"
+                   if self.held is not None else "the data gives no held-back images (it is not indexable, or has "
+                   "fewer than 2)")
+            self._say(f"unison: warning: --stop-on-collapse is off for this run: {why}, and collapse needs "
+                      f"{MIN_COLLAPSE_IMAGES} or more to be judged")
 
     def start(self, run: Run, step: int) -> None:
         if step == 0:
@@ -207,7 +198,7 @@ class SignalsHook(TrainHook):
         if self.held is None or end.last or end.step % self.every:
             return
         values = self._measure(end.step)
-        what = collapsed(values)
+        what = collapsed(values) if self.judges else None
         self.streak = self.streak + 1 if what else 0
         if what and self.streak >= COLLAPSE_EVALS and self.collapse is None:
             self._warn(end.step, what)
@@ -226,7 +217,7 @@ class SignalsHook(TrainHook):
 
         started = time.perf_counter()
         with self.watch.phase("eval", step):
-            values = measure_signals(self.run, self.held)
+            values = measure_signals(self.run, self.held, step)
         self.eval_s += time.perf_counter() - started
         self.latest = {**values, "step": step}
         self.logger.log(step=step, epoch=step / self.run.steps_per_epoch,
@@ -239,8 +230,10 @@ class SignalsHook(TrainHook):
     def _warn(self, step: int, what: str) -> None:
         self.collapse = {"step": step, "what": what}
         stop = "; --stop-on-collapse: stopping here" if self.run.cfg.stop_on_collapse else ""
-        line = (f"unison: warning: the representation collapsed by step {step} ({what}, {COLLAPSE_EVALS} "
-                f"evaluations in a row){stop}; {COLLAPSE_ADVICE}")
+        self._say(f"unison: warning: the representation collapsed by step {step} ({what}, {COLLAPSE_EVALS} "
+                  f"evaluations in a row){stop}; {COLLAPSE_ADVICE}")
+
+    def _say(self, line: str) -> None:
         if C.rank() == 0:
             print(line, file=sys.stderr, flush=True)
         self.runlog.line(line)

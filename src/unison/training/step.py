@@ -61,6 +61,7 @@ from unison.training.accumulate import ExactAccumulation, average_gradients, no_
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
 from unison.training.model import build_method
+from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
 from unison.training.resolve import exact_accumulation, resolve_recipe
 
@@ -353,9 +354,9 @@ def _loss(run: Run, batch: Batch) -> torch.Tensor:
                         enabled=run.autocast_dtype is not None):
         loss = run.forward(batch.views, **kwargs)
     if not torch.isfinite(loss):
-        raise NonFiniteLossError(
-            f"non-finite loss ({float(loss.detach())}) at step {batch.step} on rank {C.rank()}; lower --lr, "
-            "set --grad-clip, or check the data (the last checkpoint is intact)")
+        cause = non_finite_cause(run.method, batch.views, run.cfg, batch.step)
+        raise NonFiniteLossError(f"non-finite loss ({float(loss.detach())}) at step {batch.step} on rank {C.rank()}; "
+                                 f"{cause}" + (" (the last checkpoint is intact)" if batch.step else ""))
     return loss
 
 

@@ -20,7 +20,9 @@ checkpoint (every field checked, as a resume would), pins ``--teacher`` to that 
 backbone in ``teacher_backbone``; `build_teacher` (called by `unison.training.step.build_method` in every worker)
 reads that file (``torch.load(weights_only=True)``; a ``.dcp`` checkpoint consolidated by every worker, as
 ``--init`` and a resume read one). ``weights=False`` (`load_method`, the memory estimate) builds
-the architecture only: a distilled run's checkpoint holds its teacher, so eval/export need no teacher file.
+the architecture only: a distilled run's checkpoint holds its teacher, so eval/export need no teacher file, and
+neither does a resume (`unison.training.resolve.resumes_its_teacher`): a resumed run keeps the teacher its checkpoint
+holds, ``--teacher`` naming another is refused (`unison.training.preflight.keep_resumed_teacher`).
 
 Example::
 
@@ -43,7 +45,7 @@ from unison.methods.distill import DINO_LOSS, HEAD_FIELDS, DistillParams, head_s
 from unison.methods.distillation import DINOHead, SelfDistillation
 from unison.models.backbones import build_backbone, resolve_backbone
 from unison.models.weights import load_backbone_weights, load_state, unwrap
-from unison.training.checkpoint.files import is_checkpoint_name, latest_checkpoint, named_checkpoint
+from unison.training.checkpoint.files import first_loadable, is_checkpoint_name, latest_checkpoint, named_checkpoint
 from unison.training.checkpoint.safe_load import load_file
 
 RANDOM = "random"
@@ -65,10 +67,13 @@ def read_teacher_run(teacher: str) -> dict:
     (The checkpoint package's validated reader imports the training step, which imports this module.)"""
     path = named_checkpoint(teacher)
     if path.is_dir() and not is_checkpoint_name(path):
-        latest = latest_checkpoint(path)
-        if latest is None:
+        if latest_checkpoint(path) is None:
             raise CheckpointError(f"--teacher {teacher} holds no checkpoint; give a finished run or a checkpoint")
-        path = latest
+        return first_loadable(path, _read_teacher_checkpoint)   # past a damaged latest, as a resume falls back
+    return _read_teacher_checkpoint(path)
+
+
+def _read_teacher_checkpoint(path: Path) -> dict:
     if path.is_dir():   # a --shard full run's .dcp: consolidated (by every worker: a collective read); imported
         # here: torch.distributed.checkpoint costs the launching process about 0.8 s
         from unison.training.checkpoint.dcp_read import load_consolidated

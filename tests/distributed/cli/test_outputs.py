@@ -5,12 +5,10 @@ line before anything starts. The export/eval cases and the rules themselves are 
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from fault_helpers import full_tmpfs
 
 from unison.cli import main
 
@@ -125,30 +123,34 @@ def test_resume_branches_into_a_new_out_and_continues_its_latest(run, tmp_path, 
     assert (tmp_path / "branch" / "checkpoints" / "step_00000003.pt").is_file() and _files(run) == before
 
 
-@contextlib.contextmanager
-def _full_tmpfs(target: Path):
-    """A tiny tmpfs, filled up (skips where mounting is not allowed, as tests/distributed/training/test_disk_faults)."""
-    target.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(target)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount ({proc.stderr.strip() or 'mount failed'}): needs root")
-    try:
-        with contextlib.suppress(OSError), open(target / "filler", "wb") as f:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
-        yield target
-    finally:
-        for _ in range(20):
-            if subprocess.run(["umount", str(target)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.5)
-
-
 def test_run_directory_on_a_full_disk_is_one_line(tmp_path, capfd):
-    with _full_tmpfs(tmp_path / "fs") as fs:
+    with full_tmpfs(tmp_path / "fs") as fs:
         code, line = _train([*W1, "--out", str(fs / "run")], capfd)
         assert code == 2
         assert line == (f"unison: error: no space left on device: could not write {fs / 'run' / '.unison.lock'}; "
                         "free space or choose another --out")
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_embed_onto_a_full_disk_is_one_line_naming_what_is_kept(run, world, tmp_path, capfd):
+    """600 images' features (300 KB) onto a 64 KiB disk: was an OSError traceback (world size 1) or
+    'worker rank 0 failed: OSError: [Errno 28]'; an earlier --out is left intact, no part is left behind."""
+    from PIL import Image
+
+    images = tmp_path / "images" / "a"
+    images.mkdir(parents=True)
+    for i in range(600):
+        Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(images / f"{i:04d}.png")
+    with full_tmpfs(tmp_path / "fs", fill=False) as fs:
+        (fs / "e.npy").write_bytes(b"an earlier output")
+        for out, extra, kept in ((fs / "new.npy", [], "no partial file is left"),
+                                 (fs / "e.npy", ["--overwrite"], "the earlier e.npy is intact")):
+            capfd.readouterr()
+            code = main(["embed", "--checkpoint", str(run), "--data", str(images.parent), "--out", str(out),
+                         "--world-size", world, "--batch-size", "64", *extra])
+            err = capfd.readouterr().err
+            lines = [line for line in err.splitlines() if line.startswith("unison: error:")]
+            assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+            assert lines[0].endswith(f"no space left on device: could not write {out}; {kept}; free space or choose "
+                                     "another --out"), lines[0]
+        assert sorted(p.name for p in fs.iterdir()) == ["e.npy"] and (fs / "e.npy").read_bytes() == b"an earlier output"

@@ -67,6 +67,10 @@ def _opt_shape(ckpt: dict[str, Any]) -> None:
     ckpt["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(3, 3)
 
 
+def _opt_one_element(ckpt: dict[str, Any]) -> None:   # one element is not a scalar: the update would not broadcast
+    ckpt["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(1)
+
+
 def _first_weight(value):
     """An edit of the model's first weight: `value(weight)` replaces it."""
     def edit(ckpt: dict[str, Any]) -> None:
@@ -144,6 +148,8 @@ HEADER_CASES = [
 # refused by the worker, which has the model and optimizer to compare with
 WORKER_CASES = [
     ("optimizer-state-shape", _opt_shape, "parameter 0 'momentum_buffer': shape (3, 3), the parameter has (32, 3, 3, 3)"),
+    ("optimizer-state-one-element", _opt_one_element,
+     "parameter 0 'momentum_buffer': shape (1,), the parameter has (32, 3, 3, 3)"),
     ("optimizer-groups", _opt_groups, "2 parameter group(s), the optimizer has 1"),
     ("optimizer-momentum-str", _set("optimizer", "param_groups", 0, "momentum", value="fast"),
      "parameter group 0: momentum='fast'"),

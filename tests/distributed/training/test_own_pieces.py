@@ -5,13 +5,15 @@ an iterable dataset)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from helpers.own_pieces import WIDTH, Photos, PhotoStream, TinyNet, jitter
+from helpers.own_pieces import WIDTH, Photos, PhotoStream, TinyNet, jitter, uneven_views
 
 import unison
 from unison.cli import main
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
+from unison.errors import DataError
 
 
 def test_own_backbone_dataset_and_transform_at_two_workers_train_as_one(tmp_path):
@@ -43,3 +45,16 @@ def test_own_backbone_dataset_and_transform_at_two_workers_train_as_one(tmp_path
     # an iterable dataset (float HWC items) with unison's augmentation: every rank reads it all, keeps its slice
     stream = unison.check("simclr", 2, backbone=net, feature_dim=WIDTH, dataset=PhotoStream(), steps=2, local_batch=4)
     assert stream.passed, stream.summary()
+
+
+def test_a_data_error_in_a_loader_process_arrives_as_one_line(tmp_path):
+    """A DataError raised by unison in a loader process (here: the transform's views differ in size within a batch)
+    arrived as 'Caught DataError in DataLoader worker process 0.' and torch's whole 'Original Traceback'."""
+    cfg = TrainConfig(method="simclr", batch_size=8, max_steps=4, progress=False, signal_images=0, threads=1,
+                      random_init_knn=False, loader_workers=1, out=str(tmp_path / "run"),
+                      distributed=DistributedConfig(backend="local", world_size=1))
+    with pytest.raises(DataError) as caught:
+        unison.train(cfg, dataset=Photos(), transform=uneven_views)
+    message = str(caught.value)
+    assert "within one batch; every view must have one size (end with a crop or resize to a fixed size)" in message
+    assert "Caught" not in message and "Traceback" not in message and "\n" not in message, message

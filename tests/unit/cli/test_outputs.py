@@ -193,6 +193,32 @@ def test_an_out_that_is_not_a_folder_name_is_refused(out, fragment):
         TrainConfig(out=out).validate()
 
 
+@pytest.mark.parametrize("how", ["component-of-300", "path-of-5000"])
+def test_an_out_past_the_file_systems_limits_is_one_line(how, tmp_path, capfd):
+    """A 300-character folder name was one line naming the whole path and 'File name too long'; a path of 5,000
+    characters was an OSError traceback from the pre-flight's stat."""
+    out = tmp_path / ("a" * 300) if how == "component-of-300" else tmp_path / "/".join(["b" * 49] * 100)
+    command = ["train"]   # refused by the configuration, before any process or file
+    assert main([*command, "--world-size", "1", "--max-steps", "1", "--out", str(out)]) == 2
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    limit = ("is 300 bytes long, past the 255 a file or folder name may have" if how == "component-of-300" else
+             "bytes long as an absolute path with the 64 bytes of the names written below it, past the 4095 a path "
+             "may have")
+    assert lines[0].startswith("unison: error: --out ") and limit in lines[0] and len(lines[0]) < 400, lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_output_files_name_leaves_room_for_its_temporary_name(tmp_path):
+    from unison.paths import check_output
+
+    check_output(tmp_path / ("x" * 230 + ".pt"), "--out")   # 233 bytes: its temporary name still fits
+    with pytest.raises(ConfigError, match=r"is 240 bytes long, past the 233 \(255 less the 22 its temporary name "
+                                          r"adds\) a file or folder name may have"):
+        check_output(tmp_path / ("x" * 237 + ".pt"), "--out")
+
+
 def _foreign(tmp: Path) -> Path:
     docs = tmp / "mydocs"
     docs.mkdir()

@@ -326,6 +326,17 @@ def test_shard_members_sharing_one_name_are_refused(tmp_path):
     assert len(open_catalog(ok)) == 2
 
 
+@pytest.mark.parametrize("order", ["adjacent", "apart"])
+def test_two_images_under_one_key_are_refused(tmp_path, order):
+    """s000.png and s000.jpg: one key, two images (WebDataset would make them one sample); next to each other or
+    apart in the tar, it is not 17 samples."""
+    members = [(f"s{i:03d}.png", _png_bytes(i)) for i in range(16)]
+    members.insert(1 if order == "adjacent" else 16, ("s000.jpg", _png_bytes(99)))
+    shard = _tar(tmp_path / "twice.tar", members)
+    _refused("the image members 's000.png' and 's000.jpg' share the key 's000'; each sample needs its own key",
+             lambda: open_catalog(shard))
+
+
 def test_a_dangling_link_is_named_a_broken_link(tmp_path):
     root = _folder(tmp_path / "d")
     os.symlink("nowhere", root / "a" / "zz.png")

@@ -92,3 +92,14 @@ def test_precedence_is_variables_then_flags_then_srun(env, flags, expected):
 def test_every_srun_task_of_a_step_derives_the_same_rendezvous():
     tasks = [{**SRUN_TASK, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2)} for r in range(2)]
     assert len({(e.default_addr, e.default_port) for e in map(detect_launch_env, tasks)}) == 1
+
+
+@pytest.mark.parametrize("value, reason", [("1", "SLURM requeue 1"), ("0", None), ("²", None), ("٣", None),
+                                           ("9" * 5000, None)])
+def test_a_requeue_count_is_ascii_digits(monkeypatch, value, reason):
+    """'²'.isdigit() is True and int('²') a ValueError; '٣' reads as 3; 5,000 digits are past int()'s limit."""
+    from unison.distributed.env import restart_reason
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", value)
+    assert restart_reason() == reason

@@ -74,6 +74,7 @@ class _Evil:
     ("decay", 2, "layer_decay=1.5 must be a finite number in (0, 1]"),
     ("own-out", 2, "is a checkpoint of --out"),
     ("empty-freeze", 2, "--freeze '' is not a list of block counts or module names"),
+    ("superscript-freeze", 2, "--freeze '²' names no part of the backbone"),   # '²'.isdigit(): int('²') failed
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
     """What `unison train` runs before any worker starts (`validate_run`, `preflight`): one line, its exit code."""
@@ -99,12 +100,50 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         argv += ["--freeze", ""]
     elif case == "freeze":
         argv += ["--freeze", "blocks"]
+    elif case == "superscript-freeze":
+        argv += ["--freeze", "²"]
     else:
         argv += ["--layer-decay", "1.5"]
     with pytest.raises(UnisonError) as info:
         preflight(validate_run(parse_train_args(argv)), launched=False)
     assert info.value.exit_code == code and fragment in str(info.value) and "\n" not in str(info.value), info.value
     assert not (tmp_path / "ran").exists() and not (tmp_path / "run" / "config.json").exists()
+
+
+def _cast(kind: str):
+    return {"int8": lambda v: v.to(torch.int8), "int32": lambda v: (v * 100).to(torch.int32), "bool": lambda v: v > 0,
+            "complex": lambda v: v.to(torch.complex64), "float8": lambda v: v.to(torch.float8_e4m3fn),
+            "sparse": lambda v: v.to_sparse(), "meta": lambda v: v.to("meta"),
+            "quantised": lambda v: torch.quantize_per_tensor(v, 0.1, 0, torch.qint8)}[kind]
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("int8", "tensor 'features.0.weight' is torch.int8 where the backbone's is torch.float32; integer, bool and "
+             "complex values would be cast (bool weights start the run collapsed): give floating-point weights"),
+    ("int32", "tensor 'features.0.weight' is torch.int32 where the backbone's is torch.float32"),
+    ("bool", "tensor 'features.0.weight' is torch.bool where the backbone's is torch.float32"),
+    ("complex", "tensor 'features.0.weight' is torch.complex64 where the backbone's is torch.float32"),
+    ("float8", "tensor 'features.0.weight' is torch.float8_e4m3fn, an 8-bit float; give float16, bfloat16 or "
+               "float32 weights"),
+    ("sparse", "tensor 'features.0.weight' is a sparse tensor (torch.sparse_coo); give dense weights"),
+    ("meta", "tensor 'features.0.weight' is on the meta device: it holds no values"),
+    ("quantised", "tensor 'features.0.weight' is quantised (torch.qint8); give float weights"),
+], ids=["int8", "int32", "bool", "complex", "float8", "sparse", "meta", "quantised"])
+def test_init_weights_of_another_kind_are_one_line(tmp_path, kind, fragment):
+    """--init weights that are not dense floats: refused by name, never cast silently nor a raw torch error."""
+    from unison.cli.train_args import parse_train_args
+    from unison.training.preflight import preflight
+    from unison.training.resolve import validate_run
+
+    net, _ = build_backbone("small_cnn", 16)
+    cast = _cast(kind)
+    torch.save({k: cast(v) if v.is_floating_point() else v for k, v in net.state_dict().items()}, tmp_path / "w.pt")
+    argv = [*TINY, "--out", str(tmp_path / "run"), "--init", str(tmp_path / "w.pt")]
+    with pytest.raises(UnisonError) as info:
+        preflight(validate_run(parse_train_args(argv)), launched=False)
+    message = str(info.value)
+    assert info.value.exit_code == 4 and message.startswith(f"--init {tmp_path / 'w.pt'}: "), message
+    assert fragment in message and "\n" not in message, message
 
 
 def test_momentum_encoder_starts_from_init_too(tmp_path):

@@ -100,6 +100,26 @@ def test_a_bad_piece_is_one_line_before_any_worker(case, tmp_path):
     assert not (out / "config.json").exists()   # refused before the run wrote anything
 
 
+class _ArrayPhotos(torch.utils.data.Dataset):   # its images in one NumPy array of 96 KiB
+    def __init__(self):
+        self.pixels = np.random.default_rng(0).integers(0, 256, (32, 3, 32, 32), dtype=np.uint8)
+
+    def __len__(self):
+        return len(self.pixels)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.pixels[i])
+
+
+def test_a_dataset_holding_a_large_numpy_array_goes_to_the_workers(tmp_path):
+    """Pickled with protocol 5, an array over 64 KiB arrives as a `pickle.PickleBuffer`: the check must pass it
+    (it passes the pre-flight and reaches the start of the worker processes, which `_no_process_starts` stops)."""
+    config = TrainConfig(method="simclr", batch_size=8, epochs=1, max_steps=1, progress=False,
+                         out=str(tmp_path / "run"), distributed=DistributedConfig(world_size=2))
+    with pytest.raises(AssertionError, match="a worker process started"):
+        unison.train(config, dataset=_ArrayPhotos())
+
+
 def _views(transform, global_batch: int, dataset=None) -> dict[int, list[torch.Tensor]]:
     """Sample index -> its views in epoch 0, through the source a run reads."""
     spec = DataSpec(data="own", batch_size=global_batch, seed=3, loader_workers=0)   # in this process

@@ -140,3 +140,58 @@ def test_unison_check_gives_distill_a_random_teacher_and_refuses_a_teacher_for_o
     assert (cfg.teacher, cfg.teacher_backbone) == ("random", "small_cnn")
     with pytest.raises(ConfigError, match="--teacher-backbone is for --method distill"):
         validate_run(train_config_for(CheckSpec(method="simclr", teacher_backbone="vit_nano_p2"), 2))
+
+
+# ------------------------------------------------------------------ resuming a distilled run
+def _teacher_of(run: Path) -> dict[str, torch.Tensor]:
+    from unison.training.checkpoint.files import latest_checkpoint
+    from unison.training.checkpoint.safe_load import load_file
+
+    return {k: v for k, v in load_file(latest_checkpoint(run))["model"].items() if k.startswith("teacher.")}
+
+
+@pytest.fixture
+def student(teacher_run, tmp_path) -> tuple[Path, Path]:
+    """(a student distilled for 1 step from a copy of `teacher_run`, that copy)."""
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_run, teacher)
+    (teacher / ".unison.lock").unlink(missing_ok=True)
+    out = tmp_path / "student"
+    assert main([*TRAIN, "--method", "distill", "--teacher", str(teacher), "--out", str(out), *TINY]) == 0
+    return out, teacher
+
+
+def test_resuming_with_another_teacher_is_refused(student, capfd):
+    out, teacher = student
+    recorded = json.loads((out / "config.json").read_text())["teacher"]
+    code, err = _run(["--method", "distill", "--teacher", "random", "--resume", str(out), *TINY, "--max-steps", "2"],
+                     capfd)
+    assert code == 2 and (f"--teacher random is not the teacher of the run resumed from {out} ({recorded}, whose "
+                          "weights its checkpoint holds): a resumed run keeps its teacher") in _line(err), err
+    assert json.loads((out / "config.json").read_text())["teacher"] == recorded   # as it was
+    # the teacher it was distilled from, named as at the start (the run directory), is its teacher
+    code, err = _run(["--method", "distill", "--teacher", str(teacher), "--resume", str(out), *TINY,
+                      "--max-steps", "2"], capfd)
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["teacher"] == recorded
+
+
+@pytest.mark.parametrize("how", ["same-teacher-given", "teacher-left-out", "resume-auto", "slurm-requeue"])
+def test_resuming_needs_not_the_teacher_file(student, how, tmp_path, capfd, monkeypatch):
+    """The checkpoint holds the teacher's weights: a resume reads them there, so the teacher run may be gone."""
+    out, teacher = student
+    recorded, before = json.loads((out / "config.json").read_text())["teacher"], _teacher_of(out)
+    teacher.rename(tmp_path / "gone")
+    resume = {"same-teacher-given": ["--teacher", str(teacher), "--resume", str(out)],
+              "teacher-left-out": ["--resume", str(out)],
+              "resume-auto": ["--teacher", str(teacher), "--resume", "auto", "--out", str(out)],
+              "slurm-requeue": ["--teacher", str(teacher), "--out", str(out)]}[how]   # the same command again
+    if how == "slurm-requeue":
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    code, err = _run(["--method", "distill", *resume, *TINY, "--max-steps", "2"], capfd)
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["teacher"] == recorded
+    after = _teacher_of(out)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())

@@ -191,6 +191,9 @@ def check_step_in_run(step: int, total_steps: int, path: str | Path) -> None:
 
 
 # ------------------------------------------------------------------ optimizer state
+SCALAR_STATE = frozenset({"step"})   # the per-parameter state of unison's optimizers that is one number
+
+
 def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Any, path: str | Path) -> None:
     """Raise unless `state` (a full ``optimizer.state_dict()``) fits `optimizer`: groups, parameters, shapes."""
     def bad(what: str) -> CheckpointError:
@@ -222,7 +225,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Any, path: st
         if i not in params or type(entry) not in _DICTS:
             raise bad(f"state of an unknown parameter {shown(i)}")
         for name, value in entry.items():
-            problem = _state_problem(value, params[i])
+            problem = _state_problem(name, value, params[i])
             if problem:
                 raise bad(f"parameter {i} {shown(name)}: {problem}")
 
@@ -240,9 +243,11 @@ def _same_kind(value: Any, like: Any) -> bool:
     return type(value) is type(like)
 
 
-def _state_problem(value: Any, param: torch.Tensor) -> str | None:
+def _state_problem(name: Any, value: Any, param: torch.Tensor) -> str | None:
     if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and value.dim() <= 1:
+        # the one scalar (Adam's step) is 0-d; any other state is per element of the parameter, of its shape (a
+        # [1] or 0-d momentum buffer of a [32, 3, 3, 3] weight: the update would fail to broadcast into it)
+        if name in SCALAR_STATE and value.dim() == 0:
             return None if math.isfinite(float(value)) or not value.is_floating_point() else "not finite"
         if value.shape != param.shape:
             return f"shape {tuple(value.shape)}, the parameter has {tuple(param.shape)}"

@@ -22,7 +22,9 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
+
+from unison.errors import CheckpointError, CorruptCheckpointError
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -31,6 +33,9 @@ DCP_HEADER = "unison.pt"   # the header file inside a .dcp checkpoint directory
 METADATA = ".metadata"   # DCP's index of which tensor slices are where
 
 STEP_RE = re.compile(r"step_(\d{8,})\.(?:pt|dcp)")   # .dcp: a directory (sharded runs)
+T = TypeVar("T")
+# resume, eval, embed, export, --init and --teacher all read through `first_loadable`: no command's own word ("resume")
+NO_CHECKPOINT_HINT = "give the run directory of a unison train run that wrote checkpoints, or a checkpoint file"
 _TMP_RE = re.compile(r"\.(?:step_\d{8,}\.pt|latest)\.\d+\.[0-9a-f]+\.tmp")
 
 
@@ -104,6 +109,25 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     if latest is None:
         return []
     return [latest] + newest_first([p for p in list_checkpoints(run_dir) if p != latest], step_of(latest))
+
+
+def first_loadable(run_dir: Path, read: Callable[[Path], T]) -> T:
+    """`read(candidate)` of the run directory's latest checkpoint, falling back (with a warning) past corrupt ones.
+
+    Only `CorruptCheckpointError` falls back; any other error (another method, an unsafe file) is raised."""
+    candidates = resume_candidates(run_dir)
+    if not candidates:
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; {NO_CHECKPOINT_HINT}")
+    first_error: CheckpointError | None = None
+    for i, candidate in enumerate(candidates):
+        try:
+            return read(candidate)
+        except CorruptCheckpointError as e:
+            first_error = first_error or e
+            if i + 1 < len(candidates):
+                warnings.warn(f"{e}; falling back to {candidates[i + 1].name}", RuntimeWarning, stacklevel=3)
+    assert first_error is not None
+    raise first_error
 
 
 # ------------------------------------------------------------------ writing

@@ -19,34 +19,31 @@ is built, no shard is touched).
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unison.distributed import collectives as C
-from unison.errors import CheckpointError, CorruptCheckpointError
+from unison.errors import CheckpointError
 from unison.training.pieces import OWN
 
 from .contents import MAX_STEP, check_fields, check_run_fields, shown
-from .files import DCP_HEADER, checkpoint_dir, is_checkpoint_name, named_checkpoint, resume_candidates
+from .files import DCP_HEADER, first_loadable, is_checkpoint_name, named_checkpoint
+from .files import NO_CHECKPOINT_HINT as NO_CHECKPOINT_HINT  # re-exported: callers import it from here
 from .safe_load import load_file, read_metadata_safely
 
 if TYPE_CHECKING:
     from unison.training.step import Run
 
-T = TypeVar("T")
 # What a checkpoint's tensors are the tensors of, beside its method: the configuration fields that name and shape
 # them, with the option that sets each. A resume with another value would load nothing that fits.
 STRUCTURE = {"backbone": "--backbone", "backbone_args": "--backbone-arg"}
 Expected = str | Mapping[str, Any] | None   # a method name, or `structure(cfg)`
 
-# resume, eval, embed, export, --init and --teacher all read through here: no command's own word ("resume")
-NO_CHECKPOINT_HINT = "give the run directory of a unison train run that wrote checkpoints, or a checkpoint file"
 FORMAT = "unison-checkpoint"
 VERSION = 1
 _ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
@@ -214,22 +211,3 @@ def read_header(path: str | Path, *, expect_method: Expected = None) -> Checkpoi
     if not path.is_dir() or is_checkpoint_name(path):
         return _read_one(path, expect_method)
     return first_loadable(path, lambda candidate: _read_one(candidate, expect_method))
-
-
-def first_loadable(run_dir: Path, read: Callable[[Path], T]) -> T:
-    """`read(candidate)` of the run directory's latest checkpoint, falling back (with a warning) past corrupt ones.
-
-    Only `CorruptCheckpointError` falls back; any other error (another method, an unsafe file) is raised."""
-    candidates = resume_candidates(run_dir)
-    if not candidates:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; {NO_CHECKPOINT_HINT}")
-    first_error: CheckpointError | None = None
-    for i, candidate in enumerate(candidates):
-        try:
-            return read(candidate)
-        except CorruptCheckpointError as e:
-            first_error = first_error or e
-            if i + 1 < len(candidates):
-                warnings.warn(f"{e}; falling back to {candidates[i + 1].name}", RuntimeWarning, stacklevel=3)
-    assert first_error is not None
-    raise first_error

@@ -45,6 +45,7 @@ from unison.errors import CheckpointError
 from .files import (
     atomic_write,
     checkpoint_dir,
+    first_loadable,
     is_checkpoint_name,
     latest_checkpoint,
     named_checkpoint,
@@ -53,7 +54,7 @@ from .files import (
     remove_temporaries,
     write_failure_message,
 )
-from .header import Expected, check_header, first_loadable, make_header, validate_state
+from .header import Expected, check_header, make_header, validate_state
 from .safe_load import load_file
 
 

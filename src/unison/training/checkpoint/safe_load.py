@@ -17,6 +17,7 @@ an earlier checkpoint; anything unsafe raises `CheckpointError`.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -78,6 +79,8 @@ def load_file(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> A
                 f"only load checkpoints written by unison") from None
         raise corrupt(path, e) from None
     except OSError as e:
+        if e.errno == errno.EINVAL:   # torch's zip reader seeking before the start of a short (truncated) file
+            raise corrupt(path, e) from None
         raise CheckpointError(f"could not read checkpoint {path} ({e.strerror or e})") from e
     except Exception as e:  # RuntimeError (zip), EOFError, KeyError, ... from a damaged file
         raise corrupt(path, e) from None
