@@ -19,6 +19,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from unison.config.budget import check_plan, parse_duration
 from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
@@ -188,6 +189,14 @@ class TrainConfig:
     max_steps: int | None = field(default=None, metadata={
         "range": Range(1, MAX_STEPS),
         "help": "stop after this many optimiser steps (testing)"})
+    time_budget: str | None = field(default=None, metadata={
+        "metavar": "DURATION",
+        "help": "train for this wall-clock time (90s, 10m, 2h, 1h30m): the run measures its steady step time, then "
+                "plans the warm-up and every schedule for the steps that fit, leaving time for the final kNN and "
+                "checkpoint, and stops on time; --epochs is not used, --max-steps caps the plan. The step count "
+                "depends on the machine: runs that must repeat exactly give --max-steps instead"})
+    time_budget_plan: dict[str, Any] | None = field(default=None, metadata={
+        "help": "written by a --time-budget run (steps, warm-up, the measured costs): a resumed run keeps it"})
     log_every: int = field(default=10, metadata={
         "range": Range(1, MAX_STEPS),
         "help": "log metrics every N optimiser steps"})
@@ -253,6 +262,9 @@ class TrainConfig:
             raise ConfigError(f"on_corrupt={shown(self.on_corrupt)} is unknown; use skip or error")
         self._validate_data(cuda_available)
         self._validate_signals()
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
+        check_plan(self.time_budget_plan, self.time_budget)
         self._validate_choices()
         self._validate_teacher()
         return self
