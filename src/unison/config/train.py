@@ -24,6 +24,7 @@ from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
+from unison.config.presets import PRESETS, with_preset
 from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -48,6 +49,10 @@ MIN_COLLAPSE_IMAGES = 16
 
 @dataclass
 class TrainConfig:
+    preset: str | None = field(default=None, metadata={
+        "help": "a recipe for the options not given: speedrun (the best encoder a fixed time buys on CIFAR-sized "
+                "data: SimCLR, ResNet-18, data resident on the device, bf16 + compile on a GPU, --time-budget 5m)",
+        "choices": PRESETS})
     method: str = field(default="simclr", metadata={"help": "self-supervised method (the list below)"})
     data: str = field(default="digits", metadata={
         "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download), an ImageFolder directory, "
@@ -340,7 +345,7 @@ class TrainConfig:
                               f"{' '.join('--' + k.replace('_', '-') for k in misplaced)}")
         if unknown:
             raise ConfigError(unknown_keys_message(unknown, known))
-        data = coerce_fields(cls, data)
+        data = coerce_fields(cls, with_preset(data, _cuda(None)) if data.get("preset") else data)
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")

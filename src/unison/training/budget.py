@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
-from unison.config.budget import parse_duration
+from unison.config.budget import check_plan, parse_duration
 from unison.distributed import collectives as C
 from unison.errors import ConfigError
+from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
 from unison.training.hooks import StepEnd, TrainHook
 from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, PROBE_IMAGES, ProbeHook
@@ -287,6 +288,18 @@ def describe_plan(budget_s: float, costs: BudgetCosts, cadence: Cadence, cfg: An
             "warmup_steps": budget_warmup(steps, cfg.warmup_epochs, cadence.steps_per_epoch),
             "reserve_s": final + costs.step_s, "why": why,
             "measured": {k: round(v, 6) for k, v in asdict(costs).items()}}
+
+
+def adopt_plan(cfg: Any) -> None:
+    """A budgeted run resumed from a checkpoint whose configuration did not come with the command (a torchrun
+    restart or SLURM requeue of the original command, ``train(cfg)`` with ``cfg.resume``): the checkpoint's plan,
+    before the run is built, so that its schedules are planned for it from the start."""
+    if cfg.time_budget is None or cfg.time_budget_plan is not None or not cfg.resume:
+        return
+    plan = read_header(cfg.resume).config.get("time_budget_plan")
+    if plan is not None:
+        check_plan(plan, cfg.time_budget)
+        cfg.time_budget_plan = plan
 
 
 def start_budget(run: Run, budget: BudgetClock | None, step: int, history: dict[str, Any]) -> str | None:

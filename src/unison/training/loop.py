@@ -48,7 +48,7 @@ from unison.distributed.signals import install_stop_handlers, restore_default_ha
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
 from unison.paths import same_file, write_text_atomic
-from unison.training.budget import BudgetClock, BudgetHook, end_budget, start_budget
+from unison.training.budget import BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
 from unison.training.checkpoint.files import step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
@@ -193,6 +193,7 @@ def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None)
     consistent_config(cfg)
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
     _resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
+    adopt_plan(cfg)   # a budgeted run resumed by a restart: the checkpoint's plan, not a new measurement
     run = build_run(cfg, device, init=init_weights_of(cfg), own=own)   # --init read here: the step cannot read checkpoints
     if C.rank() == 0:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)

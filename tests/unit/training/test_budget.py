@@ -137,3 +137,20 @@ def test_plan_budget_measures_plans_and_applies(tmp_path, local_group, monkeypat
     assert plan["measured"]["step_s"] > 0 and plan["reserve_s"] > 0
     json.dumps(plan)   # config.json and the checkpoints hold it
     assert not list(tmp_path.glob(".budget-*")), "the checkpoint-time probe file was left behind"
+
+
+def test_a_restarted_run_takes_its_plan_from_the_checkpoint(tmp_path, monkeypatch):
+    """Restarts by the launcher and SLURM requeues rerun the original command (no plan in it): the checkpoint's
+    plan is adopted before the build, never measured again."""
+    plan = {"budget_s": 600.0, "steps": 37, "warmup_steps": 3, "reserve_s": 1.0, "why": "test"}
+
+    class Header:
+        config = {"time_budget_plan": plan}
+
+    monkeypatch.setattr(budget, "read_header", lambda path: Header)
+    cfg = _cfg(tmp_path, time_budget="10m", resume=str(tmp_path))
+    budget.adopt_plan(cfg)
+    assert cfg.time_budget_plan == plan
+    other = _cfg(tmp_path, time_budget="20m", resume=str(tmp_path))
+    with pytest.raises(ConfigError, match="planned for a 600 s budget"):
+        budget.adopt_plan(other)
