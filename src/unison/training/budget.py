@@ -25,6 +25,7 @@ model build, the random-initialisation kNN, the measurement, training and the fi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -182,8 +183,15 @@ def _sync(run: Run) -> None:
 def measure_step_s(run: Run, budget_s: float) -> tuple[float, int]:
     """(seconds per steady step, steps timed): `WARMUP_MEASURE_STEPS` untimed steps, then timed ones until rank 0
     says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps."""
-    started, timed_from, timed = clock(), 0.0, 0
-    for micro in grouped(batches(run, 0), run.accumulate):
+    started = clock()
+    steps = grouped(batches(run, 0), run.accumulate)   # closed on return: streamed data's loaders end with it
+    with contextlib.closing(steps):
+        return _timed_steps(run, steps, budget_s, started)
+
+
+def _timed_steps(run: Run, steps: Any, budget_s: float, started: float) -> tuple[float, int]:
+    timed_from, timed = 0.0, 0
+    for micro in steps:
         accumulated_forward_backward(run, micro)
         optimizer_step(run, micro[0].step)
         done = micro[0].step + 1
