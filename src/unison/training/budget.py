@@ -25,7 +25,6 @@ model build, the random-initialisation kNN, the measurement, training and the fi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 import math
@@ -185,8 +184,10 @@ def measure_step_s(run: Run, budget_s: float) -> tuple[float, int]:
     says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps."""
     started = clock()
     steps = grouped(batches(run, 0), run.accumulate)   # closed on return: streamed data's loaders end with it
-    with contextlib.closing(steps):
+    try:
         return _timed_steps(run, steps, budget_s, started)
+    finally:
+        getattr(steps, "close", lambda: None)()
 
 
 def _timed_steps(run: Run, steps: Any, budget_s: float, started: float) -> tuple[float, int]:
