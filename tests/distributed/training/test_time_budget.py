@@ -1,5 +1,6 @@
 """``--time-budget`` with real worker processes: 2 ranks whose clocks disagree train one plan (rank 0's), a run whose
-steps turn slower than measured still ends on time through its normal end, and a resumed run keeps its plan."""
+steps turn slower than measured still ends on time through its normal end, and a resumed run keeps its plan (resumed
+with --resume, or restarted by torchrun with the original command)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,10 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     assert f"resuming the plan of {plan['steps']} steps at step {used['steps']}" in log
     assert json.loads((out / "config.json").read_text())["time_budget_plan"] == plan
     assert log.count(": planned ") == 1   # measured and planned once
+
+    # restarted by torchrun (or requeued by SLURM): the original command again, without --resume or the plan in it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
+    log = (out / "train.log").read_text()
+    assert log.count(": planned ") == 1 and log.count(f"resuming the plan of {plan['steps']} steps") == 2
+    assert json.loads((out / "config.json").read_text())["time_budget_plan"] == plan
