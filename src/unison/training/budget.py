@@ -181,26 +181,28 @@ def _sync(run: Run) -> None:
 
 def measure_step_s(run: Run, budget_s: float) -> tuple[float, int]:
     """(seconds per steady step, steps timed): `WARMUP_MEASURE_STEPS` untimed steps, then timed ones until rank 0
-    says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps."""
-    started = clock()
+    says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps. A run capped
+    below that (``--max-steps``) warms up less and times what it has (its first step's cost included: an
+    over-estimate, so its plan stays within the budget)."""
+    warmup = min(WARMUP_MEASURE_STEPS, max(0, run.total_steps - TIMED_STEPS[0]))
     steps = grouped(batches(run, 0), run.accumulate)   # closed on return: streamed data's loaders end with it
     try:
-        return _timed_steps(run, steps, budget_s, started)
+        return _timed_steps(run, steps, budget_s, warmup)
     finally:
         getattr(steps, "close", lambda: None)()
 
 
-def _timed_steps(run: Run, steps: Any, budget_s: float, started: float) -> tuple[float, int]:
-    timed_from, timed = 0.0, 0
+def _timed_steps(run: Run, steps: Any, budget_s: float, warmup: int) -> tuple[float, int]:
+    started = clock()
+    timed_from, timed, elapsed = started, 0, 0.0
     for micro in steps:
         accumulated_forward_backward(run, micro)
         optimizer_step(run, micro[0].step)
         done = micro[0].step + 1
-        if done == WARMUP_MEASURE_STEPS:
-            _sync(run)
-            timed_from = clock()
-            continue
-        if done < WARMUP_MEASURE_STEPS:
+        if done <= warmup:
+            if done == warmup:
+                _sync(run)
+                timed_from = clock()
             continue
         timed += 1
         _sync(run)
@@ -208,9 +210,9 @@ def _timed_steps(run: Run, steps: Any, budget_s: float, started: float) -> tuple
         enough = timed >= TIMED_STEPS[1] or (timed >= TIMED_STEPS[0] and elapsed >= MIN_TIMED_S) or (
             timed >= 2 and clock() - started >= MEASURE_SHARE * budget_s)
         if C.broadcast_object(enough if C.rank() == 0 else None):
-            return elapsed / timed, timed
-    raise ConfigError(f"--time-budget: the run has fewer than {WARMUP_MEASURE_STEPS + 2} steps to measure its step "
-                      "time on; raise --max-steps")
+            break
+    elapsed = C.broadcast_object(elapsed)   # a run shorter than the measurement: rank 0's time of all its steps
+    return elapsed / max(1, timed), timed
 
 
 def measure_eval_s(run: Run) -> float:
@@ -288,7 +290,7 @@ def describe_plan(budget_s: float, costs: BudgetCosts, cadence: Cadence, cfg: An
     """The plan as ``config.json`` records it: the steps, the warm-up, the reserve for the end, and why."""
     steps = plan_steps(budget_s, costs, cadence, cfg.max_steps)
     final = final_s(costs, cadence)
-    why = (f"{steps} steps of {costs.step_s:.4g} s (timed over {timed} steps after {WARMUP_MEASURE_STEPS} warm-up "
+    why = (f"{steps} steps of {costs.step_s:.4g} s (timed over {timed} steps after at most {WARMUP_MEASURE_STEPS} warm-up "
            f"steps) fit {budget_s:g} s: {costs.spent_s:.1f} s spent before the plan (start-up, data, measurement), "
            f"{cadence.periodic_s(steps, costs):.1f} s for periodic checkpoints, kNN and signals, {final:.1f} s for "
            f"the final kNN, signals and checkpoint, {MARGIN_SHARE:.0%} margin"

@@ -154,3 +154,12 @@ def test_a_restarted_run_takes_its_plan_from_the_checkpoint(tmp_path, monkeypatc
     other = _cfg(tmp_path, time_budget="20m", resume=str(tmp_path))
     with pytest.raises(ConfigError, match="planned for a 600 s budget"):
         budget.adopt_plan(other)
+
+
+def test_a_run_capped_below_the_measurement_times_what_it_has(tmp_path, local_group):
+    """--max-steps 2 with a budget: both steps timed (no warm-up left), the plan is the cap."""
+    cfg = _cfg(tmp_path, time_budget="1h", max_steps=2, method="simclr").validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    plan = plan_budget(run, BudgetClock(cfg.time_budget))
+    assert plan["steps"] == run.total_steps == 2 and "timed over 2 steps" in plan["why"]
