@@ -247,6 +247,7 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
                 print(f"# + Lightly SSL side of {method}: its transform, heads and loss + DataLoader("
                       f"{cfg.lightly_loader_workers} workers), {cfg.lightly_steps} steps of {cfg.batch_size}")
         elif part == "race":
+            from .lightly_compare import side_threads
             from .race import unison_argv
 
             print("unison " + shlex.join(unison_argv(cfg, train, out / "runs" / "race-unison", side_threads(cfg))))
