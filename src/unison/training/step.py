@@ -60,6 +60,7 @@ from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
+from unison.training.length import plan_length
 from unison.training.model import build_method
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
@@ -232,26 +233,6 @@ def recorded_paths(cfg: TrainConfig) -> dict[str, str]:
         if isinstance(given, str) and given not in BUILTIN and not given.startswith(OWN) and "://" not in given:
             out[f"{name}_path"] = os.path.abspath(os.path.expanduser(given))
     return out
-
-
-def plan_length(cfg: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
-    """(total steps, warm-up steps): the one rule every schedule (lr, the method's momentum and temperature) is
-    planned from. `--epochs` (capped by `--max-steps`), or a `--time-budget` run's plan (`unison.training.budget`);
-    unplanned yet, a provisional length for its measurement steps (then `apply_plan` puts the plan in place)."""
-    plan = cfg.time_budget_plan
-    if plan is not None:
-        return int(plan["steps"]), int(plan["warmup_steps"])
-    if cfg.time_budget is not None:   # provisional: only the measurement steps run on it
-        total_steps = cfg.max_steps or PROVISIONAL_BUDGET_STEPS
-    else:
-        total_steps = cfg.epochs * steps_per_epoch
-        if cfg.max_steps:
-            total_steps = min(total_steps, cfg.max_steps)
-    warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
-    return total_steps, warmup_steps
-
-
-PROVISIONAL_BUDGET_STEPS = 10**9   # a budgeted run before its plan: far more steps than any budget holds
 
 
 def apply_plan(run: Run) -> None:
