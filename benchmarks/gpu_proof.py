@@ -272,13 +272,13 @@ def _lightly_synthetic(spec: dict[str, Any]) -> dict[str, Any]:
     from lightly.transforms import SimCLRTransform
     from torch.utils.data import DataLoader
 
-    from unison.bench.lightly_compare import _PILImages
+    from unison.bench.lightly_compare import PILImages
     from unison.models import build_backbone
 
     device = torch.device(spec["device"])
     data = _synthetic_images(spec)
     transform = SimCLRTransform(input_size=spec["size"], normalize={"mean": list(data.mean), "std": list(data.std)})
-    loader = DataLoader(_PILImages(data.images, data.labels, transform), batch_size=spec["batch"], drop_last=True,
+    loader = DataLoader(PILImages(data.images, data.labels, transform), batch_size=spec["batch"], drop_last=True,
                         shuffle=True, num_workers=spec["workers"], pin_memory=device.type == "cuda")
     backbone, dim = build_backbone(spec["backbone"], image_size=spec["size"])
     model = torch.nn.Sequential(backbone, torch.nn.Flatten(1), SimCLRProjectionHead(dim, 512, 128)).to(device)
@@ -376,33 +376,27 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     train, val = data_paths(args)
     n = len(open_catalog(train))
     steps_per_epoch = n // s["batch"]
-    ips = _measured_rate(Path(args.out)) or (2.0e3 if args.device == "cuda" else 50.0)
     left = (args.deadline - time.time() - s["reserve_s"]) if args.deadline else 60.0
-    # 85 %: the steady rate leaves out warm-up and the online probe; a run past the time box would return nothing
-    epochs = int(max(s["min_epochs"], min(s["max_epochs"], 0.85 * left * ips / (steps_per_epoch * s["batch"]))))
+    # `--time-budget`: the run measures its own step, plans warm-up and cosine for the steps that fit (the final
+    # kNN and checkpoint included) and stops on time; the dry run caps it at one epoch
+    budget_s = max(30, int(left))
     run_dir = Path(args.out) / "runs" / "accuracy"
-    argv = ["train", "--method", "simclr", "--backbone", "resnet18" if not args.tiny else "small_cnn",
-            "--data", train, "--val", val, "--epochs", str(epochs), "--batch-size", str(s["batch"]),
-            "--knn-k", str(s["knn_k"]), "--world-size", "1", "--out", str(run_dir), "--no-progress",
-            "--signal-images", "0"]
+    argv = ["train", "--preset", "speedrun", "--backbone", "resnet18" if not args.tiny else "small_cnn",
+            "--data", train, "--val", val, "--time-budget", f"{budget_s}s", "--batch-size", str(s["batch"]),
+            "--knn-k", str(s["knn_k"]), "--world-size", "1", "--out", str(run_dir), "--no-progress"]
+    if s["max_epochs"] == 1:
+        argv += ["--max-steps", str(max(1, steps_per_epoch))]
     if s["val_subset"]:
         argv += ["--val-subset", str(s["val_subset"])]
     if args.device == "cuda":
-        argv += ["--backend", "nccl", "--master-port", str(find_free_port()), "--amp", "bf16"]
+        argv += ["--backend", "nccl", "--master-port", str(find_free_port())]   # speedrun: bf16 and --compile
     summary, wall = run_train(argv, run_dir)
-    return {"command": "unison " + " ".join(argv), "epochs": epochs, "steps": summary["steps"],
-            "budget_left_s": left, "planned_from_images_per_s": ips, "knn_top1": summary["knn_top1"],
+    used = summary.get("extra", {}).get("time_budget") or {}
+    return {"command": "unison " + " ".join(argv), "epochs": round(summary["epochs"], 2), "steps": summary["steps"],
+            "budget_left_s": left, "time_budget_s": budget_s, "budget_used_s": used.get("used_s"),
+            "knn_top1": summary["knn_top1"],
             "knn_queries": s["val_subset"] or "all (tiny)", "train_time_s": summary["train_time_s"], "wall_s": wall,
             "data_wait_share": summary["data_wait_fraction"], "peak_memory_mib": summary["peak_memory_mib"]}
-
-
-def _measured_rate(out: Path) -> float | None:
-    """unison's steady images/s on this configuration, from the throughput phase (None when it did not finish)."""
-    try:
-        rows = json.loads((out / "phase-throughput.json").read_text())["result"]["cifar_resnet18"]
-        return next(r.get("steady_images_per_s") or r["images_per_s"] for r in rows if r["side"] == "unison")
-    except (OSError, KeyError, StopIteration, TypeError, ValueError):
-        return None
 
 
 # --------------------------------------------------------------------------- running and reporting
@@ -514,7 +508,8 @@ def _plan_md(r: dict[str, Any]) -> list[str]:
 
 
 def _accuracy_md(r: dict[str, Any]) -> list[str]:
-    return [f"kNN top-1 {_f(r['knn_top1'], '.4f')} after {r['epochs']} epochs ({r['steps']} steps): training "
+    return [f"kNN top-1 {_f(r['knn_top1'], '.4f')} after {r['epochs']} epochs ({r['steps']} steps planned by "
+            f"--time-budget {r.get('time_budget_s')}s, {_f(r.get('budget_used_s'), '.0f')} s used): training "
             f"{r['train_time_s']:.0f} s, wall {r['wall_s']:.0f} s (process start, data, kNN included); data wait "
             f"{r['data_wait_share']:.0%}; queries: {r['knn_queries']}.", "", f"`{r['command']}`"]
 

@@ -1,4 +1,4 @@
-"""`unison bench table|comm|lightly|scaling|data|all`: the CLI of the benchmarks.
+"""`unison bench table|comm|lightly|scaling|data|race|all`: the CLI of the benchmarks.
 
 Options are generated from `BenchConfig` (``--preset cpu|gpu|gpu1`` picks the preset, every
 other flag overrides one field of it); each part offers the options it reads
@@ -21,6 +21,7 @@ from unison.config.fields import add_dataclass_arguments, overrides_from_namespa
 from unison.errors import BenchError, ConfigError, WorkerFailure
 
 from .config import (
+    NOT_IN_ALL,
     PARTS,
     BenchConfig,
     bench_command,
@@ -48,6 +49,10 @@ _WHAT = {
              "Images/s and images per CPU-second of SimCLR's two 224 px views from a JPEG folder: unison's "
              "streaming loader against the decode limit (libjpeg-turbo), torchvision's ImageFolder + Lightly's "
              "SimCLRTransform and DALI's CPU pipeline, the same number of loader processes."),
+    "race": ("Race against Lightly SSL at equal wall-clock time",
+             "SimCLR, same backbone type, images and global batch: unison (`--preset speedrun --time-budget`) and "
+             "Lightly's documented pipeline with its CIFAR-10 hyper-parameters, one after the other, the same budget "
+             "each (setup included); every snapshot scored by the same kNN code on the val images afterwards."),
     "scaling": ("Scaling on this machine",
                 "The same global batch and number of steps on 1 worker and on W workers, one thread each; "
                 "throughput ratio in images/s of the training loop."),
@@ -64,6 +69,8 @@ PART_OPTIONS = {
                 "lightly_loader_workers", "lightly_threads", "peak_tflops"),
     "scaling": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args",
                 "scaling_steps"),
+    "race": (*_COMMON, "data", "val", "race_subset", "race_val_subset", "knn_k", "batch_size", "budget", "race_points",
+             "lightly_loader_workers", "lightly_threads", "train_args"),
     "data": (*_COMMON, "data_folder", "data_images", "data_batch_size", "data_batches", "data_loader_workers",
              "data_repeats", "data_threads"),
 }
@@ -81,7 +88,7 @@ def add_subcommand(subparsers: Any, help_text: str) -> None:
     for part in PARTS:
         title, what = _WHAT.get(part, ("All parts", "table, comm, lightly and scaling, one after another, and a "
                                                      "report.md of their sections."))
-        if part in ("lightly", "all"):
+        if part in ("lightly", "race", "all"):
             what += (f" The Lightly side needs Lightly SSL ({LIGHTLY_EXTRA}); without it `bench lightly` stops "
                      "with that hint and `bench all` reports the side as not measured.")
         sp = parts.add_parser(part, help=title.lower(), description=f"{title}: {what}")
@@ -92,7 +99,7 @@ def add_subcommand(subparsers: Any, help_text: str) -> None:
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     cfg = config_from_overrides(overrides_from_namespace(ns, BenchConfig))
-    parts = [p for p in PARTS if p != "all"] if ns.part == "all" else [ns.part]
+    parts = [p for p in PARTS if p not in NOT_IN_ALL] if ns.part == "all" else [ns.part]
     if cfg.dry_run:
         _print_plan(cfg, parts)
         return 0
@@ -121,6 +128,8 @@ def _check_lightly(parts: list[str]) -> None:
     """`bench lightly` without Lightly SSL installed stops with the install hint; `bench all` says so up front."""
     from .lightly_compare import lightly_available
 
+    if "race" in parts:
+        parts = ["lightly"]   # the race needs the Lightly side: stop with the hint
     if "lightly" not in parts:
         return
     why_not = lightly_available()
@@ -138,7 +147,7 @@ def check_devices(cfg: BenchConfig, parts: list[str]) -> None:
     if cfg.backend != "nccl":
         return
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    needed = 1 if set(parts) <= {"lightly"} else cfg.workers   # the Lightly comparison trains on one GPU
+    needed = 1 if set(parts) <= {"lightly", "race"} else cfg.workers   # the Lightly comparison trains on one GPU
     if n < needed:
         raise ConfigError(f"bench: the {cfg.preset} preset runs {cfg.workers} NCCL workers, one per GPU, but "
                           f"{n} GPU(s) are visible; use --workers {max(n, 2)} on a multi-GPU machine, --dry-run to "
@@ -184,6 +193,12 @@ def _run_part(part: str, cfg: BenchConfig, out: Path, machine: str) -> str:
 
         rows = measure(cfg, scaling_specs(cfg), train, val, out)
         return write_scaling(rows, out, _header(part, cfg, machine, per_row))["md"].read_text()
+    if part == "race":
+        from .race import race, write_race
+
+        result = race(cfg, train, val, out)
+        return write_race(result, out, _header(part, cfg, machine, "before each side and after: the Load "
+                                                "column"))["md"].read_text()
     if part == "lightly":
         from .lightly_compare import compare, write_lightly
 
@@ -231,6 +246,13 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
                 print("unison " + shlex.join(unison_side_argv(for_method(seeded, method), method, train, val, run_dir)))
                 print(f"# + Lightly SSL side of {method}: its transform, heads and loss + DataLoader("
                       f"{cfg.lightly_loader_workers} workers), {cfg.lightly_steps} steps of {cfg.batch_size}")
+        elif part == "race":
+            from .lightly_compare import side_threads
+            from .race import unison_argv
+
+            print("unison " + shlex.join(unison_argv(cfg, train, out / "runs" / "race-unison", side_threads(cfg))))
+            print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
+                  f"budget {cfg.budget}; then kNN of {cfg.race_points} + 1 snapshots per side")
         elif part == "data":
             print(f"# data: {cfg.data_batches} batches of {cfg.data_batch_size} at 224 px, "
                   f"{cfg.data_loader_workers} loader workers per side, {cfg.data_folder or 'generated JPEGs'}")

@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unison.config.budget import parse_duration
 from unison.errors import ConfigError
 
-PARTS = ("table", "comm", "lightly", "scaling", "data", "all")
+PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")
+NOT_IN_ALL = ("all", "race")   # `bench all` runs the others; the race (two budgets of 15 minutes) is its own
 SEED_METHODS = ("simclr", "moco", "simsiam", "barlowtwins", "byol", "swav")   # Lightly's distributed table
 LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae")   # with a Lightly side (`unison.bench.lightly_methods`)
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
@@ -79,6 +81,14 @@ class BenchConfig:
     peak_tflops: float | None = field(default=None, metadata={
         "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
                 "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
+    budget: str = field(default="15m", metadata={
+        "help": "race: the wall-clock budget of each side (90s, 15m, 1h), setup included"})
+    race_points: int = field(default=10, metadata={
+        "help": "race: evaluation points per side (an encoder snapshot every budget / N seconds, and the last)"})
+    race_subset: int | None = field(default=None, metadata={
+        "help": "race: class-balanced subset of the training images (unset: all of them)"})
+    race_val_subset: int | None = field(default=None, metadata={
+        "help": "race: class-balanced subset of the val images (unset: all of them)"})
     scaling_steps: int = field(default=30, metadata={"help": "optimiser steps of each scaling run"})
     data_folder: str | None = field(default=None, metadata={
         "help": "bench data: an ImageFolder of JPEGs (default: ImageNet-like images generated under --out)"})
@@ -127,6 +137,9 @@ class BenchConfig:
             raise ConfigError(f"bench: data_loader_workers={self.data_loader_workers} must be >= 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"bench: --peak-tflops={self.peak_tflops} must be a positive number of TFLOPS")
+        if self.race_points < 1:
+            raise ConfigError(f"bench: race_points={self.race_points} must be >= 1")
+        parse_duration(self.budget, "--budget")
         if self.comm_steps < 3:
             raise ConfigError("bench: --comm-steps must be >= 3 (PowerSGD compresses from the third step)")
         return self

@@ -56,7 +56,7 @@ def lightly_available() -> str | None:
     return None
 
 
-class _PILImages:
+class PILImages:
     """Map-style dataset over uint8 [N, 3, H, W] images, PIL per sample, as torchvision's CIFAR10 serves them."""
 
     def __init__(self, images, labels, transform):
@@ -94,7 +94,7 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     side = build_lightly_side(p["method"], backbone, dim, train.image_size,
                               {"mean": list(train.mean), "std": list(train.std)})
     # A map-style dataset (__getitem__ + __len__) is all DataLoader needs; its stubs ask for a Dataset subclass.
-    images = cast("Dataset[Any]", _PILImages(train.images, train.labels, side.transform))
+    images = cast("Dataset[Any]", PILImages(train.images, train.labels, side.transform))
     loader: DataLoader[Any] = DataLoader(images, batch_size=p["batch_size"], shuffle=True, drop_last=True,
                                          num_workers=p["loader_workers"], pin_memory=device.type == "cuda",
                                          generator=torch.Generator().manual_seed(p["seed"]))
@@ -246,7 +246,7 @@ def compare_method(cfg: BenchConfig, method: str, data: str, val: str | None, ou
              if n > first_step else None, "knn_top1": s["knn_top1"], "final_loss": s["final_loss"],
              "peak_memory_mib": max(s["peak_memory_mib"]), "data_wait_share": s["data_wait_fraction"],
              "load_1m": load[0] if load else None,
-             "load_1m_after": (loadavg() or [None])[0], "version": _version("unison"), "error": None,
+             "load_1m_after": (loadavg() or [None])[0], "version": package_version("unison"), "error": None,
              "command": "unison " + shlex.join(argv)}]
     why_not = lightly_available()
     if why_not is None:
@@ -262,7 +262,7 @@ def compare_method(cfg: BenchConfig, method: str, data: str, val: str | None, ou
                      if len(ends) > first_step else None, "knn_top1": r["knn_top1"], "final_loss": r["final_loss"],
                      "peak_memory_mib": r["peak_memory_mib"], "data_wait_share": r["data_wait_share"],
                      "load_1m": load[0] if load else None,
-                     "load_1m_after": (loadavg() or [None])[0], "version": _version("lightly"), "error": None})
+                     "load_1m_after": (loadavg() or [None])[0], "version": package_version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})
     _add_warmup(rows)
@@ -321,7 +321,7 @@ def _first_logged_interval(summary: dict[str, Any]) -> tuple[int, float]:
     return int(summary["loss_curve"][i][0]), float(summary["log_times_s"][i])
 
 
-def _version(dist: str) -> str:
+def package_version(dist: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -19,10 +19,12 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from unison.config.budget import check_plan, parse_duration
 from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
 from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
+from unison.config.presets import PRESETS, with_preset
 from unison.errors import ConfigError
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -47,6 +49,10 @@ MIN_COLLAPSE_IMAGES = 16
 
 @dataclass
 class TrainConfig:
+    preset: str | None = field(default=None, metadata={
+        "help": "a recipe for the options not given: speedrun (the best encoder a fixed time buys on CIFAR-sized "
+                "data: SimCLR, ResNet-18, data resident on the device, bf16 + compile on a GPU, --time-budget 5m)",
+        "choices": PRESETS})
     method: str = field(default="simclr", metadata={"help": "self-supervised method (the list below)"})
     data: str = field(default="digits", metadata={
         "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download), an ImageFolder directory, "
@@ -188,6 +194,14 @@ class TrainConfig:
     max_steps: int | None = field(default=None, metadata={
         "range": Range(1, MAX_STEPS),
         "help": "stop after this many optimiser steps (testing)"})
+    time_budget: str | None = field(default=None, metadata={
+        "metavar": "DURATION",
+        "help": "train for this wall-clock time (90s, 10m, 2h, 1h30m): the run measures its steady step time, then "
+                "plans the warm-up and every schedule for the steps that fit, leaving time for the final kNN and "
+                "checkpoint, and stops on time; --epochs is not used, --max-steps caps the plan. The step count "
+                "depends on the machine: runs that must repeat exactly give --max-steps instead"})
+    time_budget_plan: dict[str, Any] | None = field(default=None, metadata={
+        "help": "written by a --time-budget run (steps, warm-up, the measured costs): a resumed run keeps it"})
     log_every: int = field(default=10, metadata={
         "range": Range(1, MAX_STEPS),
         "help": "log metrics every N optimiser steps"})
@@ -253,6 +267,9 @@ class TrainConfig:
             raise ConfigError(f"on_corrupt={shown(self.on_corrupt)} is unknown; use skip or error")
         self._validate_data(cuda_available)
         self._validate_signals()
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
+        check_plan(self.time_budget_plan, self.time_budget)
         self._validate_choices()
         self._validate_teacher()
         return self
@@ -328,7 +345,7 @@ class TrainConfig:
                               f"{' '.join('--' + k.replace('_', '-') for k in misplaced)}")
         if unknown:
             raise ConfigError(unknown_keys_message(unknown, known))
-        data = coerce_fields(cls, data)
+        data = coerce_fields(cls, with_preset(data, _cuda(None)) if data.get("preset") else data)
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ from unison.distributed.signals import install_stop_handlers, restore_default_ha
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
 from unison.paths import same_file, write_text_atomic
+from unison.training.budget import BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
 from unison.training.checkpoint.files import step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
@@ -112,6 +114,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
     `hooks` run after the loop's own, followed by those ``UNISON_TRAIN_HOOKS`` names (`unison.training.hooks`).
     `own`: the user's pieces (`unison.training.own`).
     """
+    budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's clock)
     extra = Hooks([*hooks, *hooks_from_env(cfg, C.rank())])
     install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
     watch = Watchdog(C.rank(), cfg.distributed.watchdog_s)
@@ -119,7 +122,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
                                 on_write=extra.on_checkpoint_write)
     try:
         with contextlib.ExitStack() as on_exit:   # what a failed run must still close (its metrics file)
-            return _train(cfg, device, watch, extra, checkpointer, on_exit, own)
+            return _train(cfg, device, watch, extra, checkpointer, on_exit, own, budget)
     except KeyboardInterrupt:
         checkpointer.close(abort=True)     # Ctrl-C: end promptly, no half-written checkpoint
         raise
@@ -130,7 +133,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
 
 
 def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks, checkpointer: Checkpointer,
-           on_exit: contextlib.ExitStack, own: OwnPieces | None = None) -> Summary:
+           on_exit: contextlib.ExitStack, own: OwnPieces | None = None, budget: BudgetClock | None = None) -> Summary:
     """Build, restore, the step loop with its hooks, the end of the run (the module docstring's 1 to 4)."""
     # ---- build the step, restore a checkpoint (or record the random-initialisation baseline)
     run = _build(cfg, device, own)
@@ -138,6 +141,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     probe = ProbeHook(run)
     run.extra_state.register("online_probe", probe)   # before the restore: a resumed run's probe continues
     step, history = _restore(run, watch, runlog)
+    _say(start_budget(run, budget, step, history), runlog)   # --time-budget: measure and plan, or keep the plan
     if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
         # a full disk, a read-only folder: one line naming the file (not an OSError traceback on every rank)
         write_text_atomic(Path(cfg.out) / "config.json",
@@ -150,7 +154,9 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     log = LogHook(run, logger, runlog, step, probe=probe, signals=signals)
     knn = KnnEvalHook(run, watch, logger, runlog)
     saver = CheckpointHook(run, checkpointer, watch, history)
-    hooks = Hooks([probe, log, knn, signals, saver, StopHook(run, checkpointer, watch, history), *extra.hooks])
+    stop = StopHook(run, checkpointer, watch, history, budget.out_of_time if budget else lambda: False)
+    spent = [BudgetHook(budget, history)] if budget else []
+    hooks = Hooks([probe, log, knn, signals, *spent, saver, stop, *extra.hooks])
 
     # ---- the loop
     run.method.train()
@@ -174,6 +180,11 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     saver.final(step)
     watch.enter("done", step)
     history["signals"] = signals.summary()
+    history["time_budget"] = used = end_budget(run, budget, step)
+    if used is not None:
+        _say(f"time budget {cfg.time_budget}: used {used['used_s']:.1f} s of {used['budget_s']:g} s, "
+             f"{step} of {used['planned_steps']} planned steps"
+             + (" (the steps ran slower than measured: ended on time)" if used["stopped_by_clock"] else ""), runlog)
     return _summary(run, step, history, log, checkpointer, logger, probe.train_s)
 
 
@@ -182,12 +193,20 @@ def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None)
     consistent_config(cfg)
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
     _resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
+    adopt_plan(cfg)   # a budgeted run resumed by a restart: the checkpoint's plan, not a new measurement
     run = build_run(cfg, device, init=init_weights_of(cfg), own=own)   # --init read here: the step cannot read checkpoints
     if C.rank() == 0:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         describe_data(run)
         describe_init(run)
     return run
+
+
+def _say(line: str | None, runlog: RunLog) -> None:
+    """A line on rank 0's standard error and in ``train.log`` (nothing for None)."""
+    if line is not None and C.rank() == 0:
+        print(f"unison: {line}", file=sys.stderr, flush=True)
+        runlog.line(line)
 
 
 def describe_init(run: Run) -> None:
@@ -219,7 +238,9 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
         runlog.line(note)
     if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:
         with watch.phase("eval", step):
+            started = time.perf_counter()
             history["random_init_knn_top1"] = knn_top1(run)
+            history["random_init_knn_s"] = time.perf_counter() - started   # what a --time-budget plans the end with
         if history["random_init_knn_top1"] is not None:
             runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
     return step, history
@@ -242,6 +263,7 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         signals=history.get("signals", {}), probe_top1=log.probe_top1,
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s],   # per save, the final one last
                "probe_s": round(probe_s, 3),   # the online probe's time (in the step loop)
+               **({"time_budget": history["time_budget"]} if history.get("time_budget") else {}),
                **({"init": run.resolved["init"]} if "init" in run.resolved else {})})   # --init: file, sha256
     if C.rank() == 0:
         write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
@@ -319,7 +341,9 @@ def start_line(run: Run, world: int, step: int) -> str:
     r, cfg = run.resolved, run.cfg
     where = f"resuming at step {step}" if step else "starting"
     backbone = cfg.backbone if r["backbone"] == cfg.backbone else f"{cfg.backbone} ({r['backbone']})"   # vit_*_auto
-    return (f"{cfg.method} x{count(world, 'worker')} on {cfg.data}, {where}: {count(run.total_steps, 'step')} "
+    planning = cfg.time_budget is not None and cfg.time_budget_plan is None   # the plan comes after this line
+    length = f"the steps that fit --time-budget {cfg.time_budget}" if planning else count(run.total_steps, 'step')
+    return (f"{cfg.method} x{count(world, 'worker')} on {cfg.data}, {where}: {length} "
             f"({run.steps_per_epoch} per epoch), global batch {run.global_batch}, {backbone} at {run.image_size} "
             f"px, {r['optimizer']} peak lr {r['peak_lr']:.4g}, weight decay {r['weight_decay']:g}, augmentation "
             f"{r['augmentation']}; run dir {cfg.out}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -221,8 +222,10 @@ class StopHook(TrainHook):
     this step was just saved) and raise `Preempted`. A failed background save ends the run with its error (rank 0)
     on every rank."""
 
-    def __init__(self, run: Run, checkpointer: Checkpointer, watch: Watchdog, history: dict[str, Any]) -> None:
+    def __init__(self, run: Run, checkpointer: Checkpointer, watch: Watchdog, history: dict[str, Any],
+                 out_of_time: Callable[[], bool] = lambda: False) -> None:
         self.run, self.checkpointer, self.watch, self.history = run, checkpointer, watch, history
+        self.out_of_time = out_of_time   # a --time-budget run's clock (rank 0's decides: `unison.training.budget`)
         self.agreement = StopAgreement()   # collective: every rank builds it at the same point
 
     def after_step(self, run: Run, end: StepEnd) -> None:
@@ -230,7 +233,10 @@ class StopHook(TrainHook):
             return
         step, checkpointer = end.step, self.checkpointer
         with self.watch.phase("collective", step):
-            decision = self.agreement.exchange(stop_requests(), checkpointer.failed())
+            decision = self.agreement.exchange(stop_requests(), checkpointer.failed(), self.out_of_time())
+        if decision.out_of_time and not decision.stop:   # the budget's end: the normal end of the run follows
+            end.stop = True
+            return
         if decision.save_failed:
             checkpointer.raise_if_failed()     # rank 0: the save's own error
             raise save_failed_elsewhere()

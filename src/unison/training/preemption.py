@@ -3,11 +3,13 @@
 A stop request (SIGTERM or SIGUSR1, recorded by `unison.distributed.signals`) may reach one
 rank, some, or all (SLURM and torchrun signal every worker, ``kill`` one process, unison's
 launcher forwards what it receives). After every optimiser step the ranks agree, with one
-all-reduce (MAX) of three integers, on whether to stop:
+all-reduce (MAX) of four integers, on whether to stop:
 
 * a stop signal arrived on some rank (its number and the rank are agreed too), or
 * rank 0's background checkpoint save failed (disk full, read-only, I/O error): the run ends
-  with that error rather than training on without saving.
+  with that error rather than training on without saving;
+* or, in a ``--time-budget`` run, rank 0's clock says the time is up: not a stop but the run's normal end
+  (final kNN, checkpoint, summary) one step later on every rank (`unison.training.budget`).
 
 All ranks therefore stop after the same step (the exchange runs in the background, so the step
 after the one in which the signal arrived: `StopAgreement`). On a stop request every rank takes
@@ -16,7 +18,7 @@ and every rank raises `Preempted`, whose message names the checkpoint and how to
 ``--resume auto`` with the same ``--out`` (what a SLURM ``--requeue`` or a torchrun restart of
 the same command does by itself, see `unison.distributed.env.restart_reason`).
 
-Cost: one asynchronous all-reduce of 3 int64 per step on a CPU group (docs/reliability.md).
+Cost: one asynchronous all-reduce of 4 int64 per step on a CPU group (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class StopDecision:
     signal_number: int = 0      # the stop signal (0: none)
     signal_rank: int = -1       # a rank that received it
     save_failed: bool = False   # rank 0's background save failed
+    out_of_time: bool = False   # rank 0's clock says a --time-budget run must end now (a normal end, not a stop)
 
     @property
     def stop(self) -> bool:
@@ -52,7 +55,7 @@ class StopDecision:
 class StopAgreement:
     """The per-step agreement, exchanged in the background: the decision read after step N was started after N-1.
 
-    One all-reduce (MAX) of 3 int64 per step, issued asynchronously on a CPU (gloo) group, so the step loop
+    One all-reduce (MAX) of 4 int64 per step, issued asynchronously on a CPU (gloo) group, so the step loop
     neither waits for it nor synchronises with the GPU: with NCCL the default group would need a CUDA tensor
     and a host-device sync every step. The price is one step of delay: a signal received during step N is
     acted on after step N+1, on every rank alike.
@@ -64,11 +67,12 @@ class StopAgreement:
             self._group = dist.new_group(backend="gloo")   # collective: every rank builds it at the same point
         self._pending: tuple[Any, torch.Tensor] | None = None
 
-    def exchange(self, requests: StopRequests, save_failed: bool) -> StopDecision:
-        """Every rank calls this after every step: the decision of the previous exchange; starts the next one."""
+    def exchange(self, requests: StopRequests, save_failed: bool, out_of_time: bool = False) -> StopDecision:
+        """Every rank calls this after every step: the decision of the previous exchange; starts the next one.
+        `out_of_time`: rank 0's budget clock (`unison.training.budget`); the other ranks pass False."""
         decision = self._finish()
-        mine = torch.tensor([int(requests.first or 0), C.rank() if requests.requested else -1, int(save_failed)],
-                            dtype=torch.int64)
+        mine = torch.tensor([int(requests.first or 0), C.rank() if requests.requested else -1, int(save_failed),
+                             int(out_of_time)], dtype=torch.int64)
         if C.is_distributed() and C.world_size() > 1:
             self._pending = (dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group, async_op=True), mine)
         else:
@@ -82,8 +86,8 @@ class StopAgreement:
         self._pending = None
         if work is not None:
             work.wait()
-        a, b, c = agreed.tolist()
-        return StopDecision(int(a), int(b), bool(c))
+        a, b, c, d = agreed.tolist()
+        return StopDecision(int(a), int(b), bool(c), bool(d))
 
     def close(self) -> None:
         """Wait for the exchange in flight (before the process group goes away)."""

@@ -60,6 +60,7 @@ from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
+from unison.training.length import plan_length
 from unison.training.model import build_method
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
@@ -161,9 +162,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     recipe = resolve_recipe(cfg, image_size)   # with what follows from the image size (local crops)
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
-    total_steps = cfg.epochs * steps_per_epoch
-    if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
+    total_steps, warmup_steps = plan_length(cfg, steps_per_epoch)
     exact = exact_accumulation(cfg)
     if exact and get_method(cfg.method).needs_sample_keys and source.batches_per_epoch % accumulate:
         raise ConfigError(f"{cfg.method} takes per-sample keys (seed, epoch, index), and with {source.batches_per_epoch} "
@@ -202,7 +201,6 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
     peak_lr = recipe.lr * global_batch * accumulate / 256
     trainable, optimizer = _optimizer(cfg, method, recipe.optimizer, peak_lr, recipe.weight_decay)
-    warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     # bf16 autocasts on the CPU too; fp16 is refused there (`TrainConfig.validate`): its scaler is CUDA's.
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
@@ -235,6 +233,15 @@ def recorded_paths(cfg: TrainConfig) -> dict[str, str]:
         if isinstance(given, str) and given not in BUILTIN and not given.startswith(OWN) and "://" not in given:
             out[f"{name}_path"] = os.path.abspath(os.path.expanduser(given))
     return out
+
+
+def apply_plan(run: Run) -> None:
+    """Plan the schedules again for `run.cfg`'s length (`plan_length`), as `build_run` would have: the lr's warm-up
+    and cosine, and the method's own schedules (momentum, teacher temperature), which follow ``steps_total``."""
+    total_steps, warmup_steps = plan_length(run.cfg, run.steps_per_epoch)
+    run.schedule = Schedule(run.schedule.peak_lr, warmup_steps, total_steps)
+    run.method.steps_total = total_steps
+    run.resolved.update(total_steps=total_steps, warmup_steps=warmup_steps)
 
 
 def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_set: ImageTensorDataset | None,

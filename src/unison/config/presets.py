@@ -1,0 +1,59 @@
+"""``--preset NAME``: a named recipe that fills the options a run does not give (flags, YAML and the resumed run's
+configuration win over it).
+
+``speedrun``: the best encoder a fixed wall-clock time buys on CIFAR-sized data (32 px, up to a few hundred
+thousand images), with ``--time-budget 5m`` unless one is given.
+
+* data decoded once and resident as uint8 on the device (``--data-mode memory``), views made there by the batched
+  augmentation (`unison.data.augment.ViewAugmenter`), kNN sets on the device;
+* on a GPU: bf16 autocast, channels_last (the default), ``--compile`` (its start-up is measured by the budget's
+  warm-up steps, and pays back within a minute of a ResNet-18 step); on a CPU neither: CPU autocast and compile
+  did not pay for the small models a CPU trains;
+* SGD runs torch's multi-tensor (foreach) step on a GPU; the step's host synchronisations are the ones
+  ``unison plan`` lists (the finite-loss check);
+* everything that spends the budget on something other than steps is off: the random-initialisation kNN, the
+  label-free signals, the online probe (the final kNN is kept).
+
+Hyper-parameters: not tuned on this project's machines (a shared 2-core CPU, no GPU; tuning there measures the
+load). They are taken from published CIFAR-10 recipes: SimCLR with a ResNet-18 (CIFAR stem) at batch 512, SGD
+with momentum 0.9, base learning rate 0.06 per 128 images (0.12 per 256) and weight decay 5e-4 (Lightly's
+CIFAR-10 benchmark), NT-Xent temperature 0.2 (solo-learn's CIFAR SimCLR; the SimCLR paper's ablation favours a
+low temperature for short schedules), one epoch of warm-up (at most a tenth of a budgeted run's steps). To
+tune them, vary one at a time on the ``val`` split only (``--val <val> --time-budget 5m``), never on a test set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unison.errors import ConfigError
+
+SPEEDRUN: dict[str, Any] = {
+    "method": "simclr", "backbone": "resnet18", "batch_size": 512, "data_mode": "memory", "optimizer": "sgd",
+    "lr": 0.12, "weight_decay": 5e-4, "warmup_epochs": 1.0, "time_budget": "5m", "random_init_knn": False,
+    "signal_images": 0, "online_probe": False, "method_params": {"temperature": 0.2},
+}
+SPEEDRUN_GPU: dict[str, Any] = {"amp": "bf16", "compile": True}
+PRESETS = ("speedrun",)
+
+
+def preset_values(name: str, cuda: bool) -> dict[str, Any]:
+    """The options preset `name` sets on a machine with (`cuda`) or without a GPU."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset {name!r:.40} is unknown; use one of {', '.join(PRESETS)}")
+    return {**SPEEDRUN, **(SPEEDRUN_GPU if cuda else {})}
+
+
+def with_preset(given: dict[str, Any], cuda: bool) -> dict[str, Any]:
+    """`given` (a configuration's explicit options) on top of its ``preset``'s values; nested mappings
+    (method_params, distributed) merge key by key."""
+    name = given.get("preset")
+    if name is None:
+        return given
+    merged = dict(preset_values(name, cuda))
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,53 @@
+"""``--time-budget`` with real worker processes: 2 ranks whose clocks disagree train one plan (rank 0's), a run whose
+steps turn slower than measured still ends on time through its normal end, and a resumed run keeps its plan (resumed
+with --resume, or restarted by torchrun with the original command)."""
+
+from __future__ import annotations
+
+import json
+
+import budget_hooks
+import pytest
+
+from unison.cli import main
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+BUDGET_S = 30.0
+TINY = ["--batch-size", "32", "--subset", "512", "--val-subset", "64", "--knn-k", "5", "--no-progress",
+        "--signal-images", "0", "--no-online-probe", "--log-every", "1", "--world-size", "2"]
+
+
+def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch):
+    """Rank 1's clock runs 50x fast: alone it would plan ~50x fewer steps (or none); rank 0 decides for both.
+    Every step then sleeps 0.4 s that the measurement did not see: the clock, not the plan, ends the run."""
+    budget_hooks.register(monkeypatch, "skew=50,sleep=0.4")
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
+    ranks = [json.loads((out / f"budget-rank{r}.json").read_text()) for r in (0, 1)]
+    plan = json.loads((out / "config.json").read_text())["time_budget_plan"]
+    assert plan["steps"] > 1 and "fit 30 s" in plan["why"] and plan["measured"]["step_s"] > 0
+    for r in ranks:   # one plan: the schedules of every rank end at its last step, and they stopped together
+        assert r["plan_steps"] == r["total_steps"] == r["steps_total"] == plan["steps"]
+        assert r["steps"] == ranks[0]["steps"]
+    used = json.loads((out / "summary.json").read_text())["extra"]["time_budget"]
+    assert used["planned_steps"] == plan["steps"] and used["steps"] == ranks[0]["steps"]
+    assert used["stopped_by_clock"] and used["steps"] < plan["steps"], used
+    # the end (kNN, checkpoint) was planned for: the run overruns by at most what one slow step and the load add
+    assert used["used_s"] <= BUDGET_S + 10, used
+    assert "time budget 30s: used" in (out / "train.log").read_text()
+
+    # resumed: the plan is kept, not measured again, and only what is left of the budget is spent
+    monkeypatch.delenv("UNISON_TEST_BUDGET")
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    log = (out / "train.log").read_text()
+    assert f"resuming the plan of {plan['steps']} steps at step {used['steps']}" in log
+    assert json.loads((out / "config.json").read_text())["time_budget_plan"] == plan
+    assert log.count(": planned ") == 1   # measured and planned once
+
+    # restarted by torchrun (or requeued by SLURM): the original command again, without --resume or the plan in it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
+    log = (out / "train.log").read_text()
+    assert log.count(": planned ") == 1 and log.count(f"resuming the plan of {plan['steps']} steps") == 2
+    assert json.loads((out / "config.json").read_text())["time_budget_plan"] == plan

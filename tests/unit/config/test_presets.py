@@ -1,0 +1,34 @@
+"""``--preset speedrun``: it fills the options a run does not give; flags, YAML and nested values given win."""
+
+import pytest
+
+from unison.cli.train_args import parse_train_args
+from unison.config import TrainConfig
+from unison.config.presets import preset_values
+from unison.errors import ConfigError
+
+
+def test_speedrun_fills_what_is_not_given():
+    cfg = TrainConfig.from_dict({"preset": "speedrun", "backbone": "small_cnn", "method_params": {"proj_dim": 64}})
+    assert (cfg.method, cfg.backbone, cfg.batch_size, cfg.data_mode, cfg.time_budget) == (
+        "simclr", "small_cnn", 512, "memory", "5m")
+    assert cfg.method_params == {"temperature": 0.2, "proj_dim": 64}
+    assert not (cfg.online_probe or cfg.random_init_knn or cfg.signal_images)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg   # a run's config.json (every option given) stays itself
+
+
+def test_speedrun_from_the_command_line(tmp_path):
+    cfg = parse_train_args(["--preset", "speedrun", "--batch-size", "64", "--time-budget", "90s", "--param",
+                            "temperature=0.3", "--out", str(tmp_path)])
+    assert (cfg.batch_size, cfg.time_budget, cfg.backbone) == (64, "90s", "resnet18")
+    assert cfg.method_params["temperature"] == 0.3
+
+
+def test_speedrun_on_a_gpu_adds_bf16_and_compile_only_there():
+    assert preset_values("speedrun", cuda=True)["amp"] == "bf16" and preset_values("speedrun", cuda=True)["compile"]
+    assert "amp" not in preset_values("speedrun", cuda=False) and "compile" not in preset_values("speedrun", False)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="preset 'fast' is unknown; use one of speedrun"):
+        TrainConfig.from_dict({"preset": "fast"})

@@ -1,0 +1,165 @@
+"""``--time-budget``: durations, the planner (steps from measured costs), schedules planned for exactly those steps,
+and measurement steps that leave no trace (a budgeted run trains from step 0 as a run of its planned length)."""
+
+import json
+
+import pytest
+import torch
+
+from unison.config import DistributedConfig, TrainConfig
+from unison.config.budget import parse_duration
+from unison.data.synthetic import synthetic_dataset
+from unison.distributed.env import init_distributed, shutdown_distributed
+from unison.errors import ConfigError
+from unison.training import budget
+from unison.training.budget import (
+    MARGIN_SHARE,
+    BudgetClock,
+    BudgetCosts,
+    Cadence,
+    Snapshot,
+    budget_warmup,
+    final_s,
+    plan_budget,
+    plan_steps,
+)
+from unison.training.step import accumulated_forward_backward, batches, build_run, grouped, optimizer_step
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400), ("1.5h", 5400),
+                                           ("600", 600), (" 2M ", 120)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "10 minutes", "m", "-5m", "0s", "2y", "10m5", "1e9h"])
+def test_bad_durations_say_how_to_write_one(text):
+    with pytest.raises(ConfigError, match="--time-budget"):
+        parse_duration(text)
+
+
+COSTS = BudgetCosts(spent_s=10.0, step_s=0.5, knn_s=4.0, signals_s=0.0, checkpoint_copy_s=0.0, checkpoint_s=1.0)
+
+
+def test_planned_steps_are_the_most_that_fit():
+    cadence = Cadence(steps_per_epoch=100, signals=False)
+    # 100 s: 2 % margin, 10 s spent, 4 s kNN + 1 s checkpoint at the end, one step of stop delay -> 82.5 s of steps
+    assert plan_steps(100.0, COSTS, cadence) == 165
+    assert plan_steps(100.0, COSTS, cadence, cap=40) == 40
+    assert plan_steps(14.0, COSTS, cadence) == 0   # the end alone does not fit
+
+
+def test_periodic_work_is_planned_for():
+    """Epoch checkpoints, --eval-every kNN and the signals take time from the steps."""
+    costs = BudgetCosts(spent_s=0.0, step_s=0.1, knn_s=2.0, signals_s=0.5, checkpoint_copy_s=0.25, checkpoint_s=1.0)
+    cadence = Cadence(steps_per_epoch=50, eval_every=1, signals_every=100)
+    n = plan_steps(300.0, costs, cadence)
+    room = 300.0 * (1 - MARGIN_SHARE) - final_s(costs, cadence) - costs.step_s
+    assert n * costs.step_s + cadence.periodic_s(n, costs) <= room < (n + 1) * costs.step_s + cadence.periodic_s(
+        n + 1, costs)
+    # 8 complete epochs before the last: 8 checkpoints and 8 kNN; signals at the start and every 100 steps
+    assert cadence.periodic_s(450, costs) == pytest.approx(8 * 0.25 + 8 * 2.0 + 5 * 0.5)
+    assert n < plan_steps(300.0, costs, Cadence(steps_per_epoch=50, signals=False))
+
+
+def test_warmup_of_a_budgeted_run_is_at_most_a_tenth():
+    assert budget_warmup(1000, 2.0, 100) == 100   # --warmup-epochs 2 = 200 steps, cut to a tenth
+    assert budget_warmup(1000, 0.5, 100) == 50
+    assert budget_warmup(1, 2.0, 100) == 0
+
+
+def _cfg(tmp_path, **kw):
+    return TrainConfig(**{"method": "byol", "data": "synthetic", "batch_size": 4, "precision": "float64",
+                          "threads": 1, "out": str(tmp_path), "random_init_knn": False, "signal_images": 0,
+                          "online_probe": False, "distributed": DistributedConfig(backend="local", world_size=1),
+                          **kw})
+
+
+@pytest.fixture
+def local_group():
+    yield
+    shutdown_distributed(None)
+
+
+def test_schedules_end_exactly_at_the_planned_last_step(tmp_path, local_group):
+    """A plan of 37 steps: the learning rate's cosine reaches 0 and BYOL's momentum 1 exactly at step 37."""
+    plan = {"budget_s": 600.0, "steps": 37, "warmup_steps": 3, "reserve_s": 1.0, "why": "test"}
+    cfg = _cfg(tmp_path, time_budget="10m", time_budget_plan=plan).validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    assert run.total_steps == run.method.steps_total == 37 and run.schedule.warmup_steps == 3
+    assert run.schedule.lr(36) > 0 and run.schedule.lr(37) == 0.0
+    assert run.method.momentum(36) < 1.0 and run.method.momentum(37) == 1.0
+    assert run.resolved["total_steps"] == 37
+
+
+def test_a_plan_for_another_budget_is_refused(tmp_path):
+    plan = {"budget_s": 600.0, "steps": 37, "warmup_steps": 3}
+    with pytest.raises(ConfigError, match="planned for a 600 s budget"):
+        _cfg(tmp_path, time_budget="20m", time_budget_plan=plan).validate()
+    with pytest.raises(ConfigError, match="time_budget_plan"):
+        _cfg(tmp_path, time_budget="10m", time_budget_plan={"steps": "many"}).validate()
+
+
+def _train(run, steps):
+    for micro in grouped(batches(run, 0), run.accumulate):
+        if micro[0].step == steps:
+            break
+        accumulated_forward_backward(run, micro)
+        optimizer_step(run, micro[0].step)
+    return {k: v.clone() for k, v in run.method.state_dict().items()}
+
+
+def test_measured_steps_leave_no_trace(tmp_path, local_group):
+    """Snapshot, 4 steps, restore, then 3 steps == 3 steps of a fresh run (weights, BYOL's EMA, optimizer momentum)."""
+    cfg = _cfg(tmp_path, max_steps=8).validate()
+    init_distributed(cfg.distributed)
+    data = synthetic_dataset(8, 16, 0)
+    fresh = _train(build_run(cfg, torch.device("cpu"), train_set=data), 3)
+    run = build_run(cfg, torch.device("cpu"), train_set=data)
+    snapshot = Snapshot(run)
+    measured = _train(run, 4)
+    assert any(not torch.equal(measured[k], fresh[k]) for k in fresh), "the measurement changed nothing: vacuous"
+    snapshot.restore(run)
+    again = _train(run, 3)
+    for k, v in fresh.items():
+        assert torch.equal(v, again[k]), k
+
+
+def test_plan_budget_measures_plans_and_applies(tmp_path, local_group, monkeypatch):
+    monkeypatch.setattr(budget, "TIMED_STEPS", (2, 3))   # a short measurement: this test checks the plumbing
+    cfg = _cfg(tmp_path, time_budget="1h", max_steps=500, method="simclr").validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    plan = plan_budget(run, BudgetClock(cfg.time_budget))
+    assert plan["steps"] == 500 and "capped by --max-steps 500" in plan["why"]   # a tiny step: the cap decides
+    assert cfg.time_budget_plan is plan and run.total_steps == run.method.steps_total == 500
+    assert plan["measured"]["step_s"] > 0 and plan["reserve_s"] > 0
+    json.dumps(plan)   # config.json and the checkpoints hold it
+    assert not list(tmp_path.glob(".budget-*")), "the checkpoint-time probe file was left behind"
+
+
+def test_a_restarted_run_takes_its_plan_from_the_checkpoint(tmp_path, monkeypatch):
+    """Restarts by the launcher and SLURM requeues rerun the original command (no plan in it): the checkpoint's
+    plan is adopted before the build, never measured again."""
+    plan = {"budget_s": 600.0, "steps": 37, "warmup_steps": 3, "reserve_s": 1.0, "why": "test"}
+
+    class Header:
+        config = {"time_budget_plan": plan}
+
+    monkeypatch.setattr(budget, "read_header", lambda path: Header)
+    cfg = _cfg(tmp_path, time_budget="10m", resume=str(tmp_path))
+    budget.adopt_plan(cfg)
+    assert cfg.time_budget_plan == plan
+    other = _cfg(tmp_path, time_budget="20m", resume=str(tmp_path))
+    with pytest.raises(ConfigError, match="planned for a 600 s budget"):
+        budget.adopt_plan(other)
+
+
+def test_a_run_capped_below_the_measurement_times_what_it_has(tmp_path, local_group):
+    """--max-steps 2 with a budget: both steps timed (no warm-up left), the plan is the cap."""
+    cfg = _cfg(tmp_path, time_budget="1h", max_steps=2, method="simclr").validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    plan = plan_budget(run, BudgetClock(cfg.time_budget))
+    assert plan["steps"] == run.total_steps == 2 and "timed over 2 steps" in plan["why"]
