@@ -45,7 +45,7 @@ from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource
 from unison.data.source import TrainData, build_batch_source, open_checked, planned_image_size
-from unison.data.spec import BUILTIN, DataSpec
+from unison.data.spec import BUILTIN, DataSpec, check_step
 from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
@@ -142,7 +142,8 @@ def data_spec(cfg: TrainConfig, image_size: int | None = None) -> DataSpec:
                     val_subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, data_mode=cfg.data_mode, decode=cfg.decode,
                     loader_workers=cfg.loader_workers, image_size=cfg.image_size,
                     world_size=cfg.distributed.world_size, local_crops=cfg.local_crops,
-                    local_crop_size=resolve_recipe(cfg, image_size).local_crop_size)
+                    local_crop_size=resolve_recipe(cfg, image_size).local_crop_size,
+                    grad_sync_every=cfg.distributed.grad_sync_every)
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
@@ -161,6 +162,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     image_size, augment, source = data.image_size, data.augment, data.source
     recipe = resolve_recipe(cfg, image_size)   # with what follows from the image size (local crops)
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
+    check_step(f"--data {cfg.data}", data.num_images, global_batch, accumulate)   # every source: a step in an epoch
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
     total_steps, warmup_steps = plan_length(cfg, steps_per_epoch)
     exact = exact_accumulation(cfg)
