@@ -5,7 +5,8 @@ Every worker keeps a heartbeat: the phase it is in and when it entered it. Phase
 ====================  =====================================================  =========
 phase                 what the rank is doing                                 watched
 ====================  =====================================================  =========
-``startup``           building the run, resuming, the first training step    no
+``startup``           building the run, resuming, the first training step    yes
+``compile``           the first training step under ``--compile``            no
 ``data``              waiting for its next batch                             yes
 ``step``              forward, backward (DDP's gradient all-reduce), update  yes
 ``collective``        a collective of the loop (stop agreement, metrics)     yes
@@ -16,9 +17,12 @@ phase                 what the rank is doing                                 wat
 
 A phase that takes longer than ``--watchdog-s`` seconds on every rank means the run is stuck:
 a collective that never completes (a peer died silently or waits elsewhere), a worker that is
-frozen or SIGSTOPped, a data loader that blocks. Start-up (which includes the first step, where
-``torch.compile`` runs) and evaluation can be legitimately long and are not watched; there
-``--timeout-s`` (torch's own collective timeout) still applies.
+frozen or SIGSTOPped, a data loader or a dataset item that blocks (at start-up too: the first
+batches and the first step are read and run there, and one worker has no collective timeout).
+The first step under ``--compile`` (where ``torch.compile`` runs) and evaluation can be legitimately
+long and are not watched; there ``--timeout-s`` (torch's own collective timeout) still applies.
+Before any worker starts, the launching process's own checks (listing the data, reading your
+dataset's first items) are watched by `watched_startup`, with the same limit.
 
 Who watches:
 
@@ -49,8 +53,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-PHASES = ("startup", "data", "step", "collective", "checkpoint", "eval", "done")
-WATCHED = frozenset({"data", "step", "collective", "checkpoint"})
+PHASES = ("startup", "data", "step", "collective", "checkpoint", "eval", "done", "compile")
+WATCHED = frozenset({"startup", "data", "step", "collective", "checkpoint"})
 SLOT = 3   # per rank in the shared table: phase index, step, time.monotonic() when the phase was entered
 
 _launcher_table: tuple[Any, int] | None = None   # (shared array, rank), set in a worker of unison's launcher
@@ -112,9 +116,10 @@ def stuck_report(beats: list[tuple[str, int, float]], stopped: list[bool], limit
 class Watchdog:
     """This rank's heartbeat, and (outside unison's launcher) the thread that watches it."""
 
-    def __init__(self, rank: int, limit_s: float, *, poll_s: float = 1.0) -> None:
+    def __init__(self, rank: int, limit_s: float, *, poll_s: float = 1.0, compiling: bool = False) -> None:
         self.rank, self.limit_s = rank, float(limit_s)
         self._phase, self._step, self._since, self._armed = "startup", -1, time.monotonic(), False
+        self._first_step = "compile" if compiling else "startup"   # the phase of the first step (see `enter`)
         self._table = _launcher_table[0] if _launcher_table is not None and _launcher_table[1] == rank else None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,8 +130,8 @@ class Watchdog:
 
     # ------------------------------------------------------------------ heartbeat
     def enter(self, phase: str, step: int) -> None:
-        if not self._armed and phase in WATCHED:
-            phase = "startup"
+        if not self._armed and phase in WATCHED:   # the first batches and step: start-up (or compile)
+            phase = self._first_step
         self._phase, self._step, self._since = phase, step, time.monotonic()
         self._publish()
 
@@ -162,7 +167,7 @@ class Watchdog:
             yield batch
 
     def arm(self) -> None:
-        """Start watching: called once the first step has completed (start-up, compile included, is not watched)."""
+        """The first step has completed: its phases are their own from now on (not start-up, or compile)."""
         self._armed = True
 
     def close(self) -> None:
@@ -174,12 +179,41 @@ class Watchdog:
         while not self._closed.wait(poll_s):
             phase, step, since = self._phase, self._step, self._since
             if phase in WATCHED and time.monotonic() - since > self.limit_s:
-                message = (f"watchdog: rank {self.rank} made no progress for {self.limit_s:g} s (--watchdog-s) "
-                           f"in {phase} at step {step}; ending this worker")
-                try:
-                    os.write(2, f"unison: error: {message}\n".encode())
-                finally:
-                    for stream in (sys.stdout, sys.stderr):
-                        with contextlib.suppress(Exception):
-                            stream.flush()
-                    os._exit(1)   # the main thread is blocked (in C++): nothing else can end this process
+                where = _STARTUP if phase == "startup" else f"in {phase} at step {step}"
+                _end_process(f"watchdog: rank {self.rank} made no progress for {self.limit_s:g} s (--watchdog-s) "
+                             f"{where}; ending this worker")
+
+
+_STARTUP = "in start-up (building the run, reading the data and its first batches, the first step)"
+
+
+def _end_process(message: str) -> None:
+    try:
+        os.write(2, f"unison: error: {message}\n".encode())
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)   # the main thread is blocked (in C++ or in the user's code): nothing else can end this process
+
+
+@contextlib.contextmanager
+def watched_startup(limit_s: float, what: str) -> Iterator[None]:
+    """The launching process's own start-up (`what`: e.g. the pre-flight's reading of the data), which must end
+    within `limit_s` seconds (``--watchdog-s``; 0: not watched), else one line and exit 1: a dataset item that
+    blocks, a data folder on a hung filesystem, before any worker (or its watchdog) exists."""
+    if limit_s <= 0:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(limit_s):
+            _end_process(f"watchdog: no progress for {limit_s:g} s (--watchdog-s) while {what}; ending the run "
+                         "(a dataset item or a file read that blocks?)")
+
+    threading.Thread(target=watch, name="unison-startup-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -63,6 +63,7 @@ from unison.training.loop_hooks import (
     knn_top1,
 )
 from unison.training.metrics import MetricsLogger
+from unison.training.preemption import MidStepStop
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import (
@@ -117,7 +118,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
     budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's clock)
     extra = Hooks([*hooks, *hooks_from_env(cfg, C.rank())])
     install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
-    watch = Watchdog(C.rank(), cfg.distributed.watchdog_s)
+    watch = Watchdog(C.rank(), cfg.distributed.watchdog_s, compiling=cfg.compile)   # start-up watched too
     checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,
                                 on_write=extra.on_checkpoint_write)
     try:
@@ -162,14 +163,16 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     run.method.train()
     hooks.start(run, step)
     # heartbeat: "data" while a batch is made; a step's micro-batches all at once (exact accumulation needs them)
-    for micro in grouped(watch.data(hooks.batches(run, batches(run, step)), step), run.accumulate):
+    stop_mid_step = MidStepStop(run)
+    for micro in grouped(stop_mid_step.gather(watch.data(hooks.batches(run, batches(run, step)), step)),
+                         run.accumulate):
         hooks.before_step(run, micro[0].step)
-        loss = accumulated_forward_backward(run, micro)
+        loss = accumulated_forward_backward(run, micro, stop_mid_step)
         lr = optimizer_step(run, micro[0].step)
         step = micro[0].step + 1
         end = StepEnd.of(run, step, lr, loss)
         hooks.after_step(run, end)
-        watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
+        watch.arm()   # start-up (the first step, compile included) is over: phases are their own from here
         if end.stop:   # --stop-on-collapse: the run ends here, through the normal end below
             break
     hooks.close()

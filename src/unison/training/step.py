@@ -34,7 +34,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -321,12 +321,20 @@ def grouped(micro_batches: Iterable[Batch], accumulate: int) -> Iterator[list[Ba
             micro = []
 
 
-def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch]) -> torch.Tensor:
+def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch],
+                                 before_micro: Callable[[Batch], None] | None = None) -> torch.Tensor:
     """Forward and backward of one optimiser step's `run.accumulate` micro-batches; returns this rank's loss of the
     step (detached): with exact accumulation (`run.exact`) the loss of all of them as one batch, otherwise the mean
-    of the micro-batches' losses (equal for a plain mean over samples). The loop and `unison check` both call it."""
+    of the micro-batches' losses (equal for a plain mean over samples). The loop and `unison check` both call it;
+    the loop's `before_micro` (called before each micro-batch's forward, without exact accumulation) may end a
+    long step (a stop signal)."""
     if not run.exact:
-        return torch.stack([forward_backward(run, batch) for batch in micro_batches]).mean()
+        losses = []
+        for batch in micro_batches:
+            if before_micro is not None:
+                before_micro(batch)
+            losses.append(forward_backward(run, batch))
+        return torch.stack(losses).mean()
     first = micro_batches[0]
     views = [torch.cat([b.views[v] for b in micro_batches]) for v in range(len(first.views))]
     if run.cfg.nhwc:

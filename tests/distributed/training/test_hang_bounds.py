@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from fault_helpers import descendants
 
 from unison.training.checkpoint import latest_checkpoint
@@ -19,8 +20,8 @@ from unison.training.checkpoint.files import step_of
 # the code under test: PYTHONPATH's when set (a check of these tests against other code), else this tree's
 ENV = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[3] / "src"),
        "UNISON_NO_CACHE": "1"}
-QUICK = ["--no-random-init-knn", "--no-progress", "--signal-images", "0", "--subset", "512", "--val-subset", "64",
-         "--knn-k", "5"]
+QUIET = ["--no-random-init-knn", "--no-progress", "--signal-images", "0", "--val-subset", "64", "--knn-k", "5"]
+QUICK = [*QUIET, "--subset", "512"]
 
 
 def _alive(pid: int) -> bool:
@@ -69,3 +70,96 @@ def test_workers_of_a_sigkilled_launcher_stop_at_once(tmp_path):
         assert _latest_step(run) <= at_kill + 1, f"checkpoints up to step {_latest_step(run)} after {at_kill}"
     finally:
         _kill_family(launcher.pid)
+
+
+_BLOCKING = """
+import sys, time
+import torch
+import unison
+from unison.config import DistributedConfig, TrainConfig
+
+class Blocking(torch.utils.data.Dataset):
+    '''64 images; the read number BLOCK_AT (counted in this process) never returns.'''
+    reads = 0
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        Blocking.reads += 1
+        if Blocking.reads == int(sys.argv[2]):
+            time.sleep(3600)
+        return torch.rand(3, 16, 16)
+
+if __name__ == "__main__":
+    cfg = TrainConfig(out=sys.argv[1], max_steps=3, batch_size=8, random_init_knn=False, signal_images=0,
+                      progress=False, loader_workers=0, distributed=DistributedConfig(world_size=1, watchdog_s=4))
+    unison.train(cfg, dataset=Blocking())
+    print("not reached")
+"""
+
+
+def _blocked_run(tmp_path, block_at: int) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "blocking.py"
+    script.write_text(_BLOCKING)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(block_at)], env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    return proc, time.monotonic() - started
+
+
+def test_a_dataset_item_that_blocks_the_checks_before_training_ends_the_run(tmp_path):
+    """One worker, --watchdog-s 4: the 5th item read (by the pre-flight's look at the data) never returns. It hung
+    for ever; now exit 1 with one line, about 4 s later."""
+    proc, took = _blocked_run(tmp_path, 5)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
+    assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
+    assert len(lines) == 1 and "no progress for 4 s (--watchdog-s) while checking the data" in lines[0], proc.stderr
+    assert took < 45, took
+
+
+def test_a_dataset_item_that_blocks_the_first_batch_ends_a_one_worker_run(tmp_path):
+    """The pre-flight and the build read 65 items each; read 150 is in the first batches, which start-up reads
+    (not watched before, and one worker has no collective timeout): exit 1 with one line naming start-up."""
+    proc, took = _blocked_run(tmp_path, 150)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
+    assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
+    assert len(lines) == 1 and "made no progress for 4 s (--watchdog-s) in start-up" in lines[0], proc.stderr
+    assert took < 45, took
+
+
+def _train(argv: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "unison.cli", "train", "--out", str(tmp_path / "run"), *argv],
+                          env={**ENV, **env}, capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - started
+
+
+def _error(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("accumulation", ["exact", "independent"])
+def test_sigterm_in_a_long_step_of_many_micro_batches_ends_it(tmp_path, accumulation):
+    """--grad-sync-every 8: SIGTERM at the first micro-batch of step 1 ends the run at the next micro-batch, exit
+    75, the checkpoint of step 1 kept (it finished steps 1 and 2 first: with K = 100,000 that was hours).
+    --accumulation independent: the micro-batches are also computed one by one, each a place to stop."""
+    tests = str(Path(__file__).resolve().parents[2])
+    proc, _ = _train(["--world-size", "1", "--batch-size", "8", "--grad-sync-every", "8", "--max-steps", "3",
+                      "--checkpoint-every", "1", "--accumulation", accumulation, *QUIET], tmp_path,
+                     UNISON_TRAIN_HOOKS="fault_injection", UNISON_FAULT_INJECT="rank=0,step=1,kind=term,at=data",
+                     PYTHONPATH=f"{ENV['PYTHONPATH']}{os.pathsep}{tests}")
+    line = _error(proc)
+    assert proc.returncode == 75, proc.stderr
+    assert "stopped by SIGTERM during step 1 (micro-batch 1 of 8" in line and "step_00000001.pt" in line, line
+    assert _latest_step(tmp_path / "run") == 1
+
+
+def test_a_step_beyond_the_data_is_refused_in_one_line(tmp_path):
+    """--grad-sync-every 100000 (800,000 images in one step, no check, no progress) and K x batch just above the
+    data (a step silently spanning two epochs): one line before anything starts."""
+    for k, most in (("100000", "179"), ("180", "179")):
+        proc, took = _train(["--batch-size", "8", "--grad-sync-every", k, "--max-steps", "1"], tmp_path)
+        line = _error(proc)
+        assert proc.returncode != 0 and f"give --grad-sync-every at most {most}" in line, line
+        assert not (tmp_path / "run").exists()
