@@ -163,3 +163,34 @@ def test_a_step_beyond_the_data_is_refused_in_one_line(tmp_path):
         line = _error(proc)
         assert proc.returncode != 0 and f"give --grad-sync-every at most {most}" in line, line
         assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_to_embed_is_one_line_and_leaves_nothing(tmp_path):
+    """SIGTERM to `unison embed` as soon as it works (its hidden parts folder exists): exit 75 with one line, no
+    parts folder, no temporary or partial output (it exited 143 without a word and left the parts folder)."""
+    from unison.config import TrainConfig
+    from unison.data.generated import write_image_folder
+    from unison.methods import get_method
+    from unison.models import build_backbone
+    from unison.training.checkpoint import save_checkpoint
+
+    write_image_folder(tmp_path / "data", 60, classes=2, sizes=(16, 24), seed=0)
+    net, dim = build_backbone("small_cnn", 16)
+    cls = get_method("simclr")
+    save_checkpoint(tmp_path / "run", {"method": "simclr", "model": cls(net, dim, cls.Params()).state_dict(),
+                                       "config": TrainConfig(backbone="small_cnn", image_size=16).to_dict(),
+                                       "resolved": {"backbone": "small_cnn", "image_size": 16, "mean": [0.5] * 3,
+                                                    "std": [0.2] * 3}}, step=0)
+    out = tmp_path / "out" / "features.npy"
+    argv = [sys.executable, "-m", "unison.cli", "embed", "--checkpoint", str(tmp_path / "run"), "--data",
+            str(tmp_path / "data"), "--out", str(out), "--batch-size", "1", "--threads", "1"]
+    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "out").glob(".features.npy.parts-*")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert proc.returncode == 75 and len(lines) == 1 and "stopped by SIGTERM" in lines[0], (proc.returncode, err)
+    assert not list((tmp_path / "out").iterdir())
