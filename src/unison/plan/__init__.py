@@ -128,12 +128,10 @@ def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None
             optimizer_step(run, micro[0].step)
         peak = tracker.get_tracker_snapshot("peak")
         comm = dict(meter.bytes)
-        if exact_accumulation(cfg):   # its one gradient all-reduce goes through torch.distributed: metered
-            pass
-        elif cfg.distributed.shard != "full":   # DDP's all-reduce (its Python reducer here, invisible to CommMeter)
-            comm["all_reduce"] = comm.get("all_reduce", 0) + ddp_grad_bytes(run)
-        else:   # FSDP2's collectives bypass torch.distributed's Python names: its shards, gathered per pass
+        if cfg.distributed.shard == "full":   # FSDP2's collectives bypass torch.distributed's Python names
             comm.update(fsdp_bytes(run, cfg.distributed.reshard_after_forward))
+        elif not exact_accumulation(cfg):   # DDP's all-reduce (its Python reducer here; exact's is metered)
+            comm["all_reduce"] = comm.get("all_reduce", 0) + ddp_grad_bytes(run)
         buckets = 0 if cfg.distributed.shard == "full" else ddp_grad_bytes(run)
         params_at_peak, buffers = params_and_buffers_at_peak(peak)
         params = param_bytes(run)
@@ -354,17 +352,20 @@ def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
 SIMULATED_MICRO_BATCHES = 8   # above: a step simulated at 4 and 8 micro-batches, extrapolated linearly in K
 
 
-def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU, progress: PlanProgress | None = None) -> PlanReport:
+def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU, progress: PlanProgress | None = None, *,
+         images: int | None = None) -> PlanReport:
     """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
 
     The data is checked by train's own rules (it exists; one batch and one step of ``--grad-sync-every``
     micro-batches within its images) and the run's image size is the one train resolves (``--image-size``, else
-    the data's); its images are not decoded (synthetic views of that size stand in). `progress`: lines as it works.
+    the data's); its images are not decoded (synthetic views of that size stand in). `images` (with
+    ``cfg.image_size``): plan for data of that many images, without reading ``cfg.data``. `progress`: lines.
     """
     plan_config(cfg, mfu)   # what it cannot simulate, refused; the image size is the data's (`planned_data`)
     say = progress.stage if progress is not None else (lambda text: None)
-    say(f"checking --data {cfg.data}")
-    cfg, images = planned_data(cfg)
+    if images is None or cfg.image_size is None:
+        say(f"checking --data {cfg.data}")
+        cfg, images = planned_data(cfg)
     world, local = cfg.distributed.world_size, cfg.batch_size // cfg.distributed.world_size
     try:
         step, extrapolated = _simulate_step(cfg, images, say, f"one step of {world:,} ranks x {local:,} images")
