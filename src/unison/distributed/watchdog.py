@@ -5,9 +5,8 @@ Every worker keeps a heartbeat: the phase it is in and when it entered it. Phase
 ====================  =====================================================  =========
 phase                 what the rank is doing                                 watched
 ====================  =====================================================  =========
-``startup``           building the run, resuming, the first training step    yes
-``compile``           the first training step under ``--compile``            no
-``data``              waiting for its next batch                             yes
+``startup``           building the run, resuming, the first training step    no
+``data``              waiting for its next batch (the first one too)         yes
 ``step``              forward, backward (DDP's gradient all-reduce), update  yes
 ``collective``        a collective of the loop (stop agreement, metrics)     yes
 ``checkpoint``        collecting or writing a checkpoint                     yes
@@ -17,12 +16,12 @@ phase                 what the rank is doing                                 wat
 
 A phase that takes longer than ``--watchdog-s`` seconds on every rank means the run is stuck:
 a collective that never completes (a peer died silently or waits elsewhere), a worker that is
-frozen or SIGSTOPped, a data loader or a dataset item that blocks (at start-up too: the first
-batches and the first step are read and run there, and one worker has no collective timeout).
-The first step under ``--compile`` (where ``torch.compile`` runs) and evaluation can be legitimately
-long and are not watched; there ``--timeout-s`` (torch's own collective timeout) still applies.
-Before any worker starts, the launching process's own checks (listing the data, reading your
-dataset's first items) are watched by `watched_startup`, with the same limit.
+frozen or SIGSTOPped, a data loader or a dataset item that blocks (the first batch too: one worker
+has no collective timeout). Start-up (the build, which includes the first step, where
+``torch.compile`` runs) and evaluation can be legitimately long and are not watched; there
+``--timeout-s`` (torch's own collective timeout) still applies. Before any worker starts, the
+launching process's own look at the data (listing it, reading its first images or your dataset's
+first items, which the workers' build reads again) is watched by `watched_startup`, with the same limit.
 
 Who watches:
 
@@ -53,8 +52,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-PHASES = ("startup", "data", "step", "collective", "checkpoint", "eval", "done", "compile")
-WATCHED = frozenset({"startup", "data", "step", "collective", "checkpoint"})
+PHASES = ("startup", "data", "step", "collective", "checkpoint", "eval", "done")
+WATCHED = frozenset({"data", "step", "collective", "checkpoint"})
 SLOT = 3   # per rank in the shared table: phase index, step, time.monotonic() when the phase was entered
 
 _launcher_table: tuple[Any, int] | None = None   # (shared array, rank), set in a worker of unison's launcher
@@ -116,10 +115,9 @@ def stuck_report(beats: list[tuple[str, int, float]], stopped: list[bool], limit
 class Watchdog:
     """This rank's heartbeat, and (outside unison's launcher) the thread that watches it."""
 
-    def __init__(self, rank: int, limit_s: float, *, poll_s: float = 1.0, compiling: bool = False) -> None:
+    def __init__(self, rank: int, limit_s: float, *, poll_s: float = 1.0) -> None:
         self.rank, self.limit_s = rank, float(limit_s)
         self._phase, self._step, self._since, self._armed = "startup", -1, time.monotonic(), False
-        self._first_step = "compile" if compiling else "startup"   # the phase of the first step (see `enter`)
         self._table = _launcher_table[0] if _launcher_table is not None and _launcher_table[1] == rank else None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,8 +128,8 @@ class Watchdog:
 
     # ------------------------------------------------------------------ heartbeat
     def enter(self, phase: str, step: int) -> None:
-        if not self._armed and phase in WATCHED:   # the first batches and step: start-up (or compile)
-            phase = self._first_step
+        if not self._armed and phase in WATCHED and phase != "data":   # the first step: start-up (compile)
+            phase = "startup"   # (waiting for a batch is watched from the first: nothing legitimate is slow there)
         self._phase, self._step, self._since = phase, step, time.monotonic()
         self._publish()
 
@@ -167,7 +165,7 @@ class Watchdog:
             yield batch
 
     def arm(self) -> None:
-        """The first step has completed: its phases are their own from now on (not start-up, or compile)."""
+        """The first step has completed (start-up, compile included, is not watched): watch every phase now."""
         self._armed = True
 
     def close(self) -> None:
@@ -179,12 +177,8 @@ class Watchdog:
         while not self._closed.wait(poll_s):
             phase, step, since = self._phase, self._step, self._since
             if phase in WATCHED and time.monotonic() - since > self.limit_s:
-                where = _STARTUP if phase == "startup" else f"in {phase} at step {step}"
                 _end_process(f"watchdog: rank {self.rank} made no progress for {self.limit_s:g} s (--watchdog-s) "
-                             f"{where}; ending this worker")
-
-
-_STARTUP = "in start-up (building the run, reading the data and its first batches, the first step)"
+                             f"in {phase} at step {step}; ending this worker")
 
 
 def _end_process(message: str) -> None:

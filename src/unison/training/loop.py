@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
     budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's clock)
     extra = Hooks([*hooks, *hooks_from_env(cfg, C.rank())])
     install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
-    watch = Watchdog(C.rank(), cfg.distributed.watchdog_s, compiling=cfg.compile)   # start-up watched too
+    watch = Watchdog(C.rank(), cfg.distributed.watchdog_s)
     checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,
                                 on_write=extra.on_checkpoint_write)
     try:
@@ -172,7 +172,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
         step = micro[0].step + 1
         end = StepEnd.of(run, step, lr, loss)
         hooks.after_step(run, end)
-        watch.arm()   # start-up (the first step, compile included) is over: phases are their own from here
+        watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
         if end.stop:   # --stop-on-collapse: the run ends here, through the normal end below
             break
     hooks.close()

@@ -117,12 +117,12 @@ def test_a_dataset_item_that_blocks_the_checks_before_training_ends_the_run(tmp_
 
 
 def test_a_dataset_item_that_blocks_the_first_batch_ends_a_one_worker_run(tmp_path):
-    """The pre-flight and the build read about 65 items each; read 134 is in the first batch, which start-up reads
-    (not watched before, and one worker has no collective timeout): exit 1 with one line naming start-up."""
+    """The pre-flight and the build read about 65 items each; read 134 is in the first batch (it was not watched
+    before the first step, and one worker has no collective timeout): exit 1 with one line naming the wait."""
     proc, took = _blocked_run(tmp_path, 134)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
     assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
-    assert len(lines) == 1 and "made no progress for 4 s (--watchdog-s) in start-up" in lines[0], proc.stderr
+    assert len(lines) == 1 and "made no progress for 4 s (--watchdog-s) in data at step 0" in lines[0], proc.stderr
     assert took < 45, took
 
 

@@ -94,8 +94,8 @@ def test_the_in_process_watchdog_ends_a_stuck_worker_outside_unisons_launcher(tm
     code = textwrap.dedent("""
         import time
         from unison.distributed.watchdog import Watchdog
-        watch = Watchdog(rank=3, limit_s=1.0, poll_s=0.1, compiling=True)
-        watch.enter("step", 0)           # not armed yet: the first step under --compile is not watched
+        watch = Watchdog(rank=3, limit_s=1.0, poll_s=0.1)
+        watch.enter("step", 0)           # not armed yet: start-up is not watched
         time.sleep(2.0)
         watch.arm()
         watch.enter("collective", 7)
