@@ -162,7 +162,6 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     image_size, augment, source = data.image_size, data.augment, data.source
     recipe = resolve_recipe(cfg, image_size)   # with what follows from the image size (local crops)
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
-    check_step(f"--data {cfg.data}", data.num_images, global_batch, accumulate)   # every source: a step in an epoch
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
     total_steps, warmup_steps = plan_length(cfg, steps_per_epoch)
     exact = exact_accumulation(cfg)
@@ -262,11 +261,14 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
 
             data.knn = own_knn_sets(own.dataset, own.val, data.image_size, device, cfg.seed, cfg.val_subset)
             data.knn_skipped = None
-        return data
-    spec = data_spec(cfg)
-    catalog = open_checked(spec) if train_set is None else None
-    spec = data_spec(cfg, planned_image_size(spec, catalog, train_set))   # the recipe's local crops at that size
-    return build_batch_source(spec, device, augmentation, train_set=train_set, val_set=val_set, catalog=catalog)
+    else:
+        spec = data_spec(cfg)
+        catalog = open_checked(spec) if train_set is None else None
+        spec = data_spec(cfg, planned_image_size(spec, catalog, train_set))   # the recipe's local crops at that size
+        data = build_batch_source(spec, device, augmentation, train_set=train_set, val_set=val_set, catalog=catalog)
+    # every source (built-in, listed, given, your own): one optimiser step of K micro-batches within an epoch
+    check_step(f"--data {cfg.data}", data.num_images, cfg.batch_size, cfg.distributed.grad_sync_every)
+    return data
 
 
 def _optimizer(cfg: TrainConfig, method: SSLMethod, name: str, peak_lr: float,
