@@ -73,43 +73,44 @@ def test_workers_of_a_sigkilled_launcher_stop_at_once(tmp_path):
 
 
 _BLOCKING = """
-import sys, time
+import os, sys, time
 import torch
 import unison
 from unison.config import DistributedConfig, TrainConfig
 
 class Blocking(torch.utils.data.Dataset):
-    '''64 images; the read number BLOCK_AT (counted in this process) never returns.'''
-    reads = 0
+    '''64 images; a read never returns where argv[2] says: "checks" (item 5, read by the checks before training in
+    this process), "loader" (any item read in a loader process: the first batch).'''
+    def __init__(self):
+        self.pid = os.getpid()
     def __len__(self):
         return 64
     def __getitem__(self, i):
-        Blocking.reads += 1
-        if Blocking.reads == int(sys.argv[2]):
+        if (sys.argv[2] == "checks" and i == 5) or (sys.argv[2] == "loader" and os.getpid() != self.pid):
             time.sleep(3600)
         return torch.rand(3, 16, 16)
 
 if __name__ == "__main__":
     cfg = TrainConfig(out=sys.argv[1], max_steps=3, batch_size=8, random_init_knn=False, signal_images=0,
-                      progress=False, loader_workers=0, distributed=DistributedConfig(world_size=1, watchdog_s=4))
+                      progress=False, loader_workers=1, distributed=DistributedConfig(world_size=1, watchdog_s=4))
     unison.train(cfg, dataset=Blocking())
     print("not reached")
 """
 
 
-def _blocked_run(tmp_path, block_at: int) -> tuple[subprocess.CompletedProcess, float]:
+def _blocked_run(tmp_path, where: str) -> tuple[subprocess.CompletedProcess, float]:
     script = tmp_path / "blocking.py"
     script.write_text(_BLOCKING)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(block_at)], env=ENV,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), where], env=ENV,
                           capture_output=True, text=True, timeout=60)
     return proc, time.monotonic() - started
 
 
 def test_a_dataset_item_that_blocks_the_checks_before_training_ends_the_run(tmp_path):
-    """One worker, --watchdog-s 4: the 5th item read (by the pre-flight's look at the data) never returns. It hung
-    for ever; now exit 1 with one line, about 4 s later."""
-    proc, took = _blocked_run(tmp_path, 5)
+    """One worker, --watchdog-s 4: item 5 never returns, read by the pre-flight's look at the data. It hung for
+    ever; now exit 1 with one line, about 4 s later."""
+    proc, took = _blocked_run(tmp_path, "checks")
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
     assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
     assert len(lines) == 1 and "no progress for 4 s (--watchdog-s) while checking the data" in lines[0], proc.stderr
@@ -117,9 +118,10 @@ def test_a_dataset_item_that_blocks_the_checks_before_training_ends_the_run(tmp_
 
 
 def test_a_dataset_item_that_blocks_the_first_batch_ends_a_one_worker_run(tmp_path):
-    """The pre-flight and the build read about 65 items each; read 134 is in the first batch (it was not watched
-    before the first step, and one worker has no collective timeout): exit 1 with one line naming the wait."""
-    proc, took = _blocked_run(tmp_path, 134)
+    """No item returns in the loader process that makes the batches: the first batch waits for ever (it was
+    not watched before the first step, and one worker has no collective timeout); now exit 1 with one line
+    naming the wait, about 4 s later."""
+    proc, took = _blocked_run(tmp_path, "loader")
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
     assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
     assert len(lines) == 1 and "made no progress for 4 s (--watchdog-s) in data at step 0" in lines[0], proc.stderr
