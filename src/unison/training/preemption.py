@@ -139,5 +139,7 @@ class MidStepStop:
         last = latest_checkpoint(Path(self.run.cfg.out))
         kept = (f"the last checkpoint, {last}, stands; continue with --resume auto and the same --out" if last else
                 "no checkpoint was written yet: run the same command again")
-        return Preempted(f"stopped by {self.requests.name()} during step {batch.step} (micro-batch {batch.micro} of "
+        stop = Preempted(f"stopped by {self.requests.name()} during step {batch.step} (micro-batch {batch.micro} of "
                          f"{k}, --grad-sync-every {k}), without finishing it: {kept}")
+        stop.mid_step = True   # (`unison.distributed.shutdown`: no waiting for the peers on the way out)
+        return stop

@@ -141,15 +141,17 @@ def _error(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("accumulation", ["exact", "independent"])
-def test_sigterm_in_a_long_step_of_many_micro_batches_ends_it(tmp_path, accumulation):
+@pytest.mark.parametrize("accumulation, world", [("exact", 1), ("independent", 1), ("exact", 2)])
+def test_sigterm_in_a_long_step_of_many_micro_batches_ends_it(tmp_path, accumulation, world):
     """--grad-sync-every 8: SIGTERM at the first micro-batch of step 1 ends the run at the next micro-batch, exit
     75, the checkpoint of step 1 kept (it finished steps 1 and 2 first: with K = 100,000 that was hours).
-    --accumulation independent: the micro-batches are also computed one by one, each a place to stop."""
+    --accumulation independent: the micro-batches are also computed one by one, each a place to stop. Two
+    workers: the signal to the launcher, which forwards it; the workers leave without waiting for each other."""
     tests = str(Path(__file__).resolve().parents[2])
-    proc, _ = _train(["--world-size", "1", "--batch-size", "8", "--grad-sync-every", "8", "--max-steps", "3",
+    to = ",to=launcher" if world > 1 else ""
+    proc, _ = _train(["--world-size", str(world), "--batch-size", "8", "--grad-sync-every", "8", "--max-steps", "3",
                       "--checkpoint-every", "1", "--accumulation", accumulation, *QUIET], tmp_path,
-                     UNISON_TRAIN_HOOKS="fault_injection", UNISON_FAULT_INJECT="rank=0,step=1,kind=term,at=data",
+                     UNISON_TRAIN_HOOKS="fault_injection", UNISON_FAULT_INJECT=f"rank=0,step=1,kind=term,at=data{to}",
                      PYTHONPATH=f"{ENV['PYTHONPATH']}{os.pathsep}{tests}")
     line = _error(proc)
     assert proc.returncode == 75, proc.stderr
