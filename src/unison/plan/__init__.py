@@ -45,7 +45,7 @@ from unison.models.backbones import resolve_backbone
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
 from .progress import PlanProgress
-from .syncs import explain, unexplained
+from .syncs import explained_lines, unexplained
 from .tracking import (
     activations_and_peak,
     ddp_grad_bytes,
@@ -309,29 +309,17 @@ class PlanReport:
                      f"{d['estimate_images_per_s'] or 0:,.0f} images/s at {d['estimate_mfu']:.0%} MFU "
                      "(compute + communication, no overlap)")
         lines.append(f"host synchronisations in the step: {len(d['host_syncs'])}")
-        lines += _explained(self.step.host_syncs)
+        lines += explained_lines(self.step.host_syncs)
         lines.append("GPU code path on fake CUDA tensors (forward, optimizer, EMA; no backward): " + (
             f"not run ({self.cuda.skipped})" if self.cuda.skipped else
             f"DEVICE MISMATCH: {self.cuda.device_error}" if self.cuda.device_error else
             f"no device mismatch, {len(self.cuda.host_syncs)} host synchronisations"))
-        lines += _explained(self.cuda.host_syncs)
+        lines += explained_lines(self.cuda.host_syncs)
         return "\n".join(lines)
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
-
-
-def _explained(syncs: list[HostSync]) -> list[str]:
-    """One line per distinct host sync (counted), each followed by why it is there (`unison.plan.syncs`)."""
-    counts: dict[str, list[HostSync]] = {}
-    for h in syncs:
-        counts.setdefault(str(h), []).append(h)
-    lines = []
-    for text, same in counts.items():
-        lines.append(f"  {len(same)} x {text}" if len(same) > 1 else f"  {text}")
-        lines.append(f"      why: {explain(same[0]) or 'NOT EXPLAINED: a defect, please report it'}")
-    return lines
 
 
 def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
