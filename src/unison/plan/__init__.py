@@ -42,6 +42,7 @@ from unison.distributed.comm_meter import CommMeter
 from unison.errors import ConfigError
 from unison.models.backbones import resolve_backbone
 
+from .batches import micro_batches, step_images, synthetic_train_set
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
 from .progress import PlanProgress
@@ -82,21 +83,6 @@ class StepFigures:
     gathered_params: int = 0   # FSDP2: whole parameters all-gathered and held at the peak, beyond the shards
 
 
-def _synthetic_train_set(images: int) -> Any:
-    """`images` training images of 8 px, all one stored image (an expanded view: a batch of 2**24 allocates
-    nothing): `build_run` checks one batch and one step against the count, `_micro_batches` makes the views."""
-    from unison.data.tensor_dataset import ImageTensorDataset
-
-    pixels = torch.zeros(1, 3, 8, 8, dtype=torch.uint8).expand(images, 3, 8, 8)
-    return ImageTensorDataset(pixels, torch.zeros(1, dtype=torch.int64).expand(images), ["none"], (0.5,) * 3,
-                              (0.25,) * 3, "planned")
-
-
-def _step_images(cfg: TrainConfig, images: int | None) -> int:
-    """The training images of a simulated run: the data's (`plan`), at least one step's."""
-    return max(images or 0, cfg.batch_size * cfg.distributed.grad_sync_every)
-
-
 def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None) -> StepFigures:
     """Rank 0's figures for one step of `cfg` (``cfg.batch_size`` global, ``world_size`` ranks, ``grad_sync_every``
     micro-batches: the step `unison train` runs), simulated; `images`: the data's training images.
@@ -108,11 +94,11 @@ def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None
 
     world = cfg.distributed.world_size
     local = cfg.batch_size // world
-    train_set = _synthetic_train_set(_step_images(cfg, images))
+    train_set = synthetic_train_set(step_images(cfg, images))
     with fake_cluster(world) as (_, device):
         with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): once, not per step
             run = build_run(cfg, device, train_set=train_set)
-        micro = _micro_batches(run, local, device)
+        micro = micro_batches(run, local, device)
         if warmup:
             with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
                 accumulated_forward_backward(run, micro)
@@ -144,11 +130,11 @@ def step_host_syncs(cfg: TrainConfig) -> list[HostSync]:
     (a few times cheaper than `simulate`: the suite runs it for every method x shard x amp)."""
     from unison.training.step import accumulated_forward_backward, build_run, optimizer_step
 
-    train_set = _synthetic_train_set(_step_images(cfg, None))
+    train_set = synthetic_train_set(step_images(cfg, None))
     with fake_cluster(cfg.distributed.world_size) as (_, device):
         with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): not the step's
             run = build_run(cfg, device, train_set=train_set)
-        micro = _micro_batches(run, cfg.batch_size // cfg.distributed.world_size, device)
+        micro = micro_batches(run, cfg.batch_size // cfg.distributed.world_size, device)
         with HostSyncRecorder() as syncs:
             accumulated_forward_backward(run, micro)
             optimizer_step(run, 0)
@@ -175,11 +161,11 @@ def cuda_check(cfg: TrainConfig, images: int | None = None) -> CudaCheck:
     if cfg.distributed.shard == "full":
         return CudaCheck([], None, "FSDP2 creates CUDA streams at its first forward, which needs a CUDA runtime")
     local = cfg.batch_size // cfg.distributed.world_size
-    train_set = _synthetic_train_set(_step_images(cfg, images))
+    train_set = synthetic_train_set(step_images(cfg, images))
     with fake_cluster(cfg.distributed.world_size, "cuda") as (_, device):
         with HostSyncRecorder():
             run = build_run(cfg, device, train_set=train_set)
-        batch = _micro_batches(run, local, device)[-1]   # the last micro-batch: DDP's synchronising one
+        batch = micro_batches(run, local, device)[-1]   # the last micro-batch: DDP's synchronising one
         with HostSyncRecorder() as syncs:
             try:
                 with mock.patch.object(torch.Tensor, "backward", lambda *a, **k: None):
@@ -215,18 +201,7 @@ def _where(exc: BaseException) -> str:
     return f"{frames[-1].filename.split('/src/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
 
 
-def _micro_batches(run: Any, local: int, device: torch.device) -> list[Any]:
-    """One step's `run.accumulate` local micro-batches of random views of the run's sizes, dtype and memory
-    format (fake tensors), with distinct sample indices."""
-    from unison.training.step import Batch
 
-    micro = []
-    for m in range(run.accumulate):
-        views = [torch.randn(local, 3, s, s, device=device, dtype=run.dtype) for s in run.augment.view_sizes]
-        if run.cfg.nhwc:
-            views = [v.contiguous(memory_format=torch.channels_last) for v in views]
-        micro.append(Batch(0, m, 0, torch.arange(m * local, (m + 1) * local, device=device), views))
-    return micro
 
 
 @dataclass
