@@ -32,8 +32,10 @@ import csv
 import dataclasses
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +46,7 @@ import torch
 
 from unison.config.fields import Range, check_fields
 from unison.config.train import MAX_BATCH
-from unison.errors import ConfigError
+from unison.errors import ConfigError, Preempted
 from unison.paths import write_error
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -123,6 +125,7 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     from unison.data.source import default_image_size, first_size, open_checked, stream_stats
     from unison.data.spec import DataSpec
     from unison.distributed.collectives import contiguous_share
+    from unison.distributed.signals import stop_requests
     from unison.eval.knn import embed_all
     from unison.progress import Progress
     from unison.training.load import load_method, preprocessing
@@ -150,6 +153,8 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     progress = Progress("embed: embedded", stop - start, len(catalog), show=rank == 0)
     with _Part(parts, rank, Path(str(opts.out))) as part:   # out: checked by check_outputs
         for b in range(0, len(images), opts.batch_size):   # one batch in memory at a time
+            if stop_requests().requested:   # forwarded by the launcher (`_stop_on_signals`)
+                raise _stopped(stop_requests().name(), Path(str(opts.out)))
             chunk = images[b:b + opts.batch_size]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
                 f, ok = embed_all(method.embed, chunk, lambda x: eval_transform(x, size, mean, std).to(dtype),
@@ -226,20 +231,46 @@ def _assemble(out: Path, names: Path, parts: Path, results: list[dict[str, Any]]
                     shutil.copyfileobj(part, f, 1 << 22)
         os.replace(tmp_out, out)
         os.replace(tmp_names, names)
-    except OSError as e:
+    except BaseException as e:   # a full disk, or a stop signal (`_stop_on_signals`): no partial output left
         for t in (tmp_out, tmp_names):
             t.unlink(missing_ok=True)
-        raise write_error(out, e, kept=untouched(out)) from None
+        if isinstance(e, OSError):
+            raise write_error(out, e, kept=untouched(out)) from None
+        raise
     return rows
+
+
+@contextlib.contextmanager
+def _stop_on_signals(out: Path) -> Iterator[None]:
+    """SIGTERM/SIGUSR1 (``kill``, a cluster's stop) while embedding: one line and exit 75, the part files and any
+    temporary output removed by the callers' cleanup (Python's default ends the process at once, exit 143, with
+    a hidden ``.OUT.parts-*`` folder left behind). Workers of ``--world-size N`` get the signal from the launcher
+    and stop before their next batch (`embed_worker`)."""
+    from unison.distributed.signals import STOP_SIGNALS
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _stopped(signal.Signals(signum).name, out)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _stopped(name: str, out: Path) -> Preempted:
+    return Preempted(f"stopped by {name}: {out} was not written (nothing partial is left); run the same command "
+                     "again")
 
 
 def embed(opts: EmbedOptions) -> dict[str, Any]:
     """Embed ``opts.data`` into ``opts.out`` (see the module docstring); returns a summary."""
     import warnings
 
-    from unison.config.distributed import DistributedConfig
     from unison.distributed.env import detect_launch_env
-    from unison.distributed.launch import launch
 
     opts.validate()
     if opts.data is None:
@@ -248,6 +279,22 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
         raise ConfigError("unison embed starts its own processes (--world-size N); run it directly, not under "
                           "torchrun, srun or mpirun")
     out, names = check_outputs(opts)
+    with _stop_on_signals(out):
+        results, rows = _embed_into(opts, out, names)
+    unreadable = {k: v for r in results for k, v in r["unreadable"].items()}
+    if unreadable:
+        warnings.warn(f"embed: left out {len(unreadable)} unreadable image(s) (--on-corrupt skip), e.g. "
+                      f"{next(iter(unreadable.values()))}", stacklevel=2)
+    return {"out": str(out), "names": str(names), "rows": rows, "dim": max(r["dim"] for r in results),
+            "unreadable": len(unreadable), "peak_memory_mib": [r["peak_memory_mib"] for r in results]}
+
+
+def _embed_into(opts: EmbedOptions, out: Path, names: Path) -> tuple[list[dict[str, Any]], int]:
+    """Embed in ``--world-size`` processes into a hidden parts folder beside `out`, then assemble `out` and
+    `names`; the parts folder is removed whatever happens. Returns each process's result and the rows."""
+    from unison.config.distributed import DistributedConfig
+    from unison.distributed.launch import launch
+
     device = "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -263,15 +310,9 @@ def embed(opts: EmbedOptions) -> dict[str, Any]:
         else:
             results = launch(embed_worker, payload, DistributedConfig(backend="gloo", world_size=opts.world_size),
                              threads_per_worker=opts.threads)
-        rows = _assemble(out, names, parts, results)
+        return results, _assemble(out, names, parts, results)
     finally:
         shutil.rmtree(parts, ignore_errors=True)
-    unreadable = {k: v for r in results for k, v in r["unreadable"].items()}
-    if unreadable:
-        warnings.warn(f"embed: left out {len(unreadable)} unreadable image(s) (--on-corrupt skip), e.g. "
-                      f"{next(iter(unreadable.values()))}", stacklevel=2)
-    return {"out": str(out), "names": str(names), "rows": rows, "dim": max(r["dim"] for r in results),
-            "unreadable": len(unreadable), "peak_memory_mib": [r["peak_memory_mib"] for r in results]}
 
 
 def run_data(checkpoint: str) -> str:

@@ -109,6 +109,7 @@ class Preempted(UnisonError):
     """The run was asked to stop (SIGTERM/SIGUSR1), finished its step and wrote a checkpoint."""
 
     exit_code = PREEMPTED_EXIT_CODE
+    mid_step = False   # True: it stopped in the middle of a step of many micro-batches, without a checkpoint of it
 
 
 INTERRUPTED_EXIT_CODE = 130

@@ -182,7 +182,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     """`unison plan`: one rank's memory, FLOPs, collective bytes and host syncs, from a simulated step."""
     import json
 
-    from unison.plan import plan, resolve_gpu
+    from unison.plan import PlanProgress, plan, resolve_gpu
 
     gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
     if getattr(ns, "config", None):
@@ -190,7 +190,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
         check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
     cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
-    report = plan(cfg, gpu, mfu=ns.mfu)
+    with PlanProgress() as progress:   # stages on stderr as it works (it takes seconds to minutes)
+        report = plan(cfg, gpu, mfu=ns.mfu, progress=progress)
     print(json.dumps(report.as_dict(), indent=1) if ns.json else report.text(), flush=True)
     return 0
 

@@ -69,12 +69,13 @@ from .evalsets import KNN_QUERIES, KNN_REFERENCE, KnnSets, LazyImages, knn_sets,
 from .files import open_image, upright_size
 from .memory import load_catalog
 from .samples import Catalog
-from .spec import BUILTIN, BUILTIN_SIZES, DataSpec, check_batch, check_subset
+from .spec import BUILTIN, BUILTIN_IMAGES, BUILTIN_SIZES, DataSpec, check_batch, check_step, check_subset
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
-           "build_batch_source", "check_label_spaces", "choose_mode", "open_checked", "stream_stats",
+           "build_batch_source", "check_label_spaces", "choose_mode", "open_checked", "planned_image_size",
+           "planned_images", "planned_view_sizes", "stream_stats",
            "subset_positions"]
 
 MEMORY_BUDGET = 2 * 2**30
@@ -148,6 +149,10 @@ def open_checked(spec: DataSpec, role: str = "data") -> Catalog | None:
     global batch. The pre-flight and `build_batch_source` both call this, so they fail with the same words.
     """
     where, subset = (spec.data, spec.subset) if role == "data" else (spec.val, spec.val_subset)
+    if role == "data" and where in BUILTIN:   # their sizes are known: a batch and a step fit, before any decode
+        n = min(BUILTIN_IMAGES[where], subset or BUILTIN_IMAGES[where])
+        check_batch(f"--data {where}", n, spec.batch_size)
+        check_step(f"--data {where}", n, spec.batch_size, spec.grad_sync_every)
     if where is None or where in BUILTIN:
         return None
     if role == "val":
@@ -157,6 +162,7 @@ def open_checked(spec: DataSpec, role: str = "data") -> Catalog | None:
     check_subset(f"--{role} {where}", n, subset)
     if role == "data":
         check_batch(f"--{role} {where}", min(n, subset or n), spec.batch_size)
+        check_step(f"--{role} {where}", min(n, subset or n), spec.batch_size, spec.grad_sync_every)
     return catalog
 
 
@@ -244,6 +250,12 @@ def check_label_spaces(spec: DataSpec, catalog: Catalog | None, val: Catalog | N
     `knn_sets` applies in every worker): a mismatch is one line before any worker starts."""
     if catalog is not None and val is not None and catalog.classes and val.classes:
         map_labels(catalog.classes, val.classes, spec.data, str(spec.val))
+
+
+def planned_images(spec: DataSpec, catalog: Catalog | None) -> int:
+    """How many training images a run of `spec` reads (`catalog`: `open_checked`'s; ``--subset`` applied)."""
+    n = len(catalog) if catalog is not None else BUILTIN_IMAGES[spec.data]
+    return min(n, spec.subset or n)
 
 
 def subset_positions(catalog: Catalog, subset: int | None, seed: int) -> np.ndarray:

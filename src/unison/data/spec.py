@@ -8,7 +8,9 @@ The size rules live here, one function each, so every path states them with the 
 
 * `check_subset`: ``--subset`` / ``--val-subset`` within the listed images of a folder, file
   list or shards;
-* `check_batch`: one global batch within the training images.
+* `check_batch`: one global batch within the training images;
+* `check_step`: one optimiser step (``--grad-sync-every K`` micro-batches of the global batch) within one epoch
+  of them: a longer step would silently span epochs, and one of K = 100,000 would run for hours unchecked.
 
 Both are applied to listed data by `unison.data.source.open_checked`, which the pre-flight (before
 any worker starts) and every build of listed data call; `check_batch` also guards the images a batch
@@ -29,10 +31,11 @@ from dataclasses import dataclass
 
 from unison.errors import DataError
 
-__all__ = ["BUILTIN", "BUILTIN_SIZES", "DataSpec", "check_batch", "check_subset"]
+__all__ = ["BUILTIN", "BUILTIN_IMAGES", "BUILTIN_SIZES", "DataSpec", "check_batch", "check_step", "check_subset"]
 
 BUILTIN = ("digits", "cifar10")   # held in memory always; no catalog to list
 BUILTIN_SIZES = {"digits": 16, "cifar10": 32}   # their image sides: the default view size
+BUILTIN_IMAGES = {"digits": 1438, "cifar10": 50000}   # their training splits (tests/unit/data checks digits')
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class DataSpec:
     world_size: int = 1                # ranks sharing this machine's cores (default loader_workers)
     local_crops: int | None = None     # multi-crop: number of local crops; None: the augmentation's
     local_crop_size: int | None = None  # ... their size; None: the augmentation's (3/7 of image_size)
+    grad_sync_every: int = 1           # micro-batches (global batches) per optimiser step
 
     def augment_overrides(self) -> dict[str, int]:
         """The multi-crop settings given, as `ViewAugmenter` overrides (``n_local``, ``local_size``)."""
@@ -71,3 +75,13 @@ def check_batch(what: str, n: int, global_batch: int) -> None:
     """DataError when the `n` training images of `what` cannot fill one global batch (training would do nothing)."""
     if n < global_batch:
         raise DataError(f"{what} has {n} images, fewer than one global batch ({global_batch}); lower --batch-size")
+
+
+def check_step(what: str, n: int, global_batch: int, grad_sync_every: int) -> None:
+    """DataError when one optimiser step (`grad_sync_every` global batches) needs more than the `n` training images
+    of `what`: the step would span epochs (each image seen twice in it), and a huge one would run unchecked."""
+    if grad_sync_every > 1 and n < global_batch * grad_sync_every:
+        raise DataError(f"{what} has {n:,} images, fewer than one optimiser step of --grad-sync-every "
+                        f"{grad_sync_every:,} micro-batches of --batch-size {global_batch:,} "
+                        f"({global_batch * grad_sync_every:,} images); give --grad-sync-every at most "
+                        f"{max(1, n // global_batch):,} (or a smaller --batch-size)")

@@ -17,7 +17,8 @@ raised naming the first failing rank and its cause (the worker's exception, sent
 through its pipe, or the signal that killed it); its exit code is that of the worker's own
 `UnisonError` (`unison.errors`). On success `launch` returns each rank's return value, sent
 back through the same pipe. Children ask the kernel to kill them if the parent dies
-(PR_SET_PDEATHSIG), so no orphan survives a killed launcher, and nothing is left on disk
+(PR_SET_PDEATHSIG), and end themselves the moment the launcher is gone (`unison.distributed.signals.die_with_launcher`: their result
+pipe loses its reader), so no orphan trains on after a killed launcher, and nothing is left on disk
 (results and errors travel through pipes, not files).
 
 Signals: SIGTERM and SIGUSR1 received by the launcher (a cluster's preemption notice) are
@@ -58,7 +59,7 @@ from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure
 from . import watchdog
 from .env import exit_worker
 from .main_guard import REENTERED_MAIN_EXIT, WORKER_NAME, reentered_main_message
-from .signals import STOP_SIGNALS, die_with_parent, install_stop_handlers
+from .signals import STOP_SIGNALS, die_with_launcher, die_with_parent, install_stop_handlers
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -123,6 +124,7 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
         stream.attach()
     _release_fork_server()
     die_with_parent()
+    die_with_launcher(result_conn.fileno())
     one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
     # SIGINT is how the launcher aborts a worker at once after a Ctrl-C (`_terminate_all`): a KeyboardInterrupt,

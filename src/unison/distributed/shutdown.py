@@ -30,7 +30,10 @@ def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -
     if not (dist.is_available() and dist.is_initialized()):
         return
     _shutdowns += 1
-    if (error is None or isinstance(error, Preempted)) and dist.get_world_size() > 1:
+    # a stop in the middle of a step (`unison.training.preemption.MidStepStop`) leaves at once: its peers may be
+    # inside the step's collectives, which it will not join
+    clean = error is None or (isinstance(error, Preempted) and not error.mid_step)
+    if clean and dist.get_world_size() > 1:
         _wait_for_every_rank(f"unison/left/{_shutdowns}", dist.get_world_size(), wait_s)
     _release_process_group_holders(error)
     dist.destroy_process_group()

@@ -18,7 +18,8 @@ during start-up is not fatal. Handlers can only be installed from the main threa
 the call does nothing. This module imports nothing heavy.
 
 `die_with_parent()` (Linux): a child process asks the kernel to SIGKILL it when its parent dies, so no
-worker, data-loader process or (through them) multiprocessing's resource tracker outlives a killed run.
+worker, data-loader process or (through them) multiprocessing's resource tracker outlives a killed run;
+`die_with_launcher()`: a worker of unison's launcher (a child of its fork server) ends the moment the launcher does.
 """
 
 from __future__ import annotations
@@ -109,3 +110,30 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_launcher(result_fd: int) -> None:
+    """A worker of unison's launcher: SIGKILL this process (as PR_SET_PDEATHSIG does) the moment the launcher is
+    gone. `result_fd`: the write end of the pipe whose only read end the launcher holds.
+
+    Why not PR_SET_PDEATHSIG alone: a worker's parent is the fork server, which exits when the launcher dies but
+    only after its own teardown (3-4 s with torch imported), in which an orphaned worker trained on and wrote
+    checkpoints. When the launcher dies the pipe has no reader, and its write end reports POLLERR: a daemon thread
+    waits for exactly that (blocked in poll: no cost), on its own copy of the write end, open until this exits."""
+    import select
+
+    if not hasattr(select, "poll"):
+        return
+    poller = select.poll()
+    fd = os.dup(result_fd)
+    poller.register(fd, select.POLLERR)   # (POLLERR and POLLHUP are always reported; nothing else is asked for)
+
+    def wait() -> None:
+        while True:
+            events = [event for _, event in poller.poll()]
+            if any(event & select.POLLNVAL for event in events):
+                return   # (never: the copy is not closed)
+            if any(event & (select.POLLERR | select.POLLHUP) for event in events):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="unison-launcher-alive", daemon=True).start()

@@ -6,7 +6,7 @@ Every worker keeps a heartbeat: the phase it is in and when it entered it. Phase
 phase                 what the rank is doing                                 watched
 ====================  =====================================================  =========
 ``startup``           building the run, resuming, the first training step    no
-``data``              waiting for its next batch                             yes
+``data``              waiting for its next batch (the first one too)         yes
 ``step``              forward, backward (DDP's gradient all-reduce), update  yes
 ``collective``        a collective of the loop (stop agreement, metrics)     yes
 ``checkpoint``        collecting or writing a checkpoint                     yes
@@ -16,9 +16,12 @@ phase                 what the rank is doing                                 wat
 
 A phase that takes longer than ``--watchdog-s`` seconds on every rank means the run is stuck:
 a collective that never completes (a peer died silently or waits elsewhere), a worker that is
-frozen or SIGSTOPped, a data loader that blocks. Start-up (which includes the first step, where
+frozen or SIGSTOPped, a data loader or a dataset item that blocks (the first batch too: one worker
+has no collective timeout). Start-up (the build, which includes the first step, where
 ``torch.compile`` runs) and evaluation can be legitimately long and are not watched; there
-``--timeout-s`` (torch's own collective timeout) still applies.
+``--timeout-s`` (torch's own collective timeout) still applies. Before any worker starts, the
+launching process's own look at the data (listing it, reading its first images or your dataset's
+first items, which the workers' build reads again) is watched by `watched_startup`, with the same limit.
 
 Who watches:
 
@@ -125,8 +128,8 @@ class Watchdog:
 
     # ------------------------------------------------------------------ heartbeat
     def enter(self, phase: str, step: int) -> None:
-        if not self._armed and phase in WATCHED:
-            phase = "startup"
+        if not self._armed and phase in WATCHED and phase != "data":   # the first step: start-up (compile)
+            phase = "startup"   # (waiting for a batch is watched from the first: nothing legitimate is slow there)
         self._phase, self._step, self._since = phase, step, time.monotonic()
         self._publish()
 
@@ -162,7 +165,7 @@ class Watchdog:
             yield batch
 
     def arm(self) -> None:
-        """Start watching: called once the first step has completed (start-up, compile included, is not watched)."""
+        """The first step has completed (start-up, compile included, is not watched): watch every phase now."""
         self._armed = True
 
     def close(self) -> None:
@@ -174,12 +177,37 @@ class Watchdog:
         while not self._closed.wait(poll_s):
             phase, step, since = self._phase, self._step, self._since
             if phase in WATCHED and time.monotonic() - since > self.limit_s:
-                message = (f"watchdog: rank {self.rank} made no progress for {self.limit_s:g} s (--watchdog-s) "
-                           f"in {phase} at step {step}; ending this worker")
-                try:
-                    os.write(2, f"unison: error: {message}\n".encode())
-                finally:
-                    for stream in (sys.stdout, sys.stderr):
-                        with contextlib.suppress(Exception):
-                            stream.flush()
-                    os._exit(1)   # the main thread is blocked (in C++): nothing else can end this process
+                _end_process(f"watchdog: rank {self.rank} made no progress for {self.limit_s:g} s (--watchdog-s) "
+                             f"in {phase} at step {step}; ending this worker")
+
+
+def _end_process(message: str) -> None:
+    try:
+        os.write(2, f"unison: error: {message}\n".encode())
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)   # the main thread is blocked (in C++ or in the user's code): nothing else can end this process
+
+
+@contextlib.contextmanager
+def watched_startup(limit_s: float, what: str) -> Iterator[None]:
+    """The launching process's own start-up (`what`: e.g. the pre-flight's reading of the data), which must end
+    within `limit_s` seconds (``--watchdog-s``; 0: not watched), else one line and exit 1: a dataset item that
+    blocks, a data folder on a hung filesystem, before any worker (or its watchdog) exists."""
+    if limit_s <= 0:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(limit_s):
+            _end_process(f"watchdog: no progress for {limit_s:g} s (--watchdog-s) while {what}; ending the run "
+                         "(a dataset item or a file read that blocks?)")
+
+    threading.Thread(target=watch, name="unison-startup-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()

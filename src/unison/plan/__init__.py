@@ -3,7 +3,10 @@
 `plan(cfg, gpu)` builds the step `unison train` runs (`unison.training.step.build_run`) for rank 0 of a simulated
 W-rank job (`unison.plan.fake.fake_cluster`: torch's fake process group, `FakeTensorMode`, nothing the size of
 the model or the batch allocated) and runs one full step (forward, backward, optimizer, EMA/queue/centre updates)
-on one local batch, under torch's `MemTracker`, `FlopCounterMode` and `CommMeter`:
+on its ``--grad-sync-every`` local micro-batches (above `SIMULATED_MICRO_BATCHES`, a few, extrapolated linearly),
+under torch's `MemTracker`, `FlopCounterMode` and `CommMeter`. The data is checked and sized as `unison train`'s
+pre-flight does it (`planned_data`: it exists, a batch and a step fit in it, the image size is the data's), then
+synthetic views of that size stand in for its images:
 
 * memory per rank at the step's peak: parameters, gradients, optimizer state, activations (+ temporaries);
 * the largest local batch that fits the GPU: a linear fit of the simulated peak at two local batches
@@ -27,6 +30,7 @@ the CUDA caching allocator are not simulated: GPU figures are estimates.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,19 +39,30 @@ import torch
 
 from unison.config import TrainConfig
 from unison.distributed.comm_meter import CommMeter
-from unison.distributed.tagging import rank_local_state_names
 from unison.errors import ConfigError
 from unison.models.backbones import resolve_backbone
 
+from .batches import micro_batches, step_images, synthetic_train_set
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
-from .syncs import explain, unexplained
+from .progress import PlanProgress
+from .syncs import explained_lines, unexplained
+from .tracking import (
+    activations_and_peak,
+    ddp_grad_bytes,
+    fsdp_bytes,
+    grad_bytes,
+    optimizer_bytes,
+    param_bytes,
+    params_and_buffers_at_peak,
+    tracker_class,
+)
 
 MIB = 2**20
 DEFAULT_MFU = 0.4
-DEFAULT_IMAGE_SIZE = 224   # without --image-size (train's default for images of 224 px and more)
-__all__ = ["GPU", "CudaCheck", "PlanReport", "cuda_check", "plan", "plan_config", "resolve_gpu", "simulate",
-           "step_host_syncs"]
+DEFAULT_IMAGE_SIZE = 224   # `plan_config` without --image-size and without reading the data
+__all__ = ["GPU", "CudaCheck", "PlanProgress", "PlanReport", "cuda_check", "plan", "plan_config", "planned_data",
+           "resolve_gpu", "simulate", "step_host_syncs"]
 
 
 @dataclass
@@ -68,64 +83,61 @@ class StepFigures:
     gathered_params: int = 0   # FSDP2: whole parameters all-gathered and held at the peak, beyond the shards
 
 
-def _synthetic_train_set(cfg: TrainConfig):
-    from unison.data.synthetic import synthetic_dataset
-
-    return synthetic_dataset(cfg.batch_size, 8)   # tiny real images: build_run checks one batch, views are made here
-
-
-def simulate(cfg: TrainConfig, warmup: bool = True) -> StepFigures:
-    """Rank 0's figures for one step of `cfg` (``cfg.batch_size`` global, ``world_size`` ranks), simulated.
+def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None) -> StepFigures:
+    """Rank 0's figures for one step of `cfg` (``cfg.batch_size`` global, ``world_size`` ranks, ``grad_sync_every``
+    micro-batches: the step `unison train` runs), simulated; `images`: the data's training images.
     `warmup`: measure the second step (the first creates the optimizer's state); False for host syncs only."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from unison.training.step import build_run, forward_backward, optimizer_step
+    from unison.training.resolve import exact_accumulation
+    from unison.training.step import accumulated_forward_backward, build_run, optimizer_step
 
     world = cfg.distributed.world_size
     local = cfg.batch_size // world
-    train_set = _synthetic_train_set(cfg)
+    train_set = synthetic_train_set(step_images(cfg, images))
     with fake_cluster(world) as (_, device):
         with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): once, not per step
             run = build_run(cfg, device, train_set=train_set)
-        batch = _batch(run, local, device)
+        micro = micro_batches(run, local, device)
         if warmup:
             with HostSyncRecorder():   # step 0 creates the optimizer's state: the steady state is step 1's
-                forward_backward(run, batch)
-                optimizer_step(run, batch.step)
-            batch.step = 1
+                accumulated_forward_backward(run, micro)
+                optimizer_step(run, 0)
+            for batch in micro:
+                batch.step = 1
         tracker = tracker_class()()
         tracker.track_external(run.parallel_model, run.optimizer)
         flops = FlopCounterMode(display=False)
         with tracker, CommMeter() as meter, flops, HostSyncRecorder() as syncs:
-            forward_backward(run, batch)
+            accumulated_forward_backward(run, micro)
             grads = grad_bytes(run)
-            optimizer_step(run, batch.step)
+            optimizer_step(run, micro[0].step)
         peak = tracker.get_tracker_snapshot("peak")
         comm = dict(meter.bytes)
-        if cfg.distributed.shard != "full":   # DDP's all-reduce (its Python reducer here, invisible to CommMeter)
-            comm["all_reduce"] = comm.get("all_reduce", 0) + _ddp_grad_bytes(run)
-        else:   # FSDP2's collectives bypass torch.distributed's Python names: its shards, gathered per pass
-            comm.update(_fsdp_bytes(run, cfg.distributed.reshard_after_forward))
-        buckets = 0 if cfg.distributed.shard == "full" else _ddp_grad_bytes(run)
-        params_at_peak, buffers = _memory(peak)
+        if cfg.distributed.shard == "full":   # FSDP2's collectives bypass torch.distributed's Python names
+            comm.update(fsdp_bytes(run, cfg.distributed.reshard_after_forward))
+        elif not exact_accumulation(cfg):   # DDP's all-reduce (its Python reducer here; exact's is metered)
+            comm["all_reduce"] = comm.get("all_reduce", 0) + ddp_grad_bytes(run)
+        buckets = 0 if cfg.distributed.shard == "full" else ddp_grad_bytes(run)
+        params_at_peak, buffers = params_and_buffers_at_peak(peak)
         params = param_bytes(run)
-        return StepFigures(local, params, buffers, grads, optimizer_bytes(run), *_activations(peak), int(
+        return StepFigures(local, params, buffers, grads, optimizer_bytes(run), *activations_and_peak(peak), int(
             flops.get_total_flops()), comm, syncs.syncs, buckets, max(0, params_at_peak - params))
 
 
 def step_host_syncs(cfg: TrainConfig) -> list[HostSync]:
     """Every host synchronisation of one simulated step of `cfg` (rank 0), without the memory and FLOP figures
     (a few times cheaper than `simulate`: the suite runs it for every method x shard x amp)."""
-    from unison.training.step import build_run, forward_backward, optimizer_step
+    from unison.training.step import accumulated_forward_backward, build_run, optimizer_step
 
-    train_set = _synthetic_train_set(cfg)
+    train_set = synthetic_train_set(step_images(cfg, None))
     with fake_cluster(cfg.distributed.world_size) as (_, device):
         with HostSyncRecorder():   # the build's (FSDP2 reads shard sizes): not the step's
             run = build_run(cfg, device, train_set=train_set)
-        batch = _batch(run, cfg.batch_size // cfg.distributed.world_size, device)
+        micro = micro_batches(run, cfg.batch_size // cfg.distributed.world_size, device)
         with HostSyncRecorder() as syncs:
-            forward_backward(run, batch)
-            optimizer_step(run, batch.step)
+            accumulated_forward_backward(run, micro)
+            optimizer_step(run, 0)
     return syncs.syncs
 
 
@@ -138,7 +150,7 @@ class CudaCheck:
     skipped: str | None = None  # why the check could not run
 
 
-def cuda_check(cfg: TrainConfig) -> CudaCheck:
+def cuda_check(cfg: TrainConfig, images: int | None = None) -> CudaCheck:
     """`forward_backward` (its backward skipped: the autograd engine needs a CUDA runtime) and `optimizer_step`
     on fake CUDA tensors: AutocastCUDA, torch.nn.SyncBatchNorm, FSDP2's bf16 policy, DDP on a device and the
     EMA/queue/centre updates, each op checked for device mismatches; gradients are zeros of the parameters."""
@@ -149,11 +161,11 @@ def cuda_check(cfg: TrainConfig) -> CudaCheck:
     if cfg.distributed.shard == "full":
         return CudaCheck([], None, "FSDP2 creates CUDA streams at its first forward, which needs a CUDA runtime")
     local = cfg.batch_size // cfg.distributed.world_size
-    train_set = _synthetic_train_set(cfg)
+    train_set = synthetic_train_set(step_images(cfg, images))
     with fake_cluster(cfg.distributed.world_size, "cuda") as (_, device):
         with HostSyncRecorder():
             run = build_run(cfg, device, train_set=train_set)
-        batch = _batch(run, local, device)
+        batch = micro_batches(run, local, device)[-1]   # the last micro-batch: DDP's synchronising one
         with HostSyncRecorder() as syncs:
             try:
                 with mock.patch.object(torch.Tensor, "backward", lambda *a, **k: None):
@@ -189,93 +201,7 @@ def _where(exc: BaseException) -> str:
     return f"{frames[-1].filename.split('/src/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
 
 
-def _batch(run: Any, local: int, device: torch.device) -> Any:
-    """One local batch of random views of the run's sizes, dtype and memory format."""
-    from unison.training.step import Batch
 
-    views = [torch.randn(local, 3, s, s, device=device, dtype=run.dtype) for s in run.augment.view_sizes]
-    if run.cfg.nhwc:
-        views = [v.contiguous(memory_format=torch.channels_last) for v in views]
-    return Batch(0, 0, 0, torch.arange(local, device=device), views)
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-def tracker_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        """MemTracker hooks the gradient of every parameter, which torch refuses for frozen ones (momentum
-        teachers; FSDP2 swaps in their unsharded parameters at each forward): those get none."""
-
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
-            for p in module.parameters():
-                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
-                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    return Tracker
-
-
-def _memory(peak: dict) -> tuple[int, int]:
-    dev = device_snapshot(peak)
-    return int(dev.get("Parameter", 0)), int(dev.get("Buffer", 0))
-
-
-def _activations(peak: dict) -> tuple[int, int]:
-    dev = device_snapshot(peak)
-    return int(dev.get("Activation", 0) + dev.get("Temp", 0)), int(dev.get("Total", 0))
-
-
-def device_snapshot(peak: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for stats in peak.values():   # one device (the simulated one)
-        for key, value in stats.items():
-            out[str(getattr(key, "value", key))] = out.get(str(getattr(key, "value", key)), 0) + int(value)
-    return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t   # FSDP2: this rank's shard of a DTensor
-
-
-def grad_bytes(run: Any) -> int:
-    """This rank's gradient bytes (FSDP2: its shards)."""
-    return sum(_local(p.grad).numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
-
-
-def _ddp_grad_bytes(run: Any) -> int:
-    ignored = set(rank_local_state_names(run.method))
-    return sum(p.numel() * p.element_size() for n, p in run.method.named_parameters()
-               if p.requires_grad and n not in ignored)
-
-
-def _fsdp_bytes(run: Any, reshard_after_forward: bool) -> dict[str, int]:
-    """Per step: each unit's shard all-gathered in the forward and again in the backward (once if it stays
-    gathered), each gradient reduce-scattered (payload: the whole gradient, as `CommMeter` counts it)."""
-    shards = sum(_local(p).numel() * p.element_size() for p in run.method.parameters())
-    full = sum(p.numel() * p.element_size() for p in run.method.parameters() if p.requires_grad)
-    return {"all_gather_into_tensor": shards * (2 if reshard_after_forward else 1), "reduce_scatter_tensor": full}
-
-
-def param_bytes(run: Any) -> int:
-    """This rank's parameter bytes (FSDP2: its shards), each storage once."""
-    from unison.parallel.zero import unique_bytes
-
-    return unique_bytes(_local(p) for p in run.method.parameters())
-
-
-def optimizer_bytes(run: Any) -> int:
-    """This rank's optimizer state bytes (ZeRO-1: the state of the parameters it owns; FSDP2: its shards)."""
-    from unison.parallel.zero import ShardedOptimizer, unique_bytes
-
-    if isinstance(run.optimizer, ShardedOptimizer):
-        return run.optimizer.local_state_bytes()
-    return unique_bytes(_local(v) for s in run.optimizer.state.values() for v in s.values()
-                         if isinstance(v, torch.Tensor))
 
 
 @dataclass
@@ -286,6 +212,8 @@ class PlanReport:
     per_image_bytes: float     # slope of the peak in the local batch (the linear fit)
     mfu: float
     cuda: CudaCheck
+    images: int = 0                   # the data's training images
+    extrapolated: str | None = None   # how a step of many micro-batches was simulated (`SIMULATED_MICRO_BATCHES`)
 
     @property
     def peak(self) -> int:
@@ -302,7 +230,7 @@ class PlanReport:
         return max(0, int(room // self.per_image_bytes)) if self.per_image_bytes > 0 else 0
 
     def as_dict(self) -> dict[str, Any]:
-        s, world = self.step, self.cfg.distributed.world_size
+        s, world, k = self.step, self.cfg.distributed.world_size, self.cfg.distributed.grad_sync_every
         comm = sum(s.comm_bytes.values())
         comm_s = comm / (self.gpu.interconnect_gb_s * 1e9)
         compute_s = s.flops / (self.gpu.bf16_tflops * 1e12 * self.mfu)
@@ -310,7 +238,10 @@ class PlanReport:
         return {
             "method": self.cfg.method, "backbone": resolve_backbone(str(self.cfg.backbone), self.cfg.image_size),
             "image_size": self.cfg.image_size, "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
-            "local_batch": s.local_batch, "global_batch": self.cfg.batch_size,
+            "local_batch": s.local_batch, "global_batch": self.cfg.batch_size, "grad_sync_every": k,
+            "images_per_step": self.cfg.batch_size * k, "train_images": self.images,
+            "steps_per_epoch": self.images // (self.cfg.batch_size * k) if self.images else None,
+            "micro_batches_simulated": self.extrapolated or f"all {k}",
             "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
             "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
             "optimizer_state_mib": s.optimizer / MIB, "activations_at_peak_mib": s.activations / MIB,
@@ -321,7 +252,8 @@ class PlanReport:
             "collective_bytes_by_kind": dict(s.comm_bytes),
             "interconnect": f"{self.gpu.interconnect} {self.gpu.interconnect_gb_s:g} GB/s",
             "estimate_comm_s": comm_s, "estimate_compute_s": compute_s, "estimate_mfu": self.mfu,
-            "estimate_step_s": step_s, "estimate_images_per_s": self.cfg.batch_size / step_s if step_s else None,
+            "estimate_step_s": step_s,
+            "estimate_images_per_s": self.cfg.batch_size * k / step_s if step_s else None,
             "host_syncs": [str(h) for h in s.host_syncs],
             "host_syncs_unexplained": [str(h) for h in unexplained(s.host_syncs)],
             "cuda_path_skipped": self.cuda.skipped, "cuda_path_device_error": self.cuda.device_error,
@@ -331,12 +263,17 @@ class PlanReport:
 
     def text(self) -> str:
         d = self.as_dict()
+        micro = (f" x {d['grad_sync_every']:,} micro-batches per step ({d['micro_batches_simulated']})"
+                 if d["grad_sync_every"] > 1 else "")
         lines = [f"unison plan: {d['method']} on {d['backbone']} at {d['image_size']} px, {d['world_size']} ranks x "
-                 f"{d['local_batch']} images, --shard {d['shard']}, --amp {d['amp']}, on {d['gpu']} (simulated)",
+                 f"{d['local_batch']} images{micro}, --shard {d['shard']}, --amp {d['amp']}, on {d['gpu']} "
+                 f"(simulated); {d['train_images']:,} training images, {_count(d['steps_per_epoch'] or 0, 'step')} per epoch",
                  "per rank:"]
-        for key in ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "ddp_buckets",
-                    "gathered_parameters_at_peak", "peak"):
-            lines.append(f"  {key.replace('_', ' '):<22}{d[key + '_mib']:>12,.1f} MiB")
+        keys = ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "ddp_buckets",
+                "gathered_parameters_at_peak", "peak")
+        width = max(len(key) for key in keys) + 2
+        for key in keys:
+            lines.append(f"  {key.replace('_', ' '):<{width}}{d[key + '_mib']:>12,.1f} MiB")
         verdict = "fits" if d["fits"] else "does NOT fit"
         lines.append(f"  {verdict} in {d['gpu_memory_mib']:,} MiB; largest local batch that fits: "
                      f"{d['max_local_batch']} ({d['max_local_batch_method']})")
@@ -347,30 +284,22 @@ class PlanReport:
                      f"{d['estimate_images_per_s'] or 0:,.0f} images/s at {d['estimate_mfu']:.0%} MFU "
                      "(compute + communication, no overlap)")
         lines.append(f"host synchronisations in the step: {len(d['host_syncs'])}")
-        lines += _explained(self.step.host_syncs)
+        lines += explained_lines(self.step.host_syncs)
         lines.append("GPU code path on fake CUDA tensors (forward, optimizer, EMA; no backward): " + (
             f"not run ({self.cuda.skipped})" if self.cuda.skipped else
             f"DEVICE MISMATCH: {self.cuda.device_error}" if self.cuda.device_error else
             f"no device mismatch, {len(self.cuda.host_syncs)} host synchronisations"))
-        lines += _explained(self.cuda.host_syncs)
+        lines += explained_lines(self.cuda.host_syncs)
         return "\n".join(lines)
 
 
-def _explained(syncs: list[HostSync]) -> list[str]:
-    """One line per distinct host sync (counted), each followed by why it is there (`unison.plan.syncs`)."""
-    counts: dict[str, list[HostSync]] = {}
-    for h in syncs:
-        counts.setdefault(str(h), []).append(h)
-    lines = []
-    for text, same in counts.items():
-        lines.append(f"  {len(same)} x {text}" if len(same) > 1 else f"  {text}")
-        lines.append(f"      why: {explain(same[0]) or 'NOT EXPLAINED: a defect, please report it'}")
-    return lines
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
-    """What `plan` simulates of the validated `cfg` (one line where it cannot), at ``--image-size`` or else 224 px
-    (the data is not read); the recipe's defaults follow that size in `build_run`, as in `train`."""
+    """What `plan` simulates of the validated `cfg` (one line where it cannot); without ``--image-size``, 224 px
+    here (`plan` itself takes the data's size: `planned_data`)."""
     if cfg.distributed.grad_compression != "none":
         raise ConfigError("unison plan does not simulate --grad-compression; leave it at none")
     if cfg.compile:
@@ -383,18 +312,73 @@ def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
     return cfg
 
 
-def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU) -> PlanReport:
+SIMULATED_MICRO_BATCHES = 8   # above: a step simulated at 4 and 8 micro-batches, extrapolated linearly in K
+
+
+def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU, progress: PlanProgress | None = None, *,
+         images: int | None = None) -> PlanReport:
     """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
-    The data is not read (synthetic images stand in): the views are `plan_config`'s size."""
-    cfg = plan_config(cfg, mfu)
+
+    The data is checked by train's own rules (it exists; one batch and one step of ``--grad-sync-every``
+    micro-batches within its images) and the run's image size is the one train resolves (``--image-size``, else
+    the data's); its images are not decoded (synthetic views of that size stand in). `images` (with
+    ``cfg.image_size``): plan for data of that many images, without reading ``cfg.data``. `progress`: lines.
+    """
+    plan_config(cfg, mfu)   # what it cannot simulate, refused; the image size is the data's (`planned_data`)
+    say = progress.stage if progress is not None else (lambda text: None)
+    if images is None or cfg.image_size is None:
+        say(f"checking --data {cfg.data}")
+        cfg, images = planned_data(cfg)
+    world, local = cfg.distributed.world_size, cfg.batch_size // cfg.distributed.world_size
     try:
-        step = simulate(cfg)
+        step, extrapolated = _simulate_step(cfg, images, say, f"one step of {world:,} ranks x {local:,} images")
         double = copy.deepcopy(cfg)
         double.batch_size = 2 * cfg.batch_size
-        other = simulate(double)
+        other, _ = _simulate_step(double, images, say, f"one step at {2 * local:,} images per rank (for the largest "
+                                  "batch that fits)")
     except (AssertionError, RuntimeError, ValueError) as exc:   # what the run itself would hit at its first step
         raise ConfigError(f"this configuration's step fails on the simulated {cfg.distributed.world_size}-rank job "
                           f"(as it would at the first step of the run): {type(exc).__name__}: "
                           f"{' '.join(str(exc).split())[:300]} (at {_where(exc)})") from None
     per_image = (other.peak - step.peak) / step.local_batch
-    return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg))
+    say("the GPU code path on fake CUDA tensors")
+    return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg, images), images, extrapolated)
+
+
+def planned_data(cfg: TrainConfig) -> tuple[TrainConfig, int]:
+    """`cfg` at the image size its run trains at, and its training images, by the rules and the resolution of
+    `unison train`'s pre-flight (`unison.data.source`): a missing or empty ``--data``, a batch or a step of
+    ``--grad-sync-every`` micro-batches beyond its images are refused in one line."""
+    from unison.data.source import open_checked, planned_image_size, planned_images
+    from unison.training.step import data_spec
+
+    spec = data_spec(cfg)
+    catalog = open_checked(spec)
+    cfg = copy.deepcopy(cfg)
+    cfg.image_size = planned_image_size(spec, catalog)
+    return cfg, planned_images(spec, catalog)
+
+
+def _simulate_step(cfg: TrainConfig, images: int, say: Any, what: str) -> tuple[StepFigures, str | None]:
+    """One step of `cfg` with all its ``grad_sync_every`` micro-batches; above `SIMULATED_MICRO_BATCHES`, the
+    step at half that and at that many, extrapolated linearly in K (activations, the peak and the FLOPs grow
+    linearly with the micro-batches; parameters, gradients, optimizer state and collectives do not)."""
+    k = cfg.distributed.grad_sync_every
+    if k <= SIMULATED_MICRO_BATCHES:
+        say(f"simulating {what}" + (f" x {k} micro-batches" if k > 1 else ""))
+        return simulate(cfg, images=images), None
+    low, high = SIMULATED_MICRO_BATCHES // 2, SIMULATED_MICRO_BATCHES
+    figures = []
+    for n in (low, high):
+        say(f"simulating {what} x {n} micro-batches (extrapolated to {k:,})")
+        fewer = copy.deepcopy(cfg)
+        fewer.distributed.grad_sync_every = n
+        figures.append(simulate(fewer, images=images))
+    a, b = figures
+
+    def at_k(x: int, y: int) -> int:
+        return int(round(y + (y - x) / (high - low) * (k - high)))
+
+    step = dataclasses.replace(b, activations=at_k(a.activations, b.activations), peak=at_k(a.peak, b.peak),
+                               flops=at_k(a.flops, b.flops))
+    return step, f"simulated at {low} and {high}, extrapolated linearly to {k:,}"

@@ -13,7 +13,7 @@ from unison.config import TrainConfig
 from unison.data.synthetic import synthetic_dataset
 from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
-from . import device_snapshot, grad_bytes, optimizer_bytes, tracker_class
+from .tracking import device_snapshot, grad_bytes, optimizer_bytes, tracker_class
 
 
 def measure_cpu_step(cfg: TrainConfig, image_size: int) -> dict[str, int]:

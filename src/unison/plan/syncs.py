@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .fake import HostSync
 
-__all__ = ["KNOWN_SYNCS", "KnownSync", "explain", "unexplained"]
+__all__ = ["KNOWN_SYNCS", "KnownSync", "explain", "explained_lines", "unexplained"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +59,15 @@ def explain(sync: HostSync) -> str | None:
 
 def unexplained(syncs: list[HostSync]) -> list[HostSync]:
     return [s for s in syncs if explain(s) is None]
+
+
+def explained_lines(syncs: list[HostSync]) -> list[str]:
+    """One line per distinct host sync (counted), each followed by why it is there (`KNOWN_SYNCS`)."""
+    counts: dict[str, list[HostSync]] = {}
+    for h in syncs:
+        counts.setdefault(str(h), []).append(h)
+    lines = []
+    for text, same in counts.items():
+        lines.append(f"  {len(same)} x {text}" if len(same) > 1 else f"  {text}")
+        lines.append(f"      why: {explain(same[0]) or 'NOT EXPLAINED: a defect, please report it'}")
+    return lines

@@ -63,6 +63,7 @@ from unison.training.loop_hooks import (
     knn_top1,
 )
 from unison.training.metrics import MetricsLogger
+from unison.training.preemption import MidStepStop
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import (
@@ -162,9 +163,11 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     run.method.train()
     hooks.start(run, step)
     # heartbeat: "data" while a batch is made; a step's micro-batches all at once (exact accumulation needs them)
-    for micro in grouped(watch.data(hooks.batches(run, batches(run, step)), step), run.accumulate):
+    stop_mid_step = MidStepStop(run)
+    for micro in grouped(stop_mid_step.gather(watch.data(hooks.batches(run, batches(run, step)), step)),
+                         run.accumulate):
         hooks.before_step(run, micro[0].step)
-        loss = accumulated_forward_backward(run, micro)
+        loss = accumulated_forward_backward(run, micro, stop_mid_step)
         lr = optimizer_step(run, micro[0].step)
         step = micro[0].step + 1
         end = StepEnd.of(run, step, lr, loss)

@@ -19,20 +19,29 @@ and every rank raises `Preempted`, whose message names the checkpoint and how to
 the same command does by itself, see `unison.distributed.env.restart_reason`).
 
 Cost: one asynchronous all-reduce of 4 int64 per step on a CPU group (docs/reliability.md).
+
+A step of many micro-batches (``--grad-sync-every K``) can take minutes or hours: a stop request does not wait for
+it (`MidStepStop`). Between two of its micro-batches, while they are gathered or computed one by one, the rank
+stops at once, without a checkpoint of the unfinished step: the last checkpoint stands. Under unison's launcher,
+torchrun or SLURM every rank receives the signal; a rank that did not fails at its next collective, and the run
+ends as preempted all the same.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from unison.distributed import collectives as C
-from unison.distributed.signals import StopRequests
+from unison.distributed.signals import StopRequests, stop_requests
 from unison.errors import CheckpointError, Preempted
+from unison.training.checkpoint import latest_checkpoint
 
 
 @dataclass(frozen=True)
@@ -105,3 +114,32 @@ def preempted(decision: StopDecision, step: int, total_steps: int, checkpoint: s
     where = (f"checkpoint {checkpoint} written" if checkpoint else "the checkpoint was written by rank 0")
     return Preempted(f"preempted by {decision.signal_name()} (received by rank {decision.signal_rank}) after step "
                      f"{step} of {total_steps}: {where}; continue with --resume auto and the same --out")
+
+
+class MidStepStop:
+    """Ends a step of several micro-batches between two of them when a stop signal has arrived (see the module
+    docstring): `gather` passes the micro-batches through as they are made; called with a micro-batch, before
+    its forward (`unison.training.step.accumulated_forward_backward`)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.requests = stop_requests()
+
+    def gather(self, micro_batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in micro_batches:
+            self(batch)
+            yield batch
+
+    def __call__(self, batch: Any) -> None:
+        if batch.micro > 0 and self.requests.requested:
+            raise self.stopped(batch)
+
+    def stopped(self, batch: Any) -> Preempted:
+        k = self.run.accumulate
+        last = latest_checkpoint(Path(self.run.cfg.out))
+        kept = (f"the last checkpoint, {last}, stands; continue with --resume auto and the same --out" if last else
+                "no checkpoint was written yet: run the same command again")
+        stop = Preempted(f"stopped by {self.requests.name()} during step {batch.step} (micro-batch {batch.micro} of "
+                         f"{k}, --grad-sync-every {k}), without finishing it: {kept}")
+        stop.mid_step = True   # (`unison.distributed.shutdown`: no waiting for the peers on the way out)
+        return stop

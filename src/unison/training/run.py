@@ -20,6 +20,7 @@ from unison.config import TrainConfig
 from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
 from unison.distributed.main_guard import refuse_reentered_main
+from unison.distributed.watchdog import watched_startup
 
 from .footprint import check_model_memory
 from .loop import train_worker, train_worker_own
@@ -50,7 +51,9 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
         check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
     if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
         check_model_memory(cfg)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
-    preflight(cfg, launched=launched, own=own)
+    with watched_startup(cfg.distributed.watchdog_s, "checking the data before training (listing it, reading "
+                         "its first images or your dataset's first items)"):
+        preflight(cfg, launched=launched, own=own)
     owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
     with RunDirLock(cfg.out) if owner else contextlib.nullcontext():
         if owner:

@@ -34,7 +34,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,7 +45,7 @@ from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource
 from unison.data.source import TrainData, build_batch_source, open_checked, planned_image_size
-from unison.data.spec import BUILTIN, DataSpec
+from unison.data.spec import BUILTIN, DataSpec, check_step
 from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
@@ -142,7 +142,8 @@ def data_spec(cfg: TrainConfig, image_size: int | None = None) -> DataSpec:
                     val_subset=cfg.val_subset, on_corrupt=cfg.on_corrupt, data_mode=cfg.data_mode, decode=cfg.decode,
                     loader_workers=cfg.loader_workers, image_size=cfg.image_size,
                     world_size=cfg.distributed.world_size, local_crops=cfg.local_crops,
-                    local_crop_size=resolve_recipe(cfg, image_size).local_crop_size)
+                    local_crop_size=resolve_recipe(cfg, image_size).local_crop_size,
+                    grad_sync_every=cfg.distributed.grad_sync_every)
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
@@ -260,11 +261,14 @@ def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_
 
             data.knn = own_knn_sets(own.dataset, own.val, data.image_size, device, cfg.seed, cfg.val_subset)
             data.knn_skipped = None
-        return data
-    spec = data_spec(cfg)
-    catalog = open_checked(spec) if train_set is None else None
-    spec = data_spec(cfg, planned_image_size(spec, catalog, train_set))   # the recipe's local crops at that size
-    return build_batch_source(spec, device, augmentation, train_set=train_set, val_set=val_set, catalog=catalog)
+    else:
+        spec = data_spec(cfg)
+        catalog = open_checked(spec) if train_set is None else None
+        spec = data_spec(cfg, planned_image_size(spec, catalog, train_set))   # the recipe's local crops at that size
+        data = build_batch_source(spec, device, augmentation, train_set=train_set, val_set=val_set, catalog=catalog)
+    # every source (built-in, listed, given, your own): one optimiser step of K micro-batches within an epoch
+    check_step(f"--data {cfg.data}", data.num_images, cfg.batch_size, cfg.distributed.grad_sync_every)
+    return data
 
 
 def _optimizer(cfg: TrainConfig, method: SSLMethod, name: str, peak_lr: float,
@@ -319,12 +323,20 @@ def grouped(micro_batches: Iterable[Batch], accumulate: int) -> Iterator[list[Ba
             micro = []
 
 
-def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch]) -> torch.Tensor:
+def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch],
+                                 before_micro: Callable[[Batch], None] | None = None) -> torch.Tensor:
     """Forward and backward of one optimiser step's `run.accumulate` micro-batches; returns this rank's loss of the
     step (detached): with exact accumulation (`run.exact`) the loss of all of them as one batch, otherwise the mean
-    of the micro-batches' losses (equal for a plain mean over samples). The loop and `unison check` both call it."""
+    of the micro-batches' losses (equal for a plain mean over samples). The loop and `unison check` both call it;
+    the loop's `before_micro` (called before each micro-batch's forward, without exact accumulation) may end a
+    long step (a stop signal)."""
     if not run.exact:
-        return torch.stack([forward_backward(run, batch) for batch in micro_batches]).mean()
+        losses = []
+        for batch in micro_batches:
+            if before_micro is not None:
+                before_micro(batch)
+            losses.append(forward_backward(run, batch))
+        return torch.stack(losses).mean()
     first = micro_batches[0]
     views = [torch.cat([b.views[v] for b in micro_batches]) for v in range(len(first.views))]
     if run.cfg.nhwc:

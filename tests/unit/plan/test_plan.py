@@ -195,3 +195,90 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, capfd):
     code, _, err = _run(["--backbone", "small_cnn", *argv], capfd)
     lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
     assert code == 2 and len(lines) == 1 and fragment in lines[0], err
+
+
+# ---- the plan is the run's plan: its data, its image size, its micro-batches; it says what it is doing
+
+def test_a_missing_data_folder_is_refused_in_one_line(capfd, tmp_path):
+    code, out, err = _run(["--data", str(tmp_path / "nowhere")], capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code != 0 and not out and len(lines) == 1 and "nowhere does not exist" in lines[0], err
+
+
+def test_the_plan_is_at_the_datas_image_size(capfd):
+    """The digits train at 16 px (`unison train`'s resolution), not at a planner's own 224."""
+    code, out, err = _run(["--backbone", "small_cnn", "--batch-size", "8", "--json"], capfd)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["image_size"] == 16 and report["train_images"] == 1438
+
+
+def test_the_plan_runs_every_micro_batch_of_a_step(capfd):
+    """--grad-sync-every 4: four micro-batches per step (FLOPs x 4, one gradient all-reduce); a step beyond the
+    data (K = 10**6: never finishes) is refused as training refuses it."""
+    one, four = (json.loads(_run(["--backbone", "small_cnn", "--batch-size", "8", "--accumulation", "independent",
+                                  "--grad-sync-every", k, "--json"], capfd)[1]) for k in ("1", "4"))
+    assert four["grad_sync_every"] == 4 and four["images_per_step"] == 32
+    assert abs(four["matrix_flops_per_step"] / one["matrix_flops_per_step"] - 4) < 0.01
+    grown = four["collective_bytes_by_kind"]["all_reduce"] - one["collective_bytes_by_kind"]["all_reduce"]
+    assert 0 < grown < one["gradients_mib"] * 2**20 / 4   # batch norm's per micro-batch; the gradients' once
+    code, out, err = _run(["--backbone", "small_cnn", "--grad-sync-every", "1000000"], capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code != 0 and not out and len(lines) == 1 and "--grad-sync-every at most 5" in lines[0], err
+
+
+def test_many_micro_batches_are_extrapolated_from_a_few(monkeypatch):
+    """K = 100 simulates a few micro-batches (here 2 and 4) and extrapolates: FLOPs grow linearly in K."""
+    import unison.plan
+    from unison.plan import _simulate_step
+
+    monkeypatch.setattr(unison.plan, "SIMULATED_MICRO_BATCHES", 4)
+
+    def cfg(k: int) -> TrainConfig:
+        c = _cfg("simclr", "none", "none", world=2, local=1)
+        c.distributed.grad_sync_every, c.distributed.accumulation = k, "independent"
+        return c
+
+    many, note = _simulate_step(cfg(100), 200, lambda text: None, "a step")
+    two = simulate(cfg(2), images=200)
+    assert note == "simulated at 2 and 4, extrapolated linearly to 100"
+    assert abs(many.flops / two.flops - 50) < 0.5
+
+
+def test_a_batch_beyond_the_data_allocates_nothing(capfd):
+    """--batch-size 2**24 is one line before anything the size of the batch exists (it took 7.3 GB)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    code, out, err = _run(["--batch-size", str(2**24)], capfd)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code != 0 and len(lines) == 1 and "fewer than one global batch (16777216)" in lines[0], err
+    assert grown_mib < 500
+
+
+def test_a_world_beyond_the_data_is_refused_at_once(capfd):
+    """--world-size 65536 (a batch of 65536) was silent for over 200 s: now one line (the data holds fewer)."""
+    code, out, err = _run(["--world-size", "65536", "--batch-size", "65536"], capfd)
+    lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
+    assert code != 0 and len(lines) == 1 and "fewer than one global batch (65536)" in lines[0], err
+
+
+def test_progress_lines_while_it_works_and_the_rows_are_aligned(capfd):
+    code, out, err = _run(TINY, capfd)
+    assert code == 0, err
+    stages = [ln for ln in err.splitlines() if ln.startswith("unison plan: [")]
+    assert any("simulating one step" in ln for ln in stages) and any("GPU code path" in ln for ln in stages), err
+    rows = out.split("per rank:\n")[1].split("\n  fits")[0].splitlines()
+    assert len(rows) == 8 and len({row.index("MiB") for row in rows}) == 1, rows
+
+
+def test_progress_says_still_while_a_stage_runs():
+    from unison.plan.progress import PlanProgress
+
+    lines: list[str] = []
+    with PlanProgress(lines.append, every_s=0.05) as progress:
+        progress.stage("simulating")
+        import time
+        time.sleep(0.3)
+    assert lines[0].endswith("] simulating") and any(ln.endswith("still simulating") for ln in lines[1:]), lines
