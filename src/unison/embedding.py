@@ -32,10 +32,8 @@ import csv
 import dataclasses
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,25 +238,14 @@ def _assemble(out: Path, names: Path, parts: Path, results: list[dict[str, Any]]
     return rows
 
 
-@contextlib.contextmanager
-def _stop_on_signals(out: Path) -> Iterator[None]:
+def _stop_on_signals(out: Path) -> contextlib.AbstractContextManager[None]:
     """SIGTERM/SIGUSR1 (``kill``, a cluster's stop) while embedding: one line and exit 75, the part files and any
     temporary output removed by the callers' cleanup (Python's default ends the process at once, exit 143, with
     a hidden ``.OUT.parts-*`` folder left behind). Workers of ``--world-size N`` get the signal from the launcher
     and stop before their next batch (`embed_worker`)."""
-    from unison.distributed.signals import STOP_SIGNALS
+    from unison.distributed.signals import stop_signals_raise
 
-    def stop(signum: int, frame: Any) -> None:
-        raise _stopped(signal.Signals(signum).name, out)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    return stop_signals_raise(lambda name: _stopped(name, out))
 
 
 def _stopped(name: str, out: Path) -> Preempted:

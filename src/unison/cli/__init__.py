@@ -13,9 +13,7 @@ import argparse
 import contextlib
 import errno
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, TextIO
@@ -111,28 +109,17 @@ def _where_to_continue(out: str) -> str:
     return f"the last checkpoint is {last}; continue with --resume auto --out {out}"
 
 
-@contextlib.contextmanager
-def _stop_before_training():
+def _stop_before_training() -> contextlib.AbstractContextManager[None]:
     """SIGTERM/SIGUSR1 before the workers run (pre-flight, data scan): end at once with a line, nothing to save.
 
     Once training runs, the launcher (forwarding) or the training loop (finish the step, checkpoint)
     replace this handler with their own.
     """
-    from unison.distributed.signals import STOP_SIGNALS
+    from unison.distributed.signals import stop_signals_raise
     from unison.errors import Preempted
 
-    def stop(signum: int, frame: Any) -> None:
-        raise Preempted(f"stopped by {signal.Signals(signum).name} before training started: nothing to save; "
-                        "run the same command again")
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    return stop_signals_raise(lambda name: Preempted(f"stopped by {name} before training started: nothing to save; "
+                                                     "run the same command again"))
 
 
 def _explicit_world_size(ns: argparse.Namespace) -> int | None:

@@ -24,12 +24,14 @@ worker, data-loader process or (through them) multiprocessing's resource tracker
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 STOP_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
@@ -61,6 +63,24 @@ class StopRequests:
 
 
 _REQUESTS = StopRequests()
+
+
+@contextlib.contextmanager
+def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
+    """Within the block, SIGTERM/SIGUSR1 raise ``error(signal name)`` in the main thread, so the caller's cleanup
+    runs and the user gets one line (Python's default ends the process at once, exit 143, leaving partial files).
+    Outside the main thread (where no handler can be set) nothing changes."""
+    def stop(signum: int, frame: object) -> None:
+        raise error(signal.Signals(signum).name)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _note(text: str) -> None:

@@ -178,7 +178,7 @@ def test_sigterm_to_embed_is_one_line_and_leaves_nothing(tmp_path):
     from unison.models import build_backbone
     from unison.training.checkpoint import save_checkpoint
 
-    write_image_folder(tmp_path / "data", 60, classes=2, sizes=(16, 24), seed=0)
+    write_image_folder(tmp_path / "data", 400, classes=2, sizes=(16, 24), seed=0)
     net, dim = build_backbone("small_cnn", 16)
     cls = get_method("simclr")
     save_checkpoint(tmp_path / "run", {"method": "simclr", "model": cls(net, dim, cls.Params()).state_dict(),
