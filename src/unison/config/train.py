@@ -47,6 +47,36 @@ MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 va
 MIN_COLLAPSE_IMAGES = 16
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+MAX_CADENCE_S = 10**7   # about 4 months: past any run
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When ``--checkpoint-every`` saves: every `steps` optimiser steps, or every `seconds` (one of them is set;
+    both 0: at the end of every epoch). `value`: the option as the config keeps it (an int, or ``"10m"``)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    value: int | str = 0
+
+
+def checkpoint_cadence(value: Any) -> Cadence:
+    """The one parser of ``--checkpoint-every``: a step count (``50``, ``"50"``) or a duration (``"30s"``,
+    ``"10m"``, ``"2h"``). Raises `ConfigError` (one line) for anything else."""
+    text = str(value).strip().lower() if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+    if text and text[-1] in DURATION_UNITS and text[:-1].replace(".", "", 1).isdigit() and len(text) < 20:
+        seconds = float(text[:-1]) * DURATION_UNITS[text[-1]]
+        if 0 < seconds <= MAX_CADENCE_S:
+            return Cadence(seconds=seconds, value=text)
+    elif text is not None and text.lstrip("-").isdigit() and len(text) < 20 and 0 <= int(text) <= MAX_STEPS:
+        return Cadence(steps=int(text), value=int(text))
+    given = text if text is not None and len(text) <= 40 and text.isprintable() else shown(value)
+    raise ConfigError(f"checkpoint_every={given} must be an integer >= 0 and <= 2**62 (steps; 0 = at the "
+                      f"end of every epoch) or a duration of 1s to {MAX_CADENCE_S // 86400} days such as 30s, 10m "
+                      "or 2h")
+
+
 @dataclass
 class TrainConfig:
     preset: str | None = field(default=None, metadata={
@@ -141,9 +171,9 @@ class TrainConfig:
         "help": "seed for initialisation, data order and augmentation"})
     out: str = field(default="runs/default", metadata={"help": "run directory (config, checkpoints, metrics, plot)"})
     resume: str | None = field(default=None, metadata={"help": "resume from this run directory or checkpoint file"})
-    checkpoint_every: int = field(default=0, metadata={
-        "range": Range(0, MAX_STEPS, hint=" (0 = at the end of every epoch)"),
-        "help": "save a checkpoint every N optimiser steps (0 = at the end of every epoch)"})
+    checkpoint_every: int | str = field(default=0, metadata={
+        "help": "save a checkpoint every N optimiser steps (50), or every so much time (30s, 10m, 2h; rank 0's clock "
+                "decides for all ranks); 0 = at the end of every epoch"})
     keep_checkpoints: int = field(default=3, metadata={
         "range": Range(1, 10**6),
         "help": "keep the newest K checkpoints"})
@@ -232,6 +262,7 @@ class TrainConfig:
 
         Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
+        self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
         if not isinstance(self.distributed, DistributedConfig):
             raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (or, in a config "
