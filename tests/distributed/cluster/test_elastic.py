@@ -7,7 +7,10 @@ Host A (198.18.0.1) serves the c10d rendezvous; host B comes and goes:
   (a counted restart) with A alone, and the run goes on at W=1 from the last checkpoint.
 * scale-up: A starts alone (W=1); at step k its worker waits, the test starts B, A's agent sees a node waiting and
   restarts its workers *without counting a restart* (they save at the stop, exit 75), and the run goes on at W=2.
-* two changes: 2 -> 1 -> 2 in one run (behind ``UNISON_LONG_TESTS=1``: the longest of the three).
+* two changes: 2 -> 1 -> 2 in one run.
+
+Each starts two or three torchruns and re-forms the group (50-130 s each on a loaded 2-core machine), so only the
+scale-up, the one re-form that counts no restart, runs by default; ``UNISON_LONG_TESTS=1`` runs all four.
 
 Each run must end where the uninterrupted 2-worker run ends, in float64 at 1e-9 (model, optimizer state, and the
 loss at every step from the resumed one on); the same scale-down with the local batch norm (``--no-sync-batchnorm``:
@@ -42,7 +45,7 @@ STEPS = 8
 # digits subset, batch 64 (W=1 or 2), float64; a checkpoint every 2 steps; the loss logged at every step
 ELASTIC = ["--batch-size", "64", "--epochs", "2", "--max-steps", str(STEPS), "--subset", "256", "--val-subset", "64",
            "--knn-k", "5", "--no-progress", "--checkpoint-every", "2", "--precision", "float64", "--timeout-s", "60",
-           "--log-every", "1", "--no-random-init-knn", "--signal-images", "0"]
+           "--log-every", "1", "--no-knn", "--no-random-init-knn", "--signal-images", "0"]
 # small rendezvous timeouts: a lost node is declared dead after 3 missed 1 s heartbeats; a group of fewer than 2
 # nodes forms 3 s after the first joined; two nodes form at once
 RDZV_CONF = "join_timeout=120,last_call_timeout=3,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -155,9 +158,10 @@ def _assert_same_as_reference(run: Path, reference: Path, resumed: int, worlds: 
 
 
 def _scale_down(a: Host, b: Host, run: Path, env: dict[str, str], extra: tuple[str, ...] = (),
-                a_fault: str = "") -> tuple[Agent, int]:
-    """A and B at W=2 until B is lost for good at a seeded random step; A goes on alone. (A's agent, that step)"""
-    step = random.Random(38).choice([3, 4, 5])   # the loss hits a different step of the checkpoint cycle
+                a_fault: str = "", step: int | None = None) -> tuple[Agent, int]:
+    """A and B at W=2 until B is lost for good at `step` (default: a seeded random one); A goes on alone.
+    (A's agent, that step)"""
+    step = step or random.Random(38).choice([3, 4, 5])   # the loss hits a different step of the checkpoint cycle
     hang = f"rank=0,step={step},kind=hang;rank=1,step={step},kind=hang"   # B's worker, whichever its rank
     agent_a = Agent(a, run, run.parent / "a.log", {**env, **({FAULT: a_fault} if a_fault else {})}, extra)
     agent_b = Agent(b, run, run.parent / "b.log", {**env, FAULT: hang}, extra)
@@ -168,6 +172,8 @@ def _scale_down(a: Host, b: Host, run: Path, env: dict[str, str], extra: tuple[s
     return agent_a, step
 
 
+@pytest.mark.skipif(os.environ.get("UNISON_LONG_TESTS") != "1",
+                    reason="set UNISON_LONG_TESTS=1: a host lost on two namespace hosts, 2 -> 1 (~1 min)")
 def test_scale_down_goes_on_at_one_worker_to_the_uninterrupted_result(two_hosts, reference, env, tmp_path):
     a, b = two_hosts
     run = tmp_path / "run"
@@ -194,12 +200,13 @@ def test_scale_up_goes_on_at_two_workers_to_the_uninterrupted_result(two_hosts, 
 
 
 @pytest.mark.skipif(os.environ.get("UNISON_LONG_TESTS") != "1",
-                    reason="set UNISON_LONG_TESTS=1: 2 -> 1 -> 2 on two namespace hosts (three groups, ~2 min)")
+                    reason="set UNISON_LONG_TESTS=1: 2 -> 1 -> 2 on two namespace hosts (three groups, ~1.5 min)")
 def test_two_changes_in_one_run_end_at_the_uninterrupted_result(two_hosts, reference, env, tmp_path):
     a, b = two_hosts
     run = tmp_path / "run"
-    agent_a, step = _scale_down(a, b, run, env, a_fault="rank=0,step=6,kind=wait,attempt=1")
-    agent_a.wait_for(r"wait on rank 0 at step 6", "A's worker at step 6, alone")
+    # B lost at step 3 (A resumes from step 2), B back at step 4: W=2 again from step 5 or 6 (the stop's save)
+    agent_a, step = _scale_down(a, b, run, env, a_fault="rank=0,step=4,kind=wait,attempt=1", step=3)
+    agent_a.wait_for(r"wait on rank 0 at step 4", "A's worker at step 4, alone")
     _veth(b, "up")   # B comes back (a new node in its place)
     agent_b = Agent(b, run, tmp_path / "b2.log", env)
     err_a, err_b = agent_a.finish(), agent_b.finish()
