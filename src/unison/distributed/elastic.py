@@ -65,6 +65,13 @@ def _write(fd: int, job: str, world: int, step: int) -> None:
     os.pwrite(fd, line.ljust(_WIDTH).encode("utf-8", "replace")[:_WIDTH] + b"\n", 0)
 
 
+def recorded_here(run_dir: str | Path) -> bool:
+    """Whether `run_dir` holds the record of this torchrun job (no collective: the pre-flight of a re-formed group's
+    workers, before they join, knows that they will resume)."""
+    job = torchrun_job()
+    return job is not None and _read(Path(run_dir) / RECORD, job) is not None
+
+
 def join_elastic(run_dir: str | Path, device: torch.device) -> None:
     """Every worker of a torchrun group, before restoring: learn the group of this job that ran before (rank 0
     reads the run directory's record and tells the others) and record this one. Collective; nothing outside

@@ -30,9 +30,11 @@ def test_a_group_of_the_same_torchrun_job_finds_the_previous_one_in_the_run_dire
     elastic.note_progress(12)
     assert (tmp_path / elastic.RECORD).read_bytes().endswith(b"\n")
     assert json.loads((tmp_path / elastic.RECORD).read_text()) == {"job": "job-1", "world_size": 1, "step": 12}
+    assert elastic.recorded_here(tmp_path)   # what the pre-flight of a re-formed group's workers sees
     elastic.join_elastic(tmp_path, torch.device("cpu"))
     assert elastic.previous_group() == elastic.PreviousGroup(world_size=1, step=12)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")   # another job in the same directory: a first group
+    assert not elastic.recorded_here(tmp_path)
     elastic.join_elastic(tmp_path, torch.device("cpu"))
     assert elastic.previous_group() is None
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")    # not torchrun: nothing recorded, nothing found
