@@ -4,9 +4,10 @@
    check that every rank runs the same configuration, build the step (`unison.training.step.build_run`:
    data, augmentation, method, SyncBN, DDP or FSDP, optimizer, schedule; the same step `unison check`
    proves exact).
-2. Restore: resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker
-   or SLURM requeued the job), or record the random-initialisation kNN baseline; then write ``config.json``
-   (after the restore, so that a refused checkpoint leaves the run directory as it was).
+2. Restore: resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker or
+   re-formed its group at another size, `unison.distributed.elastic`, or SLURM requeued the job), or record
+   the random-initialisation kNN baseline; then write ``config.json`` (after the restore, so that a refused
+   checkpoint leaves the run directory as it was).
 3. The step loop: once this rank's micro-batches of a step are in, `accumulated_forward_backward` (exact
    accumulation over them, or a loss per micro-batch: `unison.training.step`) and `optimizer_step`, then the
    hooks, in this order: the online probe, logging, kNN evaluation, the label-free signals
