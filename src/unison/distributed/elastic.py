@@ -11,10 +11,10 @@ the rendezvous store is not named to the workers. What outlives every group is t
 all nodes. So rank 0 of every group keeps a record there, ``torchrun_group.json``: the job's id
 (``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``), its number of workers and the steps it has done
 (`note_progress`: a rewrite of one fixed-size line after every optimiser step, no fsync). A group whose run
-directory holds the record of its own job id is a re-formed group of that job (`previous_group`), and resumes
-from the run directory's last checkpoint like a restarted one. Give every job its own ``--rdzv-id``:
-torchrun's default, ``none``, is the same for all, so a new job started with it in the run directory of an
-earlier one continues that run.
+directory holds the record of its own job id, unfinished, is a re-formed group of that job (`previous_group`),
+and resumes from the run directory's last checkpoint like a restarted one. Give every job its own
+``--rdzv-id``: torchrun's default, ``none``, is the same for all, so a new job started with it in the run
+directory of an earlier one that did not finish continues that run.
 """
 
 from __future__ import annotations
@@ -53,15 +53,15 @@ def _read(path: Path, job: str) -> PreviousGroup | None:
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read(_WIDTH + 1))
-        if data.get("job") == job:
+        if data.get("job") == job and not data.get("done"):   # a finished job is continued by no one
             return PreviousGroup(int(data["world_size"]), int(data["step"]))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):   # none, or not one of ours: a first group
         pass
     return None
 
 
-def _write(fd: int, job: str, world: int, step: int) -> None:
-    line = json.dumps({"job": job[:150], "world_size": world, "step": step})
+def _write(fd: int, job: str, world: int, step: int, done: bool = False) -> None:
+    line = json.dumps({"job": job[:150], "world_size": world, "step": step, **({"done": True} if done else {})})
     os.pwrite(fd, line.ljust(_WIDTH).encode("utf-8", "replace")[:_WIDTH] + b"\n", 0)
 
 
@@ -103,13 +103,14 @@ def previous_group() -> PreviousGroup | None:
     return _previous
 
 
-def note_progress(step: int) -> None:
-    """Rank 0 of a torchrun group: this group has done `step` optimiser steps (for a group that may follow)."""
+def note_progress(step: int, done: bool = False) -> None:
+    """Rank 0 of a torchrun group: this group has done `step` optimiser steps (for a group that may follow);
+    `done`: the run is complete (its last checkpoint written), so a later job with the same id starts afresh."""
     global _record
     if _record is None:
         return
     fd, job, world = _record
     try:
-        _write(fd, job, world, step)
+        _write(fd, job, world, step, done)
     except OSError:   # a full or gone disk: the checkpoints fail too, and say so
         _record = None

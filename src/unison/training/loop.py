@@ -184,6 +184,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     knn.final(step, history)
     signals.final(step)
     saver.final(step)
+    note_progress(step, done=True)   # a torchrun job with this id that starts later is a new run
     watch.enter("done", step)
     history["signals"] = signals.summary()
     history["time_budget"] = used = end_budget(run, budget, step)

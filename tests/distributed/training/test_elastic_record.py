@@ -33,6 +33,10 @@ def test_a_group_of_the_same_torchrun_job_finds_the_previous_one_in_the_run_dire
     assert elastic.recorded_here(tmp_path)   # what the pre-flight of a re-formed group's workers sees
     elastic.join_elastic(tmp_path, torch.device("cpu"))
     assert elastic.previous_group() == elastic.PreviousGroup(world_size=1, step=12)
+    elastic.note_progress(20, done=True)   # the run finished: a later job with the same id is a new run
+    assert not elastic.recorded_here(tmp_path)
+    elastic.join_elastic(tmp_path, torch.device("cpu"))
+    assert elastic.previous_group() is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")   # another job in the same directory: a first group
     assert not elastic.recorded_here(tmp_path)
     elastic.join_elastic(tmp_path, torch.device("cpu"))
