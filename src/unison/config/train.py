@@ -22,7 +22,7 @@ from typing import Any
 from unison.config.budget import check_plan, parse_duration
 from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
-from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
+from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.config.presets import PRESETS, with_preset
 from unison.errors import ConfigError
@@ -65,11 +65,11 @@ def checkpoint_cadence(value: Any) -> Cadence:
     """The one parser of ``--checkpoint-every``: a step count (``50``, ``"50"``) or a duration (``"30s"``,
     ``"10m"``, ``"2h"``). Raises `ConfigError` (one line) for anything else."""
     text = str(value).strip().lower() if isinstance(value, (int, str)) and not isinstance(value, bool) else None
-    if text and text[-1] in DURATION_UNITS and text[:-1].replace(".", "", 1).isdigit() and len(text) < 20:
+    if text and text[-1] in DURATION_UNITS and ascii_digits(text[:-1].replace(".", "", 1)) and len(text) < 20:
         seconds = float(text[:-1]) * DURATION_UNITS[text[-1]]
         if 0 < seconds <= MAX_CADENCE_S:
             return Cadence(seconds=seconds, value=text)
-    elif text is not None and text.lstrip("-").isdigit() and len(text) < 20 and 0 <= int(text) <= MAX_STEPS:
+    elif text is not None and ascii_digits(text.removeprefix("-")) and len(text) < 20 and 0 <= int(text) <= MAX_STEPS:
         return Cadence(steps=int(text), value=int(text))
     given = text if text is not None and len(text) <= 40 and text.isprintable() else shown(value)
     raise ConfigError(f"checkpoint_every={given} must be an integer >= 0 and <= 2**62 (steps; 0 = at the "

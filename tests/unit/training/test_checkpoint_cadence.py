@@ -18,7 +18,8 @@ def test_checkpoint_cadence_reads_steps_or_a_duration(value, steps, seconds):
     assert (cadence.steps, cadence.seconds) == (steps, seconds)
 
 
-@pytest.mark.parametrize("value", [-1, "-1", "5x", "0s", "m", True, 1.5, "1e400", "10d", "9" * 30, None])
+@pytest.mark.parametrize("value", [-1, "-1", "5x", "0s", "m", True, 1.5, "1e400", "10d", "9" * 30, None, "\u0663",
+                                   "2\u00b2s", "--5"])
 def test_checkpoint_cadence_refuses_anything_else_in_one_line(value):
     with pytest.raises(ConfigError, match=r"checkpoint_every=.* must be an integer >= 0 .* or a duration"):
         checkpoint_cadence(value)
