@@ -19,7 +19,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from unison.config.budget import check_plan, parse_duration
+from unison.config.budget import check_plan, duration_with_units, parse_duration
 from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
@@ -47,7 +47,6 @@ MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 va
 MIN_COLLAPSE_IMAGES = 16
 
 
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 MAX_CADENCE_S = 10**7   # about 4 months: past any run
 
 
@@ -62,19 +61,18 @@ class Cadence:
 
 
 def checkpoint_cadence(value: Any) -> Cadence:
-    """The one parser of ``--checkpoint-every``: a step count (``50``, ``"50"``) or a duration (``"30s"``,
-    ``"10m"``, ``"2h"``). Raises `ConfigError` (one line) for anything else."""
+    """The one parser of ``--checkpoint-every``: a step count (``50``, ``"50"``) or a duration with units (``"30s"``,
+    ``"10m"``, ``"1h30m"``: ``--time-budget``'s grammar). Raises `ConfigError` (one line) for anything else."""
     text = str(value).strip().lower() if isinstance(value, (int, str)) and not isinstance(value, bool) else None
-    if text and text[-1] in DURATION_UNITS and ascii_digits(text[:-1].replace(".", "", 1)) and len(text) < 20:
-        seconds = float(text[:-1]) * DURATION_UNITS[text[-1]]
-        if 0 < seconds <= MAX_CADENCE_S:
-            return Cadence(seconds=seconds, value=text)
-    elif text is not None and ascii_digits(text.removeprefix("-")) and len(text) < 20 and 0 <= int(text) <= MAX_STEPS:
+    seconds = duration_with_units(text) if text else None   # the one grammar of durations (--time-budget's)
+    if seconds is not None and 0 < seconds <= MAX_CADENCE_S:
+        return Cadence(seconds=seconds, value=text or "")
+    if text is not None and ascii_digits(text.removeprefix("-")) and len(text) < 20 and 0 <= int(text) <= MAX_STEPS:
         return Cadence(steps=int(text), value=int(text))
     given = text if text is not None and len(text) <= 40 and text.isprintable() else shown(value)
     raise ConfigError(f"checkpoint_every={given} must be an integer >= 0 and <= 2**62 (steps; 0 = at the "
-                      f"end of every epoch) or a duration of 1s to {MAX_CADENCE_S // 86400} days such as 30s, 10m "
-                      "or 2h")
+                      f"end of every epoch) or a duration such as 30s, 10m, 2h or 1h30m (at most "
+                      f"{MAX_CADENCE_S // 86400} days)")
 
 
 @dataclass
