@@ -14,7 +14,7 @@ interrupted workers end the run cleanly.
 KIND: ``kill`` (SIGKILL, the default), ``raise`` (a RuntimeError), ``nan`` (a NaN loss: the step's
 ``run.forward`` returns its loss times NaN), ``hang`` (sleep forever), ``stop`` (SIGSTOP: frozen until SIGCONT),
 ``term``, ``usr1``, ``int`` (send SIGTERM, SIGUSR1 or SIGINT), ``wait`` (block until this process receives a stop
-signal, SIGTERM or SIGUSR1, at most 60 s, then run the step: a run that a test signals from outside at a known
+signal, SIGTERM or SIGUSR1, at most 120 s, then run the step: a run that a test signals from outside at a known
 step, e.g. with ``scancel --signal=USR1``, instead of sleeping and hoping). ``to=launcher`` sends the signal to the parent process
 (unison's launcher) instead of this worker.
 
@@ -43,7 +43,7 @@ from unison.training.step import Batch, Run
 
 FAULT_ENV = "UNISON_FAULT_INJECT"
 FAULT_KINDS = ("kill", "raise", "nan", "hang", "stop", "term", "usr1", "int", "wait")
-WAIT_MAX_S = 60.0
+WAIT_MAX_S = 120.0
 FAULT_PLACES = ("step", "data", "save")
 _SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM", "usr1": "SIGUSR1", "int": "SIGINT"}
 _SAVE_AFTER_BYTES = 1 << 20

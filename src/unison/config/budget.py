@@ -21,6 +21,16 @@ MAX_BUDGET_S = 366 * 86400.0   # a year: past it a duration is a typo
 PLAN_KEYS = ("budget_s", "steps", "warmup_steps")
 
 
+def duration_with_units(text: str) -> float | None:
+    """Seconds of a duration written with units (``90s``, ``10m``, ``1h30m``, ``1.5h``), None if it is not one:
+    the one grammar of durations (``--time-budget``, ``--checkpoint-every 10m``), each option its own range."""
+    s = str(text).strip().lower()
+    parts = _PART.findall(s) if 0 < len(s) <= 32 and s.isascii() else []
+    if not parts or _PART.sub("", s).strip():
+        return None
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
 def parse_duration(text: str, flag: str = "--time-budget") -> float:
     """Seconds of a duration such as ``10m``, ``2h``, ``90s``, ``1h30m`` or ``600``; `ConfigError` if malformed."""
     s = str(text).strip().lower()
@@ -31,10 +41,9 @@ def parse_duration(text: str, flag: str = "--time-budget") -> float:
     except ValueError:
         seconds = None
     if seconds is None:
-        parts = _PART.findall(s)
-        if not parts or _PART.sub("", s).strip():
+        seconds = duration_with_units(s)
+        if seconds is None:
             raise ConfigError(f"{flag} {text!r:.40} is not a duration; write e.g. 90s, 10m, 2h or 1h30m")
-        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
     if not math.isfinite(seconds) or not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S:
         raise ConfigError(f"{flag} {text!r:.40} is {seconds:g} s; give from {MIN_BUDGET_S:g} s to a year")
     return seconds

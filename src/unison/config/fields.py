@@ -222,6 +222,8 @@ def type_error(data: dict[str, Any], cls: type, kinds: tuple[type, ...] | None =
                 continue
             return key, value, typ.__name__
         kinds_ok = {float: (int, float), str: (str, os.PathLike)}.get(typ, typ)   # paths: the API takes Path
+        if typ is str and int in typing.get_args(hints[key]):   # `int | str` (a count or a duration)
+            kinds_ok = (int, str)
         ok = isinstance(value, kinds_ok) and (typ is bool or not isinstance(value, bool))
         if not ok:
             return key, value, typ.__name__

@@ -19,10 +19,10 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from unison.config.budget import check_plan, parse_duration
+from unison.config.budget import check_plan, duration_with_units, parse_duration
 from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
-from unison.config.fields import Range, check_fields, coerce_fields, shown, unknown_keys_message
+from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.config.presets import PRESETS, with_preset
 from unison.errors import ConfigError
@@ -45,6 +45,34 @@ MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 va
 # init, SimCLR's first steps, digits) measured 1.3-1.5 at N=2, 1.8-2.1 at 4, 2.6-3.2 at 8, 3.9-5.1 at 16 against the
 # collapse floor of 2; one image has embedding std 0
 MIN_COLLAPSE_IMAGES = 16
+
+
+MAX_CADENCE_S = 10**7   # about 4 months: past any run
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When ``--checkpoint-every`` saves: every `steps` optimiser steps, or every `seconds` (one of them is set;
+    both 0: at the end of every epoch). `value`: the option as the config keeps it (an int, or ``"10m"``)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    value: int | str = 0
+
+
+def checkpoint_cadence(value: Any) -> Cadence:
+    """The one parser of ``--checkpoint-every``: a step count (``50``, ``"50"``) or a duration with units (``"30s"``,
+    ``"10m"``, ``"1h30m"``: ``--time-budget``'s grammar). Raises `ConfigError` (one line) for anything else."""
+    text = str(value).strip().lower() if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+    seconds = duration_with_units(text) if text else None   # the one grammar of durations (--time-budget's)
+    if seconds is not None and 0 < seconds <= MAX_CADENCE_S:
+        return Cadence(seconds=seconds, value=text or "")
+    if text is not None and ascii_digits(text.removeprefix("-")) and len(text) < 20 and 0 <= int(text) <= MAX_STEPS:
+        return Cadence(steps=int(text), value=int(text))
+    given = text if text is not None and len(text) <= 40 and text.isprintable() else shown(value)
+    raise ConfigError(f"checkpoint_every={given} must be an integer >= 0 and <= 2**62 (steps; 0 = at the "
+                      f"end of every epoch) or a duration such as 30s, 10m, 2h or 1h30m (at most "
+                      f"{MAX_CADENCE_S // 86400} days)")
 
 
 @dataclass
@@ -141,9 +169,9 @@ class TrainConfig:
         "help": "seed for initialisation, data order and augmentation"})
     out: str = field(default="runs/default", metadata={"help": "run directory (config, checkpoints, metrics, plot)"})
     resume: str | None = field(default=None, metadata={"help": "resume from this run directory or checkpoint file"})
-    checkpoint_every: int = field(default=0, metadata={
-        "range": Range(0, MAX_STEPS, hint=" (0 = at the end of every epoch)"),
-        "help": "save a checkpoint every N optimiser steps (0 = at the end of every epoch)"})
+    checkpoint_every: int | str = field(default=0, metadata={
+        "help": "save a checkpoint every N optimiser steps (50), or every so much time (30s, 10m, 2h; rank 0's clock "
+                "decides for all ranks); 0 = at the end of every epoch"})
     keep_checkpoints: int = field(default=3, metadata={
         "range": Range(1, 10**6),
         "help": "keep the newest K checkpoints"})
@@ -232,6 +260,7 @@ class TrainConfig:
 
         Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
+        self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
         if not isinstance(self.distributed, DistributedConfig):
             raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (or, in a config "

@@ -62,6 +62,7 @@ from unison.config.distributed import DistributedConfig
 from unison.config.fields import ascii_digits, parse_int, shown
 from unison.errors import ConfigError, WorkerError
 
+from .elastic import previous_group
 from .hostlist import expand_hostlist, slurm_port
 from .network import gloo_interface, listening_store, torchrun_attempt_store
 from .shutdown import shutdown_distributed
@@ -343,12 +344,15 @@ def _env_count(name: str) -> int:
 
 
 def restart_reason() -> str | None:
-    """Why this worker runs a second time, or None: ``restart N`` (torchrun ``--max-restarts``) or
-    ``SLURM requeue N`` (the job was requeued: ``sbatch --requeue`` after a preemption or node failure,
-    or ``scontrol requeue``; SLURM sets ``SLURM_RESTART_COUNT``). Either way the run continues from the
-    run directory's last checkpoint by itself."""
+    """Why this worker runs a second time, or None: ``restart N`` (torchrun ``--max-restarts``), ``group
+    re-formed`` (torchrun ``--nnodes MIN:MAX`` restarted the workers for a node that joined, counting no restart:
+    `unison.distributed.elastic`) or ``SLURM requeue N`` (the job was requeued: ``sbatch --requeue`` after a
+    preemption or node failure, or ``scontrol requeue``; SLURM sets ``SLURM_RESTART_COUNT``). Either way the run
+    continues from the run directory's last checkpoint by itself."""
     if restart_count() > 0:
         return f"restart {restart_count()}"
+    if previous_group() is not None:
+        return "group re-formed"
     requeued = _env_count("SLURM_RESTART_COUNT")
     if requeued > 0:
         return f"SLURM requeue {requeued}"

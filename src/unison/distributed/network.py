@@ -130,7 +130,8 @@ def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) 
     for the next one. https://github.com/pytorch/pytorch/issues/135712
     """
     agent = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False, timeout=timeout)
-    key = f"unison/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt_store"
+    # per group size too: a group re-formed at another size never even reads the announcements of the previous one
+    key = f"unison/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt_store/{cfg.world_size}"
     if cfg.rank == 0:
         addr = _source_address(cfg.master_addr) or cfg.master_addr
         nonce = secrets.token_hex(16)

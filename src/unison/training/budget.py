@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from unison.config.budget import check_plan, parse_duration
+from unison.config.train import checkpoint_cadence
 from unison.distributed import collectives as C
 from unison.errors import ConfigError
 from unison.training.checkpoint import read_header
@@ -73,15 +74,19 @@ class Cadence:
 
     steps_per_epoch: int
     eval_every: int = 0          # kNN every N epochs (0: only at the end)
-    checkpoint_every: int = 0    # steps (0: every epoch)
+    checkpoint_every: int = 0    # steps (0: every epoch, unless checkpoint_every_s)
     signals_every: int = 0       # steps (0: automatic, `unison.training.signals`)
     signals: bool = True
+    checkpoint_every_s: float = 0.0   # --checkpoint-every 10m: one save per that much training time
 
     def periodic_s(self, steps: int, costs: BudgetCosts) -> float:
         """The time the periodic work of a `steps`-step run takes, the final work excluded."""
         epochs = steps // self.steps_per_epoch
-        saves = (steps - 1) // self.checkpoint_every if self.checkpoint_every else max(0, epochs - (
-            steps % self.steps_per_epoch == 0))
+        if self.checkpoint_every_s:
+            saves = int(steps * costs.step_s / self.checkpoint_every_s)
+        else:
+            saves = (steps - 1) // self.checkpoint_every if self.checkpoint_every else max(0, epochs - (
+                steps % self.steps_per_epoch == 0))
         evals = (epochs - (steps % self.steps_per_epoch == 0)) // self.eval_every if self.eval_every else 0
         every = self.signals_every or max(AUTO_MIN_EVERY, math.ceil(steps / AUTO_EVALUATIONS))
         signals = (1 + (steps - 1) // every) if self.signals else 0   # the start's and the periodic ones
@@ -119,9 +124,9 @@ def budget_warmup(steps: int, warmup_epochs: float, steps_per_epoch: int) -> int
 
 
 def cadence_of(run: Run) -> Cadence:
-    cfg = run.cfg
-    return Cadence(run.steps_per_epoch, cfg.eval_every if run.data.knn is not None else 0, cfg.checkpoint_every,
-                   cfg.signals_every, cfg.signal_images > 0 and run.data.random_access)
+    cfg, saves = run.cfg, checkpoint_cadence(run.cfg.checkpoint_every)
+    return Cadence(run.steps_per_epoch, cfg.eval_every if run.data.knn is not None else 0, saves.steps,
+                   cfg.signals_every, cfg.signal_images > 0 and run.data.random_access, checkpoint_every_s=saves.seconds)
 
 
 class BudgetClock:

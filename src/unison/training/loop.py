@@ -4,9 +4,10 @@
    check that every rank runs the same configuration, build the step (`unison.training.step.build_run`:
    data, augmentation, method, SyncBN, DDP or FSDP, optimizer, schedule; the same step `unison check`
    proves exact).
-2. Restore: resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker
-   or SLURM requeued the job), or record the random-initialisation kNN baseline; then write ``config.json``
-   (after the restore, so that a refused checkpoint leaves the run directory as it was).
+2. Restore: resume from a checkpoint (``--resume``, or by itself when torchrun restarted this worker or
+   re-formed its group at another size, `unison.distributed.elastic`, or SLURM requeued the job), or record
+   the random-initialisation kNN baseline; then write ``config.json`` (after the restore, so that a refused
+   checkpoint leaves the run directory as it was).
 3. The step loop: once this rank's micro-batches of a step are in, `accumulated_forward_backward` (exact
    accumulation over them, or a loss per micro-batch: `unison.training.step`) and `optimizer_step`, then the
    hooks, in this order: the online probe, logging, kNN evaluation, the label-free signals
@@ -37,6 +38,7 @@ import torch
 from unison.config import TrainConfig
 from unison.config.fields import count
 from unison.distributed import collectives as C
+from unison.distributed.elastic import join_elastic, note_progress, previous_group
 from unison.distributed.env import (
     apply_launch_env,
     detect_launch_env,
@@ -170,6 +172,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
         loss = accumulated_forward_backward(run, micro, stop_mid_step)
         lr = optimizer_step(run, micro[0].step)
         step = micro[0].step + 1
+        note_progress(step)   # torchrun --nnodes MIN:MAX: how far this group got, for a re-formed one
         end = StepEnd.of(run, step, lr, loss)
         hooks.after_step(run, end)
         watch.arm()   # start-up (the first step, compile included) is over: the watchdog watches from here
@@ -181,6 +184,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     knn.final(step, history)
     signals.final(step)
     saver.final(step)
+    note_progress(step, done=True)   # a torchrun job with this id that starts later is a new run
     watch.enter("done", step)
     history["signals"] = signals.summary()
     history["time_budget"] = used = end_budget(run, budget, step)
@@ -195,6 +199,7 @@ def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None)
     """Every rank: the same configuration, its share of the cores, the step; rank 0: the run directory."""
     consistent_config(cfg)
     torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
+    join_elastic(cfg.out, device)   # torchrun: a re-formed group of this job (another size) resumes like a restart
     _resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
     adopt_plan(cfg)   # a budgeted run resumed by a restart: the checkpoint's plan, not a new measurement
     run = build_run(cfg, device, init=init_weights_of(cfg), own=own)   # --init read here: the step cannot read checkpoints
@@ -335,6 +340,10 @@ def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
     cfg.resume = str(run_dir)
     if C.rank() == 0:
         message = f"unison: {restart_reason()}: resuming from {chosen}"
+        before = previous_group()
+        if before is not None and before.world_size != C.world_size():   # torchrun --nnodes MIN:MAX
+            message = (f"unison: workers {before.world_size} -> {C.world_size()} at step {before.step}: "
+                       f"resuming from {Path(chosen).name}")
         print(message, file=sys.stderr, flush=True)
         RunLog(run_dir).line(message)
 

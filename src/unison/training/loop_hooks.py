@@ -5,7 +5,7 @@
   the metrics logger, ``train.log`` and the progress bar; `DataWaitWarning` when the step starves.
 * `KnnEvalHook`: kNN top-1 every ``--eval-every`` epochs (the last step excepted), and at the end
   of the run (`KnnEvalHook.final`).
-* `CheckpointHook`: when to save (every ``--checkpoint-every`` steps, else every epoch; the last
+* `CheckpointHook`: when to save (every ``--checkpoint-every`` steps or seconds, else every epoch; the last
   step is saved by the end of the run, `CheckpointHook.final`) and `save_run_checkpoint`.
 * `StopHook`: after every step but the last, the ranks agree whether to stop (preemption signals,
   a failed background save: `unison.training.preemption`); a stop saves and raises `Preempted`.
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from unison.config.fields import count
+from unison.config.train import checkpoint_cadence
 from unison.distributed import collectives as C
 from unison.distributed.signals import stop_requests
 from unison.distributed.watchdog import Watchdog
@@ -107,7 +108,7 @@ class LogHook(TrainHook):
         probe = self.probe.accuracy() if self.probe is not None else None
         self.probe_top1 = probe if probe is not None else self.probe_top1
         self.logger.log(step=step, epoch=step / run.steps_per_epoch, loss=self.final_loss, lr=end.lr,
-                        images_per_s=ips, data_wait=round(data_wait, 4), probe_top1=probe)
+                        images_per_s=ips, data_wait=round(data_wait, 4), probe_top1=probe, world_size=C.world_size())
         latest = self.signals.latest if self.signals is not None else {}
         if self.progress is not None:   # most important first: a narrow terminal drops the last ones
             bar = {"loss": f"{self.final_loss:.4f}", "img/s": f"{ips:.0f}"}
@@ -198,17 +199,29 @@ class KnnEvalHook(TrainHook):
 
 
 class CheckpointHook(TrainHook):
-    """When to save: every ``--checkpoint-every`` steps, else at the end of every epoch, the last step excepted."""
+    """When to save: every ``--checkpoint-every`` steps or seconds, else at the end of every epoch, the last step
+    excepted. A time-based save is decided by rank 0's clock and broadcast (one int per step), so every rank saves
+    at the same step."""
 
     def __init__(self, run: Run, checkpointer: Checkpointer, watch: Watchdog, history: dict[str, Any]) -> None:
         self.run, self.checkpointer, self.watch, self.history = run, checkpointer, watch, history
+        self.cadence = checkpoint_cadence(run.cfg.checkpoint_every)
+        self.last_save = time.monotonic()
+
+    def _due(self, end: StepEnd) -> bool:
+        if self.cadence.steps:
+            return end.step % self.cadence.steps == 0
+        if not self.cadence.seconds:
+            return end.epoch_done
+        due = torch.tensor([int(time.monotonic() - self.last_save >= self.cadence.seconds)], device=self.run.device)
+        return bool(C.broadcast_(due, src=0).item())   # rank 0 decides: every rank joins the same save
 
     def after_step(self, run: Run, end: StepEnd) -> None:
-        every = run.cfg.checkpoint_every
-        end.saved = (end.step % every == 0 if every else end.epoch_done) and not end.last
+        end.saved = self._due(end) and not end.last
         if end.saved:
             with self.watch.phase("checkpoint", end.step):
                 save_run_checkpoint(run, self.checkpointer, end.step, self.history)
+            self.last_save = time.monotonic()
 
     def final(self, step: int) -> None:
         """The end of the run: the last checkpoint, complete on disk before the run returns."""

@@ -5,7 +5,8 @@
 * ``csv`` (default): ``metrics.csv``, one row per logged event with columns step, epoch, loss,
   lr, images_per_s, knn_top1, data_wait (the share of the logging window the step waited for
   data, on rank 0), the label-free signals rankme, emb_std, align, uniform
-  (`unison.training.signals`) and probe_top1 (the online probe); empty where not measured. At the
+  (`unison.training.signals`), probe_top1 (the online probe) and world_size (the workers that trained the step:
+  it changes where torchrun ``--nnodes MIN:MAX`` re-formed the group); empty where not measured. At the
   end ``plot.png`` (`unison.training.plots`): loss, learning rate, kNN / probe accuracy (the
   random-initialisation kNN dashed) and the signals against epochs.
 * ``tensorboard``: the same, plus event files in ``<run dir>/tensorboard``
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait", "rankme", "emb_std", "align",
-           "uniform", "probe_top1")
+           "uniform", "probe_top1", "world_size")
 
 
 class MetricsLogger:

@@ -30,6 +30,7 @@ from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
 from unison.data.source import check_label_spaces, open_checked, planned_image_size, planned_view_sizes
+from unison.distributed.elastic import recorded_here
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
@@ -81,7 +82,7 @@ def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) ->
                             f"a new one, or --resume {out.parent} to continue that run")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
         header = read_header(cfg.resume, expect_method=structure(cfg))   # header only (method, backbone): no weights
-        if restart_reason() is None:   # a restarted/requeued attempt continues in its own directory
+        if restart_reason() is None and not recorded_here(out):   # restarted, requeued, re-formed: its own directory
             check_resume_target(Path(cfg.resume), int(header.step), out)
     if out.exists() and not out.is_dir():   # mkdir would say only "File exists"
         read = " (the checkpoint --resume reads)" if cfg.resume and same_file(out, cfg.resume) else ""
@@ -179,7 +180,8 @@ def check_crops(cfg: TrainConfig, sizes: list[int]) -> None:
 def resumes_after_restart(cfg: TrainConfig) -> bool:
     """A restarted or requeued attempt whose run directory has a checkpoint: the workers resume from it
     (`unison.training.loop`), whatever the command says."""
-    return restart_reason() is not None and latest_checkpoint(Path(cfg.out)) is not None
+    restarted = restart_reason() is not None or recorded_here(cfg.out)   # torchrun: a re-formed group of this job
+    return restarted and latest_checkpoint(Path(cfg.out)) is not None
 
 
 def _data_folders(path: str | Path) -> Iterator[tuple[Path, str]]:

@@ -1,0 +1,116 @@
+"""Elastic membership under torchrun (``--nnodes MIN:MAX``): is this group a re-formed group of a job that ran before?
+
+torchrun's elastic agent restarts its workers in two cases. After a failure it counts a restart
+(``TORCHELASTIC_RESTART_COUNT``, each agent its own count). When a node is waiting to join
+(``num_nodes_waiting() > 0``: a scale-up) it restarts the workers of every node *without* counting one, so
+the count alone cannot say that the new workers belong to a job that already trained: they would start over.
+
+Nor can a store: the workers' store (``MASTER_ADDR:MASTER_PORT``) is served by the agent of the node that
+was rank 0 when it was created, and a node that becomes rank 0 after that one is lost serves a new, empty one;
+the rendezvous store is not named to the workers. What outlives every group is the run directory, shared by
+all nodes. So rank 0 of every group keeps a record there, ``torchrun_group.json``: the job's id
+(``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``), its number of workers and the steps it has done
+(`note_progress`: a rewrite of one fixed-size line after every optimiser step, no fsync). A group whose run
+directory holds the record of its own job id, unfinished, is a re-formed group of that job (`previous_group`),
+and resumes from the run directory's last checkpoint like a restarted one. Give every job its own
+``--rdzv-id``: torchrun's default, ``none``, is the same for all, so a new job started with it in the run
+directory of an earlier one that did not finish continues that run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RECORD = "torchrun_group.json"
+_WIDTH = 255   # the record is one line of this many bytes (and a newline), rewritten in place
+
+
+@dataclass(frozen=True)
+class PreviousGroup:
+    """The group of this torchrun job that ran before this one: its number of workers and the steps it did."""
+
+    world_size: int
+    step: int
+
+
+_previous: PreviousGroup | None = None
+_record: tuple[int, str, int] | None = None   # rank 0 of a torchrun group: (open record file, job id, world size)
+
+
+def torchrun_job() -> str | None:
+    """torchrun's id of this job (``--rdzv-id``), None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") if "TORCHELASTIC_RESTART_COUNT" in os.environ else None
+
+
+def _read(path: Path, job: str) -> PreviousGroup | None:
+    """The group the record at `path` describes, if it is one of job `job`."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(_WIDTH + 1))
+        if data.get("job") == job and not data.get("done"):   # a finished job is continued by no one
+            return PreviousGroup(int(data["world_size"]), int(data["step"]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):   # none, or not one of ours: a first group
+        pass
+    return None
+
+
+def _write(fd: int, job: str, world: int, step: int, done: bool = False) -> None:
+    line = json.dumps({"job": job[:150], "world_size": world, "step": step, **({"done": True} if done else {})})
+    os.pwrite(fd, line.ljust(_WIDTH).encode("utf-8", "replace")[:_WIDTH] + b"\n", 0)
+
+
+def recorded_here(run_dir: str | Path) -> bool:
+    """Whether `run_dir` holds the record of this torchrun job (no collective: the pre-flight of a re-formed group's
+    workers, before they join, knows that they will resume)."""
+    job = torchrun_job()
+    return job is not None and _read(Path(run_dir) / RECORD, job) is not None
+
+
+def join_elastic(run_dir: str | Path, device: torch.device) -> None:
+    """Every worker of a torchrun group, before restoring: learn the group of this job that ran before (rank 0
+    reads the run directory's record and tells the others) and record this one. Collective; nothing outside
+    torchrun."""
+    global _previous, _record
+    if _record is not None:   # an earlier run in this process
+        os.close(_record[0])
+    _previous, _record = None, None
+    job = torchrun_job()
+    if job is None:
+        return
+    world, found = dist.get_world_size(), [-1, -1]
+    if dist.get_rank() == 0:
+        path = Path(run_dir) / RECORD
+        previous = _read(path, job)
+        if previous is not None:
+            found = [previous.world_size, previous.step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        _write(fd, job, world, max(found[1], 0))
+        _record = (fd, job, world)
+    values = torch.tensor(found, dtype=torch.int64, device=device)
+    dist.broadcast(values, src=0)
+    _previous = PreviousGroup(int(values[0]), int(values[1])) if int(values[0]) > 0 else None
+
+
+def previous_group() -> PreviousGroup | None:
+    """The group of this torchrun job that ran before this one (None: this is its first, or not torchrun)."""
+    return _previous
+
+
+def note_progress(step: int, done: bool = False) -> None:
+    """Rank 0 of a torchrun group: this group has done `step` optimiser steps (for a group that may follow);
+    `done`: the run is complete (its last checkpoint written), so a later job with the same id starts afresh."""
+    global _record
+    if _record is None:
+        return
+    fd, job, world = _record
+    try:
+        _write(fd, job, world, step, done)
+    except OSError:   # a full or gone disk: the checkpoints fail too, and say so
+        _record = None
