@@ -304,9 +304,9 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
         teardown = signal.SIGINT   # Ctrl-C: the workers end at once, aborting an unfinished save
         raise
     finally:
-        for read, _ in pipes:
-            read.close()
         _terminate_all(procs, grace_s, teardown)
+        for read, _ in pipes:   # after the workers ended: a closed read end kills a live worker (`die_with_launcher`)
+            read.close()        # at once, before SIGINT could abort its unfinished save and remove the file
 
 
 def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],

@@ -227,11 +227,12 @@ def set_aside_other_run(cfg: TrainConfig) -> None:
 
 def _continues(cfg: TrainConfig, out: Path) -> bool:
     """This run continues the run in `out`: it resumes from one of `out`'s own checkpoints, or it is a restarted or
-    requeued attempt that resumes from them by itself."""
-    if cfg.resume:
-        source = resumed_checkpoint(Path(cfg.resume))
-        return source is not None and is_inside(source, out / CHECKPOINT_DIR)
-    return resumes_after_restart(cfg)
+    requeued attempt that resumes from them by itself (whatever its ``--resume`` says: a branched run's requeue
+    repeats the command that branched it)."""
+    if resumes_after_restart(cfg):
+        return True
+    source = resumed_checkpoint(Path(cfg.resume)) if cfg.resume else None
+    return source is not None and is_inside(source, out / CHECKPOINT_DIR)
 
 
 def resumed_checkpoint(resume: Path) -> Path | None:

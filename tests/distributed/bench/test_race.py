@@ -3,12 +3,15 @@ documented pipeline in its own process), every snapshot is scored by the same kN
 are written. The embedded digits data stand in for CIFAR-10 (the real race: docs/benchmarks.md)."""
 
 import json
+import os
 
 import pytest
 
 from unison.cli import main
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.skipif(not os.environ.get("UNISON_LONG_TESTS"),
+                                 reason="set UNISON_LONG_TESTS=1: two 30 s sides and their kNN (1-2 min on 2 cores)")]
 
 
 def test_race_at_a_tiny_budget(tmp_path):
