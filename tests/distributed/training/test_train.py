@@ -25,7 +25,7 @@ def test_main_job_outputs(tmp_path, capsys):
     assert config["distributed"]["world_size"] == 2 and config["method"] == "simclr"
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     header = (out / "metrics.csv").read_text().splitlines()[0]
-    assert header == "step,epoch,loss,lr,images_per_s,knn_top1,data_wait,rankme,emb_std,align,uniform,probe_top1"
+    assert header == "step,epoch,loss,lr,images_per_s,knn_top1,data_wait,rankme,emb_std,align,uniform,probe_top1,world_size"
     ckpt = load_checkpoint(out, expect_method="simclr")
     assert ckpt["step"] == 4
 
