@@ -210,6 +210,20 @@ def record_each(spec_dicts: list[dict[str, Any]], record: Callable[[dict[str, An
     return [record(spec_dict) for spec_dict in spec_dicts]
 
 
+def validate_check_specs(specs: list[CheckSpec], cuda_available: bool) -> None:
+    """The check's own options (those `unison train` does not have); raises `ConfigError` with a one-line fix."""
+    from unison.errors import ConfigError
+
+    if any(spec.dtype not in TOLERANCE for spec in specs):
+        raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
+    if any(spec.device == "cuda" and spec.shard == "full" for spec in specs):
+        # Seen on an H100 (torch 2.11): FSDP2's collectives on CUDA tensors over gloo killed both ranks (SIGSEGV)
+        raise ConfigError("--device cuda runs the ranks over gloo, which cannot run FSDP's collectives on CUDA "
+                          "tensors; check --shard full with --device cpu (the same code path)")
+    if any(spec.device == "cuda" for spec in specs) and not cuda_available:
+        raise ConfigError("--device cuda: torch sees no CUDA device here; leave --device at cpu")
+
+
 def run_equivalence_all(methods: list[str], world_size: int = 2, *,
                         record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps,
                         own: OwnPieces | None = None, **kw: Any) -> list[CheckReport]:
@@ -221,17 +235,13 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     backbone, dataset and transform, checked as `unison.train` checks them and sent to the workers pickled."""
     from unison.distributed.main_guard import refuse_reentered_main
     from unison.distributed.testing import run_in_workers
-    from unison.errors import ConfigError
     from unison.training.init_read import check_backbone_setup
     from unison.training.own import check_picklable, check_pieces
     from unison.training.resolve import resolve_recipe, validate_run
 
     refuse_reentered_main("unison.check")   # a script without the main guard, re-run by a worker
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
-    if any(spec.dtype not in TOLERANCE for spec in specs):
-        raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
-    if any(spec.device == "cuda" for spec in specs) and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: torch sees no CUDA device here; leave --device at cpu")
+    validate_check_specs(specs, torch.cuda.is_available())
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
         cfg = validate_run(train_config_for(spec, world_size, own), own=own)
         if own is not None:

@@ -37,7 +37,11 @@ def _one_step(cfg_kwargs: dict, backbone: str = "resnet18") -> dict:
     run = build_run(cfg, CUDA, train_set=synthetic_dataset(64, 32).to(CUDA))
     conv = next(m for m in run.method.modules() if isinstance(m, torch.nn.Conv2d))
     seen: dict = {}
-    conv.register_forward_hook(lambda m, i, o: seen.setdefault("dtype", o.dtype))
+
+    def record_dtype(module, inputs, output) -> None:   # a hook that returns a value replaces the output
+        seen.setdefault("dtype", output.dtype)
+
+    conv.register_forward_hook(record_dtype)
     losses = []
     for batch in batches(run):
         losses.append(float(forward_backward(run, batch)))
@@ -66,6 +70,7 @@ def test_compile_matches_eager_on_the_first_step():   # small_cnn: compiling Res
 
 
 def test_nvjpeg_decode_matches_the_cpu_decode():
+    import simplejpeg
     from PIL import Image
     from torchvision.io import decode_jpeg
 
@@ -81,12 +86,16 @@ def test_nvjpeg_decode_matches_the_cpu_decode():
     cropper = GpuCropper(None, seed=0, device=CUDA)   # type: ignore[arg-type]   # decode needs no augmenter
     decoded = cropper.decode(images)
     assert decode_jpeg is not None and all(d.device.type == "cuda" and d.shape == (3, 96, 128) for d in decoded)
-    for d, data in zip(decoded, images):   # another IDCT than libjpeg's: a few levels apart at most
-        diff = (d.cpu().int() - decode_bytes(data.numpy().tobytes()).int()).abs().float().mean()
-        assert float(diff) < 3.0
+    # nvJPEG upsamples the half-resolution colour planes as libjpeg's fast path does, not as its default (fancy)
+    # one: on this colour noise the two libjpeg paths differ by 19 levels on average (measured on an H100 run,
+    # reproduced on the CPU), so the reference is libjpeg's fast path; the IDCTs differ by a few levels at most
+    for d, data in zip(decoded, images):
+        fast = torch.from_numpy(simplejpeg.decode_jpeg(data.numpy().tobytes(), fastupsample=True)).permute(2, 0, 1)
+        assert float((d.cpu().int() - fast.int()).abs().float().mean()) < 3.0
+        assert decode_bytes(data.numpy().tobytes()).shape == fast.shape
 
 
-@pytest.mark.parametrize("shard", ["none", "full"])
+@pytest.mark.parametrize("shard", ["none", "optimizer"])   # full: refused on gloo + CUDA (killed both ranks)
 def test_unison_check_on_cuda_two_ranks_one_gpu_gloo_float64(shard):
     report = run_equivalence("simclr", 2, device="cuda", dtype="float64", shard=shard, steps=2, local_batch=8,
                              sync_batchnorm=shard == "none")
