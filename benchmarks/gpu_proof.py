@@ -272,14 +272,15 @@ def _lightly_synthetic(spec: dict[str, Any]) -> dict[str, Any]:
     from lightly.transforms import SimCLRTransform
     from torch.utils.data import DataLoader
 
-    from unison.bench.lightly_compare import PILImages
+    from unison.bench.lightly_compare import PILImages, user_loader_context
     from unison.models import build_backbone
 
     device = torch.device(spec["device"])
     data = _synthetic_images(spec)
     transform = SimCLRTransform(input_size=spec["size"], normalize={"mean": list(data.mean), "std": list(data.std)})
     loader = DataLoader(PILImages(data.images, data.labels, transform), batch_size=spec["batch"], drop_last=True,
-                        shuffle=True, num_workers=spec["workers"], pin_memory=device.type == "cuda")
+                        shuffle=True, num_workers=spec["workers"], pin_memory=device.type == "cuda",
+                        **user_loader_context(spec["workers"]))
     backbone, dim = build_backbone(spec["backbone"], image_size=spec["size"])
     model = torch.nn.Sequential(backbone, torch.nn.Flatten(1), SimCLRProjectionHead(dim, 512, 128)).to(device)
     model = model.to(memory_format=torch.channels_last)   # as unison's side (its default)

@@ -73,6 +73,16 @@ class PILImages:
         return self.transform(Image.fromarray(self.data[i])), self.targets[i]
 
 
+def user_loader_context(workers: int) -> dict[str, Any]:
+    """The DataLoader argument that gives the Lightly side's workers the start method a Lightly user's get on
+    Linux: fork, Python's default there. The side runs in a spawned process, whose default is spawn: every worker
+    would then re-import torch and unpickle the whole data set at every epoch, a cost a Lightly user does not pay
+    (measured on an H100: the side did not finish 100 steps of CIFAR-10 in 170 s)."""
+    if workers == 0 or "fork" not in mp.get_all_start_methods():
+        return {}
+    return {"multiprocessing_context": mp.get_context("fork")}
+
+
 def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     import torch
     from torch.utils.data import DataLoader, Dataset
@@ -97,7 +107,8 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     images = cast("Dataset[Any]", PILImages(train.images, train.labels, side.transform))
     loader: DataLoader[Any] = DataLoader(images, batch_size=p["batch_size"], shuffle=True, drop_last=True,
                                          num_workers=p["loader_workers"], pin_memory=device.type == "cuda",
-                                         generator=torch.Generator().manual_seed(p["seed"]))
+                                         generator=torch.Generator().manual_seed(p["seed"]),
+                                         **user_loader_context(p["loader_workers"]))
     model = side.model.to(device)
     peak_lr = side.recipe.peak_lr(p["batch_size"])
     trainable = [q for q in model.parameters() if q.requires_grad]

@@ -38,7 +38,7 @@ from unison.config.budget import parse_duration
 from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
-from .lightly_compare import PILImages, package_version, side_threads
+from .lightly_compare import PILImages, package_version, side_threads, user_loader_context
 from .race_hook import ENV as SNAPSHOT_ENV
 from .race_hook import save_snapshot
 from .report import fmt_duration, markdown_table, write_csv
@@ -117,7 +117,8 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     loader: DataLoader[Any] = DataLoader(PILImages(train.images, train.labels, transform),  # type: ignore[arg-type]
                                          batch_size=p["batch_size"], shuffle=True, drop_last=True,
                                          num_workers=p["loader_workers"], pin_memory=device.type == "cuda",
-                                         generator=torch.Generator().manual_seed(p["seed"]))
+                                         generator=torch.Generator().manual_seed(p["seed"]),
+                                         **user_loader_context(p["loader_workers"]))
     arch = resolve_backbone(p["backbone"], train.image_size)
     model, criterion = _lightly_model(arch, train.image_size).to(device), NTXentLoss(temperature=0.5)
     peak = LIGHTLY_LR_PER_128 * p["batch_size"] / 128

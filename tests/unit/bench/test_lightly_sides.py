@@ -110,3 +110,15 @@ def test_two_seeds_a_side_judge_the_knn_difference_against_their_spread(tmp_path
                 ["lightly"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("unison train")]
     assert [("--seed 0" in ln, "lightly-cmp-byol-unison-seed" in ln) for ln in lines] == [(True, True), (False, True)]
+
+
+def test_the_lightly_sides_loader_workers_fork_as_a_lightly_users_do():
+    """Lightly's side runs in a spawned process, whose DataLoader would spawn its workers (each re-importing torch
+    and unpickling the data set every epoch); a Lightly user on Linux gets fork, and so must the side."""
+    import multiprocessing as mp
+
+    from unison.bench.lightly_compare import user_loader_context
+
+    assert user_loader_context(0) == {}   # DataLoader refuses a context without workers
+    if "fork" in mp.get_all_start_methods():
+        assert user_loader_context(4)["multiprocessing_context"].get_start_method() == "fork"
