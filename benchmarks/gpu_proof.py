@@ -38,7 +38,9 @@ CARRY = "gpu_carry"                       # the ignored folder that travels (scr
 CARRY_LIMIT_MIB = 60                      # the prepared folder
 TRAVEL_LIMIT_MIB = 64                     # the working tree plus the carried paths
 COMMAND_LIMIT = 2000                      # characters of the device command line
-DEVICE_COMMAND = "bash benchmarks/gpu_proof.sh"
+# The two device calls (run one right after the other, on the warm machine) and their timeout_s
+DEVICE_CALLS = (("bash benchmarks/gpu_proof.sh --phases tests,throughput,plan", 420),
+                ("bash benchmarks/gpu_proof.sh --phases accuracy", 360))
 DEVICE_CARRY = [CARRY]
 PHASES = ("tests", "throughput", "plan", "accuracy")
 MIB = 2**20
@@ -88,12 +90,13 @@ def settings(device: str, tiny: bool) -> dict[str, Any]:
                 "synthetic_steps": 2, "warmup_steps": 1, "plan": [("simclr", "small_cnn", 32, 8),
                                                                   ("byol", "small_cnn", 32, 8),
                                                                   ("simsiam", "small_cnn", 32, 8)],
-                "knn_k": 5, "val_subset": None, "min_epochs": 1, "max_epochs": 1, "reserve_s": 0}
+                "knn_k": 5, "val_subset": None, "min_epochs": 1, "max_epochs": 1, "reserve_s": 0, "eval_every": 0}
     workers = min(16, os.cpu_count() or 1)
     return {"tests_s": 85, "batch": 512, "lightly_steps": 100, "lightly_workers": workers,
             "synthetic": [("resnet50", 224, 128), ("vit_base", 224, 128)], "synthetic_steps": 15, "warmup_steps": 3,
             "plan": [("simclr", "resnet18", 32, 512), ("simclr", "resnet50", 224, 128), ("mae", "vit_base", 224, 128)],
-            "knn_k": 200, "val_subset": 5000, "min_epochs": 1, "max_epochs": 400, "reserve_s": 45}
+            "knn_k": 200, "val_subset": 5000, "min_epochs": 1, "max_epochs": 400, "reserve_s": 15,
+            "eval_every": 20}
 
 
 def data_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -194,13 +197,20 @@ def phase_throughput(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, A
     if args.tiny:
         over.update(backbone="small_cnn", threads=1)
     cfg = config_from_overrides(over)
+    result: dict[str, Any] = {"matmul_bf16_tflops": rate / 1e12,
+                              "matmul_dtype": "bfloat16" if args.device == "cuda" else "float32",
+                              "cifar_resnet18": [], "synthetic_224": []}
+    args.save_partial(result)   # each part's figures are kept even if a later part runs past the time box
     rows = compare(cfg, train, val, Path(args.out) / "lightly")
     for r in rows:
         if not r.get("error"):
             r["mfu"] = (r.get("steady_tflops_per_s") or r["tflops_per_s"]) * 1e12 / rate
-    synthetic = [synthetic_pair(args, s, backbone, size, batch, rate) for backbone, size, batch in s["synthetic"]]
-    return {"matmul_bf16_tflops": rate / 1e12, "matmul_dtype": "bfloat16" if args.device == "cuda" else "float32",
-            "cifar_resnet18": rows, "synthetic_224": synthetic}
+    result["cifar_resnet18"] = rows
+    args.save_partial(result)
+    for backbone, size, batch in s["synthetic"]:
+        result["synthetic_224"].append(synthetic_pair(args, s, backbone, size, batch, rate))
+        args.save_partial(result)
+    return result
 
 
 def synthetic_pair(args: argparse.Namespace, s: dict[str, Any], backbone: str, size: int, batch: int,
@@ -378,9 +388,9 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     n = len(open_catalog(train))
     steps_per_epoch = n // s["batch"]
     left = (args.deadline - time.time() - s["reserve_s"]) if args.deadline else 60.0
-    # `--time-budget`: the run measures its own step, plans warm-up and cosine for the steps that fit (the final
-    # kNN and checkpoint included) and stops on time; the dry run caps it at one epoch
-    budget_s = max(30, int(left))
+    # `--time-budget`: the run measures its own step, plans warm-up and cosine for the steps that fit (start-up,
+    # the final kNN and checkpoint included) and stops on time; the dry run caps it at one epoch
+    budget_s = max(30, int(min(left, args.accuracy_s)))
     run_dir = Path(args.out) / "runs" / "accuracy"
     argv = ["train", "--preset", "speedrun", "--backbone", "resnet18" if not args.tiny else "small_cnn",
             "--data", train, "--val", val, "--time-budget", f"{budget_s}s", "--batch-size", str(s["batch"]),
@@ -389,6 +399,8 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         argv += ["--max-steps", str(max(1, steps_per_epoch))]
     if s["val_subset"]:
         argv += ["--val-subset", str(s["val_subset"])]
+    if s["eval_every"]:   # the kNN-versus-time curve (metrics.csv comes back); each kNN is a second or two
+        argv += ["--eval-every", str(s["eval_every"])]
     if args.device == "cuda":
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]   # speedrun: bf16 and --compile
     summary, wall = run_train(argv, run_dir)
@@ -412,6 +424,12 @@ def cmd_phase(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     record: dict[str, Any] = {"phase": args.name, "device": args.device, "tiny": args.tiny, "machine": _machine()}
+
+    def save_partial(result: dict[str, Any]) -> None:
+        partial = {**record, "result": result, "status": "partial", "seconds": time.time() - started}
+        (out / f"phase-{args.name}.json").write_text(json.dumps(partial, indent=1, default=str))
+
+    args.save_partial = save_partial
     try:
         record["result"] = RUNNERS[args.name](args, settings(args.device, args.tiny))
         record["status"] = "ok"
@@ -433,8 +451,9 @@ def cmd_report(out_dir: str) -> int:
         f = out / f"phase-{name}.json"
         phases[name] = json.loads(f.read_text()) if f.is_file() else {"phase": name, "status": "not run"}
         marker = out / f"phase-{name}.status"
-        if not f.is_file() and marker.is_file():
-            phases[name]["status"] = marker.read_text().strip()
+        if marker.is_file() and (not f.is_file() or phases[name]["status"] == "partial"):
+            cut = marker.read_text().strip()
+            phases[name]["status"] = cut + (": the parts below finished" if f.is_file() else "")
     machine = next((r["machine"] for r in phases.values() if "machine" in r), None)
     proof = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": machine, "phases": phases}
     (out / "proof.json").write_text(json.dumps(proof, indent=1, default=str))
@@ -534,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     ph.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ph.add_argument("--tiny", action="store_true")
     ph.add_argument("--deadline", type=float, default=None, help="epoch seconds by which the accuracy phase ends")
+    ph.add_argument("--accuracy-s", type=float, default=300.0, help="the accuracy run's --time-budget (seconds)")
     args = ap.parse_args(argv)
     if args.cmd == "pack":
         return cmd_pack(args.source, args.out)

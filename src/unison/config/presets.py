@@ -12,14 +12,16 @@ thousand images), with ``--time-budget 5m`` unless one is given.
 * SGD runs torch's multi-tensor (foreach) step on a GPU; the step's host synchronisations are the ones
   ``unison plan`` lists (the finite-loss check);
 * everything that spends the budget on something other than steps is off: the random-initialisation kNN, the
-  label-free signals, the online probe (the final kNN is kept).
+  label-free signals, the online probe (the final kNN is kept; on a GPU against every training image, the
+  protocol of published kNN figures, so the result compares with them).
 
-Hyper-parameters: not tuned on this project's machines (a shared 2-core CPU, no GPU; tuning there measures the
-load). They are taken from published CIFAR-10 recipes: SimCLR with a ResNet-18 (CIFAR stem) at batch 512, SGD
-with momentum 0.9, base learning rate 0.06 per 128 images (0.12 per 256) and weight decay 5e-4 (Lightly's
-CIFAR-10 benchmark), NT-Xent temperature 0.2 (solo-learn's CIFAR SimCLR; the SimCLR paper's ablation favours a
-low temperature for short schedules), one epoch of warm-up (at most a tenth of a budgeted run's steps). To
-tune them, vary one at a time on the ``val`` split only (``--val <val> --time-budget 5m``), never on a test set.
+Hyper-parameters: not tuned yet. One GPU run of 5 minutes so far (an H100, temperature 0.2, kNN against a
+5,000-image reference set: 0.733 after 128 epochs); a 2-core CPU cannot run the schedules that would tune a
+ResNet-18. They are Lightly's CIFAR-10 benchmark's, the configuration with a published figure to compare
+with (kNN 0.848 after 200 epochs): SimCLR with a ResNet-18 (CIFAR stem) at batch 512, SGD with momentum 0.9,
+base learning rate 0.06 per 128 images (0.12 per 256), weight decay 5e-4, NT-Xent temperature 0.5; one epoch
+of warm-up (at most a tenth of a budgeted run's steps). To tune them, vary one at a time on the ``val`` split
+only (``--val <val> --time-budget 5m``), never on a test set.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from unison.errors import ConfigError
 SPEEDRUN: dict[str, Any] = {
     "method": "simclr", "backbone": "resnet18", "batch_size": 512, "data_mode": "memory", "optimizer": "sgd",
     "lr": 0.12, "weight_decay": 5e-4, "warmup_epochs": 1.0, "time_budget": "5m", "random_init_knn": False,
-    "signal_images": 0, "online_probe": False, "method_params": {"temperature": 0.2},
+    "signal_images": 0, "online_probe": False, "method_params": {"temperature": 0.5},
 }
-SPEEDRUN_GPU: dict[str, Any] = {"amp": "bf16", "compile": True}
+# knn_reference 0: every training image, as published kNN figures use (a second on a GPU, minutes on a CPU)
+SPEEDRUN_GPU: dict[str, Any] = {"amp": "bf16", "compile": True, "knn_reference": 0}
 PRESETS = ("speedrun",)
 
 

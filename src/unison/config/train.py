@@ -95,6 +95,10 @@ class TrainConfig:
     val_subset: int | None = field(default=None, metadata={
         "range": Range(1, MAX_IMAGES),
         "help": "use a class-balanced subset of N held-out images"})
+    knn_reference: int = field(default=5000, metadata={
+        "range": Range(0, MAX_IMAGES, hint=" (0 = every training image)"),
+        "help": "training images in the kNN reference set, class-balanced; 0: all of them, the protocol of "
+                "published kNN figures (Lightly's, solo-learn's): a larger set scores higher and costs more"})
     on_corrupt: str = field(default="skip", metadata={"help": "corrupt image files: skip (with a count) or error",
                                                        "choices": ON_CORRUPT})
     data_mode: str = field(default="auto", metadata={

@@ -1,9 +1,10 @@
 """The kNN evaluation sets: one rule for training (either data mode), `unison eval` and `unison embed`.
 
-* **Bounded**: the reference set is a class-balanced subset of at most `KNN_REFERENCE` (5,000) of the
-  training images in use (after ``--subset``), the queries at most ``--val-subset`` or `KNN_QUERIES`
-  (2,000) held-out images, both chosen by the run's seed (`knn_subsets`). In-memory and streamed
-  training, and ``unison eval`` on the same run, pick the same images.
+* **Bounded**: the reference set is a class-balanced subset of at most ``--knn-reference`` (default
+  `KNN_REFERENCE`, 5,000; 0: all, as published kNN figures use) of the training images in use (after
+  ``--subset``), the queries at most ``--val-subset`` or `KNN_QUERIES` (2,000) held-out images, both
+  chosen by the run's seed (`knn_subsets`). In-memory and streamed training, and ``unison eval`` on the same
+  run, pick the same images.
 * **Streamed**: images of folders, file lists and shards are decoded when embedded, one batch at a
   time (`LazyImages`: the shorter side resized to the view size, the centre square, EXIF orientation
   applied: `unison.data.decode.decode_centre`): memory holds the features, never the images, so it does
@@ -131,9 +132,11 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def knn_subsets(reference_labels: torch.Tensor, query_labels: torch.Tensor, val_subset: int | None,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the reference and query images among the given ones (see the module docstring)."""
-    ref = balanced_subset(reference_labels, min(len(reference_labels), KNN_REFERENCE), seed)
+                seed: int, reference: int = KNN_REFERENCE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the reference and query images among the given ones (see the module docstring); `reference`
+    0 keeps every training image (the protocol of Lightly's and solo-learn's published kNN figures)."""
+    n_ref = len(reference_labels) if reference == 0 else min(len(reference_labels), reference)
+    ref = balanced_subset(reference_labels, n_ref, seed)
     query = balanced_subset(query_labels, min(len(query_labels), val_subset or KNN_QUERIES), seed)
     return ref, query
 
@@ -193,7 +196,7 @@ def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalo
     ref_labels = torch.from_numpy(catalog.labels[pick]) if catalog is not None else train_set.labels.cpu()  # type: ignore[union-attr,index]
     val_labels = mapping[torch.from_numpy(val_catalog.labels) if val_catalog is not None
                          else val_set.labels.cpu()]   # type: ignore[union-attr]
-    ref, query = knn_subsets(ref_labels, val_labels, spec.val_subset, spec.seed)
+    ref, query = knn_subsets(ref_labels, val_labels, spec.val_subset, spec.seed, spec.knn_reference)
     if catalog is not None:
         reference: Any = LazyImages(catalog, pick[ref.numpy()], size, device, spec.on_corrupt)   # type: ignore[index]
     else:

@@ -21,5 +21,8 @@ def check_embedding_pair(z_a: torch.Tensor, z_b: torch.Tensor) -> None:
 def in_full_precision(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
     """`loss(z_a, z_b)` with autocast off and half-precision inputs upcast to float32."""
+    z_a, z_b = (z.float() if z.dtype in _HALF else z for z in (z_a, z_b))
+    if not torch.amp.is_autocast_available(z_a.device.type):   # meta tensors (FLOP counts): no autocast to turn off
+        return loss(z_a, z_b)
     with torch.autocast(z_a.device.type, enabled=False):
-        return loss(z_a.float() if z_a.dtype in _HALF else z_a, z_b.float() if z_b.dtype in _HALF else z_b)
+        return loss(z_a, z_b)

@@ -15,6 +15,9 @@ average) is exactly L, and the gather's backward routes every rank's gradient to
 owner of each embedding. With ``gather_distributed=False`` each rank uses only its local
 negatives (a different, smaller-batch loss).
 
+Precision: under autocast the loss runs in float32 (`in_full_precision`), as the losses built on batch
+statistics do: in bf16 the similarities would be rounded before the division by T.
+
 Example::
 
     loss_fn = NTXentLoss(temperature=0.5)
@@ -29,6 +32,8 @@ import torch.nn.functional as F
 
 from unison.distributed.collectives import all_gather_with_grad, rank, world_size
 
+from ._precision import in_full_precision
+
 
 class NTXentLoss(nn.Module):
     def __init__(self, temperature: float = 0.5, gather_distributed: bool = True):
@@ -41,6 +46,11 @@ class NTXentLoss(nn.Module):
     def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
         if z_a.shape != z_b.shape:
             raise ValueError(f"the two views' embeddings differ in shape: {tuple(z_a.shape)} vs {tuple(z_b.shape)}")
+        # Under bf16 autocast the similarities would be rounded to 1/128 before the division by the temperature;
+        # in float32 the [2n, 2N] product of 128-d embeddings costs next to nothing beside the backbone
+        return in_full_precision(self._loss, z_a, z_b)
+
+    def _loss(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
         n = z_a.shape[0]
         z_a = F.normalize(z_a, dim=1)
         z_b = F.normalize(z_b, dim=1)

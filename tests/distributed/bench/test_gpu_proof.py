@@ -30,7 +30,8 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_proof.sh", "--device", "cpu", "--tiny"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_proof.log", "proof.json", "proof.md"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["accuracy-metrics.csv", "gpu_proof.log",
+                                                                    "proof.json", "proof.md"]
     proof = json.loads((tmp_path / "out/proof.json").read_text())
     phases = proof["phases"]
     assert {name: p["status"] for name, p in phases.items()} == dict.fromkeys(
@@ -50,8 +51,10 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
 def test_the_device_command_and_carry_list_are_the_documented_ones_and_fit():
     proof = _proof_module()
     docs = (REPO / "docs/benchmarks.md").read_text()
-    assert len(proof.DEVICE_COMMAND) < proof.COMMAND_LIMIT
-    assert f"command = `{proof.DEVICE_COMMAND}`" in docs and f"carry = `{json.dumps(proof.DEVICE_CARRY)}`" in docs
+    for command, timeout_s in proof.DEVICE_CALLS:
+        assert len(command) < proof.COMMAND_LIMIT and timeout_s <= 600
+        assert f"command = `{command}`, timeout_s = {timeout_s}" in docs
+    assert f"carry = `{json.dumps(proof.DEVICE_CARRY)}`" in docs
     assert proof.DEVICE_CARRY == [proof.CARRY] and f"/{proof.CARRY}/" in (REPO / ".gitignore").read_text()
 
 
@@ -69,3 +72,17 @@ def test_what_travels_stays_under_the_limits():
         pytest.skip(f"neither {carried} (scripts/gpu_prepare.sh) nor the CIFAR-10 data ({CIFAR}) is here")
     assert size <= proof.CARRY_LIMIT_MIB * 2**20
     assert size + proof.tree_bytes() <= proof.TRAVEL_LIMIT_MIB * 2**20
+
+
+def test_a_phase_cut_short_reports_the_parts_it_finished(tmp_path):
+    """On an H100 the throughput phase ran past its time box and returned nothing; now each part is kept."""
+    proof = _proof_module()
+    partial = {"phase": "throughput", "status": "partial", "seconds": 200.0, "machine": None,
+               "result": {"matmul_bf16_tflops": 612.0, "matmul_dtype": "bfloat16", "cifar_resnet18": [],
+                          "synthetic_224": []}}
+    (tmp_path / "phase-throughput.json").write_text(json.dumps(partial))
+    (tmp_path / "phase-throughput.status").write_text("timed out after 240 s\n")
+    assert proof.cmd_report(str(tmp_path)) == 0
+    text = (tmp_path / "proof.md").read_text()
+    assert "## throughput: timed out after 240 s: the parts below finished" in text and "612 TFLOP/s" in text
+    assert "## tests: not run" in text

@@ -117,12 +117,10 @@ def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
     assert "raise --loader-workers (now 2)" in err[0]
 
 
-def test_streamed_subset_and_bounded_knn_sets(folders, monkeypatch):
-    import unison.data.evalsets as E
+def test_streamed_subset_and_bounded_knn_sets(folders):
 
-    monkeypatch.setattr(E, "KNN_REFERENCE", 10)
     cfg = TrainConfig(data=folders["train"], val=folders["val"], data_mode="stream", subset=20, val_subset=6,
-                      batch_size=8, loader_workers=0, image_size=16)
+                      batch_size=8, loader_workers=0, image_size=16, knn_reference=10)
     data = S.build_batch_source(data_spec(cfg), torch.device("cpu"), "simclr")
     assert data.mode == "stream" and data.num_images == 20 and data.source.batches_per_epoch == 2
     epoch, indices, views = next(data.source.iter_from(0))
@@ -132,3 +130,20 @@ def test_streamed_subset_and_bounded_knn_sets(folders, monkeypatch):
     assert torch.bincount(knn.reference_labels).tolist() == [5, 5] and knn.num_classes == 2
     decoded, ok = knn.queries.decode(0, 6)
     assert bool(ok.all()) and decoded.dtype == torch.uint8 and decoded.shape == (6, 3, 16, 16)
+
+
+def test_the_knn_reference_set_is_bounded_unless_asked_for_all():
+    """The default bounds each kNN (5,000 class-balanced training images); 0 takes every one, as the published
+    kNN figures do (a 5,000-image reference set scores lower than the 45,000 it stands for)."""
+    import torch
+
+    from unison.data.evalsets import KNN_REFERENCE, knn_subsets
+
+    labels = torch.arange(12_000) % 10
+    queries = torch.arange(300) % 10
+    ref, query = knn_subsets(labels, queries, None, seed=0)
+    assert len(ref) == KNN_REFERENCE and torch.bincount(labels[ref]).tolist() == [KNN_REFERENCE // 10] * 10
+    every, _ = knn_subsets(labels, queries, None, seed=0, reference=0)
+    assert sorted(every.tolist()) == list(range(12_000))
+    some, _ = knn_subsets(labels, queries, None, seed=0, reference=1_000)
+    assert len(some) == 1_000 and len(query) == 300

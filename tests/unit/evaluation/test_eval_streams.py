@@ -113,9 +113,9 @@ def test_knn_sets_are_bounded_and_identical_in_both_data_modes(sets, monkeypatch
     now both modes take the same class-balanced reference subset and read the same pixels."""
     import unison.data.evalsets as E
 
-    monkeypatch.setattr(E, "KNN_REFERENCE", 10)
     monkeypatch.setattr(E, "KNN_QUERIES", 6)
-    built = {m: S.build_batch_source(data_spec(_cfg(sets, data_mode=m)), torch.device("cpu"), "simclr").knn
+    built = {m: S.build_batch_source(data_spec(_cfg(sets, data_mode=m, knn_reference=10)), torch.device("cpu"),
+                                     "simclr").knn
              for m in ("memory", "stream")}
     mem, stream = built["memory"], built["stream"]
     assert mem.reference.shape == stream.reference.shape == (10, 3, SIZE, SIZE)

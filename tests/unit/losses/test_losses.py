@@ -251,3 +251,19 @@ def test_barlow_and_vicreg_run_in_float32_under_autocast():
             low = loss_fn(z_a.bfloat16(), z_b.bfloat16())
         assert low.dtype == torch.float32
         torch.testing.assert_close(low, loss_fn(z_a.bfloat16().float(), z_b.bfloat16().float()))
+
+
+def test_ntxent_runs_in_float32_under_bf16_autocast():
+    """In bf16 the similarities are rounded to 1/128 before the division by T; the loss upcasts instead."""
+    from unison.losses import NTXentLoss
+
+    g = torch.Generator().manual_seed(0)
+    z_a = torch.randn(256, 128, generator=g)
+    z_b = z_a + 0.3 * torch.randn(256, 128, generator=g)
+    loss_fn = NTXentLoss(temperature=0.2, gather_distributed=False)
+    exact = loss_fn(z_a, z_b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = loss_fn(z_a, z_b)
+        from_bf16 = loss_fn(z_a.bfloat16(), z_b.bfloat16())   # what a projector under autocast hands over
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, exact)
+    assert torch.equal(from_bf16, loss_fn(z_a.bfloat16().float(), z_b.bfloat16().float()))
