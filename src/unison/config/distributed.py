@@ -177,10 +177,6 @@ class DistributedConfig:
                 f"distributed.grad_compression='bf16' needs CUDA + NCCL but the backend is {comm}; "
                 "use --grad-compression fp16 or powersgd")
         self._validate_sharding()
-        if self.shard == "full" and cuda_available and backend == "local":
-            # Seen on an H100 (torch 2.11): FSDP2's collectives on CUDA tensors over gloo killed the workers (SIGSEGV)
-            raise ConfigError("--shard full on one worker has nothing to shard, and a single CUDA worker's "
-                              "in-process group cannot run FSDP's collectives; use --shard none (or 2+ workers on NCCL)")
         if self.accumulation not in ACCUMULATIONS:
             raise ConfigError(f"distributed.accumulation={shown(self.accumulation)} is unknown; use one of "
                               f"{', '.join(ACCUMULATIONS)}")

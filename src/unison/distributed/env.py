@@ -259,6 +259,11 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     # NCCL, and a single in-memory process, train on this worker's GPU when there is one; gloo with
     # several workers stays on the CPU (torch's CUDA SyncBatchNorm needs NCCL).
     if comm == "nccl" or (cfg.resolved_backend() == "local" and torch.cuda.is_available()):
+        if comm != "nccl" and cfg.shard == "full":
+            # Seen on an H100 (torch 2.11): FSDP2's collectives on CUDA tensors over gloo killed the workers
+            # (SIGSEGV). Checked here, where the device is known: a configuration may be written for another machine
+            raise ConfigError("--shard full on one worker has nothing to shard, and a single CUDA worker's "
+                              "in-process group cannot run FSDP's collectives; use --shard none (or 2+ workers)")
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)

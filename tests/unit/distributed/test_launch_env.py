@@ -82,3 +82,21 @@ def test_gloo_uses_the_interface_towards_the_rendezvous(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")   # the user's choice stands
     assert N.gloo_interface("127.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
     assert N._interface_with("198.18.255.254") is None and N._source_address("no-such-host.invalid") is None
+
+
+def test_full_sharding_on_one_cuda_worker_is_refused_where_the_device_is_known(monkeypatch):
+    """One CUDA worker talks over an in-process gloo group, whose FSDP collectives on CUDA tensors killed the
+    workers on an H100. Refused when the worker picks its device, not in the configuration, which may be written
+    on a machine without the GPU it runs on (and a checkpoint of a CPU run with --shard full stays readable)."""
+    import torch
+
+    from unison.config.distributed import DistributedConfig
+    from unison.distributed.env import init_distributed
+    from unison.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as info:
+        init_distributed(DistributedConfig(world_size=1, shard="full"))
+    assert "--shard none" in str(info.value) and "\n" not in str(info.value)
+    assert not torch.distributed.is_initialized()   # refused before any process group exists
+    DistributedConfig(world_size=1, shard="full").validate(cuda_available=True)   # the configuration itself is fine
