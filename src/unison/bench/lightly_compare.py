@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -171,15 +172,22 @@ def run_lightly_side(cfg: BenchConfig, method: str, data: str, val: str | None, 
                "batch_size": cfg.batch_size, "steps": cfg.lightly_steps, "backbone": cfg.backbone,
                "loader_workers": cfg.lightly_loader_workers, "threads": threads, "knn_k": cfg.knn_k, "device": device,
                "amp": train_flag(cfg.train_args, "--amp") or "none"}
-    result = out_dir / f"lightly_side_{method}_seed{cfg.seed}.json"
+    return run_side_process(_lightly_child, payload, out_dir / f"lightly_side_{method}_seed{cfg.seed}.json",
+                            "lightly-side", f"the Lightly side of {method}")
+
+
+def run_side_process(target: Callable[[dict[str, Any], str], None], payload: dict[str, Any], result: Path,
+                     name: str, what: str) -> tuple[dict[str, Any], float]:
+    """`target(payload, result)` in a fresh spawned process (its own torch and threads), as each Lightly side
+    runs: (the JSON it wrote to `result`, wall seconds); `BenchError` naming `what` when it failed."""
     result.unlink(missing_ok=True)
-    proc = mp.get_context("spawn").Process(target=_lightly_child, args=(payload, str(result)), name="lightly-side")
+    proc = mp.get_context("spawn").Process(target=target, args=(payload, str(result)), name=name)
     started = time.perf_counter()
     proc.start()
     proc.join()
     wall = time.perf_counter() - started
     if proc.exitcode != 0 or not result.exists():
-        raise BenchError(f"the Lightly side of {method} exited with {proc.exitcode} (its traceback is above)")
+        raise BenchError(f"{what} exited with {proc.exitcode} (its traceback is above)")
     return json.loads(result.read_text()), wall
 
 

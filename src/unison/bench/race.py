@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import shlex
 import shutil
@@ -38,7 +37,7 @@ from unison.config.budget import parse_duration
 from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
-from .lightly_compare import PILImages, package_version, side_threads, user_loader_context
+from .lightly_compare import PILImages, package_version, run_side_process, side_threads, user_loader_context
 from .race_hook import ENV as SNAPSHOT_ENV
 from .race_hook import save_snapshot
 from .report import fmt_duration, markdown_table, write_csv
@@ -167,18 +166,10 @@ def _lightly_side(cfg: BenchConfig, data: str, out_dir: Path, snapshots: Path, t
                "backbone": cfg.backbone, "loader_workers": cfg.lightly_loader_workers, "threads": threads,
                "budget_s": parse_duration(cfg.budget), "points": cfg.race_points, "snapshots": str(snapshots),
                "device": "cuda" if cfg.backend == "nccl" else "cpu"}
-    result = out_dir / "race_lightly.json"
-    result.unlink(missing_ok=True)
-    proc = mp.get_context("spawn").Process(target=_lightly_child, args=(payload, str(result)), name="lightly-race")
-    started = time.perf_counter()
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0 or not result.exists():
-        raise BenchError(f"the Lightly side exited with {proc.exitcode} (its traceback is above)")
-    r = json.loads(result.read_text())
+    r, wall = run_side_process(_lightly_child, payload, out_dir / "race_lightly.json", "lightly-race",
+                               "the Lightly side")
     return {"side": "lightly", "version": package_version("lightly"), "command": f"Lightly SimCLR, {json.dumps(payload)}",
-            "steps": r["steps"], "global_batch": cfg.batch_size, "used_s": r["used_s"],
-            "wall_s": time.perf_counter() - started,
+            "steps": r["steps"], "global_batch": cfg.batch_size, "used_s": r["used_s"], "wall_s": wall,
             "pipeline": "PIL dataset + SimCLRTransform + DataLoader workers + SimCLRProjectionHead + NTXentLoss"}
 
 

@@ -23,7 +23,7 @@ from unison.config.budget import check_plan, duration_with_units, parse_duration
 from unison.config.distributed import DistributedConfig
 from unison.config.extras import install_command
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
-from unison.config.limits import MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
+from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.config.presets import PRESETS, with_preset
 from unison.errors import ConfigError
 
@@ -95,7 +95,7 @@ class TrainConfig:
     val_subset: int | None = field(default=None, metadata={
         "range": Range(1, MAX_IMAGES),
         "help": "use a class-balanced subset of N held-out images"})
-    knn_reference: int = field(default=5000, metadata={
+    knn_reference: int = field(default=KNN_REFERENCE, metadata={
         "range": Range(0, MAX_IMAGES, hint=" (0 = every training image)"),
         "help": "training images in the kNN reference set, class-balanced; 0: all of them, the protocol of "
                 "published kNN figures (Lightly's, solo-learn's): a larger set scores higher and costs more"})

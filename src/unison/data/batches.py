@@ -64,19 +64,16 @@ class EpochOrder:
 
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor]]:
         """``(epoch, this rank's sample indices)`` of every global batch from `batch_number` (counted over epochs)."""
-        epoch, first = divmod(batch_number, self.batches_per_epoch)
-        while True:
-            for batch in global_batches(self.n, self.global_batch, epoch, self.seed)[first:]:
-                yield epoch, batch[self.rows]
-            epoch, first = epoch + 1, 0
+        for epoch, rows in self.epochs_from(batch_number):
+            for indices in rows:
+                yield epoch, indices
 
-    def epochs_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """``(epoch, this rank's sample indices of its remaining batches, [batches, local batch])`` per epoch from
-        `batch_number`: the same indices as `iter_from`, a whole epoch at a time."""
+    def epochs_from(self, batch_number: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """``(epoch, this rank's sample indices of each of its remaining global batches)`` per epoch from
+        `batch_number`: the walk `iter_from` flattens, a whole epoch at a time."""
         epoch, first = divmod(batch_number, self.batches_per_epoch)
         while True:
-            yield epoch, torch.stack([batch[self.rows] for batch in global_batches(self.n, self.global_batch, epoch,
-                                                                                   self.seed)[first:]])
+            yield epoch, [batch[self.rows] for batch in global_batches(self.n, self.global_batch, epoch, self.seed)[first:]]
             epoch, first = epoch + 1, 0
 
 
@@ -93,5 +90,5 @@ class InMemoryBatches:
         # queued before it, so a copy per step kept the host from running ahead of the GPU (an H100 run spent
         # 35 % of its time in the data path, most of it waiting for the previous step's kernels)
         for epoch, rows in self.order.epochs_from(batch_number):
-            for indices in rows.to(self.data.images.device):
+            for indices in torch.stack(rows).to(self.data.images.device):
                 yield epoch, indices, self.augment(self.data.images[indices], indices, epoch=epoch, seed=self.seed)

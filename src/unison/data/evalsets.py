@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from unison.config.fields import ascii_digits
+from unison.config.limits import KNN_REFERENCE
 from unison.errors import ConfigError, DataError
 
 from .decode import decode_centre
@@ -46,7 +47,6 @@ from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["KNN_QUERIES", "KNN_REFERENCE", "KnnSets", "LazyImages", "knn_sets", "knn_subsets", "map_labels"]
 
-KNN_REFERENCE = 5_000
 KNN_QUERIES = 2_000
 
 

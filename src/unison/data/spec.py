@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from unison.config.limits import KNN_REFERENCE
 from unison.errors import DataError
 
 __all__ = ["BUILTIN", "BUILTIN_IMAGES", "BUILTIN_SIZES", "DataSpec", "check_batch", "check_step", "check_subset"]
@@ -48,7 +49,7 @@ class DataSpec:
     val: str | None = None             # held-out data for kNN
     subset: int | None = None          # class-balanced subset of the training data
     val_subset: int | None = None      # ... of the held-out data
-    knn_reference: int = 5_000         # training images in the kNN reference set, class-balanced (0: all)
+    knn_reference: int = KNN_REFERENCE  # training images in the kNN reference set, class-balanced (0: all)
     on_corrupt: str = "skip"           # unreadable images: "skip" or "error"
     data_mode: str = "auto"            # "auto", "memory" or "stream"
     decode: str = "cpu"                # "cpu" or "gpu" (streamed JPEGs decoded on the GPU)

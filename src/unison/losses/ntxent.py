@@ -46,8 +46,7 @@ class NTXentLoss(nn.Module):
     def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
         if z_a.shape != z_b.shape:
             raise ValueError(f"the two views' embeddings differ in shape: {tuple(z_a.shape)} vs {tuple(z_b.shape)}")
-        # Under bf16 autocast the similarities would be rounded to 1/128 before the division by the temperature;
-        # in float32 the [2n, 2N] product of 128-d embeddings costs next to nothing beside the backbone
+        # float32 under autocast (module docstring): the [2n, 2N] product of small embeddings costs next to nothing
         return in_full_precision(self._loss, z_a, z_b)
 
     def _loss(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
