@@ -117,3 +117,47 @@ def test_nccl_two_ranks_on_one_gpu_is_tried():
     except Exception as e:
         pytest.xfail(f"NCCL refused 2 ranks on 1 GPU: {type(e).__name__}: {' '.join(str(e).split())[:250]}")
     assert result == [3.0, 3.0]
+
+
+def _speedrun_like(**cfg_kwargs) -> TrainConfig:
+    return TrainConfig(method="simclr", data="synthetic", backbone="resnet18", batch_size=64, epochs=4,
+                       image_size=32, progress=False, online_probe=False, amp="bf16", data_mode="memory",
+                       distributed=DistributedConfig(backend="local", world_size=1), **cfg_kwargs)
+
+
+def _device_syncs_per_step(cfg: TrainConfig, steps: int = 3) -> dict:
+    """The host synchronisations CUDA itself reports (``torch.cuda.set_sync_debug_mode``) in the loop's own step
+    on GPU 0: the in-memory batches and their device-side views, forward, backward and optimiser step, counted
+    over `steps` steps after a first one (which creates the optimiser's state)."""
+    import warnings
+
+    from unison.training.step import build_run, forward_backward, optimizer_step
+    from unison.training.step import steps as step_groups
+
+    run = build_run(cfg, CUDA, train_set=synthetic_dataset(64, 32).to(CUDA))
+    seen: list[str] = []
+    stream = step_groups(run)
+    for n in range(1 + steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if n else "default")
+            try:
+                for batch in next(stream):
+                    forward_backward(run, batch)
+                optimizer_step(run, n)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        seen += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return {"per_step": len(seen) / steps, "where": sorted(set(seen))}
+
+
+def test_the_step_synchronises_the_host_only_where_unison_plan_says():
+    """The speed-run's claim on real CUDA: in-memory batches and device-side views cost no host sync, and the
+    step makes exactly the ones `unison plan` lists (the finite-loss check)."""
+    from unison.plan import step_host_syncs
+
+    cfg = _speedrun_like()
+    planned = [str(s) for s in step_host_syncs(cfg) if not s.host_only]
+    out = _local(_device_syncs_per_step, cfg)
+    assert out["per_step"] <= len(planned), (
+        f"{out['per_step']} syncs per step, unison plan lists {len(planned)}: {planned}; seen at {out['where']}")
