@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -383,6 +384,7 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     from unison.bench.table import run_train
     from unison.data.catalog import open_catalog
     from unison.distributed.launch import find_free_port
+    from unison.errors import BenchError
 
     train, val = data_paths(args)
     n = len(open_catalog(train))
@@ -390,6 +392,7 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     left = (args.deadline - time.time() - s["reserve_s"]) if args.deadline else 60.0
     # `--time-budget`: the run measures its own step, plans warm-up and cosine for the steps that fit (start-up,
     # the final kNN and checkpoint included) and stops on time; the dry run caps it at one epoch
+    started = time.time()
     budget_s = max(30, int(min(left, args.accuracy_s)))
     run_dir = Path(args.out) / "runs" / "accuracy"
     argv = ["train", "--preset", "speedrun", "--backbone", "resnet18" if not args.tiny else "small_cnn",
@@ -403,13 +406,34 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         argv += ["--eval-every", str(s["eval_every"])]
     if args.device == "cuda":
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]   # speedrun: bf16 and --compile
-    summary, wall = run_train(argv, run_dir)
+    fallback: dict[str, Any] = {}
+    try:
+        summary, wall = run_train(argv, run_dir)
+    except BenchError as exc:
+        if args.device != "cuda":
+            raise
+        # A failed compile (an H100 run hit an InductorError) must not cost the figure: the worker's traceback
+        # goes into the record, and the run starts again eager, for the budget that is left
+        fallback = {"compiled_run_failed": str(exc)[:300], "worker_traceback": _worker_traceback(exc)}
+        left = (args.deadline - time.time() - s["reserve_s"]) if args.deadline else 60.0
+        budget_s = max(30, int(min(left, args.accuracy_s - (time.time() - started))))
+        i = argv.index("--time-budget")
+        argv[i + 1] = f"{budget_s}s"
+        argv += ["--no-compile"]
+        shutil.rmtree(run_dir, ignore_errors=True)   # the failed attempt's folder: a new run, not a resume
+        summary, wall = run_train(argv, run_dir)
     used = summary.get("extra", {}).get("time_budget") or {}
-    return {"command": "unison " + " ".join(argv), "epochs": round(summary["epochs"], 2), "steps": summary["steps"],
+    return {**fallback, "command": "unison " + " ".join(argv), "epochs": round(summary["epochs"], 2), "steps": summary["steps"],
             "budget_left_s": left, "time_budget_s": budget_s, "budget_used_s": used.get("used_s"),
             "knn_top1": summary["knn_top1"],
             "knn_queries": s["val_subset"] or "all (tiny)", "train_time_s": summary["train_time_s"], "wall_s": wall,
             "data_wait_share": summary["data_wait_fraction"], "peak_memory_mib": summary["peak_memory_mib"]}
+
+
+def _worker_traceback(exc: BaseException) -> str:
+    """The last lines of the failed worker's traceback behind `exc` (run_train raises it `from None`)."""
+    inner = exc.__cause__ or exc.__context__
+    return "\n".join(str(getattr(inner, "traceback", "") or "").splitlines()[-40:])
 
 
 # --------------------------------------------------------------------------- running and reporting
@@ -437,6 +461,7 @@ def cmd_phase(args: argparse.Namespace) -> int:
         traceback.print_exc()
         record["status"] = "failed"
         record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        record["worker_traceback"] = _worker_traceback(e)
     record["seconds"] = time.time() - started
     (out / f"phase-{args.name}.json").write_text(json.dumps(record, indent=1, default=str))
     return 0 if record["status"] == "ok" else 1

@@ -57,6 +57,7 @@ phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its 
 report() {
   "$PY" benchmarks/gpu_proof.py report --out "$WORK" && cp "$WORK"/proof.json "$WORK"/proof.md "$OUT"/ 2>/dev/null
   [ -f "$WORK/runs/accuracy/metrics.csv" ] && cp "$WORK/runs/accuracy/metrics.csv" "$OUT/accuracy-metrics.csv"
+  [ -f "$WORK/runs/accuracy/train.log" ] && tail -c 200000 "$WORK/runs/accuracy/train.log" > "$OUT/accuracy-train.log"
   return 0
 }
 

@@ -134,7 +134,8 @@ def _device_syncs_per_step(cfg: TrainConfig, steps: int = 3) -> dict:
     from unison.training.step import build_run, forward_backward, optimizer_step
     from unison.training.step import steps as step_groups
 
-    run = build_run(cfg, CUDA, train_set=synthetic_dataset(64, 32).to(CUDA))
+    # 4 steps an epoch: the epoch's index copy (once per epoch, batches.py) falls on the uncounted first step
+    run = build_run(cfg, CUDA, train_set=synthetic_dataset(256, 32).to(CUDA))
     seen: list[str] = []
     stream = step_groups(run)
     for n in range(1 + steps):
