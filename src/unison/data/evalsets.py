@@ -8,7 +8,8 @@
 * **Streamed**: images of folders, file lists and shards are decoded when embedded, one batch at a
   time (`LazyImages`: the shorter side resized to the view size, the centre square, EXIF orientation
   applied: `unison.data.decode.decode_centre`): memory holds the features, never the images, so it does
-  not grow with the data. The built-in sets and sets given in memory are tensors already.
+  not grow with the data. The built-in sets and sets given in memory are tensors already. With
+  ``--data-mode memory`` the decoded batches stay on the device after the first kNN (``keep_decoded``).
 * **Unreadable images** follow ``--on-corrupt``: ``skip`` leaves them out of the sets (`LazyImages.decode`
   says which rows decoded; `unison.eval.knn` reports one total over all ranks, once), ``error`` is a
   `DataError` naming the file. PIL's warnings while decoding are part of that count, never printed raw.
@@ -69,19 +70,38 @@ class _Unreadable:
     reported: bool = False
 
 
+class _Kept:
+    """The decoded batches of one `LazyImages` set (shared by its contiguous slices), kept on the device: with
+    ``--data-mode memory`` a kNN every few epochs decoded the same JPEGs again each time (an H100 run spent
+    10-15 s of its 5-minute budget per kNN on the host, decoding 45,000 images). Batches are looked up by
+    their exact (start, stop) rows, which the kNN's fixed batching repeats."""
+
+    def __init__(self) -> None:
+        self.batches: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.batches.get((start, stop))
+
+    def put(self, start: int, images: torch.Tensor, ok: torch.Tensor) -> None:
+        self.batches[(start, start + images.shape[0])] = (images, ok)
+
+
 class LazyImages:
     """Images of a catalog decoded on demand at ``size`` (shorter side resized, centre square, upright).
 
     ``images[a:b]`` is another `LazyImages` (sharing the record of unreadable files); ``images.decode(a, b)``
     the uint8 ``[b-a, 3, size, size]`` tensor on `device` and a bool ``[b-a]`` mask of the rows that decoded
     (unreadable rows are black), decoded in a thread pool (PIL releases the GIL while decoding and resizing).
-    With ``on_corrupt="error"`` an unreadable image is a `DataError` naming it.
+    With ``on_corrupt="error"`` an unreadable image is a `DataError` naming it. ``keep=True`` keeps what it
+    decoded on the device (`_Kept`; the in-memory data mode, which holds the training images there already).
     """
 
     def __init__(self, catalog: Catalog, indices: np.ndarray, size: int, device: torch.device, on_corrupt: str,
-                 unreadable: _Unreadable | None = None):
+                 unreadable: _Unreadable | None = None, *, keep: bool = False, kept: _Kept | None = None,
+                 offset: int = 0):
         self.catalog, self.indices, self.size, self.device, self.on_corrupt = catalog, indices, size, device, on_corrupt
         self.unreadable = unreadable if unreadable is not None else _Unreadable()
+        self.kept, self.offset = (_Kept() if keep else kept), offset
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -91,9 +111,23 @@ class LazyImages:
         return len(self.indices)
 
     def __getitem__(self, part: slice) -> LazyImages:
-        return LazyImages(self.catalog, self.indices[part], self.size, self.device, self.on_corrupt, self.unreadable)
+        rows = range(len(self.indices))[part]
+        kept = self.kept if rows.step == 1 else None   # a contiguous slice shares the kept decodes
+        return LazyImages(self.catalog, self.indices[part], self.size, self.device, self.on_corrupt, self.unreadable,
+                          kept=kept, offset=self.offset + (rows.start if kept is not None else 0))
 
     def decode(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        stop = len(self.indices) if stop is None else min(stop, len(self.indices))
+        if self.kept is not None:
+            found = self.kept.get(self.offset + start, self.offset + stop)
+            if found is not None:
+                return found
+        images, ok = self._decode(start, stop)
+        if self.kept is not None:
+            self.kept.put(self.offset + start, images, ok)
+        return images, ok
+
+    def _decode(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         chosen = self.indices[start:stop]
         out = np.zeros((len(chosen), self.size, self.size, 3), dtype=np.uint8)
 
@@ -172,11 +206,12 @@ def _some(names: list[str]) -> str:
 
 def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalog | None = None,
              pick: np.ndarray | None = None, train_set: ImageTensorDataset | None = None,
-             val_catalog: Catalog | None = None, val_set: ImageTensorDataset | None = None
-             ) -> tuple[KnnSets | None, str | None]:
+             val_catalog: Catalog | None = None, val_set: ImageTensorDataset | None = None,
+             keep_decoded: bool = False) -> tuple[KnnSets | None, str | None]:
     """The kNN sets of the training data (`catalog` rows `pick`, or the in-memory `train_set`) against the
     held-out data (`val_catalog` of ``spec.val``, the in-memory `val_set`, or a built-in set's held-out split);
-    (None, why) when there is no labelled held-out data."""
+    (None, why) when there is no labelled held-out data. `keep_decoded`: decoded images stay on the device
+    (`LazyImages`'s ``keep``), for the in-memory data mode."""
     classes = catalog.classes if catalog is not None else (train_set.classes if train_set is not None else [])
     if not classes:
         return None, f"the training data {spec.data} has no labels"
@@ -198,11 +233,12 @@ def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalo
                          else val_set.labels.cpu()]   # type: ignore[union-attr]
     ref, query = knn_subsets(ref_labels, val_labels, spec.val_subset, spec.seed, spec.knn_reference)
     if catalog is not None:
-        reference: Any = LazyImages(catalog, pick[ref.numpy()], size, device, spec.on_corrupt)   # type: ignore[index]
+        reference: Any = LazyImages(catalog, pick[ref.numpy()], size, device, spec.on_corrupt,   # type: ignore[index]
+                                    keep=keep_decoded)
     else:
         reference = train_set.images[ref.to(train_set.images.device)]   # type: ignore[union-attr]
     if val_catalog is not None:
-        queries: Any = LazyImages(val_catalog, query.numpy(), size, device, spec.on_corrupt)
+        queries: Any = LazyImages(val_catalog, query.numpy(), size, device, spec.on_corrupt, keep=keep_decoded)
     else:
         queries = val_set.images[query.to(val_set.images.device)]   # type: ignore[union-attr]
     return KnnSets(reference, ref_labels[ref].to(device), queries, val_labels[query].to(device), len(classes)), None

@@ -284,6 +284,28 @@ def test_lazy_images_decode_on_the_same_threads_every_batch(sets, monkeypatch):
     assert len(threads) <= min(8, os.cpu_count() or 1)
 
 
+def test_in_memory_runs_decode_their_knn_images_once(sets, monkeypatch):
+    """A kNN every few epochs of an in-memory run decoded the same JPEGs each time (10-15 s per kNN of a
+    5-minute H100 run); in memory mode the decoded batches stay, and every kNN gives the same number.
+    Streamed runs decode again (their memory must not grow with the data)."""
+    import unison.data.evalsets as E
+
+    decoded: list[int] = []
+    real = E.decode_centre
+    monkeypatch.setattr(E, "decode_centre", lambda data, size: decoded.append(1) or real(data, size))
+    encode = lambda x: x.float().mean((2, 3))  # noqa: E731
+    for mode, first_only in (("memory", True), ("stream", False)):
+        knn = S.build_batch_source(data_spec(_cfg(sets, data_mode=mode)), torch.device("cpu"), "simclr").knn
+        counts, accs = [], []
+        for _ in range(2):
+            decoded.clear()
+            accs.append(knn_accuracy(encode, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
+                                     lambda x: x, 2, k=5, batch_size=7))
+            counts.append(len(decoded))
+        assert counts[0] > 0 and (counts[1] == 0 if first_only else counts[1] == counts[0]), (mode, counts)
+        assert accs[0] == accs[1]
+
+
 def test_freed_blocks_of_a_phase_leave_the_heap():
     """Item 2: glibc raised its mmap threshold to the largest block freed (up to 32 MiB); blocks below it then
     stayed in the heap once freed, so the kNN of a larger reference set left a higher peak (+230 MiB per
