@@ -133,7 +133,7 @@ def phase_tests(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     tests = [] if xml.is_file() else _verbose_outcomes(stdout)
     if xml.is_file():
         for case in ET.parse(xml).getroot().iter("testcase"):
-            outcome, message = "passed", ""
+            outcome, message, details = "passed", "", ""
             for tag in ("failure", "error", "skipped"):
                 node = case.find(tag)
                 if node is not None:
@@ -141,8 +141,10 @@ def phase_tests(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
                     if tag == "skipped" and "xfail" in (node.get("type") or ""):
                         outcome = "xfailed"
                     message = _first_line(node.get("message"), node.text)
+                    # proof.json keeps the traceback's end: a device call is too dear to rerun for it
+                    details = (node.text or "")[-2500:] if tag != "skipped" else ""
             tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
-                          "message": message})
+                          "message": message, "details": details})
     return {"returncode": returncode, "tests": tests, "tail": stdout[-2000:] + stderr[-1000:]}
 
 
