@@ -6,8 +6,8 @@
 # run's metrics come back); the phases work in $UNISON_PROOF_WORK (default runs/gpu_proof: runs, checkpoints,
 # per-phase records, kept between calls on a warm machine). docs/benchmarks.md, "GPU".
 #
-#   bash benchmarks/gpu_proof.sh --phases tests,throughput,plan   # on the GPU, call 1: at most 385 s
-#   bash benchmarks/gpu_proof.sh --phases accuracy                # call 2: a 5-minute budget (--accuracy-s 300)
+#   bash benchmarks/gpu_proof.sh --phases accuracy                # on the GPU, call 1: a 5-minute budget
+#   bash benchmarks/gpu_proof.sh --phases tests,throughput,plan   # call 2: at most 385 s
 #   bash benchmarks/gpu_proof.sh --device cpu --tiny              # the dry run: every phase, tiny work, under 60 s
 #
 # Needs gpu_carry/ from scripts/gpu_prepare.sh (the dry run makes its own tiny data without it).

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from unison.config.fields import Range, check_fields
-from unison.config.train import MAX_BATCH
+from unison.config.train import DATA_LAYOUTS, MAX_BATCH
 from unison.errors import ConfigError, Preempted
 from unison.paths import write_error
 
@@ -56,8 +56,8 @@ class EmbedOptions:
         "help": "run directory (its latest checkpoint) or checkpoint file; required", "required": True,
         "metavar": "RUN_DIR_OR_FILE"})
     data: str | None = field(default=None, metadata={
-        "help": "images to embed: an image folder (with or without class folders), a file list or .tar shards; "
-                "default: the run's training data (as the run read it, from any folder)"})
+        "help": f"images to embed: {DATA_LAYOUTS}; default: the run's training data (as the run read it, from "
+                "any folder)"})
     out: str | None = field(default=None, metadata={
         "help": "features file, .npy (float32 [N, dim]); the file names go to OUT with .names.csv; required",
         "required": True, "metavar": "OUT.npy"})

@@ -48,7 +48,7 @@ import torch
 
 from unison.config import TrainConfig
 from unison.config.fields import Range, check_fields, count
-from unison.config.train import MAX_BATCH, MAX_EPOCHS
+from unison.config.train import DATA_LAYOUTS, MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -69,8 +69,7 @@ class EvalOptions:
     checkpoint: str | None = field(default=None, metadata={
         "help": "run directory (its latest checkpoint) or checkpoint file; required", "required": True, "metavar": "RUN_DIR_OR_FILE"})
     data: str | None = field(default=None, metadata={
-        "help": "reference/training data (as train's --data: 'digits', 'cifar10', an image folder, a file "
-                "list or .tar shards); default: the run's"})
+        "help": f"reference/training data ('digits', 'cifar10', {DATA_LAYOUTS}); default: the run's"})
     val: str | None = field(default=None, metadata={
         "help": "held-out data; default: the run's (or the held-out split of --data when --data is given)"})
     subset: int | None = field(default=None, metadata={"range": _as_in_training("subset"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from unison.config.train import DATA_LAYOUTS
+
 __all__ = ["CURVE_TOLERANCE", "TOLERANCE", "CheckSpec", "CurveSpec"]
 
 TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
@@ -37,8 +39,8 @@ class CheckSpec:
     lr: float | None = field(default=None, metadata={
         "help": "base learning rate per 256 images; default: the method's recipe, as in unison train"})
     data: str | None = field(default=None, metadata={
-        "help": "check on these images instead of synthetic ones: a folder, file list or tar shards, streamed "
-                "(each worker decodes its slice of every batch in a loader process) at --image-size"})
+        "help": f"check on these images instead of synthetic ones ({DATA_LAYOUTS}), streamed (each worker "
+                "decodes its slice of every batch in a loader process) at --image-size"})
     grad_sync_every: int = field(default=1, metadata={
         "help": "micro-batches per optimiser step (as unison train's); the reference takes them in one step when the "
                 "backbone has no batch norm, else in as many micro-batches"})

@@ -27,6 +27,11 @@ from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS,
 from unison.config.presets import PRESETS, with_preset
 from unison.errors import ConfigError
 
+# Every layout a data option reads, for the help of every command that takes images (one wording, one place)
+DATA_LAYOUTS = ("an ImageFolder directory, a folder of images (unlabelled), a file list (one path per line, optional "
+                "label), .tar shards (x.tar, a folder of them, or train-{0000..0146}.tar) or a pack (x.pack: "
+                "unison.data.pack)")
+
 AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")
 DATA_MODES = ("auto", "memory", "stream")
@@ -83,9 +88,7 @@ class TrainConfig:
         "choices": PRESETS})
     method: str = field(default="simclr", metadata={"help": "self-supervised method (the list below)"})
     data: str = field(default="digits", metadata={
-        "help": "training data: 'digits' (embedded), 'cifar10' (torchvision download), an ImageFolder directory, "
-                "a folder of images (unlabelled), a file list (one path per line, optional label) or .tar shards "
-                "(x.tar, a folder of them, or train-{0000..0146}.tar) or a pack (x.pack: unison.data.pack)"})
+        "help": f"training data: 'digits' (embedded), 'cifar10' (torchvision download), {DATA_LAYOUTS}"})
     val: str | None = field(default=None, metadata={
         "help": "labelled held-out data for kNN, in any --data layout; default: the held-out split of digits / "
                 "cifar10, and no kNN for other data"})

@@ -9,7 +9,7 @@
   time (`LazyImages`: the shorter side resized to the view size, the centre square, EXIF orientation
   applied: `unison.data.decode.decode_centre`): memory holds the features, never the images, so it does
   not grow with the data. The built-in sets and sets given in memory are tensors already. With
-  ``--data-mode memory`` the decoded batches stay on the device after the first kNN (``keep_decoded``).
+  ``--data-mode memory`` they are decoded once, at the start, and stay on the device (``keep_decoded``).
 * **Unreadable images** follow ``--on-corrupt``: ``skip`` leaves them out of the sets (`LazyImages.decode`
   says which rows decoded; `unison.eval.knn` reports one total over all ranks, once), ``error`` is a
   `DataError` naming the file. PIL's warnings while decoding are part of that count, never printed raw.
@@ -37,7 +37,9 @@ import torch
 
 from unison.config.fields import ascii_digits
 from unison.config.limits import KNN_REFERENCE
+from unison.distributed.collectives import contiguous_share, rank, world_size
 from unison.errors import ConfigError, DataError
+from unison.progress import Progress
 
 from .decode import decode_centre
 from .files import decode_reason
@@ -71,19 +73,29 @@ class _Unreadable:
 
 
 class _Kept:
-    """The decoded batches of one `LazyImages` set (shared by its contiguous slices), kept on the device: with
-    ``--data-mode memory`` a kNN every few epochs decoded the same JPEGs again each time (an H100 run spent
-    10-15 s of its 5-minute budget per kNN on the host, decoding 45,000 images). Batches are looked up by
-    their exact (start, stop) rows, which the kNN's fixed batching repeats."""
+    """The decoded rows of one `LazyImages` set (shared by its contiguous slices), kept on the device: with
+    ``--data-mode memory`` a kNN every few epochs decoded the same JPEGs each time (an H100 run spent 10-15 s
+    of its 5-minute budget per kNN on the host, decoding 45,000 images), and the final kNN overran the
+    budget by that decode."""
 
-    def __init__(self) -> None:
-        self.batches: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, n: int):
+        self.n = n
+        self.images: torch.Tensor | None = None
+        self.ok: torch.Tensor | None = None
+        self.done = np.zeros(n, dtype=bool)
 
     def get(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.batches.get((start, stop))
+        if self.images is None or self.ok is None or not self.done[start:stop].all():
+            return None
+        return self.images[start:stop], self.ok[start:stop]
 
     def put(self, start: int, images: torch.Tensor, ok: torch.Tensor) -> None:
-        self.batches[(start, start + images.shape[0])] = (images, ok)
+        if self.images is None:
+            self.images = torch.zeros((self.n, *images.shape[1:]), dtype=images.dtype, device=images.device)
+            self.ok = torch.zeros(self.n, dtype=torch.bool, device=ok.device)
+        stop = start + images.shape[0]
+        self.images[start:stop], self.ok[start:stop] = images, ok   # type: ignore[index]
+        self.done[start:stop] = True
 
 
 class LazyImages:
@@ -101,7 +113,7 @@ class LazyImages:
                  offset: int = 0):
         self.catalog, self.indices, self.size, self.device, self.on_corrupt = catalog, indices, size, device, on_corrupt
         self.unreadable = unreadable if unreadable is not None else _Unreadable()
-        self.kept, self.offset = (_Kept() if keep else kept), offset
+        self.kept, self.offset = (_Kept(len(indices)) if keep else kept), offset
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -126,6 +138,17 @@ class LazyImages:
         if self.kept is not None:
             self.kept.put(self.offset + start, images, ok)
         return images, ok
+
+    def keep_share(self, what: str, batch_size: int = 1024) -> None:
+        """Decode this process's share of the set now (the rows this rank embeds: `contiguous_share`), so that
+        a kept set's kNNs decode nothing: the start-up of an in-memory run pays it, as it pays the training
+        set's decode, instead of a time-budgeted run's final kNN."""
+        share = contiguous_share(len(self.indices), rank(), world_size())
+        progress = Progress(f"decoding the kNN {what} into memory:", share.stop - share.start, len(self.indices),
+                            show=rank() == 0)
+        for i in range(share.start, share.stop, batch_size):
+            self.decode(i, min(i + batch_size, share.stop))
+            progress(min(i + batch_size, share.stop) - share.start)
 
     def _decode(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         chosen = self.indices[start:stop]

@@ -236,6 +236,10 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         val_catalog = None if val_set is not None else _val_catalog(spec)
         knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set, val_catalog=val_catalog,
                                     val_set=val_set, keep_decoded=True)
+    if knn is not None:   # decoded once, now: the start-up pays it, not each kNN (nor a budget's final one)
+        for images, what in ((knn.reference, "reference set"), (knn.queries, "queries")):
+            if isinstance(images, LazyImages):
+                images.keep_share(what)
     return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
                      train_set, val_set, knn, knn_skipped)
 

@@ -24,9 +24,11 @@ def test_speedrun_from_the_command_line(tmp_path):
     assert cfg.method_params["temperature"] == 0.3
 
 
-def test_speedrun_on_a_gpu_adds_bf16_and_compile_only_there():
-    assert preset_values("speedrun", cuda=True)["amp"] == "bf16" and preset_values("speedrun", cuda=True)["compile"]
-    assert "amp" not in preset_values("speedrun", cuda=False) and "compile" not in preset_values("speedrun", False)
+def test_speedrun_on_a_gpu_adds_bf16_only_there_and_never_compiles():
+    # compile: 42 s of start-up against 3 s eager on an H100, and no faster step (the presets' docstring)
+    assert preset_values("speedrun", cuda=True)["amp"] == "bf16"
+    assert "amp" not in preset_values("speedrun", cuda=False)
+    assert not any(preset_values("speedrun", cuda).get("compile") for cuda in (True, False))
     # kNN against every training image, comparable with published kNN figures: a second on a GPU, minutes on a CPU
     assert preset_values("speedrun", cuda=True)["knn_reference"] == 0
     assert "knn_reference" not in preset_values("speedrun", cuda=False)

@@ -108,13 +108,20 @@ def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
 
     from unison.training.loop import DataWaitWarning
 
-    run = SimpleNamespace(data=SimpleNamespace(mode="stream", source=SimpleNamespace(loader_workers=2)))
-    waits = DataWaitWarning(run)
-    for step, share in ((10, 0.9), (20, 0.1), (30, 0.6), (40, 0.7)):   # the first window (start-up) is excused
-        waits.observe(step, share)
-    err = capsys.readouterr().err.splitlines()
+    def warnings_of(mode: str, device: str) -> list[str]:
+        run = SimpleNamespace(data=SimpleNamespace(mode=mode, source=SimpleNamespace(loader_workers=2)),
+                              device=torch.device(device))
+        waits = DataWaitWarning(run)
+        for step, share in ((10, 0.9), (20, 0.1), (30, 0.6), (40, 0.7)):   # the first window (start-up) is excused
+            waits.observe(step, share)
+        return capsys.readouterr().err.splitlines()
+
+    err = warnings_of("stream", "cpu")
     assert len(err) == 1 and "waited for data 60% of the time up to step 30" in err[0]
     assert "raise --loader-workers (now 2)" in err[0]
+    assert "in-memory augmentation is the bottleneck" in warnings_of("memory", "cpu")[0]
+    # On a GPU the in-memory views are queued kernels: the host's wait is not the augmentation's time
+    assert warnings_of("memory", "cuda") == [] and len(warnings_of("stream", "cuda")) == 1
 
 
 def test_streamed_subset_and_bounded_knn_sets(folders):
