@@ -60,6 +60,10 @@ _COMMON = dict(
 PRESETS: dict[str, dict] = {
     # SimCLR (Chen et al., 2020), as in solo-learn / lightly CIFAR configs.
     "simclr": dict(_COMMON),
+    # MoCo v2 (Chen et al., 2020, "Improved Baselines") and SimSiam (Chen & He, 2021): SimCLR's colour ops, crops
+    # from 20 % of the image (their code's RandomResizedCrop(scale=(0.2, 1.0)); Lightly's MoCoV2Transform and
+    # SimSiamTransform too). With SimCLR's 8 %, unison's MoCo was 3 points under Lightly's at 200 CIFAR-10 steps.
+    "mocov2": {**_COMMON, "crop_scale": (0.2, 1.0)},
     # BYOL (Grill et al., 2020): asymmetric blur / solarisation between the two views.
     "byol": {**_COMMON, "saturation": 0.2, "blur_p": (1.0, 0.1), "solarize_p": (0.0, 0.2)},
     # SwAV / DINO multi-crop with SimCLR colour ops: 2 global + 4 local crops.

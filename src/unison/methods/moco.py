@@ -13,7 +13,8 @@ notebook and Lightly's benchmark do the same).
 
 Defaults: CIFAR-10 settings of the official MoCo CIFAR-10 demo and Lightly's benchmark:
 T = 0.1, K = 4096, m = 0.99, projector 512-512-128 without batch norm (MoCo v2's head),
-SGD, lr 0.06 per 128 images (0.12 per 256), weight decay 5e-4, SimCLR augmentations.
+SGD, lr 0.06 per 128 images (0.12 per 256), weight decay 5e-4, SimCLR's colour augmentations with crops from
+20 % of the image (MoCo v2's, preset ``mocov2``).
 solo-learn's MoCo v2+ uses T = 0.2 with a 32768 queue; pass ``temperature=0.2`` for that.
 
 Distributed semantics
@@ -148,7 +149,7 @@ def queue_size_check(params: MoCoParams, n_local: int, w: int, shared_queue: boo
 class MoCo(SSLMethod):
     name = "moco"
     Params = MoCoParams
-    recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="simclr")
+    recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="mocov2")
 
     queue: torch.Tensor        # buffers: negative keys [K, d], next write position, optimiser steps taken
     queue_ptr: torch.Tensor

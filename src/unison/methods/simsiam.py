@@ -11,7 +11,8 @@ Defaults: the paper's CIFAR-10 setting (2-layer projector, each layer followed b
 norm, the output BN without affine parameters as in the official code; predictor with a
 4x bottleneck; SGD, base lr 0.03 per 256 images, weight decay 5e-4, momentum 0.9), with
 the widths reduced for CPU from 2048/512 to 512/128 (pass ``proj_hidden_dim=2048,
-proj_dim=2048, pred_hidden_dim=512`` for the paper's). SimCLR augmentations.
+proj_dim=2048, pred_hidden_dim=512`` for the paper's). SimCLR's colour augmentations with crops from 20 %
+(the paper's, preset ``mocov2``).
 
 Distributed semantics: per-sample loss, nothing to communicate; each rank returns the mean
 over its local samples. Exact under DDP when batch norm is synchronised (SyncBN). The
@@ -53,7 +54,7 @@ class SimSiamParams:
 class SimSiam(SSLMethod):
     name = "simsiam"
     Params = SimSiamParams
-    recipe = Recipe(optimizer="sgd", base_lr=0.03, weight_decay=5e-4, augmentation="simclr",
+    recipe = Recipe(optimizer="sgd", base_lr=0.03, weight_decay=5e-4, augmentation="mocov2",
                     embedded={"base_lr": 0.1})  # embedded default: 0.80 vs 0.77 kNN
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: SimSiamParams, **kw):
