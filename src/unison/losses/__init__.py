@@ -1,5 +1,6 @@
 """Losses: one `nn.Module` per method, each docstring stating its formula and distributed semantics."""
 
+from ._precision import keep_losses_eager
 from .barlowtwins import BarlowTwinsLoss
 from .byol import BYOLLoss
 from .dino import DINOLoss
@@ -16,5 +17,5 @@ from .swav import SwAVLoss, sinkhorn
 from .vicreg import VICRegLoss
 
 __all__ = ["BYOLLoss", "BarlowTwinsLoss", "DINOLoss", "IBOTLoss", "IJEPALoss", "KoLeoLoss", "LeJEPALoss", "MAELoss",
-           "MoCoLoss", "MoCoV3Loss", "NTXentLoss", "SIGRegLoss", "SimSiamLoss", "SwAVLoss", "VICRegLoss", "patchify",
-           "sigreg_directions", "sinkhorn"]
+           "MoCoLoss", "MoCoV3Loss", "NTXentLoss", "SIGRegLoss", "SimSiamLoss", "SwAVLoss", "VICRegLoss",
+           "keep_losses_eager", "patchify", "sigreg_directions", "sinkhorn"]

@@ -18,12 +18,27 @@ def check_embedding_pair(z_a: torch.Tensor, z_b: torch.Tensor) -> None:
         raise ValueError(f"expected two [n, d] embeddings of one shape, got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
 
 
-# Eager under --compile: the loss is a few small kernels on [n, d] embeddings, and on an H100 (torch 2.11, Triton
-# 3.6) Triton failed to compile NT-Xent's float32 cross-entropy ("PassManager::run failed", make_ttgir).
-@torch.compiler.disable
 def in_full_precision(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
-    """`loss(z_a, z_b)` with autocast off and half-precision inputs upcast to float32."""
+    """`loss(z_a, z_b)` with autocast off and half-precision inputs upcast to float32; eager under --compile
+    once `keep_losses_eager` has run."""
+    return (_EAGER or _full_precision)(loss, z_a, z_b)
+
+
+_EAGER: Callable[..., torch.Tensor] | None = None
+
+
+def keep_losses_eager() -> None:
+    """Make the float32 losses run eager inside torch.compile'd code (`torch.compiler.disable`). Called by the run
+    that compiles, before it compiles: on an H100 (torch 2.11, Triton 3.6) Triton failed to compile NT-Xent's
+    float32 cross-entropy ("PassManager::run failed", make_ttgir), and the loss is a few small kernels on [n, d]
+    embeddings. Not at import: making the wrapper imports Dynamo (and FSDP with it), which eager runs never need."""
+    global _EAGER
+    _EAGER = torch.compiler.disable(_full_precision)
+
+
+def _full_precision(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
     z_a, z_b = (z.float() if z.dtype in _HALF else z for z in (z_a, z_b))
     # Meta tensors (FLOP counts) have no autocast to turn off. A plain device test, because torch.compile cannot
     # trace torch.amp.is_autocast_available: it broke the compiled forward in two there.

@@ -50,6 +50,7 @@ from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
+from unison.losses import keep_losses_eager
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models.backbones import resolve_backbone
@@ -198,6 +199,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
         parallel_model = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = cast(SSLMethod, unwrap(parallel_model))   # the method itself (DDP's .module, or the FSDP-sharded method)
     # torch.compile of a Module returns an OptimizedModule (an nn.Module); its stubs say only Callable.
+    if cfg.compile:
+        keep_losses_eager()   # Triton failed on a float32 loss on an H100 (unison.losses._precision)
     forward = cast(nn.Module, torch.compile(parallel_model)) if cfg.compile else parallel_model
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
