@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.errors import ConfigError
+from unison.losses import keep_losses_eager
 from unison.methods import get_method
 from unison.methods.base import SSLMethod
 from unison.models import build_backbone
@@ -23,7 +24,7 @@ from unison.training.init import InitWeights, prepare_backbone
 from unison.training.resolve import resolve_recipe, resumes_its_teacher
 from unison.training.teacher import build_teacher, needs_teacher
 
-__all__ = ["build_method", "seed_everything"]
+__all__ = ["build_method", "compiled", "seed_everything"]
 
 
 def _method_named(method: str, params: dict[str, Any]) -> str:
@@ -31,6 +32,14 @@ def _method_named(method: str, params: dict[str, Any]) -> str:
     if not params:
         return method
     return f"{method} with --param {', '.join(f'{k}={v!r}' for k, v in params.items())}"
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    """``torch.compile(model)`` with the float32 losses kept eager in it (`unison.losses.keep_losses_eager`: Triton
+    failed on one on an H100). torch.compile of a Module returns an OptimizedModule, an nn.Module; its stubs
+    say only Callable."""
+    keep_losses_eager()
+    return cast(nn.Module, torch.compile(model))
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

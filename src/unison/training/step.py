@@ -50,7 +50,6 @@ from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
 from unison.errors import ConfigError, NonFiniteLossError
-from unison.losses import keep_losses_eager
 from unison.methods import get_method
 from unison.methods.base import SampleKeys, SSLMethod
 from unison.models.backbones import resolve_backbone
@@ -62,7 +61,7 @@ from unison.training.accumulate import ExactAccumulation, average_gradients, no_
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
 from unison.training.length import plan_length
-from unison.training.model import build_method
+from unison.training.model import build_method, compiled
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
 from unison.training.resolve import exact_accumulation, resolve_recipe
@@ -198,10 +197,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     else:
         parallel_model = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = cast(SSLMethod, unwrap(parallel_model))   # the method itself (DDP's .module, or the FSDP-sharded method)
-    # torch.compile of a Module returns an OptimizedModule (an nn.Module); its stubs say only Callable.
-    if cfg.compile:
-        keep_losses_eager()   # Triton failed on a float32 loss on an H100 (unison.losses._precision)
-    forward = cast(nn.Module, torch.compile(parallel_model)) if cfg.compile else parallel_model
+    forward = compiled(parallel_model) if cfg.compile else parallel_model
 
     # ---- optimizer, learning rate scaled linearly with the global batch, schedule
     peak_lr = recipe.lr * global_batch * accumulate / 256
