@@ -9,7 +9,8 @@
   time (`LazyImages`: the shorter side resized to the view size, the centre square, EXIF orientation
   applied: `unison.data.decode.decode_centre`): memory holds the features, never the images, so it does
   not grow with the data. The built-in sets and sets given in memory are tensors already. With
-  ``--data-mode memory`` they are decoded once, at the start, and stay on the device (``keep_decoded``).
+  ``--data-mode memory`` each rank decodes its share once, at the start, and keeps it on the device
+  (`LazyImages.keep_share`).
 * **Unreadable images** follow ``--on-corrupt``: ``skip`` leaves them out of the sets (`LazyImages.decode`
   says which rows decoded; `unison.eval.knn` reports one total over all ranks, once), ``error`` is a
   `DataError` naming the file. PIL's warnings while decoding are part of that count, never printed raw.
@@ -73,29 +74,34 @@ class _Unreadable:
 
 
 class _Kept:
-    """The decoded rows of one `LazyImages` set (shared by its contiguous slices), kept on the device: with
-    ``--data-mode memory`` a kNN every few epochs decoded the same JPEGs each time (an H100 run spent 10-15 s
-    of its 5-minute budget per kNN on the host, decoding 45,000 images), and the final kNN overran the
-    budget by that decode."""
+    """Decoded rows [lo, hi) of one `LazyImages` set (this rank's share; shared by the set's contiguous slices),
+    kept on the device: with ``--data-mode memory`` a kNN every few epochs decoded the same JPEGs each time (an
+    H100 run spent 10-15 s of its 5-minute budget per kNN on the host, decoding 45,000 images), and the final
+    kNN overran the budget by that decode. Rows outside [lo, hi) are neither kept nor served."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
         self.images: torch.Tensor | None = None
         self.ok: torch.Tensor | None = None
-        self.done = np.zeros(n, dtype=bool)
+        self.done = np.zeros(hi - lo, dtype=bool)
 
     def get(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.images is None or self.ok is None or not self.done[start:stop].all():
+        if (start < self.lo or stop > self.hi or self.images is None or self.ok is None
+                or not self.done[start - self.lo:stop - self.lo].all()):
             return None
-        return self.images[start:stop], self.ok[start:stop]
+        return self.images[start - self.lo:stop - self.lo], self.ok[start - self.lo:stop - self.lo]
 
     def put(self, start: int, images: torch.Tensor, ok: torch.Tensor) -> None:
-        if self.images is None:
-            self.images = torch.zeros((self.n, *images.shape[1:]), dtype=images.dtype, device=images.device)
-            self.ok = torch.zeros(self.n, dtype=torch.bool, device=ok.device)
         stop = start + images.shape[0]
-        self.images[start:stop], self.ok[start:stop] = images, ok   # type: ignore[index]
-        self.done[start:stop] = True
+        if start < self.lo or stop > self.hi:
+            return
+        if self.images is None:
+            self.images = torch.zeros((self.hi - self.lo, *images.shape[1:]), dtype=images.dtype,
+                                      device=images.device)
+            self.ok = torch.zeros(self.hi - self.lo, dtype=torch.bool, device=ok.device)
+        self.images[start - self.lo:stop - self.lo] = images
+        self.ok[start - self.lo:stop - self.lo] = ok   # type: ignore[index]
+        self.done[start - self.lo:stop - self.lo] = True
 
 
 class LazyImages:
@@ -104,16 +110,16 @@ class LazyImages:
     ``images[a:b]`` is another `LazyImages` (sharing the record of unreadable files); ``images.decode(a, b)``
     the uint8 ``[b-a, 3, size, size]`` tensor on `device` and a bool ``[b-a]`` mask of the rows that decoded
     (unreadable rows are black), decoded in a thread pool (PIL releases the GIL while decoding and resizing).
-    With ``on_corrupt="error"`` an unreadable image is a `DataError` naming it. ``keep=True`` keeps what it
-    decoded on the device (`_Kept`; the in-memory data mode, which holds the training images there already).
+    With ``on_corrupt="error"`` an unreadable image is a `DataError` naming it. ``keep_share()`` decodes this
+    rank's share now and keeps it on the device (`_Kept`; the in-memory data mode, which holds the training
+    images there already): later decodes of those rows decode nothing.
     """
 
     def __init__(self, catalog: Catalog, indices: np.ndarray, size: int, device: torch.device, on_corrupt: str,
-                 unreadable: _Unreadable | None = None, *, keep: bool = False, kept: _Kept | None = None,
-                 offset: int = 0):
+                 unreadable: _Unreadable | None = None, *, kept: _Kept | None = None, offset: int = 0):
         self.catalog, self.indices, self.size, self.device, self.on_corrupt = catalog, indices, size, device, on_corrupt
         self.unreadable = unreadable if unreadable is not None else _Unreadable()
-        self.kept, self.offset = (_Kept(len(indices)) if keep else kept), offset
+        self.kept, self.offset = kept, offset   # rows of the set this one is a slice of: offset + i
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -144,6 +150,7 @@ class LazyImages:
         a kept set's kNNs decode nothing: the start-up of an in-memory run pays it, as it pays the training
         set's decode, instead of a time-budgeted run's final kNN."""
         share = contiguous_share(len(self.indices), rank(), world_size())
+        self.kept = _Kept(self.offset + share.start, self.offset + share.stop)
         progress = Progress(f"decoding the kNN {what} into memory:", share.stop - share.start, len(self.indices),
                             show=rank() == 0)
         for i in range(share.start, share.stop, batch_size):
@@ -229,12 +236,11 @@ def _some(names: list[str]) -> str:
 
 def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalog | None = None,
              pick: np.ndarray | None = None, train_set: ImageTensorDataset | None = None,
-             val_catalog: Catalog | None = None, val_set: ImageTensorDataset | None = None,
-             keep_decoded: bool = False) -> tuple[KnnSets | None, str | None]:
+             val_catalog: Catalog | None = None, val_set: ImageTensorDataset | None = None
+             ) -> tuple[KnnSets | None, str | None]:
     """The kNN sets of the training data (`catalog` rows `pick`, or the in-memory `train_set`) against the
     held-out data (`val_catalog` of ``spec.val``, the in-memory `val_set`, or a built-in set's held-out split);
-    (None, why) when there is no labelled held-out data. `keep_decoded`: decoded images stay on the device
-    (`LazyImages`'s ``keep``), for the in-memory data mode."""
+    (None, why) when there is no labelled held-out data."""
     classes = catalog.classes if catalog is not None else (train_set.classes if train_set is not None else [])
     if not classes:
         return None, f"the training data {spec.data} has no labels"
@@ -256,12 +262,11 @@ def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalo
                          else val_set.labels.cpu()]   # type: ignore[union-attr]
     ref, query = knn_subsets(ref_labels, val_labels, spec.val_subset, spec.seed, spec.knn_reference)
     if catalog is not None:
-        reference: Any = LazyImages(catalog, pick[ref.numpy()], size, device, spec.on_corrupt,   # type: ignore[index]
-                                    keep=keep_decoded)
+        reference: Any = LazyImages(catalog, pick[ref.numpy()], size, device, spec.on_corrupt)   # type: ignore[index]
     else:
         reference = train_set.images[ref.to(train_set.images.device)]   # type: ignore[union-attr]
     if val_catalog is not None:
-        queries: Any = LazyImages(val_catalog, query.numpy(), size, device, spec.on_corrupt, keep=keep_decoded)
+        queries: Any = LazyImages(val_catalog, query.numpy(), size, device, spec.on_corrupt)
     else:
         queries = val_set.images[query.to(val_set.images.device)]   # type: ignore[union-attr]
     return KnnSets(reference, ref_labels[ref].to(device), queries, val_labels[query].to(device), len(classes)), None

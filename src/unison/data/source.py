@@ -233,11 +233,11 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     elif catalog is not None:   # the kNN sets of listed data: decoded when embedded, as when streamed
         pick = subset_positions(catalog, spec.subset, spec.seed)
         knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick,
-                                    val_catalog=_val_catalog(spec), val_set=val_set, keep_decoded=True)
+                                    val_catalog=_val_catalog(spec), val_set=val_set)
     else:
         val_catalog = None if val_set is not None else _val_catalog(spec)
         knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set, val_catalog=val_catalog,
-                                    val_set=val_set, keep_decoded=True)
+                                    val_set=val_set)
     if knn is not None:   # decoded once, now: the start-up pays it, not each kNN (nor a budget's final one)
         for images, what in ((knn.reference, "reference set"), (knn.queries, "queries")):
             if isinstance(images, LazyImages):

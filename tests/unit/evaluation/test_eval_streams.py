@@ -310,6 +310,28 @@ def test_in_memory_runs_decode_their_knn_images_once(sets, monkeypatch):
         assert accs[0] == accs[1]
 
 
+def test_each_rank_keeps_only_its_share_of_the_knn_images(sets, monkeypatch):
+    """Rank 1 of 2 embeds the second half of each kNN set: it decodes and holds that half only (the first
+    version held a buffer of the whole set on every rank), and its slice of the set decodes nothing more."""
+    import unison.data.evalsets as E
+
+    knn = S.build_batch_source(data_spec(_cfg(sets, data_mode="stream")), torch.device("cpu"), "simclr").knn
+    ref = knn.reference
+    monkeypatch.setattr(E, "rank", lambda: 1)
+    monkeypatch.setattr(E, "world_size", lambda: 2)
+    decoded: list[int] = []
+    real = E.decode_centre
+    monkeypatch.setattr(E, "decode_centre", lambda data, size: decoded.append(1) or real(data, size))
+    ref.keep_share("reference set")
+    n, half = ref.shape[0], -(-ref.shape[0] // 2)
+    assert len(decoded) == n - half and ref.kept.images.shape[0] == n - half
+    decoded.clear()
+    mine = ref[half:n]
+    assert torch.equal(mine.decode(0, n - half)[0], ref.kept.images) and decoded == []
+    ref.decode(0, 2)   # rows of rank 0's share: decoded, not kept
+    assert len(decoded) == 2 and ref.kept.images.shape[0] == n - half
+
+
 def test_freed_blocks_of_a_phase_leave_the_heap():
     """Item 2: glibc raised its mmap threshold to the largest block freed (up to 32 MiB); blocks below it then
     stayed in the heap once freed, so the kNN of a larger reference set left a higher peak (+230 MiB per
