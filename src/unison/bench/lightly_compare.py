@@ -112,11 +112,7 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
                                          **user_loader_context(p["loader_workers"]))
     model = side.model.to(device)
     peak_lr = side.recipe.peak_lr(p["batch_size"])
-    trainable = [q for q in model.parameters() if q.requires_grad]
-    optimizer = (torch.optim.SGD(trainable, lr=peak_lr, momentum=0.9, weight_decay=side.recipe.weight_decay)
-                 if side.recipe.optimizer == "sgd" else
-                 {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[side.recipe.optimizer](
-                     trainable, lr=peak_lr, weight_decay=side.recipe.weight_decay))
+    optimizer = side.recipe.optimizer_for(model, peak_lr)
     steps = p["steps"]
     schedule = Schedule(peak_lr, warmup_steps=0, total_steps=steps)   # unison's schedule, so both sides match
     step_end, wait_s, final_loss = _train_lightly(model, loader, optimizer, schedule, p, device)

@@ -7,7 +7,9 @@ Adam 1e-3 x batch / 128, SimSiam's unscaled 6e-2), with the transform classes of
 method (``MoCoV2Transform``, ``SimSiamTransform``, ``BYOLTransform``, ``SwaVTransform``, ``VICRegTransform``,
 ``DINOTransform``; blur off at 32 px and below, SwAV two 32 px crops and DINO no local views, as the benchmark
 sets them). VICReg, not in that benchmark, follows Lightly's VICReg example (2-layer 2048-wide head,
-``VICRegLoss``) with the benchmark's optimizer. The head's input width is the shared backbone's (512 for
+``VICRegLoss``) with the optimizer of Lightly's ImageNet VICReg benchmark (``benchmarks/imagenet/resnet50/
+vicreg.py``: LARS 0.2 x batch / 256, weight decay 1e-6, none on norms and biases); with the CIFAR-10
+benchmark's SGD its loss diverged to NaN. The head's input width is the shared backbone's (512 for
 ResNet-18, as in Lightly's modules; 128 for the small CNN). The cosine schedule is unison's, a pure function of
 the step, on both sides.
 
@@ -36,13 +38,30 @@ from .config import LIGHTLY_METHODS
 
 @dataclass(frozen=True)
 class LightlyRecipe:
-    optimizer: str        # "sgd" (momentum 0.9), "adam" or "adamw"
+    optimizer: str        # "sgd" (momentum 0.9), "lars" (Lightly's, momentum 0.9), "adam" or "adamw"
     lr: float             # per 128 images (Lightly's lr_factor = batch / 128) unless `scale_lr` is False
     weight_decay: float
     scale_lr: bool = True
 
     def peak_lr(self, batch_size: int) -> float:
         return self.lr * batch_size / 128 if self.scale_lr else self.lr
+
+    def optimizer_for(self, model: nn.Module, peak_lr: float) -> torch.optim.Optimizer:
+        """This recipe's optimizer over `model`'s trainable parameters. LARS, as Lightly's benchmarks use it, leaves
+        norms and biases out of weight decay (``get_weight_decay_parameters``)."""
+        trainable = [q for q in model.parameters() if q.requires_grad]
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(trainable, lr=peak_lr, momentum=0.9, weight_decay=self.weight_decay)
+        if self.optimizer == "lars":
+            from lightly.models.utils import get_weight_decay_parameters
+            from lightly.utils.lars import LARS
+
+            decay, no_decay = get_weight_decay_parameters([model])
+            groups = [{"params": [q for q in decay if q.requires_grad]},
+                      {"params": [q for q in no_decay if q.requires_grad], "weight_decay": 0.0}]
+            return LARS(groups, lr=peak_lr, momentum=0.9, weight_decay=self.weight_decay)
+        return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[self.optimizer](
+            trainable, lr=peak_lr, weight_decay=self.weight_decay)
 
 
 SGD = LightlyRecipe("sgd", 6e-2, 5e-4)
@@ -321,7 +340,8 @@ _SIDES: dict[str, tuple[type[_Side], LightlyRecipe]] = {
     "simclr": (SimCLRSide, SGD), "moco": (MoCoSide, SGD),
     "simsiam": (SimSiamSide, LightlyRecipe("sgd", 6e-2, 5e-4, scale_lr=False)),   # "better training stability"
     "barlowtwins": (BarlowTwinsSide, SGD), "byol": (BYOLSide, SGD),
-    "swav": (SwAVSide, LightlyRecipe("adam", 1e-3, 1e-6)), "vicreg": (VICRegSide, SGD), "dino": (DINOSide, SGD),
+    "swav": (SwAVSide, LightlyRecipe("adam", 1e-3, 1e-6)), "dino": (DINOSide, SGD),
+    "vicreg": (VICRegSide, LightlyRecipe("lars", 0.1, 1e-6)),   # its benchmark's LARS 0.2 x batch / 256
     "mae": (MAESide, LightlyRecipe("adamw", 1.5e-4, 0.01, scale_lr=False))}   # the example's AdamW(lr=1.5e-4)
 
 

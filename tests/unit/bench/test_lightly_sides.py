@@ -32,7 +32,7 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
     r = json.loads((tmp_path / "side.json").read_text())
     assert r["steps"] == len(r["step_end_s"]) == 2, method
     assert math.isfinite(r["final_loss"]) and 0 <= r["knn_top1"] <= 1 and r["peak_memory_mib"] > 0, (method, r)
-    assert r["recipe"].startswith({"swav": "adam ", "mae": "adamw "}.get(method, "sgd "))
+    assert r["recipe"].startswith({"swav": "adam ", "mae": "adamw ", "vicreg": "lars "}.get(method, "sgd "))
 
 
 def test_lightly_sides_are_lightlys_modules():
@@ -50,6 +50,22 @@ def test_lightly_sides_are_lightlys_modules():
             assert side.model.backbone is backbone   # the shared backbone, as unison's side builds it
     assert build_lightly_side("simsiam", *build_backbone("small_cnn"), 32, normalize).recipe.peak_lr(512) == 0.06
     assert build_lightly_side("moco", *build_backbone("small_cnn"), 32, normalize).recipe.peak_lr(512) == 0.24
+
+
+def test_vicregs_lightly_side_uses_lars_without_decay_on_norms_and_biases():
+    """Lightly's VICReg benchmark: LARS 0.2 x batch / 256, weight decay 1e-6 on the weights only."""
+    from lightly.utils.lars import LARS
+
+    from unison.bench.lightly_methods import build_lightly_side
+    from unison.models import build_backbone
+
+    side = build_lightly_side("vicreg", *build_backbone("small_cnn"), 32, {"mean": [0.5] * 3, "std": [0.25] * 3})
+    optimizer = side.recipe.optimizer_for(side.model, side.recipe.peak_lr(256))
+    assert isinstance(optimizer, LARS) and optimizer.defaults["lr"] == pytest.approx(0.2)
+    decayed, not_decayed = optimizer.param_groups
+    assert decayed["weight_decay"] == 1e-6 and not_decayed["weight_decay"] == 0.0
+    assert all(q.ndim > 1 for q in decayed["params"]) and all(q.ndim == 1 for q in not_decayed["params"])
+    assert len(decayed["params"]) + len(not_decayed["params"]) == len(list(side.model.parameters()))
 
 
 def test_method_groups_and_a_method_without_a_lightly_side():
