@@ -91,13 +91,14 @@ def settings(device: str, tiny: bool) -> dict[str, Any]:
                 "synthetic_steps": 2, "warmup_steps": 1, "plan": [("simclr", "small_cnn", 32, 8),
                                                                   ("byol", "small_cnn", 32, 8),
                                                                   ("simsiam", "small_cnn", 32, 8)],
-                "knn_k": 5, "val_subset": None, "min_epochs": 1, "max_epochs": 1, "reserve_s": 0, "eval_every": 0}
+                "knn_k": 5, "val_subset": None, "min_epochs": 1, "max_epochs": 1, "reserve_s": 0, "eval_every": 0,
+                "profile_steps": 2}
     workers = min(16, os.cpu_count() or 1)
     return {"tests_s": 85, "batch": 512, "lightly_steps": 100, "lightly_workers": workers,
             "synthetic": [("resnet50", 224, 128), ("vit_base", 224, 128)], "synthetic_steps": 15, "warmup_steps": 3,
             "plan": [("simclr", "resnet18", 32, 512), ("simclr", "resnet50", 224, 128), ("mae", "vit_base", 224, 128)],
             "knn_k": 200, "val_subset": 5000, "min_epochs": 1, "max_epochs": 400, "reserve_s": 15,
-            "eval_every": 20}
+            "eval_every": 20, "profile_steps": 20}
 
 
 def data_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -404,6 +405,8 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         argv += ["--val-subset", str(s["val_subset"])]
     if s["eval_every"]:   # the kNN-versus-time curve (metrics.csv comes back); each kNN is a second or two
         argv += ["--eval-every", str(s["eval_every"])]
+    # where a step's time goes (the operator table comes back): a second or two of the budget, after step 10
+    argv += ["--profile-steps", str(s["profile_steps"])]
     if args.device == "cuda":
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]   # speedrun: bf16, eager
     summary, wall = run_train(argv, run_dir)   # a failure: cmd_phase records the worker's traceback

@@ -58,6 +58,7 @@ report() {
   "$PY" benchmarks/gpu_proof.py report --out "$WORK" && cp "$WORK"/proof.json "$WORK"/proof.md "$OUT"/ 2>/dev/null
   [ -f "$WORK/runs/accuracy/metrics.csv" ] && cp "$WORK/runs/accuracy/metrics.csv" "$OUT/accuracy-metrics.csv"
   [ -f "$WORK/runs/accuracy/train.log" ] && tail -c 200000 "$WORK/runs/accuracy/train.log" > "$OUT/accuracy-train.log"
+  [ -f "$WORK/runs/accuracy/profile/rank0-ops.txt" ] && cp "$WORK/runs/accuracy/profile/rank0-ops.txt" "$OUT/accuracy-profile-ops.txt"
   return 0
 }
 

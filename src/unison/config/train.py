@@ -223,12 +223,14 @@ class TrainConfig:
                 "with it (the CPU SimCLR step about 1.3x); float32 and bf16 only: float64 stays NCHW"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the method"})
     deterministic: bool = field(default=False, metadata={"help": "deterministic algorithms (bitwise repeatable runs)"})
+    profile_steps: int = field(default=0, metadata={
+        "range": Range(0, MAX_STEPS, hint=" (0 = off)"),
+        "help": "record N optimiser steps after the first 10 with torch.profiler into <out>/profile: each rank's "
+                "Chrome trace and operator table, and how busy the device was (0 = off; recorded steps run slower)"})
     threads: int | None = field(default=None, metadata={
-        "range": Range(1, 4096),
-        "help": "torch threads per worker; default: cores / workers"})
+        "range": Range(1, 4096), "help": "torch threads per worker; default: cores / workers"})
     max_steps: int | None = field(default=None, metadata={
-        "range": Range(1, MAX_STEPS),
-        "help": "stop after this many optimiser steps (testing)"})
+        "range": Range(1, MAX_STEPS), "help": "stop after this many optimiser steps (testing)"})
     time_budget: str | None = field(default=None, metadata={
         "metavar": "DURATION",
         "help": "train for this wall-clock time (90s, 10m, 2h, 1h30m): the run measures its steady step time, then "
@@ -238,8 +240,7 @@ class TrainConfig:
     time_budget_plan: dict[str, Any] | None = field(default=None, metadata={
         "help": "written by a --time-budget run (steps, warm-up, the measured costs): a resumed run keeps it"})
     log_every: int = field(default=10, metadata={
-        "range": Range(1, MAX_STEPS),
-        "help": "log metrics every N optimiser steps"})
+        "range": Range(1, MAX_STEPS), "help": "log metrics every N optimiser steps"})
     progress: bool = field(default=True, metadata={"help": "progress bar on rank 0"})
     logger: str = field(default="csv", metadata={
         "help": "metrics logger: csv (metrics.csv + plot.png), tensorboard (also <out>/tensorboard; pip install "
@@ -247,7 +248,7 @@ class TrainConfig:
                 "none (no metrics files)", "choices": LOGGERS})
     method_params: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "method hyper-parameters (--param NAME=VALUE)"})
-    # ---- distill (issue 25): the frozen teacher
+    # ---- distill: the frozen teacher
     teacher: str | None = field(default=None, metadata={
         "help": "--method distill: the frozen teacher: a unison run directory or checkpoint, a weights file "
                 "(.pth/.pt/.safetensors of torchvision or timm, a unison export) with --teacher-backbone, or "

@@ -11,10 +11,11 @@ The loop (`unison.training.loop`) calls every hook of a run, on every rank, at t
     hook.close()                    after the last step (not after a failure), in reverse order
 
 A hook subclasses `TrainHook` and overrides what it needs; the others do nothing. The loop's own
-hooks (the online probe, logging, kNN evaluation, the label-free signals, checkpoint timing, the stop
-agreement: `unison.training.loop_hooks`, `unison.training.signals`) run first, in that order, then the
-extra hooks, in the order given. A hook may set ``end.stop`` to end the run after the step, through its
-normal end (every rank must set it at the same step).
+hooks (``--profile-steps``'s recorder, the online probe, logging, kNN evaluation, the label-free signals,
+checkpoint timing, the stop agreement: `unison.training.profile`, `unison.training.loop_hooks`,
+`unison.training.signals`) run first, in that order, then the extra hooks, in the order given. A hook may
+set ``end.stop`` to end the run after the step, through its normal end (every rank must set it at the same
+step).
 
 Extra hooks come from ``train(cfg, device, hooks=[...])`` (in-process runs), or, for workers that
 are separate processes (unison's launcher, torchrun, srun, mpirun), from the environment:

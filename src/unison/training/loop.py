@@ -66,6 +66,7 @@ from unison.training.loop_hooks import (
 )
 from unison.training.metrics import MetricsLogger
 from unison.training.preemption import MidStepStop
+from unison.training.profile import ProfileHook
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import (
@@ -159,7 +160,9 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     saver = CheckpointHook(run, checkpointer, watch, history)
     stop = StopHook(run, checkpointer, watch, history, budget.out_of_time if budget else lambda: False)
     spent = [BudgetHook(budget, history)] if budget else []
-    hooks = Hooks([probe, log, knn, signals, *spent, saver, stop, *extra.hooks])
+    profile = [ProfileHook(cfg.out, cfg.profile_steps, C.rank(), lambda line: _say(line, runlog))
+               ] if cfg.profile_steps else []   # first: it records whole iterations, the other hooks' work included
+    hooks = Hooks([*profile, probe, log, knn, signals, *spent, saver, stop, *extra.hooks])
 
     # ---- the loop
     run.method.train()

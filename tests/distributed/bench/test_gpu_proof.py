@@ -30,8 +30,10 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_proof.sh", "--device", "cpu", "--tiny"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["accuracy-metrics.csv", "accuracy-train.log",
-                                                                    "gpu_proof.log", "proof.json", "proof.md"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "accuracy-metrics.csv", "accuracy-profile-ops.txt", "accuracy-train.log", "gpu_proof.log", "proof.json",
+        "proof.md"]
+    assert "profile: 2 steps" in (tmp_path / "out/accuracy-train.log").read_text()
     proof = json.loads((tmp_path / "out/proof.json").read_text())
     phases = proof["phases"]
     assert {name: p["status"] for name, p in phases.items()} == dict.fromkeys(
