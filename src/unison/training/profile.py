@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -70,6 +71,9 @@ class ProfileHook(TrainHook):
 
     def _begin(self, device: torch.device) -> None:
         self.device = device
+        # kineto's own lines (profiler_start/stop, "gpuGetDeviceCount failed" on a machine without a GPU) tell the
+        # user nothing: silent unless KINETO_LOG_LEVEL says otherwise (read when the profiler starts)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
