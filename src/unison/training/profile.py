@@ -23,9 +23,7 @@ Example::
 
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,11 +88,7 @@ class ProfileHook(TrainHook):
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
         self.folder.mkdir(parents=True, exist_ok=True)
-        trace = self.folder / f"rank{self.rank}-trace.json"
-        profiler.export_chrome_trace(str(trace))
-        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+        profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}-trace.json.gz"))   # torch gzips a .gz
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS)
         (self.folder / f"rank{self.rank}-ops.txt").write_text(table + "\n")
