@@ -6,8 +6,8 @@ thousand images), with ``--time-budget 5m`` unless one is given.
 
 * data decoded once and resident as uint8 on the device (``--data-mode memory``), views made there by the batched
   augmentation (`unison.data.augment.ViewAugmenter`), kNN sets on the device;
-* on a GPU: bf16 autocast and channels_last (the default); on a CPU neither (CPU autocast did not pay for the
-  small models a CPU trains). No ``--compile``: on an H100 (torch 2.11) it took 42 s of a 170 s budget to
+* channels_last (the default, on a CPU too); on a GPU bf16 autocast, on a CPU none (CPU autocast did not pay for
+  the small models a CPU trains). No ``--compile``: on an H100 (torch 2.11) it took 42 s of a 170 s budget to
   start, where eager took 3 s, and its step measured 27.6 ms against eager's 26.7 ms at batch 512; give
   ``--compile`` to try it on your card;
 * SGD runs torch's multi-tensor (foreach) step on a GPU; the step's host synchronisations are the ones
