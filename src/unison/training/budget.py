@@ -18,6 +18,7 @@
    work; the ranks agree through the per-step stop exchange (`unison.training.preemption`), so a run slower
    than measured still ends on time, through its normal end. The budget used is reported at the end and kept
    in the history, so a resumed run spends only what is left.
+5. Plan again (`unison.training.replan`): at the end of the warm-up, from the steps the run has trained.
 
 The budget counts from the start of `unison.training.loop.train` on rank 0 (after the workers' start-up): data,
 model build, the random-initialisation kNN, the measurement, training and the final kNN and checkpoint.
@@ -138,6 +139,7 @@ class BudgetClock:
         self.started = clock()
         self.spent_before_s = 0.0
         self.reserve_s = 0.0   # kept for the end of the run (`final_s`), set by the plan
+        self.planned_here = False   # this attempt measured and planned (`unison.training.replan` may plan again)
 
     def spent_s(self) -> float:
         return self.spent_before_s + clock() - self.started
@@ -179,7 +181,7 @@ class Snapshot:
         restore_rng_state(self.rng)
 
 
-def _sync(run: Run) -> None:
+def sync_device(run: Run) -> None:
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
 
@@ -206,11 +208,11 @@ def _timed_steps(run: Run, steps: Any, budget_s: float, warmup: int) -> tuple[fl
         done = micro[0].step + 1
         if done <= warmup:
             if done == warmup:
-                _sync(run)
+                sync_device(run)
                 timed_from = clock()
             continue
         timed += 1
-        _sync(run)
+        sync_device(run)
         elapsed = clock() - timed_from
         enough = timed >= TIMED_STEPS[1] or (timed >= TIMED_STEPS[0] and elapsed >= MIN_TIMED_S) or (
             timed >= 2 and clock() - started >= MEASURE_SHARE * budget_s)
@@ -233,10 +235,10 @@ def measure_eval_s(run: Run) -> float:
     run.method.eval()
     with torch.no_grad():
         run.method.embed(run.to_eval(chunk))
-        _sync(run)
+        sync_device(run)
         started = clock()
         run.method.embed(run.to_eval(chunk))
-        _sync(run)
+        sync_device(run)
     run.method.train(was_training)
     return (clock() - started) / chunk.shape[0]
 
@@ -287,7 +289,7 @@ def plan_budget(run: Run, budget: BudgetClock, knn_s: float | None = None) -> di
                           "budget")
     cfg.time_budget_plan = plan
     apply_plan(run)
-    budget.reserve_s = plan["reserve_s"]
+    budget.reserve_s, budget.planned_here = plan["reserve_s"], True
     return plan
 
 

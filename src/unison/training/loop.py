@@ -67,6 +67,7 @@ from unison.training.loop_hooks import (
 from unison.training.metrics import MetricsLogger
 from unison.training.preemption import MidStepStop
 from unison.training.profile import ProfileHook
+from unison.training.replan import ReplanHook
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import (
@@ -146,10 +147,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     run.extra_state.register("online_probe", probe)   # before the restore: a resumed run's probe continues
     step, history = _restore(run, watch, runlog)
     _say(start_budget(run, budget, step, history), runlog)   # --time-budget: measure and plan, or keep the plan
-    if C.rank() == 0:   # after the restore: a checkpoint refused by it leaves the run directory's config as it was
-        # a full disk, a read-only folder: one line naming the file (not an OSError traceback on every rank)
-        write_text_atomic(Path(cfg.out) / "config.json",
-                          json.dumps({**cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+    # after the restore: a checkpoint refused by it leaves the run directory's config as it was
+    _write_config(run)
     logger = MetricsLogger(cfg.out, enabled=C.rank() == 0, kind=cfg.logger, config=cfg.to_dict())
     on_exit.callback(logger.release)
 
@@ -159,7 +158,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     knn = KnnEvalHook(run, watch, logger, runlog)
     saver = CheckpointHook(run, checkpointer, watch, history)
     stop = StopHook(run, checkpointer, watch, history, budget.out_of_time if budget else lambda: False)
-    spent = [BudgetHook(budget, history)] if budget else []
+    spent = [BudgetHook(budget, history), ReplanHook(budget, lambda line: _say(line, runlog), lambda: _write_config(run))
+             ] if budget else []
     profile = [ProfileHook(cfg.out, cfg.profile_steps, C.rank(), lambda line: _say(line, runlog))
                ] if cfg.profile_steps else []   # first: it records whole iterations, the other hooks' work included
     hooks = Hooks([*profile, probe, log, knn, signals, *spent, saver, stop, *extra.hooks])
@@ -196,6 +196,14 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
              f"{step} of {used['planned_steps']} planned steps"
              + (" (the steps ran slower than measured: ended on time)" if used["stopped_by_clock"] else ""), runlog)
     return _summary(run, step, history, log, checkpointer, logger, probe.train_s)
+
+
+def _write_config(run: Run) -> None:
+    """``config.json`` (rank 0): the run's configuration and what it resolved to; a full disk or a read-only folder
+    is one line naming the file (`write_text_atomic`), not an OSError traceback on every rank."""
+    if C.rank() == 0:
+        write_text_atomic(Path(run.cfg.out) / "config.json",
+                          json.dumps({**run.cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
 
 
 def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None) -> Run:

@@ -99,6 +99,7 @@ class LogHook(TrainHook):
         if step % run.cfg.log_every == 0 or end.last or end.epoch_done or step == self.first_step:
             self._log(end)
         if self.progress is not None:
+            self.progress.total = run.total_steps   # a budgeted run plans its length again after its warm-up
             self.progress.update(1)
 
     def _log(self, end: StepEnd) -> None:

@@ -298,7 +298,8 @@ def register_checkpoint_state(run: Run) -> None:
 def batches(run: Run, start_step: int = 0) -> Iterator[Batch]:
     """This rank's micro-batches from optimiser step `start_step` to the end of the run, in order."""
     stream = run.source.iter_from(start_step * run.accumulate)
-    for step in range(start_step, run.total_steps):
+    step = start_step - 1
+    while (step := step + 1) < run.total_steps:   # read at every step: a budgeted run re-plans its length
         for micro in range(run.accumulate):
             started = time.perf_counter()
             epoch, indices, views = next(stream)

@@ -20,13 +20,18 @@ TINY = ["--batch-size", "32", "--subset", "512", "--val-subset", "64", "--knn-k"
 
 def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch):
     """Rank 1's clock runs 50x fast: alone it would plan ~50x fewer steps (or none); rank 0 decides for both.
-    Every step then sleeps 0.4 s that the measurement did not see: the clock, not the plan, ends the run."""
-    budget_hooks.register(monkeypatch, "skew=50,sleep=0.4")
+    Every step sleeps 0.1 s that the measurement before the run did not see: the re-plan after the warm-up plans
+    fewer steps, and every rank trains them. After it every step sleeps 0.4 s more: the clock, not the plan, ends
+    the run."""
+    budget_hooks.register(monkeypatch, "skew=50,slow=0.1,sleep=0.4")
     out = tmp_path / "run"
     assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
     ranks = [json.loads((out / f"budget-rank{r}.json").read_text()) for r in (0, 1)]
     plan = json.loads((out / "config.json").read_text())["time_budget_plan"]
     assert plan["steps"] > 1 and "fit 30 s" in plan["why"] and plan["measured"]["step_s"] > 0
+    replanned = plan["replanned"]   # the steps were 0.1 s slower than measured: fewer of them fit
+    assert replanned["first_steps"] > plan["steps"] and replanned["step_s"] > plan["measured"]["step_s"] + 0.08
+    assert f"re-planned after step {replanned['after_step']}" in (out / "train.log").read_text()
     for r in ranks:   # one plan: the schedules of every rank end at its last step, and they stopped together
         assert r["plan_steps"] == r["total_steps"] == r["steps_total"] == plan["steps"]
         assert r["steps"] == ranks[0]["steps"]
