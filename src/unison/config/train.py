@@ -84,7 +84,7 @@ def checkpoint_cadence(value: Any) -> Cadence:
 class TrainConfig:
     preset: str | None = field(default=None, metadata={
         "help": "a recipe for the options not given: speedrun (the best encoder a fixed time buys on CIFAR-sized "
-                "data: SimCLR, ResNet-18, data resident on the device, bf16 on a GPU, --time-budget 5m)",
+                "data: SimCLR, ResNet-18, data resident on the device, bf16 on a GPU, compiled on a CPU, --time-budget 5m)",
         "choices": PRESETS})
     method: str = field(default="simclr", metadata={"help": "self-supervised method (the list below)"})
     data: str = field(default="digits", metadata={
