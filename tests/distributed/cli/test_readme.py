@@ -35,7 +35,8 @@ def readme_commands() -> list[str]:
     block = re.search(r"## Using it\s+```bash\n(.*?)```", text, re.S)
     assert block, "README.md has no 'Using it' bash block"
     joined = block.group(1).replace("\\\n", " ")
-    return [" ".join(shlex.split(line, comments=True)) for line in joined.splitlines() if line.strip()]
+    commands = (" ".join(shlex.split(line, comments=True)) for line in joined.splitlines())
+    return [c for c in commands if c]   # blank and comment-only lines are no commands
 
 
 def _png_folder(root: Path, per_class: int) -> None:
