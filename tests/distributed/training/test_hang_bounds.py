@@ -178,7 +178,9 @@ def test_sigterm_to_embed_is_one_line_and_leaves_nothing(tmp_path):
     from unison.models import build_backbone
     from unison.training.checkpoint import save_checkpoint
 
-    write_image_folder(tmp_path / "data", 400, classes=2, sizes=(16, 24), seed=0)
+    # 4,000 images at batch 1 keep it embedding for ~4 s after the parts folder appears: with 400 (0.8 s) a
+    # loaded CI machine sometimes let it finish before the signal was sent
+    write_image_folder(tmp_path / "data", 4000, classes=2, sizes=(16, 24), seed=0)
     net, dim = build_backbone("small_cnn", 16)
     cls = get_method("simclr")
     save_checkpoint(tmp_path / "run", {"method": "simclr", "model": cls(net, dim, cls.Params()).state_dict(),
