@@ -8,8 +8,9 @@ thousand images), with ``--time-budget 5m`` unless one is given.
   augmentation (`unison.data.augment.ViewAugmenter`), kNN sets on the device;
 * channels_last (the default, on a CPU too); on a GPU bf16 autocast, on a CPU none (CPU autocast did not pay for
   the small models a CPU trains);
-* ``--compile`` on a CPU where a C++ compiler is found (inductor needs one): on 2 cores it made the small CNN's
-  SimCLR step 1.16x faster for about 9 s of start-up (a 5-minute run trained 709 steps where eager trained 615).
+* ``--compile`` on a CPU where a C++ compiler and Python's headers are found (inductor needs both): on 2 cores
+  it made the small CNN's SimCLR step 1.16x faster for about 9 s of start-up (a 5-minute run trained 709 steps
+  where eager trained 615).
   Not on a GPU: on an H100 (torch 2.11) it took 42 s of a 170 s budget to start, where eager took 3 s, and its
   step measured 27.6 ms against eager's 26.7 ms at batch 512; give ``--compile`` to try it on your card;
 * SGD runs torch's multi-tensor (foreach) step on a GPU; the step's host synchronisations are the ones
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import sysconfig
+from pathlib import Path
 from typing import Any
 
 from unison.errors import ConfigError
@@ -56,9 +59,11 @@ PRESETS = ("speedrun",)
 
 
 def cpu_compiler_found() -> bool:
-    """Whether torch.compile can build CPU kernels here: its inductor compiles C++ (``$CXX``, else g++ or clang++)."""
+    """Whether torch.compile can build CPU kernels here: its inductor compiles C++ (``$CXX``, else g++, c++ or
+    clang++) that includes Python's headers (``Python.h``, e.g. Debian's python3-dev)."""
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
-    return any(shutil.which(name) for name in names)
+    headers = Path(sysconfig.get_paths()["include"], "Python.h")
+    return any(shutil.which(name) for name in names) and headers.is_file()
 
 
 def preset_values(name: str, cuda: bool) -> dict[str, Any]:

@@ -373,7 +373,18 @@ def exit_worker(code: int) -> NoReturn:
     destroyed after the interpreter. Its results were complete, but the launcher, torchrun
     included, saw a crashed worker. Everything a worker produces is written and closed before
     this point (summary, metrics, checkpoints), so nothing is lost by not finalizing.
+
+    multiprocessing's own exit finalizers run first (priority 0 and up, as a normal exit runs them): skipped,
+    every semaphore a library made in the worker stayed registered with the resource tracker, which warned at the
+    end of the run ("There appear to be 2 leaked semaphore objects": tqdm's default lock, taken by torch.compile's
+    graph interpreter in every compiled worker).
     """
+    import multiprocessing.util
+
+    try:
+        multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]  # private: what a normal exit calls
+    except Exception:   # noqa: BLE001 - ending the process matters more than a tidy resource tracker
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

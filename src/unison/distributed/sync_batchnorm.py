@@ -69,8 +69,8 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
             assert running_mean is not None and running_var is not None and tracked is not None
             with torch.no_grad():
                 tracked.add_(1)
-                momentum = (1.0 / float(tracked) if self.momentum is None else self.momentum)
-                unbiased = var * (total / (total - 1)) if total > 1 else var
+                momentum = 1.0 / tracked if self.momentum is None else self.momentum   # None: cumulative average
+                unbiased = var * (total / (total - 1).clamp_min(1))   # N = 1 keeps the biased one
                 running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
                 running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
 
@@ -81,8 +81,10 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 @torch.no_grad()
-def _global_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Mean and biased variance per channel over the global batch (Chan's combination), and N."""
+def _global_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean and biased variance per channel over the global batch (Chan's combination), and N, all tensors: no
+    host read inside the step, and nothing that breaks a torch.compile graph. N is never 0: every rank trains on
+    at least one image (the configuration refuses smaller batches)."""
     c = x.shape[1]
     n_local = x.numel() // c
     if n_local > 0:
@@ -92,9 +94,7 @@ def _global_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, flo
     count = x.new_full((1,), float(n_local))
     stats = gather_no_grad(torch.cat([count, mean_local, var_local * n_local]).unsqueeze(0))  # [W, 2C+1]
     counts, means, m2s = stats[:, :1], stats[:, 1 : 1 + c], stats[:, 1 + c :]
-    total = float(counts.sum())
-    if total == 0:
-        raise ValueError("GlobalBatchNorm got an empty batch on every rank")
+    total = counts.sum()
     mean = (counts * means).sum(0) / total
     m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
     return mean, m2 / total, total

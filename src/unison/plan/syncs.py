@@ -42,8 +42,6 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
               "fp16's GradScaler reads found_inf before stepping (torch's design: one device sync per step)"),
     KnownSync("", "torch/nn/modules/_functions.py",
               "torch.nn.SyncBatchNorm drops empty ranks with a boolean mask (torch's design, per BN layer)"),
-    KnownSync("src/unison/distributed/sync_batchnorm.py (_global_statistics)", "",
-              "GlobalBatchNorm's global count (the CPU path only: GPUs run torch.nn.SyncBatchNorm)"),
     KnownSync("src/unison/methods/dino.py (forward)", "", "the teacher temperature is scheduled by the step counter"),
     KnownSync("src/unison/methods/ibot.py (forward)", "", "the teacher temperature is scheduled by the step counter"),
     KnownSync("src/unison/methods/lejepa.py (forward)", "", "the step's random directions are seeded by its counter"),

@@ -24,7 +24,7 @@ from unison.training.init import InitWeights, prepare_backbone
 from unison.training.resolve import resolve_recipe, resumes_its_teacher
 from unison.training.teacher import build_teacher, needs_teacher
 
-__all__ = ["build_method", "compiled", "seed_everything"]
+__all__ = ["CompileFailuresReported", "build_method", "compiled", "seed_everything"]
 
 
 def _method_named(method: str, params: dict[str, Any]) -> str:
@@ -36,10 +36,66 @@ def _method_named(method: str, params: dict[str, Any]) -> str:
 
 def compiled(model: nn.Module) -> nn.Module:
     """``torch.compile(model)`` with the float32 losses kept eager in it (`unison.losses.keep_losses_eager`: Triton
-    failed on one on an H100). torch.compile of a Module returns an OptimizedModule, an nn.Module; its stubs
-    say only Callable."""
+    failed on one on an H100), a failure to compile reported as one line (`CompileFailuresReported`), and two of
+    torch's log lines that tell a user nothing silenced (`_quiet_compile_logs`). torch.compile of a Module returns
+    an OptimizedModule, an nn.Module; its stubs say only Callable."""
     keep_losses_eager()
-    return cast(nn.Module, torch.compile(model))
+    _quiet_compile_logs()
+    return CompileFailuresReported(cast(nn.Module, torch.compile(model)))
+
+
+class CompileFailuresReported(nn.Module):
+    """Calls a compiled model; when torch.compile cannot build its kernels (no C++ compiler or no ``Python.h`` on
+    a CPU, a Triton failure on a GPU: raised at the first call, as 100 lines of traceback) the run ends with one
+    line that names the cause and the way out."""
+
+    def __init__(self, compiled_model: nn.Module):
+        super().__init__()
+        self.compiled_model = compiled_model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.compiled_model(*args, **kwargs)
+        except Exception as exc:
+            if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise   # the model's own error (a NaN check, bad data): it says what it is itself
+            raise ConfigError(f"--compile failed: torch.compile could not build this model's kernels "
+                              f"({_cause_of(exc)}); on a CPU it needs a C++ compiler and Python's headers (e.g. apt-get "
+                              "install g++ python3-dev), on a GPU a working Triton; or run without --compile "
+                              "(--no-compile)") from None
+
+
+def _cause_of(exc: Exception) -> str:
+    """The line of a compile failure that says what went wrong: the compiler's first ``error:`` line, else the
+    message's first line."""
+    import re
+
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    compiler = next((m.group(0) for m in map(re.compile(r"(\w+ )?error: .*").search, lines) if m), None)
+    return (compiler or (lines[0] if lines else type(exc).__name__))[:200]
+
+
+class _DropLines:
+    """A logging filter that drops records whose message starts with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        self.prefixes = prefixes
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _quiet_compile_logs() -> None:
+    """Silence torch's warnings, under --compile, that a profiler label inside the model is ignored and that a
+    CPU-only machine has no CUDA runtime: both printed on every rank of every compiled run, neither about the user's
+    run."""
+    import logging
+
+    for name, prefix in (("torch._dynamo.variables.ctx_manager", "Profiler record function"),
+                         ("torch.utils.cpp_extension", "No CUDA runtime is found")):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines((prefix,)))
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -148,3 +148,32 @@ def test_workers_get_the_launchers_environment_also_where_the_fork_server_cannot
     method = "spawn" if tmpdir_length else "forkserver"
     assert proc.stdout.splitlines() == [f"[('0', None, '{method}'), ('1', None, '{method}')]",
                                         f"[('0', 'seen', '{method}'), ('1', 'seen', '{method}')]"], proc.stdout
+
+
+_LOCKS_IN_WORKERS = """
+import multiprocessing as mp
+from unison.config.distributed import DistributedConfig
+from unison.distributed.launch import launch
+HELD = []
+def take_locks(_):
+    from tqdm import tqdm
+    tqdm.get_lock()              # tqdm's default lock: torch.compile's graph interpreter takes it in every worker
+    HELD.append(mp.RLock())      # and any library's own
+    return "ok"
+if __name__ == "__main__":
+    print(launch(take_locks, None, DistributedConfig(world_size=2)))
+"""
+
+
+def test_semaphores_a_worker_made_are_released_when_it_ends(tmp_path):
+    """Workers end with os._exit (`exit_worker`); the semaphores libraries made in them are released first, so the
+    resource tracker the launcher shares does not warn at the end ("There appear to be N leaked semaphore objects",
+    after every multi-worker --compile run)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "locks.py"
+    script.write_text(_LOCKS_IN_WORKERS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip() == "['ok', 'ok']", proc.stderr[-3000:]
+    assert "leaked semaphore" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr[-2000:]

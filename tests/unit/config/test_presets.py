@@ -33,11 +33,19 @@ def test_speedrun_on_a_gpu_adds_bf16_only_there_and_never_compiles():
     assert not preset_values("speedrun", cuda=True).get("compile")
 
 
-def test_speedrun_on_a_cpu_compiles_where_a_compiler_is_found_and_takes_the_values_tuned_there(monkeypatch):
+def test_speedrun_on_a_cpu_compiles_where_a_compiler_is_found_and_takes_the_values_tuned_there(monkeypatch, tmp_path):
     # compile: 1.16x the CPU step for about 9 s of start-up (the presets' docstring); inductor needs a C++ compiler
+    # and Python's headers
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(presets.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "clang++" else None)
+    headers = tmp_path / "include"
+    headers.mkdir()
+    (headers / "Python.h").touch()
+    monkeypatch.setattr(presets.sysconfig, "get_paths", lambda: {"include": str(headers)})
     assert preset_values("speedrun", cuda=False)["compile"] is True
+    (headers / "Python.h").unlink()   # a compiler without Python's headers (no python3-dev) fails at the first step
+    assert "compile" not in preset_values("speedrun", cuda=False)
+    (headers / "Python.h").touch()
     monkeypatch.setattr(presets.shutil, "which", lambda name: None)
     assert "compile" not in preset_values("speedrun", cuda=False)
     cpu, gpu = preset_values("speedrun", cuda=False), preset_values("speedrun", cuda=True)
