@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -409,6 +410,7 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     argv += ["--profile-steps", str(s["profile_steps"])]
     if args.device == "cuda":
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]   # speedrun: bf16, eager
+    argv += shlex.split(args.accuracy_args)   # values to try against the preset's (the last of an option wins)
     summary, wall = run_train(argv, run_dir)   # a failure: cmd_phase records the worker's traceback
     used = summary.get("extra", {}).get("time_budget") or {}
     return {"command": "unison " + " ".join(argv), "epochs": round(summary["epochs"], 2), "steps": summary["steps"],
@@ -567,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     ph.add_argument("--tiny", action="store_true")
     ph.add_argument("--deadline", type=float, default=None, help="epoch seconds by which the accuracy phase ends")
     ph.add_argument("--accuracy-s", type=float, default=300.0, help="the accuracy run's --time-budget (seconds)")
+    ph.add_argument("--accuracy-args", default="", help="unison train options added to the accuracy run's (after "
+                    "the preset's: they win), e.g. '--param temperature=0.2 --lr 0.3'")
     args = ap.parse_args(argv)
     if args.cmd == "pack":
         return cmd_pack(args.source, args.out)

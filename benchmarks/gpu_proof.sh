@@ -8,12 +8,13 @@
 #
 #   bash benchmarks/gpu_proof.sh --phases accuracy                # on the GPU, call 1: a 5-minute budget
 #   bash benchmarks/gpu_proof.sh --phases tests,throughput,plan   # call 2: at most 385 s
+#   bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args "--param temperature=0.2"   # other values
 #   bash benchmarks/gpu_proof.sh --device cpu --tiny              # the dry run: every phase, tiny work, under 60 s
 #
 # Needs gpu_carry/ from scripts/gpu_prepare.sh (the dry run makes its own tiny data without it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEVICE=cuda TINY="" BUDGET=900 PHASES="tests,throughput,plan,accuracy" ACCURACY_S=300
+DEVICE=cuda TINY="" BUDGET=900 PHASES="tests,throughput,plan,accuracy" ACCURACY_S=300 ACCURACY_ARGS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
@@ -21,8 +22,9 @@ while [ $# -gt 0 ]; do
     --budget-s) BUDGET="$2"; shift 2 ;;
     --phases) PHASES="$2"; shift 2 ;;
     --accuracy-s) ACCURACY_S="$2"; shift 2 ;;
+    --accuracy-args) ACCURACY_ARGS="$2"; shift 2 ;;
     *) echo "gpu_proof.sh: unknown argument $1 (use --device cuda|cpu, --tiny, --phases LIST, --accuracy-s N," \
-         "--budget-s N)" >&2; exit 2 ;;
+         "--accuracy-args 'TRAIN OPTIONS', --budget-s N)" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -46,7 +48,7 @@ if [ -n "$TINY" ]; then LIMITS="tests:120 throughput:240 plan:120"; else LIMITS=
 phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its record leaves a marker instead
   echo "== phase $1 (at most $2 s) =="
   timeout --kill-after=10 "$2" "$PY" benchmarks/gpu_proof.py phase "$1" --out "$WORK" --device "$DEVICE" $TINY \
-    --deadline "$DEADLINE" --accuracy-s "$ACCURACY_S"
+    --deadline "$DEADLINE" --accuracy-s "$ACCURACY_S" --accuracy-args "$ACCURACY_ARGS"
   rc=$?
   if [ ! -f "$WORK/phase-$1.json" ] || grep -q '"status": "partial"' "$WORK/phase-$1.json"; then
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "timed out after $2 s" > "$WORK/phase-$1.status"

@@ -27,8 +27,9 @@ def _proof_module():
 def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "UNISON_PROOF_WORK": str(tmp_path / "work"),
            "PYTHON": sys.executable, "UNISON_NO_CACHE": "1"}
-    proc = subprocess.run(["bash", "benchmarks/gpu_proof.sh", "--device", "cpu", "--tiny"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(["bash", "benchmarks/gpu_proof.sh", "--device", "cpu", "--tiny", "--accuracy-args",
+                           "--param temperature=0.3 --lr 0.2"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "accuracy-metrics.csv", "accuracy-profile-ops.txt", "accuracy-train.log", "gpu_proof.log", "proof.json",
@@ -47,6 +48,8 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     assert all(pair[side]["images_per_s"] > 0 for pair in throughput["synthetic_224"] for side in ("unison", "lightly"))
     assert all(c["plan_peak_mib"] > 0 and c["measured_peak_mib"] > 0 for c in phases["plan"]["result"]["configs"])
     assert 0 <= phases["accuracy"]["result"]["knn_top1"] <= 1
+    trained = json.loads((tmp_path / "work/runs/accuracy/config.json").read_text())   # --accuracy-args won
+    assert (trained["method_params"]["temperature"], trained["lr"]) == (0.3, 0.2), trained
     assert "## accuracy: ok" in (tmp_path / "out/proof.md").read_text()
 
 
