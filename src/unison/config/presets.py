@@ -19,18 +19,20 @@ thousand images), with ``--time-budget 5m`` unless one is given.
   label-free signals, the online probe (the final kNN is kept; on a GPU against every training image, the
   protocol of published kNN figures, so the result compares with them).
 
-Hyper-parameters. Shared: SimCLR with a ResNet-18 (CIFAR stem) at batch 512, SGD with momentum 0.9, weight decay
-5e-4, one epoch of warm-up (at most a tenth of a budgeted run's steps), the values of Lightly's CIFAR-10 benchmark
-(kNN 0.848 after 200 epochs).
+Hyper-parameters. Shared: SimCLR, SGD with momentum 0.9, weight decay 5e-4, one epoch of warm-up (at most a tenth
+of a budgeted run's steps), as Lightly's CIFAR-10 benchmark (kNN 0.848 after 200 epochs).
 
-* On a CPU (`SPEEDRUN_CPU`): NT-Xent temperature 0.2, learning rate 0.45 per 256 images, crops from 20 % of the
-  image (the ``mocov2`` augmentation: SimCLR's colour jitter, MoCo v2's crops). Chosen on the CIFAR-10 ``val``
-  split only, at 5-minute budgets of the small CNN at batch 256 on all 45,000 training images, kNN against all
-  of them (docs/benchmarks.md has every run): Lightly's values gave 0.476; temperature 0.2 0.497; lr 0.3 0.509
-  (0.6: 0.501); compiled 0.527; crops from 20 % 0.535; lr 0.45 with both 0.544.
-* On a GPU (`SPEEDRUN_GPU`): Lightly's values (temperature 0.5, lr 0.12 per 256) until they are tuned on a GPU.
-  Two H100 runs so far: 0.733 after 128 epochs in 5 minutes (compiled, temperature 0.2, kNN against 5,000
-  training images) and 0.7428 after 87 epochs in 250 s (eager, these values, kNN against all 45,000).
+* On a GPU (`SPEEDRUN_GPU`): a ResNet-18 (CIFAR stem) at batch 512 with the rest of Lightly's values (temperature
+  0.5, lr 0.12 per 256) until they are tuned on a GPU. Two H100 runs so far: 0.733 after 128 epochs in 5 minutes
+  (compiled, temperature 0.2, kNN against 5,000 training images) and 0.7428 after 87 epochs in 250 s (eager,
+  these values, kNN against all 45,000).
+* On a CPU (`SPEEDRUN_CPU`): the small CNN at batch 256, NT-Xent temperature 0.2, learning rate 0.45 per 256
+  images, crops from 20 % of the image (the ``mocov2`` augmentation: SimCLR's colour jitter, MoCo v2's crops).
+  Not a ResNet-18: on 2 cores its step at batch 512 measured 10.0 s (2 workers, compiled) after 105 s of start-up,
+  so 5 minutes would train about 17 steps. The values were chosen on the
+  CIFAR-10 ``val`` split only, at 5-minute budgets of the small CNN at batch 256 on all 45,000 training images,
+  kNN against all of them (docs/benchmarks.md has every run): Lightly's values gave 0.476; temperature 0.2
+  0.497; lr 0.3 0.509 (0.6: 0.501); compiled 0.527; crops from 20 % 0.535; lr 0.45 with both 0.544.
 
 To tune them further, vary one at a time on the ``val`` split only (``--val <val> --time-budget 5m``), never on a
 test set.
@@ -47,14 +49,15 @@ from typing import Any
 from unison.errors import ConfigError
 
 SPEEDRUN: dict[str, Any] = {
-    "method": "simclr", "backbone": "resnet18", "batch_size": 512, "data_mode": "memory", "optimizer": "sgd",
-    "lr": 0.12, "weight_decay": 5e-4, "warmup_epochs": 1.0, "time_budget": "5m", "random_init_knn": False,
-    "signal_images": 0, "online_probe": False, "method_params": {"temperature": 0.5},
+    "method": "simclr", "data_mode": "memory", "optimizer": "sgd", "weight_decay": 5e-4, "warmup_epochs": 1.0,
+    "time_budget": "5m", "random_init_knn": False, "signal_images": 0, "online_probe": False,
 }
 # knn_reference 0: every training image, as published kNN figures use (a second on a GPU, minutes on a CPU)
-SPEEDRUN_GPU: dict[str, Any] = {"amp": "bf16", "knn_reference": 0}
+SPEEDRUN_GPU: dict[str, Any] = {"backbone": "resnet18", "batch_size": 512, "lr": 0.12, "amp": "bf16",
+                                "knn_reference": 0, "method_params": {"temperature": 0.5}}
 # chosen on the val split at 5-minute budgets on a 2-core CPU (the module docstring)
-SPEEDRUN_CPU: dict[str, Any] = {"lr": 0.45, "augmentation": "mocov2", "method_params": {"temperature": 0.2}}
+SPEEDRUN_CPU: dict[str, Any] = {"backbone": "small_cnn", "batch_size": 256, "lr": 0.45, "augmentation": "mocov2",
+                                "method_params": {"temperature": 0.2}}
 PRESETS = ("speedrun",)
 
 

@@ -84,7 +84,8 @@ def checkpoint_cadence(value: Any) -> Cadence:
 class TrainConfig:
     preset: str | None = field(default=None, metadata={
         "help": "a recipe for the options not given: speedrun (the best encoder a fixed time buys on CIFAR-sized "
-                "data: SimCLR, ResNet-18, data resident on the device, bf16 on a GPU, compiled on a CPU, --time-budget 5m)",
+                "data: SimCLR, data resident on the device, --time-budget 5m; ResNet-18 in bf16 on a GPU, the small "
+                "CNN compiled on a CPU)",
         "choices": PRESETS})
     method: str = field(default="simclr", metadata={"help": "self-supervised method (the list below)"})
     data: str = field(default="digits", metadata={
