@@ -104,7 +104,7 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
     backbone_args = parse_assignments(getattr(ns, "backbone_arg", None), "--backbone-arg", "drop_path_rate=0.1")
     if backbone_args:
         base["backbone_args"] = {**base.get("backbone_args", {}), **backbone_args}
-    cfg = TrainConfig.from_dict(base)
+    cfg = TrainConfig.from_dict(base, cuda_available)
     if resume:
         cfg.resume = resume
     if not validate:

@@ -369,7 +369,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, data: dict[str, Any], cuda_available: bool | None = None) -> TrainConfig:
+        """`data` as a configuration; a ``preset`` fills the rest as for a machine with CUDA or without (None: this)."""
         if not isinstance(data, dict):
             raise ConfigError(f"a configuration must be a mapping of option names to values, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -383,7 +384,7 @@ class TrainConfig:
                               f"{' '.join('--' + k.replace('_', '-') for k in misplaced)}")
         if unknown:
             raise ConfigError(unknown_keys_message(unknown, known))
-        data = coerce_fields(cls, with_preset(data, _cuda(None)) if data.get("preset") else data)
+        data = coerce_fields(cls, with_preset(data, _cuda(cuda_available)) if data.get("preset") else data)
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")

@@ -64,3 +64,15 @@ def test_speedrun_on_a_cpu_compiles_where_a_compiler_is_found_and_takes_the_valu
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="preset 'fast' is unknown; use one of speedrun"):
         TrainConfig.from_dict({"preset": "fast"})
+
+
+def test_unison_plan_takes_the_gpu_values_on_a_machine_without_one():
+    # plan simulates a GPU job: on this CPU it had planned the CPU values (small CNN, batch 256) and refused their
+    # --compile ("unison plan does not simulate --compile; leave it off") though the user never gave it
+    from unison.cli import make_parser
+    from unison.cli.train_args import build_train_config
+
+    ns = make_parser("plan").parse_args(["plan", "--preset", "speedrun"])
+    cfg = build_train_config(ns, cuda_available=True)
+    assert (cfg.backbone, cfg.batch_size, cfg.amp, cfg.compile) == ("resnet18", 512, "bf16", False)
+    assert TrainConfig.from_dict({"preset": "speedrun"}, cuda_available=False).backbone == "small_cnn"
