@@ -102,6 +102,14 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
     return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name)
 
 
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):   # not a POSIX system that says
+        return None
+
+
 def decode_bytes(data: bytes) -> torch.Tensor:
     """uint8 [3, H, W] RGB, shown upright (EXIF orientation); raises on unreadable data and past `MAX_PIXELS`
     (checked on the header first). PIL releases the GIL while it decodes: the thread pool runs in parallel."""

@@ -69,16 +69,15 @@ from .catalog import open_catalog
 from .datasets import load_dataset
 from .evalsets import KNN_QUERIES, KNN_REFERENCE, KnnSets, LazyImages, knn_sets, map_labels
 from .files import open_image, upright_size
-from .memory import load_catalog
+from .memory import load_catalog, physical_memory
 from .samples import Catalog
 from .spec import BUILTIN, BUILTIN_IMAGES, BUILTIN_SIZES, DataSpec, check_batch, check_step, check_subset
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
-           "build_batch_source", "check_label_spaces", "choose_mode", "open_checked", "planned_image_size",
-           "planned_images", "planned_view_sizes", "stream_stats",
-           "subset_positions"]
+           "build_batch_source", "check_label_spaces", "choose_mode", "data_mode_of", "open_checked",
+           "planned_image_size", "planned_images", "planned_view_sizes", "stream_stats", "subset_positions"]
 
 MEMORY_BUDGET = 2 * 2**30
 STATS_IMAGES = 256
@@ -179,6 +178,11 @@ def check_held_out(val: str, data: str) -> None:
                         "encoder trained on; give held-out images in a separate place, or leave --val out")
 
 
+def data_mode_of(spec: DataSpec, catalog: Catalog | None) -> str:
+    """The data mode a run of `spec` trains in (`choose_mode` on the images it trains on)."""
+    return choose_mode(spec, catalog, spec.subset or (len(catalog) if catalog else 0))
+
+
 def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
     """"memory" or "stream" for `spec.data` (see the module docstring)."""
     if catalog is None:  # digits / cifar10
@@ -188,6 +192,8 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
         return "memory"
     if spec.decode == "gpu":  # with --data-mode memory refused by TrainConfig.validate
         return "stream"
+    if spec.data_mode == "memory":
+        _check_fits_in_memory(catalog, n)
     if spec.data_mode != "auto":
         return spec.data_mode
     h, w = first_size(catalog)
@@ -195,6 +201,19 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
         return "stream"
     probes = np.linspace(0, len(catalog) - 1, min(len(catalog), SIZE_PROBES)).round().astype(np.int64)
     return "memory" if all(_size_or_none(catalog, int(i)) in ((h, w), None) for i in probes) else "stream"
+
+
+def _check_fits_in_memory(catalog: Catalog, n: int) -> None:
+    """``--data-mode memory`` holds every training image decoded, 3 x H x W bytes at the first image's size, in
+    each worker: refuse data whose one copy exceeds this machine's RAM (it would decode for minutes, then be
+    killed by the kernel)."""
+    ram = physical_memory()
+    h, w = first_size(catalog)
+    need = n * 3 * h * w
+    if ram is not None and need > ram:
+        raise ConfigError(f"--data-mode memory would hold {n:,} images decoded at {h}x{w} px ({need / 2**30:,.1f} GiB "
+                          f"in each worker), more than this machine's {ram / 2**30:,.1f} GiB of memory; use --data-mode "
+                          "stream (or auto), or fewer images (--subset)")
 
 
 def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, *,
@@ -205,7 +224,7 @@ def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, 
     if train_set is not None:
         return _memory(spec, device, augmentation, None, train_set, val_set)
     catalog = catalog if catalog is not None else open_checked(spec)
-    mode = choose_mode(spec, catalog, spec.subset or (len(catalog) if catalog else 0))
+    mode = data_mode_of(spec, catalog)
     if mode == "memory":
         return _memory(spec, device, augmentation, catalog, None, None)
     assert catalog is not None

@@ -20,6 +20,7 @@ import torch
 
 from unison.config import TrainConfig
 from unison.config.fields import ascii_digits
+from unison.data.memory import physical_memory
 from unison.distributed.env import detect_launch_env
 from unison.errors import ConfigError
 from unison.training.model import build_method
@@ -52,13 +53,6 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _ram() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):   # not a POSIX system that says
-        return None
-
-
 def _gpu_memory(cfg: TrainConfig) -> int | None:
     """Memory of one GPU when the workers train on GPUs (as `init_distributed` decides), else None."""
     d = cfg.distributed
@@ -84,7 +78,7 @@ def check_model_memory(cfg: TrainConfig) -> None:
     per_worker = weights + training // shards
     local = _local_workers(cfg)
     gpu = _gpu_memory(cfg)
-    ram = _ram()
+    ram = physical_memory()
     if gpu is not None and per_worker > gpu:
         need, have, where = per_worker, gpu, "one GPU has"
     elif ram is not None and (weights if gpu is not None else per_worker) * local > ram:

@@ -29,7 +29,7 @@ import torch
 from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
 from unison.data.samples import Catalog
-from unison.data.source import check_label_spaces, open_checked, planned_image_size, planned_view_sizes
+from unison.data.source import check_label_spaces, data_mode_of, open_checked, planned_image_size, planned_view_sizes
 from unison.distributed.elastic import recorded_here
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
@@ -64,6 +64,7 @@ def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) ->
                 warnings.simplefilter("ignore")
                 catalogs[role] = open_checked(spec, role)
         check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
+        data_mode_of(spec, catalogs["data"])   # --data-mode memory on data whose decoded copy exceeds the RAM
         spec = data_spec(cfg, planned_image_size(spec, catalogs["data"]))   # the recipe's local crops at that size
         sizes = planned_view_sizes(spec, resolve_recipe(cfg).augmentation, catalogs["data"])
     check_pieces(cfg, own, sizes)

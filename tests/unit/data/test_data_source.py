@@ -33,6 +33,21 @@ def test_auto_mode_holds_small_data_in_memory_and_streams_the_rest(folders, monk
         S.choose_mode(DataSpec(data_mode="stream"), None, 0)
 
 
+def test_memory_mode_refuses_data_whose_decoded_copy_exceeds_the_ram(folders, monkeypatch):
+    # it decoded for as long as the data took, then the kernel killed every worker (--preset speedrun sets memory)
+    from unison.data.catalog import open_catalog
+
+    square = open_catalog(folders["square"])   # 24 images of 20x20: 28,800 bytes decoded
+    monkeypatch.setattr(S, "physical_memory", lambda: 28_000)
+    with pytest.raises(ConfigError, match=r"--data-mode memory would hold 24 images decoded at 20x20 px .* more than "
+                                          r"this machine's .* use --data-mode stream \(or auto\), or fewer images"):
+        S.data_mode_of(DataSpec(data=folders["square"], data_mode="memory"), square)
+    assert S.data_mode_of(DataSpec(data=folders["square"], data_mode="memory", subset=20), square) == "memory"
+    assert S.data_mode_of(DataSpec(data=folders["square"]), square) == "memory"   # auto: its own 2 GiB budget
+    monkeypatch.setattr(S, "physical_memory", lambda: None)   # a system that does not say: not refused
+    assert S.data_mode_of(DataSpec(data=folders["square"], data_mode="memory"), square) == "memory"
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"data_mode": "disk"}, "data_mode='disk' is unknown"),
     ({"decode": "tpu"}, "decode='tpu' is unknown"),
