@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
     `validate` False: as given, unchecked (``--resume auto`` reads ``--out`` from it before it knows whether the
     run resumes, which changes what is checked: a resumed run's teacher file need not exist)."""
     base: dict[str, Any] = {}
+    named: dict[str, Any] = {}   # what this command itself gives (flags, --config), not the resumed run's
     resume = getattr(ns, "resume", None)
     if resume:
         base = resume_base(resume)
@@ -94,7 +96,9 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
         file_cfg = config_file(ns)
         dist_file = file_cfg.pop("distributed", None) or {}
         base.update(file_cfg)
+        named.update(file_cfg)
         base["distributed"] = {**base.get("distributed", {}), **dist_file}
+    named.update(overrides_from_namespace(ns, TrainConfig))
     base.update(overrides_from_namespace(ns, TrainConfig))
     dist_over = overrides_from_namespace(ns, DistributedConfig)
     base["distributed"] = {**base.get("distributed", {}), **dist_over}
@@ -105,6 +109,9 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
     if backbone_args:
         base["backbone_args"] = {**base.get("backbone_args", {}), **backbone_args}
     cfg = TrainConfig.from_dict(base, cuda_available)
+    if cfg.time_budget is not None and "epochs" in named:   # the budget plans over it: say so, once
+        warnings.warn(f"--time-budget {cfg.time_budget} sets this run's length, so epochs={named['epochs']} is not "
+                      "used: the run trains the steps that fit its time (--max-steps caps them)", stacklevel=2)
     if resume:
         cfg.resume = resume
     if not validate:

@@ -163,3 +163,22 @@ def test_a_run_capped_below_the_measurement_times_what_it_has(tmp_path, local_gr
     run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
     plan = plan_budget(run, BudgetClock(cfg.time_budget))
     assert plan["steps"] == run.total_steps == 2 and "timed over 2 steps" in plan["why"]
+
+
+def test_epochs_given_beside_a_budget_are_said_to_be_unused(tmp_path):
+    # the budget planned over --epochs without a word (--time-budget 30s --epochs 1 trained 215 steps of digits)
+    import warnings
+
+    from unison.cli.train_args import parse_train_args
+
+    with pytest.warns(UserWarning, match=r"--time-budget 30s sets this run's length, so epochs=1 is not used"):
+        cfg = parse_train_args(["--time-budget", "30s", "--epochs", "1", "--out", str(tmp_path / "a")])
+    assert cfg.epochs == 1
+    yaml = tmp_path / "recipe.yaml"
+    yaml.write_text("epochs: 200\n")   # a recipe file's epochs too
+    with pytest.warns(UserWarning, match="epochs=200 is not used"):
+        parse_train_args(["--config", str(yaml), "--preset", "speedrun", "--out", str(tmp_path / "b")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no budget, or no epochs given: nothing to say
+        parse_train_args(["--epochs", "1", "--out", str(tmp_path / "c")])
+        parse_train_args(["--time-budget", "30s", "--out", str(tmp_path / "d")])
