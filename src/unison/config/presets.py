@@ -28,11 +28,11 @@ of a budgeted run's steps), as Lightly's CIFAR-10 benchmark (kNN 0.848 after 200
   these values, kNN against all 45,000).
 * On a CPU (`SPEEDRUN_CPU`): the small CNN at batch 256, NT-Xent temperature 0.2, learning rate 0.45 per 256
   images, crops from 20 % of the image (the ``mocov2`` augmentation: SimCLR's colour jitter, MoCo v2's crops).
-  Not a ResNet-18: on 2 cores its step at batch 512 measured 10.0 s (2 workers, compiled) after 105 s of start-up,
-  so 5 minutes would train about 17 steps. The values were chosen on the
-  CIFAR-10 ``val`` split only, at 5-minute budgets of the small CNN at batch 256 on all 45,000 training images,
-  kNN against all of them (docs/benchmarks.md has every run): Lightly's values gave 0.476; temperature 0.2
-  0.497; lr 0.3 0.509 (0.6: 0.501); compiled 0.527; crops from 20 % 0.535; lr 0.45 with both 0.544.
+  Not a ResNet-18: on 2 cores its step at batch 512 measured 10.0 s (2 workers, compiled) after 105 s of
+  start-up, so 5 minutes would train about 17 steps. The values were chosen on the CIFAR-10 ``val`` split only,
+  at 5-minute budgets of the small CNN at batch 256 on all 45,000 training images, kNN against all of them
+  (docs/benchmarks.md has every run): Lightly's values gave 0.476; temperature 0.2 0.497; lr 0.3 0.509 (0.6:
+  0.501); compiled 0.527; crops from 20 % 0.535; lr 0.45 with both 0.544.
 
 To tune them further, vary one at a time on the ``val`` split only (``--val <val> --time-budget 5m``), never on a
 test set.

@@ -205,8 +205,7 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
 
 def _check_fits_in_memory(catalog: Catalog, n: int) -> None:
     """``--data-mode memory`` holds every training image decoded, 3 x H x W bytes at the first image's size, in
-    each worker: refuse data whose one copy exceeds this machine's RAM (it would decode for minutes, then be
-    killed by the kernel)."""
+    each worker: refuse data whose one copy exceeds this machine's RAM (each worker would start decoding it all)."""
     ram = physical_memory()
     h, w = first_size(catalog)
     need = n * 3 * h * w
