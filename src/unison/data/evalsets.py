@@ -85,23 +85,27 @@ class _Kept:
         self.ok: torch.Tensor | None = None
         self.done = np.zeros(hi - lo, dtype=bool)
 
+    def _rows(self, start: int, stop: int) -> slice | None:
+        """Rows [start, stop) of the set as a slice of the kept tensors; None when they are not all kept here."""
+        return slice(start - self.lo, stop - self.lo) if self.lo <= start and stop <= self.hi else None
+
     def get(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if (start < self.lo or stop > self.hi or self.images is None or self.ok is None
-                or not self.done[start - self.lo:stop - self.lo].all()):
+        rows = self._rows(start, stop)
+        if rows is None or self.images is None or self.ok is None or not self.done[rows].all():
             return None
-        return self.images[start - self.lo:stop - self.lo], self.ok[start - self.lo:stop - self.lo]
+        return self.images[rows], self.ok[rows]
 
     def put(self, start: int, images: torch.Tensor, ok: torch.Tensor) -> None:
-        stop = start + images.shape[0]
-        if start < self.lo or stop > self.hi:
+        rows = self._rows(start, start + images.shape[0])
+        if rows is None:
             return
         if self.images is None:
             self.images = torch.zeros((self.hi - self.lo, *images.shape[1:]), dtype=images.dtype,
                                       device=images.device)
             self.ok = torch.zeros(self.hi - self.lo, dtype=torch.bool, device=ok.device)
-        self.images[start - self.lo:stop - self.lo] = images
-        self.ok[start - self.lo:stop - self.lo] = ok   # type: ignore[index]
-        self.done[start - self.lo:stop - self.lo] = True
+        self.images[rows] = images
+        self.ok[rows] = ok   # type: ignore[index]
+        self.done[rows] = True
 
 
 class LazyImages:
