@@ -117,10 +117,25 @@ def fault_time(err: str, kind: str = r"\w+") -> float:
     return float(m.group(2))
 
 
-def error_line(err: str, prefix: str = "unison: error:") -> str:
+def error_line(err: str, prefix: str | tuple[str, ...] = "unison: error:") -> str:
     lines = [line for line in err.splitlines() if line.startswith(prefix)]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def run_cli(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Exit code and standard error of ``unison ARGV`` run in this process (argparse's SystemExit counts as an
+    exit code); a traceback fails the test."""
+    from unison.cli import main
+
+    capfd.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:   # argparse: usage line + one error line
+        code = e.code if isinstance(e.code, int) else 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
 
 
 def load_intact(run: Path) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import run_cli
 
 from unison.cli import main
 from unison.training.checkpoint import load_checkpoint
@@ -125,15 +126,7 @@ def _no_image_cache(monkeypatch):
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:
-    """Exit code and the stderr of `unison train ARGV` (argparse's SystemExit counts as an exit code)."""
-    capfd.readouterr()
-    try:
-        code = main(["train", *argv])
-    except SystemExit as e:  # argparse: usage line + one error line
-        code = e.code
-    err = capfd.readouterr().err
-    assert "Traceback" not in err, err
-    return code, err
+    return run_cli(["train", *argv], capfd)
 
 
 def _log(case_id: str, code: int, err: str, paths: dict[str, str]) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from fault_helpers import error_line, run_cli
 from helpers.dcp_checkpoint import small_sharded_checkpoint
 
 from unison.cli import main
@@ -84,21 +85,13 @@ def _opt_groups(ckpt: dict[str, Any]) -> None:
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:
-    capfd.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capfd.readouterr().err
-    assert "Traceback" not in err, err
-    return code, err
+    return run_cli(argv, capfd)
 
 
 def _line(err: str) -> str:
-    errors = [line for line in err.splitlines() if line.startswith("unison: error:")]
-    assert len(errors) == 1, err
-    assert len(errors[0]) < 600, errors[0]     # strings from the file are shown bounded
-    return errors[0]
+    line = error_line(err)
+    assert len(line) < 600, line     # strings from the file are shown bounded
+    return line
 
 
 def _snapshot(directory: Path) -> dict[str, str]:

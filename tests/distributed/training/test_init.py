@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import run_cli
 
 from unison.cli import main
 from unison.config import TrainConfig
@@ -26,15 +27,7 @@ TINY = ["--world-size", "1", "--max-steps", "1", "--no-progress", "--batch-size"
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:
-    """Exit code and stderr of `unison train ARGV` (argparse's SystemExit counts as an exit code)."""
-    capfd.readouterr()
-    try:
-        code = main(["train", *argv])
-    except SystemExit as e:
-        code = e.code
-    err = capfd.readouterr().err
-    assert "Traceback" not in err, err
-    return code, err
+    return run_cli(["train", *argv], capfd)
 
 
 def _error(err: str) -> str:

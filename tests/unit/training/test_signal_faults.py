@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from fault_helpers import error_line, run_cli
 
 import unison
-from unison.cli import main
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
 from unison.errors import NonFiniteLossError
@@ -25,20 +25,11 @@ TINY = ["--world-size", "1", "--no-progress", "--batch-size", "16", "--subset", 
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:
-    capfd.readouterr()
-    try:
-        code = main([*TRAIN, *argv])
-    except SystemExit as e:   # argparse
-        code = e.code
-    err = capfd.readouterr().err
-    assert "Traceback" not in err, err
-    return code, err
+    return run_cli([*TRAIN, *argv], capfd)
 
 
 def _line(err: str) -> str:
-    errors = [line for line in err.splitlines() if line.startswith("unison: error:")]
-    assert len(errors) == 1, err
-    return errors[0]
+    return error_line(err)
 
 
 @pytest.fixture(scope="module")

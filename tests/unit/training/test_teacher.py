@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import error_line, run_cli
 
 from unison.cli import main
 
@@ -18,20 +19,11 @@ TINY = ["--world-size", "1", "--max-steps", "1", "--no-progress", "--batch-size"
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:
-    capfd.readouterr()
-    try:
-        code = main([*TRAIN, *argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    err = capfd.readouterr().err
-    assert "Traceback" not in err, err
-    return code, err
+    return run_cli([*TRAIN, *argv], capfd)
 
 
 def _line(err: str) -> str:
-    errors = [line for line in err.splitlines() if line.startswith(("unison: error:", "unison train: error:"))]
-    assert len(errors) == 1, err
-    return errors[0]
+    return error_line(err, ("unison: error:", "unison train: error:"))
 
 
 @pytest.fixture(scope="module")
