@@ -98,8 +98,9 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
         base.update(file_cfg)
         named.update(file_cfg)
         base["distributed"] = {**base.get("distributed", {}), **dist_file}
-    named.update(overrides_from_namespace(ns, TrainConfig))
-    base.update(overrides_from_namespace(ns, TrainConfig))
+    flags = overrides_from_namespace(ns, TrainConfig)
+    named.update(flags)
+    base.update(flags)
     dist_over = overrides_from_namespace(ns, DistributedConfig)
     base["distributed"] = {**base.get("distributed", {}), **dist_over}
     params = parse_params(ns.param)

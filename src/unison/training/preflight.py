@@ -64,7 +64,8 @@ def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) ->
                 warnings.simplefilter("ignore")
                 catalogs[role] = open_checked(spec, role)
         check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-        data_mode_of(spec, catalogs["data"])   # --data-mode memory on data whose decoded copy exceeds the RAM
+        if spec.data_mode == "memory":   # refused when one decoded copy exceeds the RAM (auto decides in the workers)
+            data_mode_of(spec, catalogs["data"])
         spec = data_spec(cfg, planned_image_size(spec, catalogs["data"]))   # the recipe's local crops at that size
         sizes = planned_view_sizes(spec, resolve_recipe(cfg).augmentation, catalogs["data"])
     check_pieces(cfg, own, sizes)
