@@ -70,7 +70,15 @@ def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
     """Within the block, SIGTERM/SIGUSR1 raise ``error(signal name)`` in the main thread, so the caller's cleanup
     runs and the user gets one line (Python's default ends the process at once, exit 143, leaving partial files).
     Outside the main thread (where no handler can be set) nothing changes."""
+    before = _REQUESTS.first, _REQUESTS.count
+    fired: list[int] = []
+
     def stop(signum: int, frame: object) -> None:
+        # recorded too: where the raise lands in an `except Exception` (a decode, a header probe) it is swallowed
+        # and the work goes on; the loops that check `stop_requests()` still stop at their next step
+        fired.append(signum)
+        _REQUESTS.count += 1
+        _REQUESTS.first = signum if _REQUESTS.first is None else _REQUESTS.first
         raise error(signal.Signals(signum).name)
 
     previous = {}
@@ -81,6 +89,8 @@ def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        if fired:   # this block's stop is handled: what it recorded does not outlive it
+            _REQUESTS.first, _REQUESTS.count = before
 
 
 def _note(text: str) -> None:
