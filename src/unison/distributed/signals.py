@@ -65,6 +65,16 @@ class StopRequests:
 _REQUESTS = StopRequests()
 
 
+class _StopSignal(BaseException):
+    """What `stop_signals_raise`'s handler raises: a BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` it lands in (a decode, a header probe, a library's retry) can swallow it. The block
+    turns it into the caller's error as it leaves."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 @contextlib.contextmanager
 def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
     """Within the block, SIGTERM/SIGUSR1 raise ``error(signal name)`` in the main thread, so the caller's cleanup
@@ -74,18 +84,20 @@ def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
     fired: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
-        # recorded too: where the raise lands in an `except Exception` (a decode, a header probe) it is swallowed
-        # and the work goes on; the loops that check `stop_requests()` still stop at their next step
+        # recorded too: where code catches BaseException and goes on, the loops that check `stop_requests()`
+        # still stop at their next step
         fired.append(signum)
         _REQUESTS.count += 1
         _REQUESTS.first = signum if _REQUESTS.first is None else _REQUESTS.first
-        raise error(signal.Signals(signum).name)
+        raise _StopSignal(signal.Signals(signum).name)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
+    except _StopSignal as stopped:
+        raise error(stopped.name) from None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
