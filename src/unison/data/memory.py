@@ -47,7 +47,7 @@ from .samples import Catalog
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
 
-__all__ = ["decode_all", "decode_bytes", "load_catalog"]
+__all__ = ["decode_all", "decode_bytes", "free_device_memory", "load_catalog", "physical_memory"]
 
 _CACHE_VERSION = 2   # 2: EXIF orientation applied, PIL decodes every format
 
@@ -108,6 +108,13 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):   # not a POSIX system that says
         return None
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """The free bytes of GPU `device` (CUDA's own count), or None for the CPU, whose images stay in the RAM."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
 def decode_bytes(data: bytes) -> torch.Tensor:

@@ -69,7 +69,7 @@ from .catalog import open_catalog
 from .datasets import load_dataset
 from .evalsets import KNN_QUERIES, KNN_REFERENCE, KnnSets, LazyImages, knn_sets, map_labels
 from .files import open_image, upright_size
-from .memory import load_catalog, physical_memory
+from .memory import free_device_memory, load_catalog, physical_memory
 from .samples import Catalog
 from .spec import BUILTIN, BUILTIN_IMAGES, BUILTIN_SIZES, DataSpec, check_batch, check_step, check_subset
 from .subsets import balanced_subset, channel_stats
@@ -178,13 +178,14 @@ def check_held_out(val: str, data: str) -> None:
                         "encoder trained on; give held-out images in a separate place, or leave --val out")
 
 
-def data_mode_of(spec: DataSpec, catalog: Catalog | None) -> str:
+def data_mode_of(spec: DataSpec, catalog: Catalog | None, device_free: int | None = None) -> str:
     """The data mode a run of `spec` trains in (`choose_mode` on the images it trains on)."""
-    return choose_mode(spec, catalog, spec.subset or (len(catalog) if catalog else 0))
+    return choose_mode(spec, catalog, spec.subset or (len(catalog) if catalog else 0), device_free)
 
 
-def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
-    """"memory" or "stream" for `spec.data` (see the module docstring)."""
+def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int, device_free: int | None = None) -> str:
+    """"memory" or "stream" for `spec.data` (see the module docstring). `device_free`: the free bytes of the GPU
+    that memory mode would hold the images on (None: they stay in the host's memory)."""
     if catalog is None:  # digits / cifar10
         if spec.data_mode == "stream" or spec.decode == "gpu":
             raise ConfigError(f"--data {spec.data} is built in and always held in memory; --data-mode stream and "
@@ -193,7 +194,7 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
     if spec.decode == "gpu":  # with --data-mode memory refused by TrainConfig.validate
         return "stream"
     if spec.data_mode == "memory":
-        _check_fits_in_memory(catalog, n)
+        _check_fits_in_memory(catalog, n, device_free)
     if spec.data_mode != "auto":
         return spec.data_mode
     h, w = first_size(catalog)
@@ -203,16 +204,21 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int) -> str:
     return "memory" if all(_size_or_none(catalog, int(i)) in ((h, w), None) for i in probes) else "stream"
 
 
-def _check_fits_in_memory(catalog: Catalog, n: int) -> None:
+def _check_fits_in_memory(catalog: Catalog, n: int, device_free: int | None = None) -> None:
     """``--data-mode memory`` holds every training image decoded, 3 x H x W bytes at the first image's size, in
-    each worker: refuse data whose one copy exceeds this machine's RAM (each worker would start decoding it all)."""
-    ram = physical_memory()
+    each worker: refuse data whose one copy exceeds this machine's RAM (each worker would start decoding it all),
+    or the GPU's free memory it would be copied to (`device_free`; CUDA's out-of-memory after the decode)."""
     h, w = first_size(catalog)
     need = n * 3 * h * w
+    held = f"--data-mode memory would hold {n:,} images decoded at {h}x{w} px ({need / 2**30:,.1f} GiB"
+    instead = "use --data-mode stream (or auto), or fewer images (--subset)"
+    ram = physical_memory()
     if ram is not None and need > ram:
-        raise ConfigError(f"--data-mode memory would hold {n:,} images decoded at {h}x{w} px ({need / 2**30:,.1f} GiB "
-                          f"in each worker), more than this machine's {ram / 2**30:,.1f} GiB of memory; use --data-mode "
-                          "stream (or auto), or fewer images (--subset)")
+        raise ConfigError(f"{held} in each worker), more than this machine's {ram / 2**30:,.1f} GiB of memory; "
+                          f"{instead}")
+    if device_free is not None and need > device_free:
+        raise ConfigError(f"{held} on each GPU), more than the {device_free / 2**30:,.1f} GiB free on this GPU; "
+                          f"{instead}")
 
 
 def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, *,
@@ -223,7 +229,7 @@ def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, 
     if train_set is not None:
         return _memory(spec, device, augmentation, None, train_set, val_set)
     catalog = catalog if catalog is not None else open_checked(spec)
-    mode = data_mode_of(spec, catalog)
+    mode = data_mode_of(spec, catalog, free_device_memory(device))
     if mode == "memory":
         return _memory(spec, device, augmentation, catalog, None, None)
     assert catalog is not None

@@ -48,6 +48,24 @@ def test_memory_mode_refuses_data_whose_decoded_copy_exceeds_the_ram(folders, mo
     assert S.data_mode_of(DataSpec(data=folders["square"], data_mode="memory"), square) == "memory"
 
 
+def test_memory_mode_refuses_data_larger_than_the_gpus_free_memory(folders, monkeypatch):
+    # on a GPU the decoded images are copied to the device: CUDA's out-of-memory after the whole decode
+    from unison.data.catalog import open_catalog
+
+    square = open_catalog(folders["square"])   # 24 images of 20x20: 28,800 bytes decoded
+    spec = DataSpec(data=folders["square"], data_mode="memory", batch_size=8)
+    monkeypatch.setattr(S, "physical_memory", lambda: 2**40)
+    with pytest.raises(ConfigError, match=r"would hold 24 images decoded at 20x20 px .* on each GPU\), more than "
+                                          r"the 0.0 GiB free on this GPU; use --data-mode stream"):
+        S.data_mode_of(spec, square, device_free=28_000)
+    assert S.data_mode_of(spec, square, device_free=28_800) == "memory"
+    # the worker asks CUDA for the free memory of its own device, before it decodes anything
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (28_000, 2**34))
+    monkeypatch.setattr(S, "load_catalog", lambda *a: pytest.fail("decoded before the check"))
+    with pytest.raises(ConfigError, match="free on this GPU"):
+        S.build_batch_source(spec, torch.device("cuda", 0), "simclr")
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"data_mode": "disk"}, "data_mode='disk' is unknown"),
     ({"decode": "tpu"}, "decode='tpu' is unknown"),
