@@ -99,7 +99,8 @@ def _quiet_compile_logs() -> None:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed every generator the build uses, identically on every rank (same initialisation everywhere)."""
+    """Seed every generator the build uses, identically on every rank (same initialisation everywhere), and set
+    how cuDNN picks its convolution algorithms: timed, the fastest; `deterministic`: torch's repeatable choice."""
     import random
 
     random.seed(seed)
@@ -112,7 +113,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         pass
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+    # cuDNN times its convolution algorithms at each new shape and keeps the fastest: an SSL run's shapes are
+    # fixed (one or two view sizes), so that is paid in its first steps; a deterministic run keeps torch's choice
+    torch.backends.cudnn.benchmark = not deterministic
 
 
 def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device: torch.device,

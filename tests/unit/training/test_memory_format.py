@@ -25,3 +25,17 @@ def test_float64_runs_keep_nchw_whatever_channels_last_says(precision, nhwc):
         assert all(w.is_contiguous() is not nhwc for w in convs)
     finally:
         shutdown_distributed(None)   # one process: nothing to wait for
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cudnn_times_its_algorithms_unless_the_run_is_deterministic(deterministic, monkeypatch):
+    """Fixed shapes: cuDNN's timed choice is paid once; --deterministic keeps torch's repeatable one."""
+    from unison.training.model import build_method
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", deterministic)   # the opposite of what it must become
+    cfg = TrainConfig(method="simclr", data="synthetic", batch_size=4, max_steps=1, deterministic=deterministic)
+    try:
+        build_method(cfg, 1, torch.float32, torch.device("cpu"), image_size=16)
+        assert torch.backends.cudnn.benchmark is not deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)   # process-wide: the tests after this one run as usual
