@@ -13,6 +13,8 @@ Phases (each writes DIR/phase-NAME.json when it ends; `report` merges whatever e
   lightly_compare`, bf16); ResNet-50 and ViT-B/16 at 224 px on synthetic images, both sides: images/s, MFU
   against the card's measured bf16 matmul rate, and the share of the loop spent waiting for data;
 * ``plan``: `unison plan`'s simulated peak against the measured `torch.cuda.max_memory_allocated`, 3 configs;
+* ``step``: the speed-run step and its variants side by side (`benchmarks/step_variants.py`): cuDNN's timed
+  algorithms against its default, the step without its augmentation, twice the batch;
 * ``accuracy``: SimCLR ResNet-18 on the pack for what is left of the budget, kNN on the 5,000 val images.
 
 ``--tiny`` (with ``--device cpu``: the dry run the test suite runs) runs the same code on a generated 64-image
@@ -41,10 +43,11 @@ TRAVEL_LIMIT_MIB = 64                     # the working tree plus the carried pa
 COMMAND_LIMIT = 2000                      # characters of the device command line
 # The two device calls (run one right after the other, on the warm machine) and their timeout_s
 # (the headline first: each start of a machine costs about 30 s of the loan, and a cut-short loan keeps it)
-DEVICE_CALLS = (("bash benchmarks/gpu_proof.sh --phases accuracy", 360),
-                ("bash benchmarks/gpu_proof.sh --phases tests,throughput,plan", 420))
+DEVICE_CALLS = (("bash benchmarks/gpu_proof.sh --phases step,accuracy", 420),
+                ('bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args '
+                 '"--param temperature=0.2 --lr 0.45 --augmentation mocov2"', 360))
 DEVICE_CARRY = [CARRY]
-PHASES = ("tests", "throughput", "plan", "accuracy")
+PHASES = ("tests", "throughput", "plan", "step", "accuracy")
 MIB = 2**20
 
 
@@ -383,7 +386,20 @@ def _measured_peak(cfg, size: int) -> dict[str, Any]:
             "reserved_mib": torch.cuda.max_memory_reserved() / MIB}
 
 
-# --------------------------------------------------------------------------- phase 4: time to accuracy
+# --------------------------------------------------------------------------- phase 4: the step's variants
+def phase_step(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    from step_variants import measure  # benchmarks/, this script's folder (the first entry of sys.path)
+
+    return measure(args.device, args.tiny)
+
+
+def _step_md(r: dict[str, Any]) -> list[str]:
+    from step_variants import markdown
+
+    return markdown(r)
+
+
+# --------------------------------------------------------------------------- phase 5: time to accuracy
 def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     from unison.bench.table import run_train
     from unison.data.catalog import open_catalog
@@ -427,7 +443,8 @@ def _worker_traceback(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- running and reporting
-RUNNERS = {"tests": phase_tests, "throughput": phase_throughput, "plan": phase_plan, "accuracy": phase_accuracy}
+RUNNERS = {"tests": phase_tests, "throughput": phase_throughput, "plan": phase_plan, "step": phase_step,
+           "accuracy": phase_accuracy}
 
 
 def cmd_phase(args: argparse.Namespace) -> int:
@@ -549,7 +566,8 @@ def _accuracy_md(r: dict[str, Any]) -> list[str]:
             f"{r['data_wait_share']:.0%}; queries: {r['knn_queries']}.", "", f"`{r['command']}`"]
 
 
-SECTIONS = {"tests": _tests_md, "throughput": _throughput_md, "plan": _plan_md, "accuracy": _accuracy_md}
+SECTIONS = {"tests": _tests_md, "throughput": _throughput_md, "plan": _plan_md, "step": _step_md,
+            "accuracy": _accuracy_md}
 
 
 def main(argv: list[str] | None = None) -> int:

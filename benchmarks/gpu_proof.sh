@@ -6,15 +6,15 @@
 # run's metrics come back); the phases work in $UNISON_PROOF_WORK (default runs/gpu_proof: runs, checkpoints,
 # per-phase records, kept between calls on a warm machine). docs/benchmarks.md, "GPU".
 #
-#   bash benchmarks/gpu_proof.sh --phases accuracy                # on the GPU, call 1: a 5-minute budget
-#   bash benchmarks/gpu_proof.sh --phases tests,throughput,plan   # call 2: at most 385 s
-#   bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args "--param temperature=0.2"   # other values
+#   bash benchmarks/gpu_proof.sh --phases step,accuracy           # on the GPU, call 1: the step, a 5-minute run
+#   bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args "--param temperature=0.2"   # call 2: other values
+#   bash benchmarks/gpu_proof.sh --phases tests,throughput,plan   # a loan with time for them: at most 385 s
 #   bash benchmarks/gpu_proof.sh --device cpu --tiny              # the dry run: every phase, tiny work, under 60 s
 #
 # Needs gpu_carry/ from scripts/gpu_prepare.sh (the dry run makes its own tiny data without it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEVICE=cuda TINY="" BUDGET=900 PHASES="tests,throughput,plan,accuracy" ACCURACY_S=300 ACCURACY_ARGS=""
+DEVICE=cuda TINY="" BUDGET=900 PHASES="tests,throughput,plan,step,accuracy" ACCURACY_S=300 ACCURACY_ARGS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
@@ -32,8 +32,8 @@ OUT=${OUT:-runs/gpu_proof}
 WORK=${UNISON_PROOF_WORK:-runs/gpu_proof}
 mkdir -p "$OUT" "$WORK"
 for name in ${PHASES//,/ }; do
-  case "$name" in tests|throughput|plan|accuracy) rm -f "$WORK/phase-$name.json" "$WORK/phase-$name.status" ;;
-    *) echo "gpu_proof.sh: unknown phase $name (use tests, throughput, plan, accuracy)" >&2; exit 2 ;; esac
+  case "$name" in tests|throughput|plan|step|accuracy) rm -f "$WORK/phase-$name.json" "$WORK/phase-$name.status" ;;
+    *) echo "gpu_proof.sh: unknown phase $name (use tests, throughput, plan, step, accuracy)" >&2; exit 2 ;; esac
 done
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
@@ -43,7 +43,8 @@ export PYTHONPATH="src:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Time boxes (s). The dry run's are safety nets for a loaded CI machine (its own CPU time is about 40 s).
 # Seen on an H100: tests 26 s, plan 22 s; throughput did not finish in 170 s while Lightly's loader workers were
 # spawned (now forked, as a Lightly user's are).
-if [ -n "$TINY" ]; then LIMITS="tests:120 throughput:240 plan:120"; else LIMITS="tests:100 throughput:240 plan:45"; fi
+if [ -n "$TINY" ]; then LIMITS="tests:120 throughput:240 plan:120 step:120"
+else LIMITS="tests:100 throughput:240 plan:45 step:75"; fi
 
 phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its record leaves a marker instead
   echo "== phase $1 (at most $2 s) =="

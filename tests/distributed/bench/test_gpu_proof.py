@@ -38,7 +38,7 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     proof = json.loads((tmp_path / "out/proof.json").read_text())
     phases = proof["phases"]
     assert {name: p["status"] for name, p in phases.items()} == dict.fromkeys(
-        ("tests", "throughput", "plan", "accuracy"), "ok"), proc.stdout[-3000:]
+        ("tests", "throughput", "plan", "step", "accuracy"), "ok"), proc.stdout[-3000:]
     assert [t["outcome"] for t in phases["tests"]["result"]["tests"]] == ["skipped"]   # no CUDA here: one line
     assert "no CUDA device" in phases["tests"]["result"]["tests"][0]["message"]
     throughput = phases["throughput"]["result"]
@@ -47,6 +47,9 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
                for r in throughput["cifar_resnet18"])
     assert all(pair[side]["images_per_s"] > 0 for pair in throughput["synthetic_224"] for side in ("unison", "lightly"))
     assert all(c["plan_peak_mib"] > 0 and c["measured_peak_mib"] > 0 for c in phases["plan"]["result"]["configs"])
+    variants = phases["step"]["result"]["variants"]
+    assert [v["variant"] for v in variants] == ["preset", "cudnn default", "fixed views", "batch 2x"]
+    assert all(v["ms_per_step"] > 0 for v in variants) and [v["batch"] for v in variants] == [16, 16, 16, 32]
     assert 0 <= phases["accuracy"]["result"]["knn_top1"] <= 1
     trained = json.loads((tmp_path / "work/runs/accuracy/config.json").read_text())   # --accuracy-args won
     assert (trained["method_params"]["temperature"], trained["lr"]) == (0.3, 0.2), trained
