@@ -143,7 +143,7 @@ class TrainConfig:
     local_crops: int | None = field(default=None, metadata={
         "range": Range(0, MAX_LOCAL_CROPS),
         "help": "multi-crop methods (dino, ibot, swav, lejepa): number of local crops besides the 2 global ones; "
-                "default: the augmentation's (4)"})
+                "default: the augmentation's (4); none for swav and dino at 32 px and below, lejepa at 16"})
     local_crop_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels"),
         "help": "multi-crop methods: side of the local crops; default: 3/7 of the image size (96 for 224, 14 for "

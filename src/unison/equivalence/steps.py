@@ -91,12 +91,17 @@ def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = N
     pieces it names: `OwnPieces.apply`)."""
     from unison.config import TrainConfig
     from unison.config.distributed import DistributedConfig
+    from unison.data.augment import PRESETS
     from unison.methods import get_method
 
     # distill: a seeded random-init teacher (the check is about the student's gradient); another method given
     # --teacher-backbone is refused by the pre-flight, as unison train refuses it
     teacher: dict[str, Any] = {"teacher": "random"} if getattr(get_method(spec.method), "needs_teacher", False) else {}
     teacher["teacher_backbone"] = spec.teacher_backbone
+    # SwAV and DINO drop their local crops at the check's small images by default (`Recipe.global_views_up_to`):
+    # the check keeps them, since the local-crop path is the one whose exactness needs checking
+    recipe = get_method(spec.method).recipe
+    crops = {"local_crops": PRESETS[recipe.augmentation]["n_local"]} if recipe.global_views_up_to else {}
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
                 "epochs": spec.steps} if spec.data else {"data": "synthetic", "epochs": 1}
     if own is not None and own.dataset is not None:   # in the training process: views independent of it anyway
@@ -106,7 +111,7 @@ def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = N
         method=spec.method, backbone=spec.backbone, max_steps=spec.steps, **streamed,
         batch_size=spec.local_batch * spec.world_size, lr=spec.lr, precision=spec.dtype, seed=spec.seed,
         threads=1, progress=False, method_params=dict(spec.method_params), layer_decay=spec.layer_decay,
-        freeze=spec.freeze, **teacher,
+        freeze=spec.freeze, **teacher, **crops,
         distributed=DistributedConfig(backend="gloo" if world_size > 1 else "local", world_size=world_size,
                                       sync_batchnorm=spec.sync_batchnorm, gather_distributed=spec.gather_distributed,
                                       shared_queue=spec.shared_queue, grad_sync_every=spec.grad_sync_every,

@@ -42,6 +42,9 @@ class Recipe:
     weight_decay: float = 5e-4
     augmentation: str = "simclr"   # preset in unison.data.augment
     backbone: str = "small_cnn"    # used when --backbone is not given (a ViT for the masked-image methods)
+    # Multi-crop methods: at this image size and below, no local crops unless --local-crops asks (the 2 global
+    # views only); 0: the augmentation's local crops at every size
+    global_views_up_to: int = 0
     # Overrides of the fields above for the embedded digits default, a 150-step schedule on which
     # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
     embedded: dict[str, Any] = field(default_factory=dict)

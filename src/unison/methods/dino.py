@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from unison.losses import DINOLoss
 
-from ._common import check_multicrop, multicrop_features
+from ._common import TWO_VIEWS_UP_TO_PX, check_multicrop, multicrop_features
 from .base import Recipe
 from .distillation import DINOHead, SelfDistillation
 from .params import check_params
@@ -75,7 +75,8 @@ class DINOParams:
 class DINO(SelfDistillation):
     name = "dino"
     Params = DINOParams
-    recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="multicrop")
+    recipe = Recipe(optimizer="sgd", base_lr=0.06 * 2, weight_decay=5e-4, augmentation="multicrop",
+                    global_views_up_to=TWO_VIEWS_UP_TO_PX)
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: DINOParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

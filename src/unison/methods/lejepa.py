@@ -39,7 +39,7 @@ from unison.errors import ConfigError
 from unison.losses import LeJEPALoss, sigreg_directions
 from unison.models import mlp
 
-from ._common import check_multicrop, multicrop_features
+from ._common import TWO_VIEWS_MEASURED_UP_TO_PX, check_multicrop, multicrop_features
 from .base import Recipe, SampleKeys, SSLMethod
 from .params import check_params
 
@@ -67,7 +67,8 @@ class LeJEPA(SSLMethod):
     Params = LeJEPAParams
     needs_sample_keys = True           # the run's seed: SIGReg's directions are a function of (seed, step)
     recipe = Recipe(optimizer="adamw", base_lr=5e-4, weight_decay=0.05, augmentation="multicrop",
-                    backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 2e-3})
+                    backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 2e-3},
+                    global_views_up_to=TWO_VIEWS_MEASURED_UP_TO_PX)
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: LeJEPAParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

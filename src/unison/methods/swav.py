@@ -68,7 +68,7 @@ from unison.errors import ConfigError
 from unison.losses import SwAVLoss
 from unison.models import mlp
 
-from ._common import check_multicrop, multicrop_features
+from ._common import TWO_VIEWS_UP_TO_PX, check_multicrop, multicrop_features
 from .base import Recipe, SSLMethod
 from .params import check_params
 
@@ -105,7 +105,8 @@ class SwAV(SSLMethod):
     name = "swav"
     unsharded_children = ("prototypes",)   # forward reads prototypes.weight itself
     Params = SwAVParams
-    recipe = Recipe(optimizer="adam", base_lr=1e-3 * 2, weight_decay=1e-6, augmentation="multicrop")
+    recipe = Recipe(optimizer="adam", base_lr=1e-3 * 2, weight_decay=1e-6, augmentation="multicrop",
+                    global_views_up_to=TWO_VIEWS_UP_TO_PX)
 
     step_count: torch.Tensor   # buffers: optimiser steps taken; queue [2, Q, d] and rows filled (queue_length > 0)
     queue: torch.Tensor

@@ -55,8 +55,8 @@ def check_pieces(cfg: TrainConfig, pieces: OwnPieces, sizes: list[int] | None = 
         first = cast(OwnBatches, data.source).make.of(0, [0], [data.own.first()])["views"]
         sizes = [int(v.shape[-1]) for v in first]
     if pieces.backbone is not None:
-        spec = data_spec(cfg)
-        sizes = sizes or view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, cfg.image_size or 32)
+        size = cfg.image_size or 32
+        sizes = sizes or view_sizes({**PRESETS[augmentation], **data_spec(cfg, size).augment_overrides()}, size)
         check_features(pieces.backbone, pieces.feature_dim or 0, sorted(set(sizes)))
         # the method around (a copy of) it, as every worker builds it: a method that needs a ViT's patch tokens
         # (MAE, iBOT, I-JEPA) refuses here, and --init/--freeze/--layer-decay are checked against it; the build

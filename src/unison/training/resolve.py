@@ -38,13 +38,15 @@ if TYPE_CHECKING:   # annotations only (unison.training.own imports this module)
 class ResolvedRecipe:
     """The optimizer, base learning rate (per 256 images), weight decay, augmentation preset and backbone a run
     uses: the method's recipe for the run's data, overridden by whatever the configuration sets; and what follows
-    from the image size: the local crops' side (multi-crop; None: none, or the image size is not known yet)."""
+    from the image size: the local crops' side (multi-crop; None: none, or the image size is not known yet), and
+    their number where the recipe sets it (`Recipe.global_views_up_to`)."""
     backbone: str
     optimizer: str
     lr: float
     weight_decay: float
     augmentation: str
     local_crop_size: int | None = None
+    local_crops: int | None = None   # None: the augmentation's; 0 where the recipe trains 2 views at this size
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,9 +63,13 @@ def resolve_recipe(cfg: TrainConfig, image_size: int | None = None) -> ResolvedR
     backbone = cfg.backbone or recipe.backbone
     augmentation = cfg.augmentation or recipe.augmentation
     size = cfg.image_size or image_size
+    multicrop = augmentation in PRESETS and bool(PRESETS[augmentation]["n_local"])
+    crops = cfg.local_crops
+    if crops is None and cfg.local_crop_size is None and multicrop and size is not None \
+            and size <= recipe.global_views_up_to:
+        crops = 0   # small images: the 2 global views only (`unison.methods._common.TWO_VIEWS_UP_TO_PX`)
     local = cfg.local_crop_size
-    if local is None and size is not None and augmentation in PRESETS and PRESETS[augmentation]["n_local"] \
-            and cfg.local_crops != 0 and not backbone.startswith("own:"):
+    if local is None and size is not None and multicrop and crops != 0 and not backbone.startswith("own:"):
         local = PRESETS[augmentation]["local_size"] or default_local_size(
             size, patch_size_of(backbone, size, cfg.backbone_args))
     return ResolvedRecipe(
@@ -71,7 +77,7 @@ def resolve_recipe(cfg: TrainConfig, image_size: int | None = None) -> ResolvedR
         optimizer=cfg.optimizer or recipe.optimizer,
         lr=cfg.lr if cfg.lr is not None else recipe.base_lr,
         weight_decay=cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
-        augmentation=augmentation, local_crop_size=local)
+        augmentation=augmentation, local_crop_size=local, local_crops=crops)
 
 
 def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: OwnPieces | None = None) -> TrainConfig:

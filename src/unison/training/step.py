@@ -137,14 +137,13 @@ class Run:
 
 def data_spec(cfg: TrainConfig, image_size: int | None = None) -> DataSpec:
     """What the data side reads of `cfg` (`unison.data` never sees the training configuration); with the data's
-    `image_size` (when ``--image-size`` is not given), the local crops' side the recipe derives from it."""
+    `image_size` (when ``--image-size`` is not given), the local crops the recipe derives from it."""
+    recipe = resolve_recipe(cfg, image_size)
     return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
                     val_subset=cfg.val_subset, knn_reference=cfg.knn_reference, on_corrupt=cfg.on_corrupt,
-                    data_mode=cfg.data_mode, decode=cfg.decode,
-                    loader_workers=cfg.loader_workers, image_size=cfg.image_size,
-                    world_size=cfg.distributed.world_size, local_crops=cfg.local_crops,
-                    local_crop_size=resolve_recipe(cfg, image_size).local_crop_size,
-                    grad_sync_every=cfg.distributed.grad_sync_every)
+                    data_mode=cfg.data_mode, decode=cfg.decode, loader_workers=cfg.loader_workers,
+                    image_size=cfg.image_size, world_size=cfg.distributed.world_size, local_crops=recipe.local_crops,
+                    local_crop_size=recipe.local_crop_size, grad_sync_every=cfg.distributed.grad_sync_every)
 
 
 def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,

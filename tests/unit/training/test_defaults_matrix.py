@@ -96,13 +96,30 @@ def test_local_crops_follow_the_backbone_a_user_gives(backbone, size, local):
     at 32 px used to be refused: 14 px crops, 4 px patches); a CNN keeps 3/7 of the image; a size given is kept."""
     if backbone.startswith("timm:"):
         pytest.importorskip("timm")
+    asked = {"local_crops": 4} if size <= 32 else {}   # at 32 px and below they train 2 views unless asked
     for method in ("dino", "swav"):
-        cfg = TrainConfig(method=method, data="/data/images", backbone=backbone)
+        cfg = TrainConfig(method=method, data="/data/images", backbone=backbone, **asked)
         assert resolve_recipe(cfg, size).local_crop_size == local, (method, backbone, size)
         assert resolve_recipe(cfg).local_crop_size is None   # the size unknown: the data's, at the build
     given = TrainConfig(method="dino", data="/data/images", backbone=backbone, local_crop_size=10, image_size=size)
     assert resolve_recipe(given).local_crop_size == 10
     assert resolve_recipe(TrainConfig(method="dino", local_crops=0), 224).local_crop_size is None
+
+
+@pytest.mark.parametrize("method, size, crops", [
+    ("swav", 32, 0), ("dino", 32, 0), ("dino", 16, 0), ("swav", 33, None), ("dino", 64, None),
+    ("lejepa", 16, 0), ("lejepa", 32, None), ("ibot", 16, None), ("ibot", 32, None)])
+def test_small_images_train_two_views_where_that_was_measured_better(method, size, crops):
+    """At CIFAR-10's size and below SwAV and DINO train their 2 global views (better and faster there, on both
+    seeds measured), LeJEPA at 16 px (measured on the digits only); above, and iBOT at every size, the
+    augmentation's local crops. Asking wins."""
+    from unison.training.step import data_spec
+
+    cfg = TrainConfig(method=method, data="/data/images")
+    assert (resolve_recipe(cfg, size).local_crops, data_spec(cfg, size).local_crops) == (crops, crops)
+    assert (resolve_recipe(cfg, size).local_crop_size is None) is (crops == 0)
+    for asked in ({"local_crops": 2}, {"local_crop_size": 10}):   # either one asks for local crops
+        assert resolve_recipe(TrainConfig(method=method, data="/data/images", **asked), size).local_crops != 0
 
 
 class _Images32:
