@@ -152,8 +152,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
     spec = overrides_from_namespace(ns, CheckSpec)
     curve = overrides_from_namespace(ns, CurveSpec)
-    methods = sorted(METHODS) if spec.get("method") == "all" else [spec.pop("method", CheckSpec.method)]
-    spec.pop("method", None)
+    methods = _check_methods(str(spec.pop("method", CheckSpec.method)), METHODS)
     params = parse_params(ns.param)
     reports: list[CheckReport | CurvesReport]
     if curve.get("run"):  # whole `unison train` runs at 1 and W workers, loss curves compared
@@ -163,6 +162,22 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for report in reports:
         print(report.summary(), flush=True)
     return 0 if all(report.passed for report in reports) else 1
+
+
+def _check_methods(given: str, known: dict[str, Any]) -> list[str]:
+    """``unison check --method``: one method, a comma-separated list, or 'all'; an unknown name in one line."""
+    from unison.config.fields import did_you_mean
+
+    names = list(dict.fromkeys(n.strip() for n in given.split(",") if n.strip()))
+    if names == ["all"]:
+        return sorted(known)
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"--method {name!r} is unknown{did_you_mean(name, known)}; give one of "
+                              f"{', '.join(sorted(known))}, several separated by commas, or 'all'")
+    if not names:
+        raise ConfigError("--method is empty; give a method (e.g. simclr), several separated by commas, or 'all'")
+    return names
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
 
 @dataclass
 class CheckSpec:
-    method: str = field(default="simclr", metadata={"help": "method to check, or 'all'"})
+    method: str = field(default="simclr", metadata={"help": "method to check, several separated by commas, or 'all'"})
     world_size: int = field(default=2, metadata={"help": "worker processes of the distributed run"})
     steps: int = field(default=4, metadata={"help": "optimiser steps compared"})
     local_batch: int = field(default=8, metadata={"help": "samples per worker (the reference uses W times as many)"})

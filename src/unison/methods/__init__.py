@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unison.errors import ConfigError
+
 from .barlowtwins import BarlowTwins, BarlowTwinsParams
 from .base import Recipe, SampleKeys, SSLMethod
 from .byol import BYOL, BYOLParams
@@ -41,7 +43,7 @@ def get_method(name: str) -> type[SSLMethod]:
     try:
         return METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; use one of {', '.join(sorted(METHODS))}") from None
+        raise ConfigError(f"method {name!r} is unknown; use one of {', '.join(sorted(METHODS))}") from None
 
 
 __all__ = ["BYOL", "IBOT", "IJEPA", "MAE", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams",
