@@ -138,8 +138,8 @@ def _device_syncs_per_step(cfg: TrainConfig, steps: int = 3) -> dict:
     from unison.training.step import build_run, forward_backward, optimizer_step
     from unison.training.step import steps as step_groups
 
-    # 4 steps an epoch: the epoch's index copy (once per epoch, batches.py) falls on the uncounted first step
-    run = build_run(cfg, CUDA, train_set=synthetic_dataset(256, 32).to(CUDA))
+    # 2 steps an epoch: counted steps 1-3 hold an epoch's start, whose index copy (batches.py) must not sync
+    run = build_run(cfg, CUDA, train_set=synthetic_dataset(128, 32).to(CUDA))
     seen: list[str] = []
 
     def where(message, category, filename, lineno, file=None, line=None) -> None:   # warnings.showwarning
