@@ -22,8 +22,9 @@ pipe loses its reader), so no orphan trains on after a killed launcher, and noth
 (results and errors travel through pipes, not files).
 
 Signals: SIGTERM and SIGUSR1 received by the launcher (a cluster's preemption notice) are
-forwarded to every worker, which finish their step, checkpoint and exit 75; the launcher then
-raises `Preempted` with rank 0's message. SIGINT (Ctrl-C) ends the workers promptly.
+forwarded to every worker once its stop handlers are installed, also one started after the signal
+(`unison.distributed.signals.ForwardStopSignals`); the workers finish their step, checkpoint and exit
+75, and the launcher raises `Preempted` with rank 0's message. SIGINT (Ctrl-C) ends the workers promptly.
 
 Watchdog: the workers publish heartbeats (phase, step, time) in a table shared with the
 launcher (`unison.distributed.watchdog`); when no rank has made progress for
@@ -45,7 +46,6 @@ import pickle
 import re
 import signal
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -59,7 +59,7 @@ from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure
 from . import watchdog
 from .env import exit_worker
 from .main_guard import REENTERED_MAIN_EXIT, WORKER_NAME, reentered_main_message
-from .signals import STOP_SIGNALS, die_with_launcher, die_with_parent, install_stop_handlers
+from .signals import ForwardStopSignals, die_with_launcher, die_with_parent, install_stop_handlers
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -119,7 +119,7 @@ def _release_fork_server() -> None:
 
 
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
-                 threads: int, result_conn: Any, streams: tuple[Any, ...] = ()) -> None:
+                 threads: int, result_conn: Any, streams: tuple[Any, ...] = (), ready: Any = None) -> None:
     for stream in streams:
         stream.attach()
     _release_fork_server()
@@ -127,6 +127,8 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
     die_with_launcher(result_conn.fileno())
     one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
+    if ready is not None:     # the launcher forwards a stop to this worker from now on (`ForwardStopSignals`)
+        ready[int(env["RANK"])] = 1
     # SIGINT is how the launcher aborts a worker at once after a Ctrl-C (`_terminate_all`): a KeyboardInterrupt,
     # whatever the disposition inherited from the fork server (a launcher started as a background job ignores it)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -200,37 +202,6 @@ def _first_failure(procs: list[BaseProcess], errors: dict[int, dict[str, Any]]) 
     return WorkerFailure(r, causes[r], err.get("type"), err.get("traceback", ""), err.get("exit_code"))
 
 
-class _ForwardStopSignals:
-    """While active (main thread only): SIGTERM/SIGUSR1 to the launcher go on to every live worker."""
-
-    def __init__(self, procs: list[BaseProcess]) -> None:
-        self.procs = procs
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _ForwardStopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._forward)
-        return self
-
-    def _forward(self, signum: int, frame: Any) -> None:
-        if self.received is None:
-            self.received = signum
-            os.write(2, f"unison: {signal.Signals(signum).name}: asking every worker to finish its step and save a "
-                        "checkpoint\n".encode())
-        for p in self.procs:
-            if p.is_alive() and p.pid is not None:
-                try:
-                    os.kill(p.pid, signum)
-                except ProcessLookupError:
-                    pass
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._previous.items():
-            signal.signal(sig, old)
-
-
 def _check_watchdog(procs: list[BaseProcess], heartbeats: Any, limit_s: float) -> WatchdogTimeout | None:
     """`WatchdogTimeout` when no worker has made progress for `limit_s` seconds (the workers are then killed)."""
     if limit_s <= 0:
@@ -281,25 +252,26 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     ctx = _start_context(target)
     streams = (_LauncherStream(1), _LauncherStream(2)) if ctx.get_start_method() == "forkserver" else ()
     heartbeats = watchdog.new_table(ctx, cfg.world_size)
+    ready = ctx.RawArray("b", cfg.world_size)   # rank r's stop handlers are installed
     procs: list[BaseProcess] = []
     pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world_size)]   # (read end, write end) per rank
     results: dict[int, Any] = {}
     errors: dict[int, dict[str, Any]] = {}
     teardown = signal.SIGTERM
     try:
-        with _ForwardStopSignals(procs):
+        with ForwardStopSignals(procs, ready) as forward:
             for r in range(cfg.world_size):
                 env = {**os.environ, "UNISON_LAUNCHER_PID": str(os.getpid()),   # (a test's fault hook signals it)
                        "RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
                        "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
-                p = ctx.Process(target=_worker_main, args=(target, payload, env, heartbeats, threads, pipes[r][1], streams),
-                                name=f"{WORKER_NAME}{r}", daemon=False)
+                p = ctx.Process(target=_worker_main, name=f"{WORKER_NAME}{r}", daemon=False,
+                                args=(target, payload, env, heartbeats, threads, pipes[r][1], streams, ready))
                 p.start()
                 pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
                 procs.append(p)
             conns = [read for read, _ in pipes]
-            return _supervise(procs, conns, results, errors, heartbeats, cfg, poll_s, settle_s)
+            return _supervise(procs, conns, results, errors, heartbeats, cfg, poll_s, settle_s, forward)
     except KeyboardInterrupt:
         teardown = signal.SIGINT   # Ctrl-C: the workers end at once, aborting an unfinished save
         raise
@@ -310,10 +282,12 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
 
 
 def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, Any], errors: dict[int, dict[str, Any]],
-               heartbeats: Any, cfg: DistributedConfig, poll_s: float, settle_s: float) -> list[Any]:
+               heartbeats: Any, cfg: DistributedConfig, poll_s: float, settle_s: float,
+               forward: ForwardStopSignals) -> list[Any]:
     """Poll the workers until all have finished or one failed; return the results or raise the failure."""
     failure: WorkerFailure | None = None
     while failure is None and any(p.is_alive() for p in procs):
+        forward.deliver()   # a stop received before a worker could hear it: to each worker once it can
         _receive_results(conns, results, errors)
         failure = _first_failure(procs, errors)
         if failure is None:

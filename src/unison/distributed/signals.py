@@ -17,6 +17,8 @@ Install as early as possible in a worker (before the slow imports), so a signal 
 during start-up is not fatal. Handlers can only be installed from the main thread; elsewhere
 the call does nothing. This module imports nothing heavy.
 
+`ForwardStopSignals`: unison's launcher passes a stop on to each worker once that worker can hear it.
+
 `die_with_parent()` (Linux): a child process asks the kernel to SIGKILL it when its parent dies, so no
 worker, data-loader process or (through them) multiprocessing's resource tracker outlives a killed run;
 `die_with_launcher()`: a worker of unison's launcher (a child of its fork server) ends the moment the launcher does.
@@ -33,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 STOP_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
 
@@ -103,6 +106,53 @@ def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
             signal.signal(sig, old)
         if fired:   # this block's stop is handled: what it recorded does not outlive it
             _REQUESTS.first, _REQUESTS.count = before
+
+
+class ForwardStopSignals:
+    """While active (main thread only): SIGTERM/SIGUSR1 to unison's launcher go on to every live worker, each
+    once its own stop handlers are installed (``ready[rank]`` set by the worker): a worker signalled before that
+    would die of it, and one started after the signal would never hear it (a SIGTERM in the first seconds of a
+    run was lost that way, and the run trained on). `deliver()` sends a received stop to the workers that have
+    become ready since; the launcher calls it at every poll."""
+
+    def __init__(self, procs: list[Any], ready: Any) -> None:
+        self.procs, self.ready = procs, ready
+        self.received: int | None = None
+        self.told: set[int] = set()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> ForwardStopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            os.write(2, f"unison: {signal.Signals(signum).name}: asking every worker to finish its step and save a "
+                        "checkpoint\n".encode())
+            self.deliver()
+        else:   # a second signal goes to every ready worker again, as the first did
+            self.told.clear()
+            self.received = signum
+            self.deliver()
+
+    def deliver(self) -> None:
+        if self.received is None:
+            return
+        for rank, p in enumerate(list(self.procs)):
+            if rank in self.told or not self.ready[rank] or not p.is_alive() or p.pid is None:
+                continue
+            self.told.add(rank)
+            try:
+                os.kill(p.pid, self.received)
+            except ProcessLookupError:
+                pass
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
 
 
 def _note(text: str) -> None:

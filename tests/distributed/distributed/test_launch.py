@@ -177,3 +177,76 @@ def test_semaphores_a_worker_made_are_released_when_it_ends(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and proc.stdout.strip() == "['ok', 'ok']", proc.stderr[-3000:]
     assert "leaked semaphore" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr[-2000:]
+
+
+_STOP_BEFORE_THE_WORKERS_START = """
+import os
+import signal
+import time
+
+from unison.config.distributed import DistributedConfig
+from unison.distributed import signals
+from unison.distributed.launch import launch
+
+
+def wait_for_a_stop(payload):
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not signals.stop_requests().requested:
+        time.sleep(0.05)
+    return signals.stop_requests().name()
+
+
+if __name__ == "__main__":
+    enter = signals.ForwardStopSignals.__enter__
+
+    def enter_then_stop(self):
+        forwarding = enter(self)
+        os.kill(os.getpid(), signal.SIGTERM)   # the cluster's stop, before any worker has started
+        return forwarding
+
+    signals.ForwardStopSignals.__enter__ = enter_then_stop
+    print(launch(wait_for_a_stop, None, DistributedConfig(world_size=2)))
+"""
+
+
+def test_a_stop_received_before_the_workers_started_reaches_each_of_them(tmp_path):
+    """A SIGTERM 2.5 s after `unison train` started (while its workers were being started) was forwarded to no
+    one: the run trained on, to be killed later with nothing saved. Each worker now gets it once it can hear it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "early_stop.py"
+    script.write_text(_STOP_BEFORE_THE_WORKERS_START)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip() == "['SIGTERM', 'SIGTERM']", proc.stdout + proc.stderr[-3000:]
+
+
+class _Proc:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_a_stop_goes_to_each_worker_once_and_only_when_its_handlers_are_installed(monkeypatch):
+    """A worker signalled before `install_stop_handlers` would die of SIGTERM's default action."""
+    from unison.distributed.signals import ForwardStopSignals
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(os, "write", lambda fd, data: len(data))
+    ready = [0, 0]
+    forward = ForwardStopSignals([_Proc(101), _Proc(102)], ready)
+    forward.deliver()
+    forward._forward(signal.SIGTERM, None)
+    assert sent == []                       # received, but no worker can hear it yet
+    ready[1] = 1
+    forward.deliver()
+    forward.deliver()
+    assert sent == [(102, signal.SIGTERM)]  # once, when it became ready
+    ready[0] = 1
+    forward.deliver()
+    assert sent == [(102, signal.SIGTERM), (101, signal.SIGTERM)]
+    forward._forward(signal.SIGTERM, None)  # a second signal goes to every ready worker again
+    assert sent[2:] == [(101, signal.SIGTERM), (102, signal.SIGTERM)]
