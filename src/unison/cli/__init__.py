@@ -77,21 +77,21 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if cfg.resume == "auto":  # `resume: auto` in a YAML file: the file's options stand, weights come from --out
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
     started = time.perf_counter()
-    with _stop_before_training():
-        try:
+    try:
+        with _stop_before_training():   # a stop signal leaves it as `Preempted`, logged below
             summary = train(cfg)   # a WorkerFailure goes to main(), which prints it as one line
-        except KeyboardInterrupt:
-            raise KeyboardInterrupt(_where_to_continue(cfg.out)) from None
-        except WatchdogTimeout as exc:
-            if launch_env is None or launch_env.rank == 0:
-                append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
-            raise WatchdogTimeout(f"{exc}; {_where_to_continue(cfg.out)}") from None
-        except RunDirRefused:
-            raise   # not this run's directory (another run's, the data): not even a line of its train.log
-        except UnisonError as exc:
-            if launch_env is None or launch_env.rank == 0:
-                append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
-            raise
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_where_to_continue(cfg.out)) from None
+    except WatchdogTimeout as exc:
+        if launch_env is None or launch_env.rank == 0:
+            append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
+        raise WatchdogTimeout(f"{exc}; {_where_to_continue(cfg.out)}") from None
+    except RunDirRefused:
+        raise   # not this run's directory (another run's, the data): not even a line of its train.log
+    except UnisonError as exc:
+        if launch_env is None or launch_env.rank == 0:
+            append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
+        raise
     if launch_env is None or launch_env.rank == 0:   # under torchrun/srun/mpirun: rank 0 prints the result
         line = summary.result_line(time.perf_counter() - started)
         append_run_log(cfg.out, line)   # first: the run log has it even when standard output cannot be written
