@@ -24,6 +24,7 @@ from unison.errors import (
     INTERRUPTED_EXIT_CODE,
     ConfigError,
     OutputError,
+    Preempted,
     RunDirRefused,
     UnisonError,
     WatchdogTimeout,
@@ -55,6 +56,11 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (   # (name, module, one-line he
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
+    with _stop_before_training():   # from its first instant (torch still importing): exit 75, not SIGTERM's 143
+        return _train_command(ns)
+
+
+def _train_command(ns: argparse.Namespace) -> int:
     from unison.api import train
     from unison.distributed.env import detect_launch_env
     from unison.training.checkpoint import latest_checkpoint
@@ -116,7 +122,6 @@ def _stop_before_training() -> contextlib.AbstractContextManager[None]:
     replace this handler with their own.
     """
     from unison.distributed.signals import stop_signals_raise
-    from unison.errors import Preempted
 
     return stop_signals_raise(lambda name: Preempted(f"stopped by {name} before training started: nothing to save; "
                                                      "run the same command again"))
@@ -278,12 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     worker = False
     try:
         args = sys.argv[1:] if argv is None else argv
-        ns = make_parser(next((a for a in args if not a.startswith("-")), "")).parse_args(args)
+        command = next((a for a in args if not a.startswith("-")), "")
+        # reading train's options takes a second: a stop then is exit 75 and a line too, not SIGTERM's 143
+        with _stop_before_training() if command == "train" else contextlib.nullcontext():
+            ns = make_parser(command).parse_args(args)
         code = _run(ns)
         worker = argv is None and ns.func is cmd_train and _launched_worker()
         sys.stdout.flush()   # here, not in the interpreter's exit ("Exception ignored ... OSError")
     except KeyboardInterrupt:   # outside the command (imports, parsing); the command's own is `_run`'s
         code = _tell(saved[1], "unison: interrupted", INTERRUPTED_EXIT_CODE)
+    except Preempted as exc:    # a stop signal while train's options were read
+        code = _tell(saved[1], f"unison: error: {exc}", exc.exit_code)
     except OutputError as exc:
         code = _output_failed(exc, saved[0], saved[1])
     finally:

@@ -265,3 +265,36 @@ def test_help_and_version_import_no_torch():
     for name in ("train", "plan", "check", "eval", "embed", "export", "plot", "bench"):
         assert name in proc.stdout
     assert re.search(r"unison \S+ \(torch \d+\.\d+", proc.stdout)
+
+
+_STOP_WHILE_THE_COMMAND_STARTS = """
+import os
+import signal
+import sys
+
+import unison.cli as cli
+
+original = getattr(cli, sys.argv[2])
+
+
+def then_stop(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)   # a cluster's stop while the command starts
+    return original(*args, **kwargs)
+
+
+setattr(cli, sys.argv[2], then_stop)
+sys.exit(cli.main(["train", "--out", sys.argv[1], "--max-steps", "1", "--world-size", "1", "--no-progress"]))
+"""
+
+
+@pytest.mark.parametrize("moment", ["make_parser", "build_train_config"])
+def test_a_stop_while_train_starts_up_is_one_line_and_exit_75(moment, tmp_path):
+    """While train builds its parser (a second) and reads its options, SIGTERM's default ended the command with
+    143 and no line: a job script that requeues on 75 would not have requeued it."""
+    script = tmp_path / "stop_at_start.py"
+    script.write_text(_STOP_WHILE_THE_COMMAND_STARTS)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), moment], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1] == ("unison: error: stopped by SIGTERM before training started: "
+                                                     "nothing to save; run the same command again"), proc.stderr
