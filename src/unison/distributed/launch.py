@@ -59,7 +59,14 @@ from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure
 from . import watchdog
 from .env import exit_worker
 from .main_guard import REENTERED_MAIN_EXIT, WORKER_NAME, reentered_main_message
-from .signals import ForwardStopSignals, die_with_launcher, die_with_parent, install_stop_handlers
+from .signals import (
+    ForwardStopSignals,
+    die_with_launcher,
+    die_with_parent,
+    install_stop_handlers,
+    stop_signals_blocked,
+    unblock_stop_signals,
+)
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -127,6 +134,7 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
     die_with_launcher(result_conn.fileno())
     one_line_warnings()
     install_stop_handlers()   # from the first instant: a forwarded SIGTERM during start-up must not kill
+    unblock_stop_signals()    # blocked in the fork server: one sent to the process group meanwhile arrives now
     if ready is not None:     # the launcher forwards a stop to this worker from now on (`ForwardStopSignals`)
         ready[int(env["RANK"])] = 1
     # SIGINT is how the launcher aborts a worker at once after a Ctrl-C (`_terminate_all`): a KeyboardInterrupt,
@@ -228,9 +236,12 @@ def _start_context(target: Callable[[Any], Any]) -> Any:   # a ForkServerContext
     # torch._dynamo: DDP imports it when it wraps a model (2.4 s of every worker, torch 2.14), once here instead
     ctx.set_forkserver_preload(["torch", "torch._dynamo", target.__module__])   # the first launch starts the server
     try:
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver, resource_tracker
 
-        forkserver.ensure_running()
+        # the tracker first: starting it unblocks SIGTERM in this thread (its own start blocks and then unblocks it)
+        resource_tracker.ensure_running()
+        with stop_signals_blocked():   # the server and its children inherit the mask: see `stop_signals_blocked`
+            forkserver.ensure_running()
     except OSError:   # e.g. "AF_UNIX path too long": the server's socket lives in the temporary folder (TMPDIR)
         return mp.get_context("spawn")
     return ctx

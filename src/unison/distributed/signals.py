@@ -17,7 +17,8 @@ Install as early as possible in a worker (before the slow imports), so a signal 
 during start-up is not fatal. Handlers can only be installed from the main thread; elsewhere
 the call does nothing. This module imports nothing heavy.
 
-`ForwardStopSignals`: unison's launcher passes a stop on to each worker once that worker can hear it.
+`ForwardStopSignals`: unison's launcher passes a stop on to each worker once that worker can hear it;
+`stop_signals_blocked` keeps multiprocessing's fork server alive through a stop sent to the whole process group.
 
 `die_with_parent()` (Linux): a child process asks the kernel to SIGKILL it when its parent dies, so no
 worker, data-loader process or (through them) multiprocessing's resource tracker outlives a killed run;
@@ -153,6 +154,32 @@ class ForwardStopSignals:
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """SIGTERM/SIGUSR1 blocked in this thread within the block (not lost: a pending one arrives at its end).
+
+    For starting multiprocessing's fork server: a process started meanwhile inherits the mask across fork and
+    exec, so the server never dies of a stop sent to the whole process group (SLURM's ``scancel``, ``timeout``,
+    a shell's job control). It did: its workers' exit codes were then lost (multiprocessing reports 255), and a
+    run that had stopped cleanly, checkpoint written, ended as "worker rank 0 failed: exited with code 255".
+    The workers it forks inherit the mask too, and unblock once their handlers are installed
+    (`unblock_stop_signals`)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def unblock_stop_signals() -> None:
+    """Undo an inherited `stop_signals_blocked` (after `install_stop_handlers`: a pending stop is recorded)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _note(text: str) -> None:

@@ -250,3 +250,41 @@ def test_a_stop_goes_to_each_worker_once_and_only_when_its_handlers_are_installe
     assert sent == [(102, signal.SIGTERM), (101, signal.SIGTERM)]
     forward._forward(signal.SIGTERM, None)  # a second signal goes to every ready worker again
     assert sent[2:] == [(101, signal.SIGTERM), (102, signal.SIGTERM)]
+
+
+_STOP_TO_THE_PROCESS_GROUP = """
+import os
+import signal
+import time
+
+from unison.config.distributed import DistributedConfig
+from unison.distributed import signals
+from unison.distributed.launch import launch
+
+
+def stop_the_group_then_wait(payload):
+    if int(os.environ["RANK"]) == 0:
+        os.killpg(os.getpgrp(), signal.SIGTERM)   # scancel, timeout, a shell: every process of the job
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not signals.stop_requests().requested:
+        time.sleep(0.05)
+    return signals.stop_requests().name()
+
+
+if __name__ == "__main__":
+    print(launch(stop_the_group_then_wait, None, DistributedConfig(world_size=2)))
+"""
+
+
+def test_a_stop_sent_to_the_whole_process_group_reaches_the_workers_and_spares_the_fork_server(tmp_path):
+    """SIGTERM to every process of the job also killed multiprocessing's fork server, which holds the workers' exit
+    codes: a run that had stopped cleanly, checkpoint written, ended as "worker rank 0 failed: exited with code 255"
+    (exit 1, where a requeue script expects 75)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "group_stop.py"
+    script.write_text(_STOP_TO_THE_PROCESS_GROUP)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          start_new_session=True)   # its own process group: the signal stays in it
+    assert proc.returncode == 0 and proc.stdout.strip() == "['SIGTERM', 'SIGTERM']", proc.stdout + proc.stderr[-3000:]
