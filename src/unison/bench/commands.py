@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 
 from unison.config.extras import install_command
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
-from unison.errors import BenchError, ConfigError, WorkerFailure
+from unison.distributed.signals import stop_signals_raise
+from unison.errors import BenchError, ConfigError, Preempted, WorkerFailure
 
 from .config import (
     NOT_IN_ALL,
@@ -109,19 +111,30 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     machine = describe_machine(machine_info())
     sections = []
-    for part in parts:
-        started = time.perf_counter()
-        try:
-            text = _run_part(part, cfg, out, machine)
-        except (BenchError, WorkerFailure) as exc:
-            print(f"unison: error: bench {part}: {exc}", file=sys.stderr)
-            return 1
-        print(text, flush=True)
-        print(f"unison bench: {part} took {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
-        sections.append(text)
+    running = [parts[0]]
+    with stop_signals_raise(lambda name: Preempted(_stopped(running[0], name))):   # SIGTERM/SIGUSR1: one line, 75
+        for part in parts:
+            running[0] = part
+            started = time.perf_counter()
+            try:
+                text = _run_part(part, cfg, out, machine)
+            except (BenchError, WorkerFailure) as exc:
+                print(f"unison: error: bench {part}: {exc}", file=sys.stderr)
+                return 1
+            except Preempted as exc:   # forwarded to a training run's workers, which stopped after a step
+                signal_name = re.search(r"\bby (SIG[A-Z0-9]+)", str(exc))
+                raise Preempted(_stopped(part, signal_name.group(1) if signal_name else "a stop signal")) from None
+            print(text, flush=True)
+            print(f"unison bench: {part} took {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
+            sections.append(text)
     if ns.part == "all":
         (out / "report.md").write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
     return 0
+
+
+def _stopped(part: str, signal_name: str) -> str:
+    return (f"bench {part} stopped by {signal_name}: a stopped part reports nothing (parts finished before it kept "
+            "their files); run the same command again")
 
 
 def _check_lightly(parts: list[str]) -> None:

@@ -180,7 +180,14 @@ def run_side_process(target: Callable[[dict[str, Any], str], None], payload: dic
     proc = mp.get_context("spawn").Process(target=target, args=(payload, str(result)), name=name)
     started = time.perf_counter()
     proc.start()
-    proc.join()
+    try:
+        proc.join()
+    finally:   # the bench stopped (a signal, Ctrl-C): the side ends with it, not after it (nor keeps it waiting)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
     wall = time.perf_counter() - started
     if proc.exitcode != 0 or not result.exists():
         raise BenchError(f"{what} exited with {proc.exitcode} (its traceback is above)")

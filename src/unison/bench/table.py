@@ -102,7 +102,7 @@ def run_train(argv: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
     """Train what ``unison train ARGV`` describes, in fresh worker processes; return (summary, wall seconds)."""
     from unison.api import train
     from unison.cli.train_args import parse_train_args
-    from unison.errors import UnisonError
+    from unison.errors import Preempted, UnisonError
 
     if run_dir.exists():
         shutil.rmtree(run_dir)   # a fresh run, never a resumed or mixed one
@@ -110,6 +110,8 @@ def run_train(argv: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
     started = time.perf_counter()
     try:
         summary = train(cfg, isolated=True)
+    except Preempted:
+        raise   # the bench was asked to stop (`unison.bench.commands`), not a failed run
     except UnisonError as exc:
         raise BenchError(f"'unison {shlex.join(argv[:3])} ...' failed: {exc}") from None
     return summary.to_dict(), time.perf_counter() - started
