@@ -56,11 +56,6 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (   # (name, module, one-line he
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    with _stop_before_training():   # from its first instant (torch still importing): exit 75, not SIGTERM's 143
-        return _train_command(ns)
-
-
-def _train_command(ns: argparse.Namespace) -> int:
     from unison.api import train
     from unison.distributed.env import detect_launch_env
     from unison.training.checkpoint import latest_checkpoint
@@ -152,12 +147,12 @@ def _check_world_size(ns: argparse.Namespace, launch_env: Any) -> None:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
-    from unison.equivalence import CheckSpec, CurveSpec, run_curves_for_check, run_equivalence_all
+    from unison.equivalence import CheckSpec, CurveSpec, check_methods, run_curves_for_check, run_equivalence_all
     from unison.methods import METHODS
 
     spec = overrides_from_namespace(ns, CheckSpec)
     curve = overrides_from_namespace(ns, CurveSpec)
-    methods = _check_methods(str(spec.pop("method", CheckSpec.method)), METHODS)
+    methods = check_methods(str(spec.pop("method", CheckSpec.method)), METHODS)
     params = parse_params(ns.param)
     reports: list[CheckReport | CurvesReport]
     if curve.get("run"):  # whole `unison train` runs at 1 and W workers, loss curves compared
@@ -167,22 +162,6 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for report in reports:
         print(report.summary(), flush=True)
     return 0 if all(report.passed for report in reports) else 1
-
-
-def _check_methods(given: str, known: dict[str, Any]) -> list[str]:
-    """``unison check --method``: one method, a comma-separated list, or 'all'; an unknown name in one line."""
-    from unison.config.fields import did_you_mean
-
-    names = list(dict.fromkeys(n.strip() for n in given.split(",") if n.strip()))
-    if names == ["all"]:
-        return sorted(known)
-    for name in names:
-        if name not in known:
-            raise ConfigError(f"--method {name!r} is unknown{did_you_mean(name, known)}; give one of "
-                              f"{', '.join(sorted(known))}, several separated by commas, or 'all'")
-    if not names:
-        raise ConfigError("--method is empty; give a method (e.g. simclr), several separated by commas, or 'all'")
-    return names
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -284,15 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = sys.argv[1:] if argv is None else argv
         command = next((a for a in args if not a.startswith("-")), "")
-        # reading train's options takes a second: a stop then is exit 75 and a line too, not SIGTERM's 143
+        # train from its first instant (a second of parsing, torch importing): a stop is a line and 75, not 143
         with _stop_before_training() if command == "train" else contextlib.nullcontext():
             ns = make_parser(command).parse_args(args)
-        code = _run(ns)
+            code = _run(ns)
         worker = argv is None and ns.func is cmd_train and _launched_worker()
         sys.stdout.flush()   # here, not in the interpreter's exit ("Exception ignored ... OSError")
     except KeyboardInterrupt:   # outside the command (imports, parsing); the command's own is `_run`'s
         code = _tell(saved[1], "unison: interrupted", INTERRUPTED_EXIT_CODE)
-    except Preempted as exc:    # a stop signal while train's options were read
+    except Preempted as exc:    # a stop signal to train before its workers ran
         code = _tell(saved[1], f"unison: error: {exc}", exc.exit_code)
     except OutputError as exc:
         code = _output_failed(exc, saved[0], saved[1])

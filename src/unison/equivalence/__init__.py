@@ -11,6 +11,7 @@ from .steps import (
     TOLERANCE,
     CheckReport,
     CheckSpec,
+    check_methods,
     compare,
     record_steps,
     run_equivalence,
@@ -18,6 +19,6 @@ from .steps import (
     train_config_for,
 )
 
-__all__ = ["CURVE_TOLERANCE", "RELATIVE_FLOOR", "TOLERANCE", "CheckReport", "assert_states_close", "CheckSpec", "CurveSpec", "CurvesReport",
-           "compare", "max_rel_difference", "record_steps", "run_curves", "run_curves_for_check", "run_equivalence", "run_equivalence_all",
-           "train_config_for"]
+__all__ = ["CURVE_TOLERANCE", "RELATIVE_FLOOR", "TOLERANCE", "CheckReport", "CheckSpec", "CurveSpec", "CurvesReport",
+           "assert_states_close", "check_methods", "compare", "max_rel_difference", "record_steps", "run_curves",
+           "run_curves_for_check", "run_equivalence", "run_equivalence_all", "train_config_for"]

@@ -215,6 +215,23 @@ def record_each(spec_dicts: list[dict[str, Any]], record: Callable[[dict[str, An
     return [record(spec_dict) for spec_dict in spec_dicts]
 
 
+def check_methods(given: str, known: dict[str, Any]) -> list[str]:
+    """``unison check --method``: one method, a comma-separated list, or 'all'; an unknown name in one line."""
+    from unison.config.fields import did_you_mean
+    from unison.errors import ConfigError
+
+    names = list(dict.fromkeys(n.strip() for n in given.split(",") if n.strip()))
+    if names == ["all"]:
+        return sorted(known)
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"--method {name!r} is unknown{did_you_mean(name, known)}; give one of "
+                              f"{', '.join(sorted(known))}, several separated by commas, or 'all'")
+    if not names:
+        raise ConfigError("--method is empty; give a method (e.g. simclr), several separated by commas, or 'all'")
+    return names
+
+
 def validate_check_specs(specs: list[CheckSpec], cuda_available: bool) -> None:
     """The check's own options (those `unison train` does not have); raises `ConfigError` with a one-line fix."""
     from unison.errors import ConfigError

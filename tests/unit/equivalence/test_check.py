@@ -43,7 +43,7 @@ def test_check_keeps_the_local_crops_that_swav_and_dino_drop_at_small_sizes():
 def test_check_takes_a_list_of_methods_and_names_an_unknown_one(capsys):
     import pytest
 
-    from unison.cli import _check_methods
+    from unison.equivalence import check_methods as _check_methods
     from unison.errors import ConfigError
     from unison.methods import METHODS
 
