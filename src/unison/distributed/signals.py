@@ -130,14 +130,11 @@ class ForwardStopSignals:
 
     def _forward(self, signum: int, frame: Any) -> None:
         if self.received is None:
-            self.received = signum
             os.write(2, f"unison: {signal.Signals(signum).name}: asking every worker to finish its step and save a "
                         "checkpoint\n".encode())
-            self.deliver()
-        else:   # a second signal goes to every ready worker again, as the first did
-            self.told.clear()
-            self.received = signum
-            self.deliver()
+        self.received = signum
+        self.told.clear()   # every signal goes to every ready worker (a second one too, as it did before)
+        self.deliver()
 
     def deliver(self) -> None:
         if self.received is None:
