@@ -275,7 +275,9 @@ def test_sigterm_to_torchrun_checkpoints_and_the_next_run_resumes(tmp_path):
     # Not anchored at a line start: torchrun's own log lines (C++, unbuffered) may land in the middle of one.
     ranks = re.findall(r"unison: error: rank (\d): preempted by SIGTERM", proc.stderr)
     assert sorted(ranks) == ["0", "1"], proc.stderr[-3000:]
-    assert load_intact(run)["step"] == 3 + LAG
+    # torchrun signals both workers; rank 1 fired during its step 3, and rank 0 may still be finishing step 2
+    # (ranks drift by part of a step between all-reduces; seen once in CI under load): then it stops one earlier
+    assert load_intact(run)["step"] in (3 + LAG - 1, 3 + LAG)
     env.pop(FAULT)
     proc = subprocess.run([*cmd, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
