@@ -43,7 +43,7 @@ TRAVEL_LIMIT_MIB = 64                     # the working tree plus the carried pa
 COMMAND_LIMIT = 2000                      # characters of the device command line
 # The two device calls (run one right after the other, on the warm machine) and their timeout_s
 # (the headline first: each start of a machine costs about 30 s of the loan, and a cut-short loan keeps it)
-DEVICE_CALLS = (("bash benchmarks/gpu_proof.sh --phases step,accuracy", 420),
+DEVICE_CALLS = (("bash benchmarks/gpu_proof.sh --phases step,accuracy", 450),
                 ('bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args '
                  '"--param temperature=0.2 --lr 0.45 --augmentation mocov2"', 360))
 DEVICE_CARRY = [CARRY]
@@ -390,7 +390,7 @@ def _measured_peak(cfg, size: int) -> dict[str, Any]:
 def phase_step(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     from step_variants import measure  # benchmarks/, this script's folder (the first entry of sys.path)
 
-    return measure(args.device, args.tiny)
+    return measure(args.device, args.tiny, on_row=args.save_partial)
 
 
 def _step_md(r: dict[str, Any]) -> list[str]:

@@ -44,7 +44,7 @@ export PYTHONPATH="src:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Seen on an H100: tests 26 s, plan 22 s; throughput did not finish in 170 s while Lightly's loader workers were
 # spawned (now forked, as a Lightly user's are).
 if [ -n "$TINY" ]; then LIMITS="tests:120 throughput:240 plan:120 step:120"
-else LIMITS="tests:100 throughput:240 plan:45 step:75"; fi
+else LIMITS="tests:100 throughput:240 plan:45 step:60"; fi
 
 phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its record leaves a marker instead
   echo "== phase $1 (at most $2 s) =="

@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 VARIANTS = ("preset", "cudnn default", "fixed views", "batch 2x")
@@ -85,22 +86,24 @@ def _timed(run: Any, stream: Any, fixed: Any, warmup: int, steps: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(device: str, tiny: bool) -> dict[str, Any]:
-    """Every variant, one after the other in this process; each row's images/s against the preset's."""
+def measure(device: str, tiny: bool, on_row: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """Every variant, one after the other in this process; each row's images/s against the preset's. `on_row`
+    gets the result so far after each variant (the GPU proof keeps it, in case its time box ends the rest)."""
     from unison.distributed.testing import run_in_workers
 
     warmup, steps = (1, 2) if tiny else (15, 60)
-    rows = []
+    result: dict[str, Any] = {"warmup_steps": warmup, "timed_steps": steps, "variants": []}
+    rows = result["variants"]
     for name in VARIANTS:
         try:
             rows.append(run_in_workers(time_variant, 1, args=(name, device, tiny, warmup, steps), backend="local")[0])
         except Exception as e:   # one variant failing must not lose the others
             rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
-    base = rows[0].get("images_per_s")
-    for row in rows:
-        if base and row.get("images_per_s"):
-            row["vs_preset"] = row["images_per_s"] / base
-    return {"warmup_steps": warmup, "timed_steps": steps, "variants": rows}
+        base = rows[0].get("images_per_s")
+        if base and rows[-1].get("images_per_s"):
+            rows[-1]["vs_preset"] = rows[-1]["images_per_s"] / base
+        on_row(result)
+    return result
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
