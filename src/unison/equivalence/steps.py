@@ -98,8 +98,8 @@ def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = N
     # --teacher-backbone is refused by the pre-flight, as unison train refuses it
     teacher: dict[str, Any] = {"teacher": "random"} if getattr(get_method(spec.method), "needs_teacher", False) else {}
     teacher["teacher_backbone"] = spec.teacher_backbone
-    # SwAV and DINO drop their local crops at the check's small images by default (`Recipe.global_views_up_to`):
-    # the check keeps them, since the local-crop path is the one whose exactness needs checking
+    # SwAV, DINO and LeJEPA drop their local crops at the check's small images by default
+    # (`Recipe.global_views_up_to`): the check keeps them, since the local-crop path is what needs checking
     recipe = get_method(spec.method).recipe
     crops = {"local_crops": PRESETS[recipe.augmentation]["n_local"]} if recipe.global_views_up_to else {}
     streamed: dict[str, Any] = {"data": spec.data, "data_mode": "stream", "loader_workers": 1, "image_size": spec.image_size,
@@ -221,14 +221,14 @@ def check_methods(given: str, known: dict[str, Any]) -> list[str]:
     from unison.errors import ConfigError
 
     names = list(dict.fromkeys(n.strip() for n in given.split(",") if n.strip()))
+    if not names:
+        raise ConfigError("--method is empty; give a method (e.g. simclr), several separated by commas, or 'all'")
     if names == ["all"]:
         return sorted(known)
     for name in names:
         if name not in known:
             raise ConfigError(f"--method {name!r} is unknown{did_you_mean(name, known)}; give one of "
                               f"{', '.join(sorted(known))}, several separated by commas, or 'all'")
-    if not names:
-        raise ConfigError("--method is empty; give a method (e.g. simclr), several separated by commas, or 'all'")
     return names
 
 

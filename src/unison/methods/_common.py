@@ -31,7 +31,7 @@ from unison.distributed.collectives import broadcast_, world_size
 from unison.distributed.dtensor import is_sharded
 from unison.models.vit import ViT
 
-# SwAV and DINO train their 2 global views only at this image size and below (`Recipe.global_views_up_to`): on
+# SwAV and DINO train their 2 global views only at 32 px and below (`Recipe.global_views_up_to`), LeJEPA at 16: on
 # CIFAR-10 (32 px) and the embedded 16 px digits, with the small CNN, 2 views beat 2 + 4 local crops on both seeds
 # tried, in less time, as Lightly's and solo-learn's CIFAR-10 configurations train them (docs/benchmarks.md).
 # LeJEPA: the same on the digits (its ViT), the only size measured. iBOT kept its local crops: on the digits it

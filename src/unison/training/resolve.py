@@ -67,7 +67,7 @@ def resolve_recipe(cfg: TrainConfig, image_size: int | None = None) -> ResolvedR
     crops = cfg.local_crops
     if crops is None and cfg.local_crop_size is None and multicrop and size is not None \
             and size <= recipe.global_views_up_to:
-        crops = 0   # small images: the 2 global views only (`unison.methods._common.TWO_VIEWS_UP_TO_PX`)
+        crops = 0   # small images: the 2 global views only (the measurements: `unison.methods._common`)
     local = cfg.local_crop_size
     if local is None and size is not None and multicrop and crops != 0 and not backbone.startswith("own:"):
         local = PRESETS[augmentation]["local_size"] or default_local_size(
