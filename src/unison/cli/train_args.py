@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config import DistributedConfig, TrainConfig
+from unison.config.budget import parse_duration
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace, shown
 from unison.config.files import decode_utf8, load_yaml_text, read_regular_file, yaml_error
 from unison.errors import ConfigError
@@ -111,6 +112,7 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
         base["backbone_args"] = {**base.get("backbone_args", {}), **backbone_args}
     cfg = TrainConfig.from_dict(base, cuda_available)
     if cfg.time_budget is not None and "epochs" in named:   # the budget plans over it: say so, once
+        parse_duration(cfg.time_budget)   # a budget that is not one is refused first, without the warning
         warnings.warn(f"--time-budget {cfg.time_budget} sets this run's length, so epochs={named['epochs']} is not "
                       "used: the run trains the steps that fit its time (--max-steps caps them)", stacklevel=2)
     if resume:

@@ -84,11 +84,14 @@ def preset_values(name: str, cuda: bool) -> dict[str, Any]:
 
 def with_preset(given: dict[str, Any], cuda: bool) -> dict[str, Any]:
     """`given` (a configuration's explicit options) on top of its ``preset``'s values; nested mappings
-    (method_params, distributed) merge key by key."""
+    (method_params, distributed) merge key by key. ``epochs`` given without ``time_budget`` sets the run's length:
+    the preset's time budget is then left out (``--preset speedrun --epochs 200`` trains 200 epochs)."""
     name = given.get("preset")
     if name is None:
         return given
     merged = dict(preset_values(name, cuda))
+    if "epochs" in given and "time_budget" not in given:   # the length given in epochs: not the preset's time
+        merged.pop("time_budget", None)
     for key, value in given.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}

@@ -27,6 +27,25 @@ def test_speedrun_from_the_command_line(tmp_path):
     assert cfg.method_params["temperature"] == 0.3
 
 
+def test_epochs_given_replace_the_presets_time_budget(tmp_path, recwarn):
+    """``--preset speedrun --epochs 200``: 200 epochs of the recipe (e.g. against a published 200-epoch figure),
+    not the preset's 5 minutes; a budget given beside them still wins, with the warning that epochs go unused."""
+    cfg = parse_train_args(["--preset", "speedrun", "--epochs", "200", "--out", str(tmp_path)])
+    assert (cfg.epochs, cfg.time_budget, cfg.method, cfg.data_mode) == (200, None, "simclr", "memory")
+    assert not [w for w in recwarn if "is not used" in str(w.message)]
+    assert TrainConfig.from_dict(cfg.to_dict()).time_budget is None   # resumed: still no budget
+    with pytest.warns(UserWarning, match="epochs=200 is not used"):
+        cfg = parse_train_args(["--preset", "speedrun", "--epochs", "200", "--time-budget", "2m", "--out",
+                                str(tmp_path)])
+    assert (cfg.epochs, cfg.time_budget) == (200, "2m")
+
+
+def test_a_time_budget_that_is_not_one_is_refused_before_any_warning(tmp_path, recwarn):
+    with pytest.raises(ConfigError, match="--time-budget 'none' is not a duration"):
+        parse_train_args(["--time-budget", "none", "--epochs", "3", "--out", str(tmp_path)])
+    assert not [w for w in recwarn if "is not used" in str(w.message)]
+
+
 def test_speedrun_on_a_gpu_adds_bf16_only_there_and_never_compiles():
     # compile: 42 s of start-up against 3 s eager on an H100, and no faster step (the presets' docstring)
     assert preset_values("speedrun", cuda=True)["amp"] == "bf16"
