@@ -1,15 +1,17 @@
 """TESTING ONLY: a hook for the ``--time-budget`` tests (registered like `fault_injection`, by `register`).
 
-``UNISON_TEST_BUDGET="skew=100,slow=0.1,sleep=0.5"``: on rank 1, the budget's clock runs `skew` times fast (its own
-measurement would plan far fewer steps than rank 0's); on every rank each step after the plan sleeps `slow` seconds
-more than measured (the re-plan after the warm-up sees it: `unison.training.replan`), and each step after the
-re-plan `sleep` seconds more, so only the clock can end the run on time. Every rank writes what it trained to
+``UNISON_TEST_BUDGET="skew=100,slow=0.1,sleep=0.5,late=1"``: on rank 1, the budget's clock runs `skew` times fast
+(its own measurement would plan far fewer steps than rank 0's); on every rank each step after the plan sleeps `slow`
+seconds more than measured (the re-plan after the warm-up sees it: `unison.training.replan`), each step after that
+re-plan `sleep` seconds more (a late re-plan sees it), and each step after the last late check `late` seconds more,
+so only the clock can end the run on time. Every rank writes what it trained to
 ``<out>/budget-rank<R>.json``: the planned steps, the method's schedule length and the steps taken.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -18,14 +20,15 @@ from typing import Any
 from unison.config import TrainConfig
 from unison.training import budget
 from unison.training.hooks import HOOKS_ENV, StepEnd, TrainHook
+from unison.training.replan import LATE_SHARES
 from unison.training.step import Run
 
 ENV = "UNISON_TEST_BUDGET"
 
 
 class BudgetProbe(TrainHook):
-    def __init__(self, rank: int, out: str, slow: float, sleep: float) -> None:
-        self.rank, self.out, self.slow, self.sleep, self.steps = rank, Path(out), slow, sleep, 0
+    def __init__(self, rank: int, out: str, slow: float, sleep: float, late: float) -> None:
+        self.rank, self.out, self.slow, self.sleep, self.late, self.steps = rank, Path(out), slow, sleep, late, 0
         self.run: Run | None = None
 
     def start(self, run: Run, step: int) -> None:
@@ -33,8 +36,9 @@ class BudgetProbe(TrainHook):
 
     def after_step(self, run: Run, end: StepEnd) -> None:
         self.steps = end.step
-        replanned = "replanned" in (run.cfg.time_budget_plan or {})
-        time.sleep(self.slow + (self.sleep if replanned else 0.0))
+        plan = run.cfg.time_budget_plan or {}
+        checked = "late" in plan and end.step > math.ceil(LATE_SHARES[-1] * plan["steps"])
+        time.sleep(self.slow + (self.sleep if "replanned" in plan else 0.0) + (self.late if checked else 0.0))
 
     def close(self) -> None:
         assert self.run is not None
@@ -49,7 +53,7 @@ def train_hooks(cfg: TrainConfig, rank: int) -> list[TrainHook]:
     if rank == 1 and skew != 1:
         real, t0 = time.perf_counter, time.perf_counter()
         budget.clock = lambda: t0 + (real() - t0) * skew
-    return [BudgetProbe(rank, cfg.out, float(spec.get("slow", 0)), float(spec.get("sleep", 0)))]
+    return [BudgetProbe(rank, cfg.out, *(float(spec.get(k, 0)) for k in ("slow", "sleep", "late")))]
 
 
 def register(monkeypatch: Any, spec: str) -> None:

@@ -65,7 +65,26 @@ def check_plan(plan: Any, budget: str | None) -> None:
     if not (ints and steps >= 1 and 0 <= warmup and (warmup < steps or warmup == 0)):
         raise ConfigError(f"time_budget_plan has steps={steps!r}, warmup_steps={warmup!r}; a plan has at least one "
                           "step and a warm-up shorter than the run (drop it to measure and plan again)")
+    if "stretch" in plan and not _is_stretch(plan["stretch"], steps):
+        raise ConfigError("time_budget_plan's stretch must be the record a late re-plan writes ({'knots': [[step, "
+                          "position], ...] in step order, 'length': steps}); drop the plan to measure and plan again")
     if abs(float(plan["budget_s"]) - parse_duration(budget)) > 1e-6:
         raise ConfigError(f"this run was planned for a {plan['budget_s']:g} s budget ({steps} steps) and resumes with "
                           f"--time-budget {budget}; resume with its budget (a resumed run keeps its plan), or start "
                           "a new run directory")
+
+
+def _is_stretch(record: Any, steps: int) -> bool:
+    """Whether `record` is a late re-plan's stretch for `steps` steps (`unison.optim.schedule.Stretch`)."""
+    if not isinstance(record, dict) or not isinstance(record.get("knots"), list):
+        return False
+    length, knots = record.get("length"), record["knots"]
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    pairs = all(isinstance(k, list) and len(k) == 2 and isinstance(k[0], int) and number(k[1]) for k in knots)
+    if not (pairs and isinstance(length, int) and not isinstance(length, bool) and length >= 1):
+        return False
+    at = [k[0] for k in knots] + [steps]
+    return all(a < b for a, b in zip(at, at[1:])) and all(0 <= k[1] < length for k in knots)

@@ -63,7 +63,7 @@ def ema_update_(target: nn.Module, online: nn.Module, momentum: float) -> None:
     torch._foreach_add_(t, o, alpha=1.0 - momentum)
 
 
-def cosine_momentum(base: float, step: int, total: int, final: float = 1.0) -> float:
+def cosine_momentum(base: float, step: float, total: int, final: float = 1.0) -> float:
     """final - (final - base) * (cos(pi * step / total) + 1) / 2, with step clamped to [0, total]."""
     if total <= 0:
         return base

@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from unison.optim.schedule import Stretch
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -106,9 +108,15 @@ class SSLMethod(nn.Module):
         self.gather_distributed = gather_distributed
         self.shared_queue = shared_queue
         self.steps_total = steps_total
+        self.stretch: Stretch | None = None   # a budgeted run re-planned late (`unison.optim.schedule.Stretch`)
 
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def schedule_step(self, step: float) -> float:
+        """Where optimiser step `step` falls on the method's schedules of `steps_total` steps: `step` itself,
+        unless a budgeted run was re-planned late (`stretch`). Every schedule of a method reads its step here."""
+        return step if self.stretch is None else self.stretch.position(step)
 
     @torch.no_grad()
     def on_after_step(self, step: int) -> None:

@@ -76,9 +76,9 @@ class BYOL(SSLMethod):
         mark_rank_local_state(self, ["step_count"])
         self.loss_fn = BYOLLoss()
 
-    def momentum(self, step: int) -> float:
+    def momentum(self, step: float) -> float:
         """tau at optimiser step `step` (0-based)."""
-        return cosine_momentum(self.params.momentum_base, step, self.steps_total)
+        return cosine_momentum(self.params.momentum_base, self.schedule_step(step), self.steps_total)
 
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
         a, b = two_views(views, "BYOL")

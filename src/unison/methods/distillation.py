@@ -91,13 +91,13 @@ class SelfDistillation(SSLMethod):
         self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
         mark_rank_local_state(self, ["step_count"])
 
-    def momentum(self, step: int) -> float:
+    def momentum(self, step: float) -> float:
         """The teacher's EMA momentum after optimiser step `step`: cosine from ``momentum_base`` to 1."""
-        return cosine_momentum(self.params.momentum_base, step, self.steps_total)
+        return cosine_momentum(self.params.momentum_base, self.schedule_step(step), self.steps_total)
 
-    def teacher_temp(self, step: int) -> float:
+    def teacher_temp(self, step: float) -> float:
         """The teacher temperature at `step`: linear warm-up, then ``teacher_temp``."""
-        p = self.params
+        p, step = self.params, self.schedule_step(step)
         warmup = round(p.teacher_temp_warmup_fraction * self.steps_total)
         if warmup <= 0 or step >= warmup:
             return p.teacher_temp

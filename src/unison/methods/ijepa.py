@@ -145,8 +145,8 @@ class IJEPA(SSLMethod):
     def block_shape(self, grid: int) -> tuple[int, int]:
         return target_block(self.params, grid)
 
-    def momentum(self, step: int) -> float:
-        base = self.params.momentum_base
+    def momentum(self, step: float) -> float:
+        base, step = self.params.momentum_base, self.schedule_step(step)
         return base + (1 - base) * min(max(step / max(self.steps_total, 1), 0.0), 1.0)
 
     def forward(self, views: list[torch.Tensor], keys: SampleKeys | None = None) -> torch.Tensor:

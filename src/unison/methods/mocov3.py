@@ -82,8 +82,8 @@ class MoCoV3(SSLMethod):
         mark_rank_local_state(self, ["step_count"])
         self.loss_fn = MoCoV3Loss(params.temperature, gather_distributed=self.gather_distributed)
 
-    def momentum(self, step: int) -> float:
-        return cosine_momentum(self.params.momentum_base, step, self.steps_total)
+    def momentum(self, step: float) -> float:
+        return cosine_momentum(self.params.momentum_base, self.schedule_step(step), self.steps_total)
 
     def forward(self, views: list[torch.Tensor]) -> torch.Tensor:
         a, b = two_views(views, "MoCo v3")

@@ -18,7 +18,8 @@
    work; the ranks agree through the per-step stop exchange (`unison.training.preemption`), so a run slower
    than measured still ends on time, through its normal end. The budget used is reported at the end and kept
    in the history, so a resumed run spends only what is left.
-5. Plan again (`unison.training.replan`): at the end of the warm-up, from the steps the run has trained.
+5. Plan again (`unison.training.replan`): at the end of the warm-up, from the steps the run has trained, and late
+   (half and four fifths of the way), from the steps since, the schedules then going on from where they are.
 
 The budget counts from the start of `unison.training.loop.train` on rank 0 (after the workers' start-up): data,
 model build, the random-initialisation kNN, the measurement, training and the final kNN and checkpoint.

@@ -8,6 +8,7 @@ plan it measured (`unison.training.step.apply_plan`).
 from __future__ import annotations
 
 from unison.config import TrainConfig
+from unison.optim.schedule import Stretch
 
 PROVISIONAL_BUDGET_STEPS = 10**9   # a budgeted run before its plan: far more steps than any budget holds
 
@@ -28,3 +29,12 @@ def plan_length(cfg: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
     warmup_steps = min(total_steps - 1, int(cfg.warmup_epochs * steps_per_epoch)) if total_steps > 1 else 0
     return total_steps, warmup_steps
 
+
+
+def plan_stretch(cfg: TrainConfig) -> Stretch | None:
+    """Where the steps of a budgeted run re-planned late fall on its schedules (`unison.training.replan`); None
+    for every other run (its steps are the schedules' own)."""
+    plan = cfg.time_budget_plan
+    if plan is None or "stretch" not in plan:
+        return None
+    return Stretch.of_record(plan["stretch"], int(plan["steps"]))

@@ -31,7 +31,6 @@ this step, so what it proves is what users run.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,12 +54,13 @@ from unison.methods.base import SampleKeys, SSLMethod
 from unison.models.backbones import resolve_backbone
 from unison.optim import build_optimizer, constructor_args
 from unison.optim.groups import layer_scales, param_groups
+from unison.optim.schedule import Schedule
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
 from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
-from unison.training.length import plan_length
+from unison.training.length import plan_length, plan_stretch
 from unison.training.model import build_method, compiled
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
@@ -68,21 +68,6 @@ from unison.training.resolve import exact_accumulation, resolve_recipe
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
     from unison.training.pieces import OwnPieces
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Linear warm-up to `peak_lr` over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
-
-    peak_lr: float
-    warmup_steps: int
-    total_steps: int
-
-    def lr(self, step: int) -> float:
-        if self.warmup_steps and step < self.warmup_steps:
-            return self.peak_lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 @dataclass
@@ -220,6 +205,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         **({"transform": own.transform_name()} if own is not None and own.transform else {}),
                         **recorded_paths(cfg), **setup},
               data=data, exact=exact)
+    apply_plan(run)   # a budgeted run re-planned late (resumed): its schedules' stretch
     register_checkpoint_state(run)
     return run
 
@@ -237,10 +223,11 @@ def recorded_paths(cfg: TrainConfig) -> dict[str, str]:
 
 def apply_plan(run: Run) -> None:
     """Plan the schedules again for `run.cfg`'s length (`plan_length`), as `build_run` would have: the lr's warm-up
-    and cosine, and the method's own schedules (momentum, teacher temperature), which follow ``steps_total``."""
+    and cosine, and the method's own schedules (momentum, teacher temperature), which follow ``steps_total``; a
+    budgeted run re-planned late lays its steps onto them (`plan_stretch`, `unison.optim.schedule.Stretch`)."""
     total_steps, warmup_steps = plan_length(run.cfg, run.steps_per_epoch)
-    run.schedule = Schedule(run.schedule.peak_lr, warmup_steps, total_steps)
-    run.method.steps_total = total_steps
+    run.schedule = Schedule(run.schedule.peak_lr, warmup_steps, total_steps, plan_stretch(run.cfg))
+    run.method.steps_total, run.method.stretch = run.schedule.length, run.schedule.stretch
     run.resolved.update(total_steps=total_steps, warmup_steps=warmup_steps)
 
 

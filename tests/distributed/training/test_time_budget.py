@@ -1,6 +1,7 @@
 """``--time-budget`` with real worker processes: 2 ranks whose clocks disagree train one plan (rank 0's), a run whose
-steps turn slower than measured still ends on time through its normal end, and a resumed run keeps its plan (resumed
-with --resume, or restarted by torchrun with the original command)."""
+steps turn slower than measured re-plans, late too (its schedules then end at its new last step), a run slower still
+after its last check is ended on time by the clock, through its normal end, and a resumed run keeps its plan
+(resumed with --resume, or restarted by torchrun with the original command)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,24 @@ TINY = ["--batch-size", "32", "--subset", "512", "--val-subset", "64", "--knn-k"
 def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch):
     """Rank 1's clock runs 50x fast: alone it would plan ~50x fewer steps (or none); rank 0 decides for both.
     Every step sleeps 0.1 s that the measurement before the run did not see: the re-plan after the warm-up plans
-    fewer steps, and every rank trains them. After it every step sleeps 0.4 s more: the clock, not the plan, ends
-    the run."""
-    budget_hooks.register(monkeypatch, "skew=50,slow=0.1,sleep=0.4")
+    fewer steps, and every rank trains them. After it every step sleeps 0.1 s more: a late re-plan takes fewer
+    steps again, and the schedules go on from where they were to end at its last step. After the last late check
+    every step sleeps 0.5 s more: the clock, not the plan, ends the run."""
+    budget_hooks.register(monkeypatch, "skew=50,slow=0.1,sleep=0.1,late=0.5")
     out = tmp_path / "run"
     assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
     ranks = [json.loads((out / f"budget-rank{r}.json").read_text()) for r in (0, 1)]
     plan = json.loads((out / "config.json").read_text())["time_budget_plan"]
     assert plan["steps"] > 1 and "fit 30 s" in plan["why"] and plan["measured"]["step_s"] > 0
     replanned = plan["replanned"]   # the steps were 0.1 s slower than measured: fewer of them fit
-    assert replanned["first_steps"] > plan["steps"] and replanned["step_s"] > plan["measured"]["step_s"] + 0.08
+    assert replanned["first_steps"] > plan["late"][0]["steps_before"]
+    assert replanned["step_s"] > plan["measured"]["step_s"] + 0.08
     assert f"re-planned after step {replanned['after_step']}" in (out / "train.log").read_text()
+    late = plan["late"][0]   # 0.1 s slower again: fewer steps, the schedules laid onto what was left of them
+    assert late["steps_before"] > plan["steps"] and late["step_s"] > replanned["step_s"] + 0.08
+    assert plan["stretch"]["knots"][0][0] == late["after_step"] and plan["stretch"]["length"] == late["steps_before"]
     for r in ranks:   # one plan: the schedules of every rank end at its last step, and they stopped together
-        assert r["plan_steps"] == r["total_steps"] == r["steps_total"] == plan["steps"]
+        assert r["plan_steps"] == r["total_steps"] == plan["steps"] and r["steps_total"] == plan["stretch"]["length"]
         assert r["steps"] == ranks[0]["steps"]
     used = json.loads((out / "summary.json").read_text())["extra"]["time_budget"]
     assert used["planned_steps"] == plan["steps"] and used["steps"] == ranks[0]["steps"]
