@@ -175,7 +175,7 @@ def test_epochs_given_beside_a_budget_are_said_to_be_unused(tmp_path):
         cfg = parse_train_args(["--time-budget", "30s", "--epochs", "1", "--out", str(tmp_path / "a")])
     assert cfg.epochs == 1
     yaml = tmp_path / "recipe.yaml"
-    yaml.write_text("epochs: 200\n")   # a recipe file's epochs too
+    yaml.write_text("epochs: 200\ntime_budget: 5m\n")   # a recipe file's epochs too
     with pytest.warns(UserWarning, match="epochs=200 is not used"):
         parse_train_args(["--config", str(yaml), "--preset", "speedrun", "--out", str(tmp_path / "b")])
     with warnings.catch_warnings():
