@@ -61,12 +61,12 @@ def replanned_steps(budget_s: float, first: BudgetCosts, cadence: Cadence, at: i
     return max(at + 1, plan_steps(budget_s, costs, cadence, cap))
 
 
-def late_step(plan: dict[str, Any], timed_from: int) -> int | None:
-    """The next late check of `plan`: the first of `LATE_SHARES` of its steps at least `MIN_TIMED_STEPS` steps
-    after `timed_from` and before its last step (None: no check left)."""
+def late_step(plan: dict[str, Any], timed_from: int, shares: tuple[float, ...] = LATE_SHARES) -> tuple[int, float] | None:
+    """The next late check of `plan` and its share: the first of `shares` (those not checked yet) whose step is at
+    least `MIN_TIMED_STEPS` steps after `timed_from` and before the last step (None: no check left)."""
     steps = int(plan["steps"])
-    checks = (math.ceil(share * steps) for share in LATE_SHARES)
-    return next((at for at in checks if timed_from + MIN_TIMED_STEPS <= at < steps), None)
+    checks = ((math.ceil(share * steps), share) for share in shares)
+    return next((check for check in checks if timed_from + MIN_TIMED_STEPS <= check[0] < steps), None)
 
 
 def late_steps(at: int, steps: int, left_s: float, step_s: float, cap: int | None) -> int | None:
@@ -86,6 +86,7 @@ class ReplanHook(TrainHook):
         self.budget, self.say, self.on_plan = budget, say, on_plan
         self.at: int | None = None        # the re-plan after the warm-up
         self.late_at: int | None = None   # the next late check
+        self.shares: tuple[float, ...] = LATE_SHARES   # the late checks not made yet (each share once)
         self.first = 1                    # this attempt's first step: not timed (first allocations, data start)
         self.timed_from = (0, 0.0)        # (step, clock) the steps are timed from
 
@@ -93,7 +94,7 @@ class ReplanHook(TrainHook):
         plan = run.cfg.time_budget_plan
         planned_here = self.budget.planned_here and step == 0   # a resumed run keeps the plan it has
         self.at = replan_step(plan) if planned_here and plan is not None else None
-        self.first, self.late_at = step + 1, None
+        self.first, self.late_at, self.shares = step + 1, None, LATE_SHARES
 
     def after_step(self, run: Run, end: StepEnd) -> None:
         if run.cfg.time_budget_plan is None or end.step not in (self.first, self.at, self.late_at):
@@ -104,8 +105,10 @@ class ReplanHook(TrainHook):
         elif end.step == self.late_at:
             self._replan_late(run)
         self.timed_from = (end.step, clocks.clock())
-        plan = run.cfg.time_budget_plan
-        self.late_at = None if self.at is not None else late_step(plan, end.step)
+        check = None if self.at is not None else late_step(run.cfg.time_budget_plan, end.step, self.shares)
+        self.late_at = check[0] if check is not None else None
+        if check is not None:   # this share and the earlier ones are done once it is checked
+            self.shares = self.shares[self.shares.index(check[1]) + 1:]
 
     def _step_s(self, at: int) -> float:
         return (clocks.clock() - self.timed_from[1]) / max(1, at - self.timed_from[0])

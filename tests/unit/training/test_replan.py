@@ -93,10 +93,31 @@ def test_a_resumed_run_keeps_its_plan(tmp_path, local_group):
 
 
 def test_late_checks_come_at_half_and_four_fifths_of_the_plan():
-    assert late_step(_plan(100, 10), timed_from=10) == 50
-    assert late_step(_plan(100, 10), timed_from=50) == 80
+    assert late_step(_plan(100, 10), timed_from=10) == (50, 0.5)
+    assert late_step(_plan(100, 10), timed_from=50) == (80, 0.8)
     assert late_step(_plan(100, 10), timed_from=78) is None    # too few steps to time before the last check
-    assert late_step(_plan(100, 10), timed_from=47) == 80
+    assert late_step(_plan(100, 10), timed_from=47) == (80, 0.8)
+    assert late_step(_plan(150, 10), timed_from=80, shares=()) is None   # each share is checked once
+
+
+def test_each_late_check_is_made_once_even_when_the_plan_grows_past_it(tmp_path, local_group, monkeypatch):
+    """On plan at step 50; twice as fast from there: at step 80 (four fifths) 150 steps fit. Four fifths of 150
+    is step 120, but that check was made: no third one (a 5-minute CPU run checked again 5 steps later)."""
+    cfg, run = _late_run(tmp_path)
+    now = [427.0]
+    monkeypatch.setattr(budget, "clock", lambda: now[0])
+    clock = BudgetClock("10m")
+    clock.started, clock.reserve_s = 0.0, 1.0
+    lines = []
+    hook = ReplanHook(clock, lines.append, lambda: None)
+    hook.start(run, 20)
+    for step in range(21, 131):
+        now[0] += 2.0 if step <= 50 else 1.0
+        hook.after_step(run, StepEnd(step, 0.1, torch.zeros(()), epoch_done=False, last=False))
+        if step == 50:
+            assert run.total_steps == 100 and hook.late_at == 80 and not lines   # on plan: kept
+    assert run.total_steps == 150 and len(lines) == 1 and "re-planned after step 80" in lines[0]
+    assert hook.late_at is None and cfg.time_budget_plan["stretch"]["knots"] == [[80, 80]]
 
 
 def test_late_steps_follow_the_time_left_and_keep_a_plan_that_is_close():
