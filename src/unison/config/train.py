@@ -167,6 +167,8 @@ class TrainConfig:
         "range": Range(0, MAX_EPOCHS, above="is past 1e9 epochs; a warm-up longer than the run is cut at its end, so "
                                             "give at most the run's --epochs"),
         "help": "linear learning-rate warm-up, then cosine decay"})
+    final_lr_ratio: float = field(default=0.0, metadata={"range": Range(0, 1, hi_open=True, interval=True),
+        "help": "where the cosine ends, as a share of the peak learning rate (0: at zero)"})
     grad_clip: float | None = field(default=None, metadata={
         "range": Range(0, lo_open=True, hint="; omit --grad-clip for no clipping"),
         "help": "clip the global gradient norm to this value"})
@@ -343,8 +345,6 @@ class TrainConfig:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--logger {self.logger} needs the {package} package: {install_command(package)} "
                               "(or use --logger csv)")
-
-
 
     def _validate_data(self, cuda_available: bool | None) -> None:
         if self.data_mode not in DATA_MODES:

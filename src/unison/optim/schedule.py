@@ -2,8 +2,10 @@
 
 `Schedule`: a linear warm-up to the peak over ``warmup_steps``, then a cosine to 0 at the schedule's end::
 
-    lr(t) = peak (t + 1) / W                                     t < W
-    lr(t) = peak (1 + cos(pi min(1, (t - W) / (T - W)))) / 2    otherwise
+    lr(t) = peak (t + 1) / W                                              t < W
+    lr(t) = peak (r + (1 - r) (1 + cos(pi min(1, (t - W) / (T - W)))) / 2)  otherwise
+
+with r the share of the peak it ends at (``--final-lr-ratio``, default 0).
 
 `Stretch`: a budgeted run that turns out slower (or faster) than planned, past its warm-up, plans a new step count
 S (`unison.training.replan`). Planning the cosine for S from step 0 would make the learning rate jump at that step
@@ -66,13 +68,14 @@ def no_stretch(steps: int) -> Stretch:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Linear warm-up to `peak_lr` over `warmup_steps`, then cosine decay to 0 at the last of `total_steps` (the
-    run's steps; with a `stretch`, its positions on a schedule of ``stretch.length`` steps)."""
+    """Linear warm-up to `peak_lr` over `warmup_steps`, then cosine decay to ``final_ratio * peak_lr`` at the last of
+    `total_steps` (the run's steps; with a `stretch`, its positions on a schedule of ``stretch.length`` steps)."""
 
     peak_lr: float
     warmup_steps: int
     total_steps: int
     stretch: Stretch | None = None
+    final_ratio: float = 0.0   # the cosine ends at this share of the peak (``--final-lr-ratio``)
 
     @property
     def length(self) -> int:
@@ -84,4 +87,5 @@ class Schedule:
         if self.warmup_steps and t < self.warmup_steps:
             return self.peak_lr * (t + 1) / self.warmup_steps
         progress = (t - self.warmup_steps) / max(1, self.length - self.warmup_steps)
-        return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return self.peak_lr * (cosine if not self.final_ratio else self.final_ratio + (1 - self.final_ratio) * cosine)

@@ -193,7 +193,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
               image_size=image_size,
               augment=augment, source=source, method=method, parallel_model=parallel_model, forward=forward,
               trainable=trainable, optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
-              schedule=Schedule(peak_lr, warmup_steps, total_steps), global_batch=global_batch,
+              schedule=Schedule(peak_lr, warmup_steps, total_steps, final_ratio=cfg.final_lr_ratio),
+              global_batch=global_batch,
               accumulate=accumulate, steps_per_epoch=steps_per_epoch,
               resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
                         "backbone": resolve_backbone(recipe.backbone, image_size), "image_size": image_size,
@@ -226,7 +227,8 @@ def apply_plan(run: Run) -> None:
     and cosine, and the method's own schedules (momentum, teacher temperature), which follow ``steps_total``; a
     budgeted run re-planned late lays its steps onto them (`plan_stretch`, `unison.optim.schedule.Stretch`)."""
     total_steps, warmup_steps = plan_length(run.cfg, run.steps_per_epoch)
-    run.schedule = Schedule(run.schedule.peak_lr, warmup_steps, total_steps, plan_stretch(run.cfg))
+    run.schedule = Schedule(run.schedule.peak_lr, warmup_steps, total_steps, plan_stretch(run.cfg),
+                            run.cfg.final_lr_ratio)
     run.method.steps_total, run.method.stretch = run.schedule.length, run.schedule.stretch
     run.resolved.update(total_steps=total_steps, warmup_steps=warmup_steps)
 
