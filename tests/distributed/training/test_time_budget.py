@@ -36,7 +36,8 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     assert replanned["step_s"] > plan["measured"]["step_s"] + 0.08
     assert f"re-planned after step {replanned['after_step']}" in (out / "train.log").read_text()
     late = plan["late"][0]   # 0.1 s slower again: fewer steps, the schedules laid onto what was left of them
-    assert late["steps_before"] > plan["steps"] and late["step_s"] > replanned["step_s"] + 0.08
+    # (by less than the 0.1 s slept: on a loaded CI machine the steps before varied by up to a quarter of that)
+    assert late["steps_before"] > plan["steps"] and late["step_s"] > replanned["step_s"] + 0.05
     assert plan["stretch"]["knots"][0][0] == late["after_step"] and plan["stretch"]["length"] == late["steps_before"]
     for r in ranks:   # one plan: the schedules of every rank end at its last step, and they stopped together
         assert r["plan_steps"] == r["total_steps"] == plan["steps"] and r["steps_total"] == plan["stretch"]["length"]
