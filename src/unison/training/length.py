@@ -8,7 +8,7 @@ plan it measured (`unison.training.step.apply_plan`).
 from __future__ import annotations
 
 from unison.config import TrainConfig
-from unison.optim.schedule import Stretch
+from unison.optim.schedule import Schedule, Stretch
 
 PROVISIONAL_BUDGET_STEPS = 10**9   # a budgeted run before its plan: far more steps than any budget holds
 
@@ -30,7 +30,6 @@ def plan_length(cfg: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
     return total_steps, warmup_steps
 
 
-
 def plan_stretch(cfg: TrainConfig) -> Stretch | None:
     """Where the steps of a budgeted run re-planned late fall on its schedules (`unison.training.replan`); None
     for every other run (its steps are the schedules' own)."""
@@ -38,3 +37,10 @@ def plan_stretch(cfg: TrainConfig) -> Stretch | None:
     if plan is None or "stretch" not in plan:
         return None
     return Stretch.of_record(plan["stretch"], int(plan["steps"]))
+
+
+def planned_schedule(cfg: TrainConfig, steps_per_epoch: int, peak_lr: float) -> Schedule:
+    """The learning-rate schedule `cfg` plans (`plan_length`, `plan_stretch`, ``--final-lr-ratio``): the one rule
+    `unison.training.step.build_run` and `apply_plan` use."""
+    total_steps, warmup_steps = plan_length(cfg, steps_per_epoch)
+    return Schedule(peak_lr, warmup_steps, total_steps, plan_stretch(cfg), cfg.final_lr_ratio)

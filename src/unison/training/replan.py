@@ -35,7 +35,6 @@ from unison.optim.schedule import no_stretch
 from unison.training import budget as clocks  # its `clock`, read at each call (a test skews it)
 from unison.training.budget import MARGIN_SHARE, BudgetClock, BudgetCosts, Cadence, cadence_of, plan_steps, sync_device
 from unison.training.hooks import StepEnd, TrainHook
-from unison.training.length import plan_stretch
 from unison.training.step import Run, apply_plan
 
 REPLAN_SHARE = 0.1     # re-plan at the end of the warm-up, and no earlier than this share of the first plan
@@ -136,7 +135,7 @@ class ReplanHook(TrainHook):
         steps, step_s = C.broadcast_object((steps, step_s) if C.rank() == 0 else None)
         if steps is None:
             return
-        stretch = (plan_stretch(run.cfg) or no_stretch(int(plan["steps"]))).replanned(at, steps)
+        stretch = (run.schedule.stretch or no_stretch(run.total_steps)).replanned(at, steps)
         why = (f"re-planned after step {at} from its last {at - self.timed_from[0]} steps, {step_s:.4g} s each with "
                f"their periodic work: {steps} steps (were {plan['steps']}); the schedules go on from where they are "
                f"and end at step {steps}")

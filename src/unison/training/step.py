@@ -60,7 +60,7 @@ from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
-from unison.training.length import plan_length, plan_stretch
+from unison.training.length import planned_schedule
 from unison.training.model import build_method, compiled
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
@@ -148,7 +148,8 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     recipe = resolve_recipe(cfg, image_size)   # with what follows from the image size (local crops)
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
-    total_steps, warmup_steps = plan_length(cfg, steps_per_epoch)
+    peak_lr = recipe.lr * global_batch * accumulate / 256   # scaled linearly with the global batch
+    schedule = planned_schedule(cfg, steps_per_epoch, peak_lr)
     exact = exact_accumulation(cfg)
     if exact and get_method(cfg.method).needs_sample_keys and source.batches_per_epoch % accumulate:
         raise ConfigError(f"{cfg.method} takes per-sample keys (seed, epoch, index), and with {source.batches_per_epoch} "
@@ -159,7 +160,7 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     # ---- model: SyncBN, memory format, DDP
     own_backbone = (own.backbone, int(own.feature_dim or 0)) if own is not None and own.backbone is not None else None
     setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
-    method = build_method(cfg, total_steps, dtype, device, image_size, backbone=recipe.backbone,
+    method = build_method(cfg, schedule.length, dtype, device, image_size, backbone=recipe.backbone,
                           view_sizes=augment.view_sizes, setup=setup, init=init,
                           data_size=source.batches_per_epoch * global_batch, own=own_backbone)
     # e.g. distill's queue length (from the data) and its teacher head's shape: kept in the run's config
@@ -181,10 +182,10 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
     else:
         parallel_model = wrap_ddp(model, cfg.distributed, device, metered=metered_comm)
     method = cast(SSLMethod, unwrap(parallel_model))   # the method itself (DDP's .module, or the FSDP-sharded method)
+    method.stretch = schedule.stretch   # a budgeted run re-planned late, resumed: where its steps fall on them
     forward = compiled(parallel_model) if cfg.compile else parallel_model
 
-    # ---- optimizer, learning rate scaled linearly with the global batch, schedule
-    peak_lr = recipe.lr * global_batch * accumulate / 256
+    # ---- optimizer
     trainable, optimizer = _optimizer(cfg, method, recipe.optimizer, peak_lr, recipe.weight_decay)
     # bf16 autocasts on the CPU too; fp16 is refused there (`TrainConfig.validate`): its scaler is CUDA's.
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
@@ -193,10 +194,9 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
               image_size=image_size,
               augment=augment, source=source, method=method, parallel_model=parallel_model, forward=forward,
               trainable=trainable, optimizer=optimizer, scaler=scaler, autocast_dtype=autocast_dtype,
-              schedule=Schedule(peak_lr, warmup_steps, total_steps, final_ratio=cfg.final_lr_ratio),
-              global_batch=global_batch,
-              accumulate=accumulate, steps_per_epoch=steps_per_epoch,
-              resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": warmup_steps, "total_steps": total_steps,
+              schedule=schedule, global_batch=global_batch, accumulate=accumulate, steps_per_epoch=steps_per_epoch,
+              resolved={**recipe.as_dict(), "peak_lr": peak_lr, "warmup_steps": schedule.warmup_steps,
+                        "total_steps": schedule.total_steps,
                         "backbone": resolve_backbone(recipe.backbone, image_size), "image_size": image_size,
                         "data_mode": data.mode, "steps_per_epoch": steps_per_epoch, "global_batch": global_batch,
                         "accumulation": "exact" if exact else "per micro-batch" if accumulate > 1 else "none",
@@ -206,7 +206,6 @@ def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorD
                         **({"transform": own.transform_name()} if own is not None and own.transform else {}),
                         **recorded_paths(cfg), **setup},
               data=data, exact=exact)
-    apply_plan(run)   # a budgeted run re-planned late (resumed): its schedules' stretch
     register_checkpoint_state(run)
     return run
 
@@ -223,14 +222,12 @@ def recorded_paths(cfg: TrainConfig) -> dict[str, str]:
 
 
 def apply_plan(run: Run) -> None:
-    """Plan the schedules again for `run.cfg`'s length (`plan_length`), as `build_run` would have: the lr's warm-up
+    """Plan the schedules again for `run.cfg`'s length, as `build_run` did (`planned_schedule`): the lr's warm-up
     and cosine, and the method's own schedules (momentum, teacher temperature), which follow ``steps_total``; a
-    budgeted run re-planned late lays its steps onto them (`plan_stretch`, `unison.optim.schedule.Stretch`)."""
-    total_steps, warmup_steps = plan_length(run.cfg, run.steps_per_epoch)
-    run.schedule = Schedule(run.schedule.peak_lr, warmup_steps, total_steps, plan_stretch(run.cfg),
-                            run.cfg.final_lr_ratio)
+    budgeted run re-planned late lays its steps onto them (`unison.optim.schedule.Stretch`)."""
+    run.schedule = planned_schedule(run.cfg, run.steps_per_epoch, run.schedule.peak_lr)
     run.method.steps_total, run.method.stretch = run.schedule.length, run.schedule.stretch
-    run.resolved.update(total_steps=total_steps, warmup_steps=warmup_steps)
+    run.resolved.update(total_steps=run.schedule.total_steps, warmup_steps=run.schedule.warmup_steps)
 
 
 def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_set: ImageTensorDataset | None,
