@@ -141,6 +141,7 @@ class BudgetClock:
         self.spent_before_s = 0.0
         self.reserve_s = 0.0   # kept for the end of the run (`final_s`), set by the plan
         self.planned_here = False   # this attempt measured and planned (`unison.training.replan` may plan again)
+        self.spent_on_resume = False   # a resumed attempt found it spent (every rank): it trains no more steps
 
     def spent_s(self) -> float:
         return self.spent_before_s + clock() - self.started
@@ -335,8 +336,11 @@ def start_budget(run: Run, budget: BudgetClock | None, step: int, history: dict[
         return f"time budget {run.cfg.time_budget}: planned {plan['steps']} steps: {plan['why']}"
     budget.spent_before_s = float(history.get(USED_KEY, 0.0))
     budget.reserve_s = float(plan.get("reserve_s", 0.0))
+    # decided before the loop: the per-step stop exchange would act a step late, after the first step's start-up
+    budget.spent_on_resume = bool(C.broadcast_object(budget.out_of_time() if C.rank() == 0 else None))
     return (f"time budget {run.cfg.time_budget}: resuming the plan of {plan['steps']} steps at step {step}, "
-            f"{budget.spent_before_s:.1f} s of {budget.budget_s:g} s spent before")
+            f"{budget.spent_before_s:.1f} s of {budget.budget_s:g} s spent before"
+            + ("; nothing is left for steps: the run goes on to its end" if budget.spent_on_resume else ""))
 
 
 def end_budget(run: Run, budget: BudgetClock | None, step: int) -> dict[str, Any] | None:
@@ -347,3 +351,11 @@ def end_budget(run: Run, budget: BudgetClock | None, step: int) -> dict[str, Any
     planned = run.total_steps
     return {"budget_s": budget.budget_s, "used_s": round(used, 3), "planned_steps": planned, "steps": step,
             "stopped_by_clock": step < planned}
+
+
+def used_line(budget: str, used: dict[str, Any], spent_on_resume: bool) -> str:
+    """The line for ``train.log`` at the end of a budgeted run (`used`: `end_budget`'s record)."""
+    why = (" (resumed with the budget spent)" if spent_on_resume else
+           " (the steps ran slower than measured: ended on time)" if used["stopped_by_clock"] else "")
+    return (f"time budget {budget}: used {used['used_s']:.1f} s of {used['budget_s']:g} s, "
+            f"{used['steps']} of {used['planned_steps']} planned steps{why}")

@@ -50,7 +50,7 @@ from unison.distributed.signals import install_stop_handlers, restore_default_ha
 from unison.distributed.watchdog import Watchdog
 from unison.errors import ConfigError
 from unison.paths import same_file, write_text_atomic
-from unison.training.budget import BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget
+from unison.training.budget import USED_KEY, BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget, used_line
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
 from unison.training.checkpoint.files import step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
@@ -169,8 +169,9 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     hooks.start(run, step)
     # heartbeat: "data" while a batch is made; a step's micro-batches all at once (exact accumulation needs them)
     stop_mid_step = MidStepStop(run)
-    for micro in grouped(stop_mid_step.gather(watch.data(hooks.batches(run, batches(run, step)), step)),
-                         run.accumulate):
+    spent_on_resume = budget is not None and budget.spent_on_resume   # resumed with its budget spent: no steps
+    for micro in grouped(stop_mid_step.gather(watch.data(hooks.batches(run, iter(()) if spent_on_resume else
+                                                                       batches(run, step)), step)), run.accumulate):
         hooks.before_step(run, micro[0].step)
         loss = accumulated_forward_backward(run, micro, stop_mid_step)
         lr = optimizer_step(run, micro[0].step)
@@ -186,15 +187,15 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     # ---- the end: evaluation, last checkpoint, summary
     knn.final(step, history)
     signals.final(step)
+    if budget is not None:   # the final kNN counted in the last checkpoint: a resumed run goes on from here
+        history[USED_KEY] = budget.spent_s()
     saver.final(step)
     note_progress(step, done=True)   # a torchrun job with this id that starts later is a new run
     watch.enter("done", step)
     history["signals"] = signals.summary()
     history["time_budget"] = used = end_budget(run, budget, step)
-    if used is not None:
-        _say(f"time budget {cfg.time_budget}: used {used['used_s']:.1f} s of {used['budget_s']:g} s, "
-             f"{step} of {used['planned_steps']} planned steps"
-             + (" (the steps ran slower than measured: ended on time)" if used["stopped_by_clock"] else ""), runlog)
+    if budget is not None and used is not None:
+        _say(used_line(str(cfg.time_budget), used, budget.spent_on_resume), runlog)
     return _summary(run, step, history, log, checkpointer, logger, probe.train_s)
 
 

@@ -49,11 +49,15 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     assert used["used_s"] <= BUDGET_S + 10, used
     assert "time budget 30s: used" in (out / "train.log").read_text()
 
-    # resumed: the plan is kept, not measured again, and only what is left of the budget is spent
+    # resumed: the plan is kept, not measured again, and only what is left of the budget is spent: none here,
+    # so not a step more (the stop exchange would act after the first step's start-up and one more)
     monkeypatch.delenv("UNISON_TEST_BUDGET")
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
     log = (out / "train.log").read_text()
     assert f"resuming the plan of {plan['steps']} steps at step {used['steps']}" in log
+    assert "nothing is left for steps" in log and "(resumed with the budget spent)" in log
+    again = json.loads((out / "summary.json").read_text())["extra"]["time_budget"]
+    assert again["steps"] == used["steps"] and again["used_s"] > used["used_s"], again
     assert json.loads((out / "config.json").read_text())["time_budget_plan"] == plan
     assert log.count(": planned ") == 1   # measured and planned once
 
