@@ -99,7 +99,11 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
     else:
         out = images[r[keep]].contiguous()
     mean, std = channel_stats(out)
-    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name)
+    held = None
+    if not resized:   # each row is the image as decoded, which is what the kNN sets decode at this size
+        held = torch.full((n,), -1, dtype=torch.int64)
+        held[sel[keep]] = torch.arange(out.shape[0])
+    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name, held)
 
 
 def physical_memory() -> int | None:

@@ -263,9 +263,9 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set, val_catalog=val_catalog,
                                     val_set=val_set)
     if knn is not None:   # decoded once, now: the start-up pays it, not each kNN (nor a budget's final one)
-        for images, what in ((knn.reference, "reference set"), (knn.queries, "queries")):
+        for images, what, held in ((knn.reference, "reference set", train_set), (knn.queries, "queries", None)):
             if isinstance(images, LazyImages):
-                images.keep_share(what)
+                images.keep_share(what, held=held)   # the reference: the training images' rows, where they serve
     return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
                      train_set, val_set, knn, knn_skipped)
 

@@ -30,6 +30,9 @@ class ImageTensorDataset:
     mean: tuple[float, float, float]  # per channel, [0, 1] units
     std: tuple[float, float, float]
     name: str
+    # decoded from a catalog without resizing (`unison.data.memory.load_catalog`): the row of each catalog image in
+    # `images` (-1: not held); the kNN reference set of the same catalog is then taken from here, not decoded again
+    catalog_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[1] != 3:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -308,6 +309,36 @@ def test_in_memory_runs_decode_their_knn_images_once(sets, monkeypatch):
         # (the build decodes some images in either mode: the memory one decodes every kNN image as well)
         assert counts[1:] == ([0, 0] if mode == "memory" else [every, every]), (mode, counts)
         assert accs[0] == accs[1]
+
+
+@pytest.mark.parametrize("subset", [None, 24])
+def test_an_in_memory_runs_knn_reference_is_its_training_images_not_a_second_decode(tmp_path, monkeypatch, subset):
+    """Images of one size at the run's size (CIFAR-10 at 32 px): the training decode already holds every
+    reference image as the kNN would decode it, so the reference set is taken from it (a second decode of the
+    45,000 CIFAR-10 images cost an in-memory run's start-up seconds of its budget); the queries, another
+    catalog, are decoded. The pixels are the ones a streamed run's kNN decodes."""
+    import unison.data.evalsets as E
+
+    modes = (("RGB", "JPEG", ".jpg"), ("RGB", "PNG", ".png"), ("L", "JPEG", ".jpg"))
+    write_image_folder(tmp_path / "train", 40, classes=2, sizes=(SIZE, SIZE), seed=1, modes=modes)
+    write_image_folder(tmp_path / "val", 12, classes=2, sizes=(SIZE, SIZE), seed=2, modes=modes)
+    cfg = TrainConfig(data=str(tmp_path / "train"), val=str(tmp_path / "val"), backbone="small_cnn", image_size=SIZE,
+                      batch_size=8, knn_k=5, loader_workers=0, subset=subset, knn_reference=20)
+    decoded: list[int] = []
+    real = E.decode_centre
+    monkeypatch.setattr(E, "decode_centre", lambda data, size: decoded.append(1) or real(data, size))
+    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+    knn = S.build_batch_source(data_spec(replace(cfg, data_mode="memory")), torch.device("cpu"), "simclr").knn
+    assert len(decoded) == knn.queries.shape[0] and knn.reference.shape[0] == 20
+    streamed = S.build_batch_source(data_spec(replace(cfg, data_mode="stream")), torch.device("cpu"), "simclr").knn
+    assert np.array_equal(streamed.reference.indices, knn.reference.indices)
+    assert torch.equal(knn.reference.decode()[0], streamed.reference.decode()[0])
+    assert torch.equal(knn.reference_labels, streamed.reference_labels)
+
+    decoded.clear()   # another size for the kNN than the images have: decoded (resized) as before
+    knn = S.build_batch_source(data_spec(replace(cfg, data_mode="memory", image_size=SIZE - 4)), torch.device("cpu"),
+                               "simclr").knn
+    assert len(decoded) == knn.queries.shape[0] + knn.reference.shape[0]
 
 
 def test_each_rank_keeps_only_its_share_of_the_knn_images(sets, monkeypatch):
