@@ -10,7 +10,9 @@ and times `steps` steps after `warmup` untimed ones, the device synchronised at 
 * ``preset``: as the preset trains (cuDNN times its algorithms: `torch.backends.cudnn.benchmark`);
 * ``cudnn default``: cuDNN's own choice, untimed (torch's default, and a ``--deterministic`` run's);
 * ``fixed views``: one batch of views made once and trained on at every step: the step without its augmentation;
-* ``batch 2x``: twice the batch, for images/s (the schedule a larger batch needs is another question).
+* ``batch 2x``: twice the batch, for images/s (the schedule a larger batch needs is another question);
+* ``batch 0.5x``: half the batch: what images/s a smaller batch gives up (on the CPU's 100-epoch proxy, half the
+  batch scored higher at equal epochs: docs/benchmarks.md, "Many epochs").
 
 Report ratios against ``preset``, which all come from one process, one variant after the other; absolute times
 only from a GPU. `benchmarks/gpu_proof.py` runs this as its ``step`` phase.
@@ -25,14 +27,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-VARIANTS = ("preset", "cudnn default", "fixed views", "batch 2x")
+VARIANTS = ("preset", "cudnn default", "fixed views", "batch 2x", "batch 0.5x")
+BATCH_FACTOR = {"batch 2x": 2.0, "batch 0.5x": 0.5}
 
 
-def variant_config(device: str, tiny: bool, batch_factor: int = 1) -> Any:
+def variant_config(device: str, tiny: bool, batch_factor: float = 1.0) -> Any:
     """The speed-run preset's training configuration on `device`, on synthetic resident images."""
     from unison.config import TrainConfig
 
-    batch = (16 if tiny else 512) * batch_factor
+    batch = round((16 if tiny else 512) * batch_factor)
     given = {"preset": "speedrun", "data": "synthetic", "batch_size": batch, "epochs": 1000, "image_size": 32,
              "progress": False, "online_probe": False, "knn": False, "compile": False,
              "distributed": {"backend": "local", "world_size": 1}}
@@ -49,7 +52,7 @@ def time_variant(name: str, device_name: str, tiny: bool, warmup: int, steps: in
     from unison.training.step import batches, build_run
 
     device = torch.device(device_name)
-    cfg = variant_config(device_name, tiny, 2 if name == "batch 2x" else 1)
+    cfg = variant_config(device_name, tiny, BATCH_FACTOR.get(name, 1.0))
     run = build_run(cfg, device, train_set=synthetic_dataset(4 * cfg.batch_size, 32).to(device))
     torch.backends.cudnn.benchmark = name != "cudnn default"   # after the build, which sets the run's own
     stream = batches(run)

@@ -48,8 +48,8 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     assert all(pair[side]["images_per_s"] > 0 for pair in throughput["synthetic_224"] for side in ("unison", "lightly"))
     assert all(c["plan_peak_mib"] > 0 and c["measured_peak_mib"] > 0 for c in phases["plan"]["result"]["configs"])
     variants = phases["step"]["result"]["variants"]
-    assert [v["variant"] for v in variants] == ["preset", "cudnn default", "fixed views", "batch 2x"]
-    assert all(v["ms_per_step"] > 0 for v in variants) and [v["batch"] for v in variants] == [16, 16, 16, 32]
+    assert [v["variant"] for v in variants] == ["preset", "cudnn default", "fixed views", "batch 2x", "batch 0.5x"]
+    assert all(v["ms_per_step"] > 0 for v in variants) and [v["batch"] for v in variants] == [16, 16, 16, 32, 8]
     assert 0 <= phases["accuracy"]["result"]["knn_top1"] <= 1
     trained = json.loads((tmp_path / "work/runs/accuracy/config.json").read_text())   # --accuracy-args won
     assert (trained["method_params"]["temperature"], trained["lr"]) == (0.3, 0.2), trained
