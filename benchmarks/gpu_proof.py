@@ -44,8 +44,7 @@ COMMAND_LIMIT = 2000                      # characters of the device command lin
 # The two device calls (run one right after the other, on the warm machine) and their timeout_s
 # (the headline first: each start of a machine costs about 30 s of the loan, and a cut-short loan keeps it)
 DEVICE_CALLS = (("bash benchmarks/gpu_proof.sh --phases step,accuracy", 450),
-                ('bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args '
-                 '"--param temperature=0.2 --lr 0.45 --augmentation mocov2"', 360))
+                ('bash benchmarks/gpu_proof.sh --phases accuracy --accuracy-args "--batch-size 256"', 360))
 DEVICE_CARRY = [CARRY]
 PHASES = ("tests", "throughput", "plan", "step", "accuracy")
 MIB = 2**20
