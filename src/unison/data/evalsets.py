@@ -10,8 +10,9 @@
   applied: `unison.data.decode.decode_centre`): memory holds the features, never the images, so it does
   not grow with the data. The built-in sets and sets given in memory are tensors already. With
   ``--data-mode memory`` each rank decodes its share once, at the start, and keeps it on the device
-  (`LazyImages.keep_share`); the reference set is taken from the decoded training images instead where they
-  hold it at the run's size (CIFAR-10 at 32 px: the same pixels, 45,000 fewer decodes at ``--knn-reference 0``).
+  (`LazyImages.keep_share`); the reference set is the decoded training images' rows instead where they hold
+  it at the run's size (`held_rows`; CIFAR-10 at 32 px: the same pixels, 45,000 fewer decodes at
+  ``--knn-reference 0``), as it is for sets given in memory.
 * **Unreadable images** follow ``--on-corrupt``: ``skip`` leaves them out of the sets (`LazyImages.decode`
   says which rows decoded; `unison.eval.knn` reports one total over all ranks, once), ``error`` is a
   `DataError` naming the file. PIL's warnings while decoding are part of that count, never printed raw.
@@ -150,20 +151,12 @@ class LazyImages:
             self.kept.put(self.offset + start, images, ok)
         return images, ok
 
-    def keep_share(self, what: str, batch_size: int = 1024, held: ImageTensorDataset | None = None) -> None:
+    def keep_share(self, what: str, batch_size: int = 1024) -> None:
         """Decode this process's share of the set now (the rows this rank embeds: `contiguous_share`), so that
         a kept set's kNNs decode nothing: the start-up of an in-memory run pays it, as it pays the training
-        set's decode, instead of a time-budgeted run's final kNN. `held`: the training images decoded from this
-        set's catalog; when it holds every row of the share at this size, they are taken from it, not decoded."""
+        set's decode, instead of a time-budgeted run's final kNN."""
         share = contiguous_share(len(self.indices), rank(), world_size())
         self.kept = _Kept(self.offset + share.start, self.offset + share.stop)
-        if held is not None and held.catalog_rows is not None and held.images.shape[-2:] == (self.size, self.size):
-            rows = held.catalog_rows[torch.from_numpy(self.indices[share.start:share.stop].astype(np.int64))]
-            if bool((rows >= 0).all()):   # decode_centre of an image of this size is the image as decoded
-                images = held.images[rows.to(held.images.device)].to(self.device)
-                self.kept.put(self.offset + share.start, images, torch.ones(len(rows), dtype=torch.bool,
-                                                                              device=self.device))
-                return
         progress = Progress(f"decoding the kNN {what} into memory:", share.stop - share.start, len(self.indices),
                             show=rank() == 0)
         for i in range(share.start, share.stop, batch_size):
@@ -247,13 +240,24 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+def held_rows(train_set: ImageTensorDataset | None, indices: np.ndarray, size: int) -> torch.Tensor | None:
+    """The rows of `train_set` that hold catalog images `indices` as the kNN decodes them at `size` (None unless
+    it holds them all): images decoded at their stored size (`ImageTensorDataset.catalog_rows`) of ``size`` x
+    ``size`` px, which `decode_centre` returns unchanged (CIFAR-10 at 32 px)."""
+    if train_set is None or train_set.catalog_rows is None or train_set.images.shape[-2:] != (size, size):
+        return None
+    rows = train_set.catalog_rows[torch.from_numpy(np.asarray(indices, dtype=np.int64))]
+    return rows if bool((rows >= 0).all()) else None
+
+
 def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalog | None = None,
              pick: np.ndarray | None = None, train_set: ImageTensorDataset | None = None,
              val_catalog: Catalog | None = None, val_set: ImageTensorDataset | None = None
              ) -> tuple[KnnSets | None, str | None]:
-    """The kNN sets of the training data (`catalog` rows `pick`, or the in-memory `train_set`) against the
-    held-out data (`val_catalog` of ``spec.val``, the in-memory `val_set`, or a built-in set's held-out split);
-    (None, why) when there is no labelled held-out data."""
+    """The kNN sets of the training data (`catalog` rows `pick`, or the in-memory `train_set`; given both, the
+    catalog's images taken from `train_set` where it holds them: `held_rows`) against the held-out data
+    (`val_catalog` of ``spec.val``, the in-memory `val_set`, or a built-in set's held-out split); (None, why)
+    when there is no labelled held-out data."""
     classes = catalog.classes if catalog is not None else (train_set.classes if train_set is not None else [])
     if not classes:
         return None, f"the training data {spec.data} has no labels"
@@ -275,7 +279,12 @@ def knn_sets(spec: DataSpec, size: int, device: torch.device, *, catalog: Catalo
                          else val_set.labels.cpu()]   # type: ignore[union-attr]
     ref, query = knn_subsets(ref_labels, val_labels, spec.val_subset, spec.seed, spec.knn_reference)
     if catalog is not None:
-        reference: Any = LazyImages(catalog, pick[ref.numpy()], size, device, spec.on_corrupt)   # type: ignore[index]
+        chosen = pick[ref.numpy()]   # type: ignore[index]
+        rows = held_rows(train_set, chosen, size)
+        if rows is not None and train_set is not None:   # decoded for training already: its rows, as below
+            reference: Any = train_set.images[rows.to(train_set.images.device)]
+        else:
+            reference = LazyImages(catalog, chosen, size, device, spec.on_corrupt)
     else:
         reference = train_set.images[ref.to(train_set.images.device)]   # type: ignore[union-attr]
     if val_catalog is not None:

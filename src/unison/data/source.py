@@ -256,16 +256,16 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         knn, knn_skipped = None, "no held-out data was given"
     elif catalog is not None:   # the kNN sets of listed data: decoded when embedded, as when streamed
         pick = subset_positions(catalog, spec.subset, spec.seed)
-        knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick,
+        knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick, train_set=train_set,
                                     val_catalog=_val_catalog(spec), val_set=val_set)
     else:
         val_catalog = None if val_set is not None else _val_catalog(spec)
         knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set, val_catalog=val_catalog,
                                     val_set=val_set)
     if knn is not None:   # decoded once, now: the start-up pays it, not each kNN (nor a budget's final one)
-        for images, what, held in ((knn.reference, "reference set", train_set), (knn.queries, "queries", None)):
+        for images, what in ((knn.reference, "reference set"), (knn.queries, "queries")):
             if isinstance(images, LazyImages):
-                images.keep_share(what, held=held)   # the reference: the training images' rows, where they serve
+                images.keep_share(what)
     return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
                      train_set, val_set, knn, knn_skipped)
 

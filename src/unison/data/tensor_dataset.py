@@ -32,6 +32,7 @@ class ImageTensorDataset:
     name: str
     # decoded from a catalog without resizing (`unison.data.memory.load_catalog`): the row of each catalog image in
     # `images` (-1: not held); the kNN reference set of the same catalog is then taken from here, not decoded again
+    # (`unison.data.evalsets.held_rows`)
     catalog_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
