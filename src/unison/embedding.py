@@ -250,7 +250,7 @@ def _stop_on_signals(out: Path) -> contextlib.AbstractContextManager[None]:
 
 def _stopped(name: str, out: Path) -> Preempted:
     return Preempted(f"stopped by {name}: {out} was not written (nothing partial is left); run the same command "
-                     "again")
+                     "again", signal_name=name)
 
 
 def embed(opts: EmbedOptions) -> dict[str, Any]:

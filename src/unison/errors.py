@@ -111,6 +111,10 @@ class Preempted(UnisonError):
     exit_code = PREEMPTED_EXIT_CODE
     mid_step = False   # True: it stopped in the middle of a step of many micro-batches, without a checkpoint of it
 
+    def __init__(self, message: str, *, signal_name: str = "") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name   # the stop signal ("SIGTERM"); "" where none is known
+
 
 INTERRUPTED_EXIT_CODE = 130
 BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE: what `yes | head -0` reports for `yes`

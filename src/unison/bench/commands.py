@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 import time
 from pathlib import Path
@@ -112,7 +111,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     machine = describe_machine(machine_info())
     sections = []
     running = [parts[0]]
-    with stop_signals_raise(lambda name: Preempted(_stopped(running[0], name))):   # SIGTERM/SIGUSR1: one line, 75
+    with stop_signals_raise(lambda name: Preempted(_stopped(running[0], name), signal_name=name)):   # one line, 75
         for part in parts:
             running[0] = part
             started = time.perf_counter()
@@ -122,8 +121,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
                 print(f"unison: error: bench {part}: {exc}", file=sys.stderr)
                 return 1
             except Preempted as exc:   # forwarded to a training run's workers, which stopped after a step
-                signal_name = re.search(r"\bby (SIG[A-Z0-9]+)", str(exc))
-                raise Preempted(_stopped(part, signal_name.group(1) if signal_name else "a stop signal")) from None
+                name = exc.signal_name or "a stop signal"
+                raise Preempted(_stopped(part, name), signal_name=exc.signal_name) from None
             print(text, flush=True)
             print(f"unison bench: {part} took {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
             sections.append(text)

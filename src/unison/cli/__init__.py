@@ -119,7 +119,7 @@ def _stop_before_training() -> contextlib.AbstractContextManager[None]:
     from unison.distributed.signals import stop_signals_raise
 
     return stop_signals_raise(lambda name: Preempted(f"stopped by {name} before training started: nothing to save; "
-                                                     "run the same command again"))
+                                                     "run the same command again", signal_name=name))
 
 
 def _explicit_world_size(ns: argparse.Namespace) -> int | None:

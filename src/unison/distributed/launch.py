@@ -160,7 +160,7 @@ def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str]
             exit_worker(0)
         code = exit_code_of(exc) or 1
         error = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                 "exit_code": code, "traceback": traceback.format_exc()}
+                 "exit_code": code, "traceback": traceback.format_exc(), "signal_name": getattr(exc, "signal_name", "")}
         try:
             result_conn.send_bytes(pickle.dumps(("error", error), protocol=pickle.HIGHEST_PROTOCOL))
             result_conn.close()
@@ -329,7 +329,8 @@ def _supervise(procs: list[BaseProcess], conns: list[Any], results: dict[int, An
     if failure is not None and failure.error_type is None and procs[failure.rank].exitcode == REENTERED_MAIN_EXIT:
         raise ConfigError(reentered_main_message("the call that started the workers (unison.train, unison.check)"))
     if failure is not None and failure.error_type == "Preempted":
-        raise Preempted(errors[failure.rank]["message"])   # every rank stopped after the same step; rank 0 wrote
+        # every rank stopped after the same step; rank 0 wrote
+        raise Preempted(errors[failure.rank]["message"], signal_name=errors[failure.rank].get("signal_name", ""))
     if failure is not None and _interrupted(failure, procs[failure.rank].exitcode):
         # SIGINT that reached the workers but not this process: sent to a background job's process group (whose
         # shell made it ignore SIGINT), or to a worker by pid. The run was interrupted, as by Ctrl-C, not failed.

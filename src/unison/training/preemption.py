@@ -113,7 +113,8 @@ def preempted(decision: StopDecision, step: int, total_steps: int, checkpoint: s
     """The error every rank raises after the preemption checkpoint is complete."""
     where = (f"checkpoint {checkpoint} written" if checkpoint else "the checkpoint was written by rank 0")
     return Preempted(f"preempted by {decision.signal_name()} (received by rank {decision.signal_rank}) after step "
-                     f"{step} of {total_steps}: {where}; continue with --resume auto and the same --out")
+                     f"{step} of {total_steps}: {where}; continue with --resume auto and the same --out",
+                     signal_name=decision.signal_name())
 
 
 class MidStepStop:
@@ -140,6 +141,6 @@ class MidStepStop:
         kept = (f"the last checkpoint, {last}, stands; continue with --resume auto and the same --out" if last else
                 "no checkpoint was written yet: run the same command again")
         stop = Preempted(f"stopped by {self.requests.name()} during step {batch.step} (micro-batch {batch.micro} of "
-                         f"{k}, --grad-sync-every {k}), without finishing it: {kept}")
+                         f"{k}, --grad-sync-every {k}), without finishing it: {kept}", signal_name=self.requests.name())
         stop.mid_step = True   # (`unison.distributed.shutdown`: no waiting for the peers on the way out)
         return stop

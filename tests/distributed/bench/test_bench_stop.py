@@ -26,7 +26,7 @@ def test_a_training_run_stopped_by_a_signal_is_the_bench_stopping_not_failing(tm
     """It read: "bench race: 'unison train ...' failed: preempted ...; continue with --resume auto", exit 1."""
     def preempted(*args):
         raise Preempted("preempted by SIGUSR1 (received by rank 0) after step 3 of 10: checkpoint x written; "
-                        "continue with --resume auto and the same --out")
+                        "continue with --resume auto and the same --out", signal_name="SIGUSR1")
 
     with pytest.raises(Preempted, match=r"^bench table stopped by SIGUSR1: a stopped part reports nothing .* "
                                         r"run the same command again$"):

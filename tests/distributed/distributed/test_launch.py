@@ -288,3 +288,21 @@ def test_a_stop_sent_to_the_whole_process_group_reaches_the_workers_and_spares_t
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
                           start_new_session=True)   # its own process group: the signal stays in it
     assert proc.returncode == 0 and proc.stdout.strip() == "['SIGTERM', 'SIGTERM']", proc.stdout + proc.stderr[-3000:]
+
+
+def _preempted_by_sigusr1():
+    from unison.errors import Preempted
+
+    C.barrier()   # every rank stopped after the same step
+    raise Preempted(f"preempted by SIGUSR1 (received by rank 0) after step 3 of 10 on rank {C.rank()}",
+                    signal_name="SIGUSR1")
+
+
+def test_a_preempted_run_reports_which_signal_stopped_it_across_the_process_boundary():
+    """`unison bench` names the signal that stopped a part: it read it back out of the message's text."""
+    from unison.distributed.testing import run_in_workers
+    from unison.errors import Preempted
+
+    with pytest.raises(Preempted, match="after step 3 of 10") as stopped:
+        run_in_workers(_preempted_by_sigusr1, 2)
+    assert stopped.value.signal_name == "SIGUSR1"
