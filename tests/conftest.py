@@ -55,7 +55,7 @@ def _starts_processes(item) -> bool:
 
 
 # The files that take longest, run first, longest first; then the other files folder by folder: `scripts/test.sh`
-# hands whole files to two pytest workers in collection order, and a long file handed out last leaves one worker
+# hands whole files to its pytest workers in collection order, and a long file handed out last leaves one worker
 # alone at the end (a fresh clone's suite, 2026-11-24: the README's commands, 86 s, handed out near the end,
 # left one worker 86 s behind the other). Seconds from a fresh clone's `pytest --durations=0`, summed per file
 # (2026-11-24, commit 49c33e8: 1760 s in all; the two workers then ended within 30 s of each other).

@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Iterator
 
 APT_TIMEOUT_S = 600
-APT_LOCK = "/tmp/unison-tests-apt.lock"   # two pytest workers (scripts/test.sh) may both need packages
+APT_LOCK = "/tmp/unison-tests-apt.lock"   # pytest workers (scripts/test.sh) may each need packages
 
 
 @contextlib.contextmanager

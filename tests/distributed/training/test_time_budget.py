@@ -33,7 +33,9 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     assert plan["steps"] > 1 and "fit 30 s" in plan["why"] and plan["measured"]["step_s"] > 0
     replanned = plan["replanned"]   # the steps were 0.1 s slower than measured: fewer of them fit
     assert replanned["first_steps"] > plan["late"][0]["steps_before"]
-    assert replanned["step_s"] > plan["measured"]["step_s"] + 0.08
+    # by at least half the 0.1 s slept: on a loaded CI the measurement before the run, sleeping nothing, was itself
+    # slowed (0.102 s against 0.180 s after it, which once failed a bound of 0.08)
+    assert replanned["step_s"] > plan["measured"]["step_s"] + 0.05
     assert f"re-planned after step {replanned['after_step']}" in (out / "train.log").read_text()
     late = plan["late"][0]   # 0.1 s slower again: fewer steps, the schedules laid onto what was left of them
     # (by less than the 0.1 s slept: on a loaded CI machine the steps before varied by up to a quarter of that)
