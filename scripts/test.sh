@@ -8,4 +8,6 @@ bash scripts/setup.sh
 # Three pytest workers, each taking whole files (their module-scoped reference runs are made once): many tests wait
 # on worker processes, signals or timeouts, so two left a 2-core machine idle 12 % of the time and three 5 % (the
 # distributed training and cluster tests: 460 s with two, 408 s with three; UNISON_TEST_JOBS=0: one at a time).
-exec .venv/bin/python -m pytest -q -n "${UNISON_TEST_JOBS:-3}" --dist loadfile "$@"
+# --no-loadscope-reorder: files in the order tests/conftest.py gives (the longest first); by default pytest-xdist
+# (3.5+) hands out the files with the most tests first, whatever their length.
+exec .venv/bin/python -m pytest -q -n "${UNISON_TEST_JOBS:-3}" --dist loadfile --no-loadscope-reorder "$@"

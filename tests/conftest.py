@@ -55,11 +55,10 @@ def _starts_processes(item) -> bool:
 
 
 # The files that take longest, run first, longest first; then the other files folder by folder: `scripts/test.sh`
-# hands whole files to its pytest workers in collection order, and a long file handed out last leaves one worker
-# alone at the end (a fresh clone's suite, 2026-11-24: the README's commands, 86 s, handed out near the end,
-# left one worker 86 s behind the other). Seconds from `pytest -n 3 --durations=0`, summed per file, every file of
-# 30 s or more (2026-11-27, commit 1ea596a: 3378 s in all). Unlisted, the unit files are ordered last; with unit
-# files of 35 to 61 s among them, the last 4 % of a fresh clone's tests took about 6 of its 19 minutes.
+# hands whole files to its pytest workers in this order (`--no-loadscope-reorder`: since 3.5, pytest-xdist otherwise
+# hands out the files with the most tests first, and did so here, whatever their length), and a long file handed
+# out last leaves the other workers idle at the end. Seconds from `pytest -n 3 --durations=0`, summed per file,
+# every file of 30 s or more (2026-11-27, commit 1ea596a: 3378 s in all).
 LONGEST_FILES = (
     "unit/plan/test_plan.py",                           # 295 s
     "distributed/cli/test_readme.py",                   # 268 s
