@@ -40,6 +40,7 @@ the *first* failure, the bounded shutdown, the death signal, signal forwarding a
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -127,6 +128,9 @@ def _release_fork_server() -> None:
 
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
                  threads: int, result_conn: Any, streams: tuple[Any, ...] = (), ready: Any = None) -> None:
+    # What the fork server imported (torch: some 320,000 objects) is never garbage: out of every full collection
+    # (Python's own, `shutdown_distributed`'s), which then takes 0.08 s of a worker's life, not 0.4 s.
+    gc.freeze()
     for stream in streams:
         stream.attach()
     _release_fork_server()
