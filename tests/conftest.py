@@ -12,6 +12,7 @@ A unit test whose source (or a fixture or module helper it uses) starts processe
 belongs under ``tests/distributed/``.
 """
 
+import gc
 import inspect
 import re
 from pathlib import Path
@@ -119,3 +120,10 @@ def pytest_collection_modifyitems(items):
     if misplaced:
         raise pytest.UsageError("these tests start processes and belong under tests/distributed/: "
                                 + ", ".join(misplaced))
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, unison, the test modules: some 310,000 objects) is never garbage: out of
+    every full collection from now on. Each pytest worker's garbage collection took 47 s of a 141 s run of
+    tests/unit/{training,data,methods} on two workers, 19 s with this (129 s)."""
+    gc.freeze()
