@@ -44,6 +44,8 @@ from .train_args import (
 if TYPE_CHECKING:   # annotations only: the commands import what they run when called (fast --help)
     from unison.equivalence import CheckReport, CurvesReport
 
+WORKER_COMMANDS = ("train", "check", "embed", "bench")   # the commands that start worker processes
+
 # Further subcommands live beside their concern, each module's add_subcommand(subparsers, help) declaring its
 # options. Only the one being run is imported: eval, embed and export import torch, and `unison --help` must not.
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (   # (name, module, one-line help)
@@ -263,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = sys.argv[1:] if argv is None else argv
         command = next((a for a in args if not a.startswith("-")), "")
+        if argv is None and command in WORKER_COMMANDS:   # the `unison` command's own process, not a caller's
+            from unison.distributed.start import fork_from_here
+
+            fork_from_here()   # its workers may fork from it
         # train from its first instant (a second of parsing, torch importing): a stop is a line and 75, not 143
         with _stop_before_training() if command == "train" else contextlib.nullcontext():
             ns = make_parser(command).parse_args(args)

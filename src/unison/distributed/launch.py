@@ -4,12 +4,9 @@
 set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so the
 worker code path is identical under unison, torchrun, SLURM and mpirun.
 
-Start method: ``forkserver`` (``spawn`` where there is none). The workers are forked from a server process that
-started clean and imported torch and the target's module once; it never ran an op, so no CUDA, thread or
-OpenMP state of the launcher leaks in (the reason not to fork the launcher itself), and a worker starts with a
-fork instead of a new interpreter importing torch (seconds of CPU per worker). The server lives as long as the
-launching process, so further launches from it (a Python session, the test suite) start workers at once. Each
-worker gets the launcher's environment as it is at launch (the server's is that of its own start).
+Start method (`unison.distributed.start`): a fork server that imported torch once, or, for the ``unison`` command
+on a machine without a GPU, the command's own process. Each worker gets the launcher's environment as it is at
+launch.
 
 Failure policy: the parent polls its children. When one exits non-zero or is killed,
 the others are ended (SIGTERM, then SIGKILL after a grace period; SIGINT after a Ctrl-C) and `WorkerFailure` is
@@ -40,8 +37,8 @@ the *first* failure, the bounded shutdown, the death signal, signal forwarding a
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import multiprocessing as mp
 import os
 import pickle
 import re
@@ -68,6 +65,7 @@ from .signals import (
     stop_signals_blocked,
     unblock_stop_signals,
 )
+from .start import LauncherStream, release_fork_server, start_context
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:
@@ -84,56 +82,17 @@ def find_free_port(addr: str = "127.0.0.1") -> int:
                           "its workers here: leave the default 127.0.0.1, or give this machine's own address") from None
 
 
-class _LauncherStream:
-    """The launcher's stdout or stderr as it is at launch (a test's capture, a redirect), handed to a worker: the
-    fork server's own are those of its start. Pickled into a descriptor the worker inherits (`attach`)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        from multiprocessing import reduction
-
-        return (_InheritedStream, (reduction.DupFd(self.fd), self.fd))   # runs while the worker is started
-
-
-class _InheritedStream:
-    def __init__(self, dup: Any, fd: int) -> None:
-        self.dup, self.fd = dup, fd
-
-    def attach(self) -> None:
-        inherited = self.dup.detach()
-        os.dup2(inherited, self.fd)
-        os.close(inherited)
-
-
-def _release_fork_server() -> None:
-    """Close this worker's copy of the fork server's "launcher alive" pipe.
-
-    Why: Python gives every child of the fork server the write end of that pipe (so that a child could start
-    processes through the server too), and the server exits only when every copy is closed. The workers'
-    copies kept it alive after a SIGKILLed launcher, and it kept them alive (they die with their parent, the
-    server): a run that outlived its launcher. Workers start no processes through the server."""
-    try:
-        from multiprocessing import forkserver
-
-        server = forkserver._forkserver
-        alive_fd = getattr(server, "_forkserver_alive_fd", None)
-        if alive_fd is not None:
-            os.close(alive_fd)
-            server._forkserver_alive_fd = None   # type: ignore[attr-defined]
-    except (AttributeError, OSError):   # another Python's internals, or already closed: nothing held
-        pass
-
-
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
-                 threads: int, result_conn: Any, streams: tuple[Any, ...] = (), ready: Any = None) -> None:
+                 threads: int, result_conn: Any, streams: tuple[Any, ...] = (), ready: Any = None,
+                 others: tuple[Any, ...] = ()) -> None:
     # What the fork server imported (torch: some 320,000 objects) is never garbage: out of every full collection
     # (Python's own, `shutdown_distributed`'s), which then takes 0.08 s of a worker's life, not 0.4 s.
     gc.freeze()
+    for conn in others:   # forked from the launcher: the other ranks' pipe ends (see `launch`)
+        conn.close()
     for stream in streams:
         stream.attach()
-    _release_fork_server()
+    release_fork_server()
     die_with_parent()
     die_with_launcher(result_conn.fileno())
     one_line_warnings()
@@ -231,26 +190,6 @@ def _check_watchdog(procs: list[BaseProcess], heartbeats: Any, limit_s: float) -
     return WatchdogTimeout(report)
 
 
-def _start_context(target: Callable[[Any], Any]) -> Any:   # a ForkServerContext or SpawnContext
-    """The forkserver context (see the module docstring), its server importing torch and `target`'s module when it
-    starts; spawn where the platform has no forkserver."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo: DDP imports it when it wraps a model (2.4 s of every worker, torch 2.14), once here instead
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", target.__module__])   # the first launch starts the server
-    try:
-        from multiprocessing import forkserver, resource_tracker
-
-        # the tracker first: starting it unblocks SIGTERM in this thread (its own start blocks and then unblocks it)
-        resource_tracker.ensure_running()
-        with stop_signals_blocked():   # the server and its children inherit the mask: see `stop_signals_blocked`
-            forkserver.ensure_running()
-    except OSError:   # e.g. "AF_UNIX path too long": the server's socket lives in the temporary folder (TMPDIR)
-        return mp.get_context("spawn")
-    return ctx
-
-
 def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *,
            poll_s: float = 0.05, grace_s: float = 5.0, settle_s: float = 3.0, threads_per_worker: int | None = None,
            extra_env: dict[str, str] | None = None) -> list[Any]:
@@ -264,8 +203,9 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     free = find_free_port(cfg.master_addr)   # also refuses, before any worker, an address not of this machine
     port = cfg.master_port or free
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    ctx = _start_context(target)
-    streams = (_LauncherStream(1), _LauncherStream(2)) if ctx.get_start_method() == "forkserver" else ()
+    ctx = start_context(target)
+    streams = (LauncherStream(1), LauncherStream(2)) if ctx.get_start_method() == "forkserver" else ()
+    forked = ctx.get_start_method() == "fork"
     heartbeats = watchdog.new_table(ctx, cfg.world_size)
     ready = ctx.RawArray("b", cfg.world_size)   # rank r's stop handlers are installed
     procs: list[BaseProcess] = []
@@ -280,9 +220,14 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
                        "RANK": str(r), "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
                        "LOCAL_WORLD_SIZE": str(cfg.world_size), "MASTER_ADDR": cfg.master_addr,
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+                # A worker forked from here closes what it inherited of the other ranks' pipes: a copy of a read end
+                # would keep a rank's pipe open after the launcher died (`die_with_launcher`), and of a write end,
+                # after that rank died.
+                others = tuple(c for pipe in pipes for c in pipe if c is not pipes[r][1]) if forked else ()
                 p = ctx.Process(target=_worker_main, name=f"{WORKER_NAME}{r}", daemon=False,
-                                args=(target, payload, env, heartbeats, threads, pipes[r][1], streams, ready))
-                p.start()
+                                args=(target, payload, env, heartbeats, threads, pipes[r][1], streams, ready, others))
+                with stop_signals_blocked() if forked else contextlib.nullcontext():   # as the fork server's are
+                    p.start()
                 pipes[r][1].close()   # the child holds the write end; EOF then means it is gone
                 procs.append(p)
             conns = [read for read, _ in pipes]

@@ -1,0 +1,137 @@
+"""How the launcher's workers are started: forked from a fork server, or from the `unison` command's own process.
+
+* **The fork server** (the default; ``spawn`` where the platform has none): a server process that started clean
+  and imported torch and the target's module once. It never ran an op, so no CUDA, thread or OpenMP state of the
+  launcher leaks into a worker, nor a user's own state (a monkeypatch, a global flag), and a worker starts with a
+  fork, not a new interpreter importing torch. The server lives as long as the launching process, so further
+  launches from it (a Python session, the test suite) start workers at once.
+* **Forked from the launching process itself**, where that process is the ``unison`` command (`fork_from_here`:
+  it holds unison's own state and no user code) and forking it is safe: Linux, one thread (no lock another thread
+  could hold, no OpenMP pool), and no GPU device on the machine (CUDA is not fork-safe: a parent that only asked
+  how many devices there are poisons it, and the command's parent asks). The command has imported torch already,
+  so the fork server would import it a second time: its start took 6.6 s of CPU on a 2-core Xeon, the largest
+  part of a short ``unison train``'s 12-14 s. A GPU machine, or any other process, keeps the fork server.
+
+The workers of both get the launcher's environment as it is at launch (`unison.distributed.launch`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .signals import stop_signals_blocked
+
+_FORK_FROM_HERE = False
+_THREADS_AT_START: frozenset[str] = frozenset()   # this process's threads when `fork_from_here` was called
+# Device nodes of a GPU that torch could use (NVIDIA's, AMD's ROCm): where one exists, workers never fork from a
+# process that may have touched it.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
+def _threads() -> frozenset[str]:
+    try:
+        return frozenset(os.listdir("/proc/self/task"))
+    except OSError:   # no /proc: unknown, never forked
+        return frozenset({"unknown"})
+
+
+def fork_from_here() -> None:
+    """Fork this process's workers from it where that is safe (see the module docstring): for the ``unison``
+    command's own process only, never a library user's (their state would leak into the workers). Call it first:
+    the threads running now are the ones a fork may find (NumPy's OpenBLAS starts its pool when imported, here,
+    and is fork-safe); any started later, OpenMP's pool after torch's first parallel op above all (a worker forked
+    from it hangs at its own first one), leave the workers to the fork server."""
+    global _FORK_FROM_HERE, _THREADS_AT_START
+    import numpy  # noqa: F401  (its thread pool, into the snapshot)
+
+    _FORK_FROM_HERE, _THREADS_AT_START = True, _threads()
+
+
+def _forkable() -> bool:
+    """This process can be forked into workers: Linux, no thread but those it had at `fork_from_here`, CUDA
+    untouched, no GPU device."""
+    if not (_FORK_FROM_HERE and sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()):
+        return False
+    if any(Path(node).exists() for node in GPU_DEVICE_NODES):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return False
+    return _threads() <= _THREADS_AT_START and "unknown" not in _THREADS_AT_START
+
+
+def start_context(target: Callable[[Any], Any]) -> Any:   # a ForkContext, ForkServerContext or SpawnContext
+    """The context that starts `target`'s workers (the module docstring says which)."""
+    if _FORK_FROM_HERE:
+        # what a fork server would import once (torch._dynamo: DDP imports it when it wraps a model), imported here
+        # before the check: an import that started a thread is then seen
+        for module in ("torch", "torch._dynamo", target.__module__):
+            importlib.import_module(module)
+        if _forkable():
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()   # one for all workers, as with the fork server: a worker's own died with it
+            return mp.get_context("fork")
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: DDP imports it when it wraps a model (2.4 s of every worker, torch 2.14), once here instead
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", target.__module__])   # the first launch starts the server
+    try:
+        from multiprocessing import forkserver, resource_tracker
+
+        # the tracker first: starting it unblocks SIGTERM in this thread (its own start blocks and then unblocks it)
+        resource_tracker.ensure_running()
+        with stop_signals_blocked():   # the server and its children inherit the mask: see `stop_signals_blocked`
+            forkserver.ensure_running()
+    except OSError:   # e.g. "AF_UNIX path too long": the server's socket lives in the temporary folder (TMPDIR)
+        return mp.get_context("spawn")
+    return ctx
+
+
+class LauncherStream:
+    """The launcher's stdout or stderr as it is at launch (a test's capture, a redirect), handed to a worker: the
+    fork server's own are those of its start. Pickled into a descriptor the worker inherits (`attach`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_InheritedStream, (reduction.DupFd(self.fd), self.fd))   # runs while the worker is started
+
+
+class _InheritedStream:
+    def __init__(self, dup: Any, fd: int) -> None:
+        self.dup, self.fd = dup, fd
+
+    def attach(self) -> None:
+        inherited = self.dup.detach()
+        os.dup2(inherited, self.fd)
+        os.close(inherited)
+
+
+def release_fork_server() -> None:
+    """Close this worker's copy of the fork server's "launcher alive" pipe.
+
+    Why: Python gives every child of the fork server the write end of that pipe (so that a child could start
+    processes through the server too), and the server exits only when every copy is closed. The workers'
+    copies kept it alive after a SIGKILLed launcher, and it kept them alive (they die with their parent, the
+    server): a run that outlived its launcher. Workers start no processes through the server."""
+    try:
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver
+        alive_fd = getattr(server, "_forkserver_alive_fd", None)
+        if alive_fd is not None:
+            os.close(alive_fd)
+            server._forkserver_alive_fd = None   # type: ignore[attr-defined]
+    except (AttributeError, OSError):   # another Python's internals, or already closed: nothing held
+        pass
