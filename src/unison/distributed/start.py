@@ -6,9 +6,10 @@
   fork, not a new interpreter importing torch. The server lives as long as the launching process, so further
   launches from it (a Python session, the test suite) start workers at once.
 * **Forked from the launching process itself**, where that process is the ``unison`` command (`fork_from_here`:
-  it holds unison's own state and no user code) and forking it is safe: Linux, one thread (no lock another thread
-  could hold, no OpenMP pool), and no GPU device on the machine (CUDA is not fork-safe: a parent that only asked
-  how many devices there are poisons it, and the command's parent asks). The command has imported torch already,
+  it holds unison's own state and no user code) and forking it is safe: Linux, no thread but those it had when the
+  command began (no lock another thread could hold, no OpenMP pool), and no GPU device on the machine (CUDA is
+  not fork-safe: a parent that only asked how many devices there are poisons it, and the command's parent asks).
+  The command has imported torch already,
   so the fork server would import it a second time: its start took 6.6 s of CPU on a 2-core Xeon, the largest
   part of a short ``unison train``'s 12-14 s. A GPU machine, or any other process, keeps the fork server.
 
@@ -27,18 +28,23 @@ from typing import Any
 
 from .signals import stop_signals_blocked
 
-_FORK_FROM_HERE = False
-_THREADS_AT_START: frozenset[str] = frozenset()   # this process's threads when `fork_from_here` was called
+# This process's threads when `fork_from_here` was called; None: not called (or no /proc), never forked from here.
+_THREADS_AT_START: frozenset[str] | None = None
 # Device nodes of a GPU that torch could use (NVIDIA's, AMD's ROCm): where one exists, workers never fork from a
 # process that may have touched it.
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
 
 
-def _threads() -> frozenset[str]:
+def _threads() -> frozenset[str] | None:
     try:
         return frozenset(os.listdir("/proc/self/task"))
-    except OSError:   # no /proc: unknown, never forked
-        return frozenset({"unknown"})
+    except OSError:   # no /proc: unknown
+        return None
+
+
+def _preload(target: Callable[[Any], Any]) -> list[str]:
+    # torch._dynamo: DDP imports it when it wraps a model (2.4 s of every worker, torch 2.14), once before the forks
+    return ["torch", "torch._dynamo", target.__module__]
 
 
 def fork_from_here() -> None:
@@ -47,32 +53,31 @@ def fork_from_here() -> None:
     the threads running now are the ones a fork may find (NumPy's OpenBLAS starts its pool when imported, here,
     and is fork-safe); any started later, OpenMP's pool after torch's first parallel op above all (a worker forked
     from it hangs at its own first one), leave the workers to the fork server."""
-    global _FORK_FROM_HERE, _THREADS_AT_START
+    global _THREADS_AT_START
     import numpy  # noqa: F401  (its thread pool, into the snapshot)
 
-    _FORK_FROM_HERE, _THREADS_AT_START = True, _threads()
+    _THREADS_AT_START = _threads()
 
 
 def _forkable() -> bool:
     """This process can be forked into workers: Linux, no thread but those it had at `fork_from_here`, CUDA
     untouched, no GPU device."""
-    if not (_FORK_FROM_HERE and sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()):
+    if not (sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()):
         return False
     if any(Path(node).exists() for node in GPU_DEVICE_NODES):
         return False
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return False
-    return _threads() <= _THREADS_AT_START and "unknown" not in _THREADS_AT_START
+    now = _threads()
+    return _THREADS_AT_START is not None and now is not None and now <= _THREADS_AT_START
 
 
 def start_context(target: Callable[[Any], Any]) -> Any:   # a ForkContext, ForkServerContext or SpawnContext
     """The context that starts `target`'s workers (the module docstring says which)."""
-    if _FORK_FROM_HERE:
-        # what a fork server would import once (torch._dynamo: DDP imports it when it wraps a model), imported here
-        # before the check: an import that started a thread is then seen
-        for module in ("torch", "torch._dynamo", target.__module__):
-            importlib.import_module(module)
+    if _THREADS_AT_START is not None:
+        for module in _preload(target):   # what a fork server would import, here before the check: an import that
+            importlib.import_module(module)   # started a thread is then seen
         if _forkable():
             from multiprocessing import resource_tracker
 
@@ -81,8 +86,7 @@ def start_context(target: Callable[[Any], Any]) -> Any:   # a ForkContext, ForkS
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # torch._dynamo: DDP imports it when it wraps a model (2.4 s of every worker, torch 2.14), once here instead
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", target.__module__])   # the first launch starts the server
+    ctx.set_forkserver_preload(_preload(target))   # the first launch starts the server
     try:
         from multiprocessing import forkserver, resource_tracker
 
