@@ -117,17 +117,29 @@ def test_smoke_run_in_a_100_column_terminal_says_what_evaluation_costs_and_keeps
 
 # ------------------------------------------------------------------ scripts/setup.sh
 FAKE_PYTHON = """#!/bin/sh
-# a stand-in for .venv/bin/python: imports work once the fake pip has "installed" torch
+# a stand-in for .venv/bin/python: imports work once a fake installer has "installed" torch
 case "$*" in *torch*) [ -f "$FAKE_STATE/torch" ] || exit 1 ;; esac
 exit 0
 """
 FAKE_PIP = """#!/bin/sh
-# a stand-in for .venv/bin/pip: records its arguments, says what pip says, fails when asked to
-echo "$*" >> "$FAKE_STATE/pip.log"
+# a stand-in for .venv/bin/pip: shows its configuration, records the rest of its arguments, says what pip says,
+# installs the fake uv unless FAKE_NO_UV, fails when asked to
+case "$*" in config*) printf '%s\\n' "$FAKE_PIP_CONFIG"; exit 0 ;; esac
+echo "pip $*" >> "$FAKE_STATE/pip.log"
 echo "Collecting something"
+case "$*" in *" uv") [ -z "$FAKE_NO_UV" ] || exit 1; cp "$FAKE_STATE/uv" "$(dirname "$0")/uv"; exit 0 ;; esac
 case "$*" in *torch==*) touch "$FAKE_STATE/torch" ;; esac
 exit "${FAKE_PIP_EXIT:-0}"
 """
+FAKE_UV = """#!/bin/sh
+# a stand-in for uv, installed into .venv/bin by the fake pip: records its arguments as the fake pip does
+echo "uv $*" >> "$FAKE_STATE/pip.log"
+echo "Resolved something"
+case "$*" in *torch==*) touch "$FAKE_STATE/torch" ;; esac
+exit "${FAKE_PIP_EXIT:-0}"
+"""
+PIP_CONFIG = ("global.extra-index-url='file:///a/simple file:///b/simple'\n:env:.find-links='/wheels'\n"
+              "global.constraint='/etc/c.txt'\n:env:.cert='/etc/ca.crt'")
 
 
 def _checkout_with_a_fake_venv(tmp_path: Path) -> tuple[Path, Path]:
@@ -138,37 +150,48 @@ def _checkout_with_a_fake_venv(tmp_path: Path) -> tuple[Path, Path]:
     state.mkdir()
     (repo / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
     (repo / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
-    for name, text in (("python", FAKE_PYTHON), ("pip", FAKE_PIP)):
-        (repo / ".venv" / "bin" / name).write_text(text)
-        (repo / ".venv" / "bin" / name).chmod(0o755)
+    for path, text in ((repo / ".venv" / "bin" / "python", FAKE_PYTHON), (repo / ".venv" / "bin" / "pip", FAKE_PIP),
+                       (state / "uv", FAKE_UV)):
+        path.write_text(text)
+        path.chmod(0o755)
     return repo, state
 
 
 def _setup(repo: Path, state: Path, **env: str) -> tuple[int, str, list[str]]:
-    """Run the copy's setup.sh: (exit code, what it printed, the pip commands it ran)."""
+    """Run the copy's setup.sh: (exit code, what it printed, the installer commands it ran, 'pip ...' or 'uv ...')."""
     log = state / "pip.log"
     log.unlink(missing_ok=True)
     proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "FAKE_STATE": str(state), **env})
+                          env={**os.environ, "FAKE_STATE": str(state), "FAKE_PIP_CONFIG": PIP_CONFIG, **env})
     return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines() if log.exists() else []
 
 
-def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp_path):
+@pytest.mark.parametrize("installer", ["uv", "pip"])
+def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp_path, installer):
+    """uv where pip can install it, given pip's indexes, links and constraints; pip where it cannot (FAKE_NO_UV)."""
     repo, state = _checkout_with_a_fake_venv(tmp_path)
-    code, shown, pips = _setup(repo, state)
+    no_uv = {"FAKE_NO_UV": "1"} if installer == "pip" else {}
+    code, shown, runs = _setup(repo, state, **no_uv)
     assert code == 0, shown
-    assert [p.split()[-1] for p in pips] == ["torchvision==0.29.1", ".[test]"] and not any(" -q" in p for p in pips)
-    assert "setup: installing torch 2.14.1" in shown and "Collecting something" in shown   # not silent
+    assert runs[0] == "pip install --disable-pip-version-check -q uv", runs   # uv asked for once, quietly
+    installs = runs[1:]
+    assert [r.split()[-1] for r in installs] == ["torchvision==0.29.1", ".[test]"] and not any(" -q" in r for r in installs)
+    assert all(r.startswith(installer + " ") for r in installs), installs
+    if installer == "uv":
+        assert all("--compile-bytecode --index-strategy unsafe-best-match --extra-index-url file:///a/simple "
+                   "--extra-index-url file:///b/simple --find-links /wheels --constraint /etc/c.txt" in r
+                   for r in installs), installs
+    assert "setup: installing torch 2.14.1" in shown and "something" in shown   # not silent
     assert "setup: installing unison from" in shown
-    code, shown, pips = _setup(repo, state)   # nothing changed: no pip at all
-    assert code == 0 and pips == [] and "up to date" in shown, shown
+    code, shown, runs = _setup(repo, state, **no_uv)   # nothing changed: no installer at all
+    assert code == 0 and runs == [] and "up to date" in shown, shown
     with open(repo / "pyproject.toml", "a") as f:
         f.write("# a dependency added\n")
-    code, shown, pips = _setup(repo, state, FAKE_PIP_EXIT="1")   # changed, and the install fails
-    assert code == 1 and "installing unison failed" in shown and len(pips) == 1, shown
-    code, shown, pips = _setup(repo, state)   # so the next run installs again
-    assert code == 0 and [p.split()[-1] for p in pips] == [".[test]"], shown
-    assert _setup(repo, state)[2] == []
+    code, shown, runs = _setup(repo, state, FAKE_PIP_EXIT="1", **no_uv)   # changed, and the install fails
+    assert code == 1 and "installing unison failed" in shown and runs[-1].startswith(installer), shown
+    code, shown, runs = _setup(repo, state, **no_uv)   # so the next run installs again
+    assert code == 0 and [r.split()[-1] for r in runs if not r.endswith(" uv")] == [".[test]"], shown
+    assert _setup(repo, state, **no_uv)[2] == []
 
 
 # ------------------------------------------------------------------ the wheel
