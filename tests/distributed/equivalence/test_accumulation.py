@@ -1,11 +1,12 @@
 """`unison check --grad-sync-every 2`: exact accumulation at W=2 x K=2 for every method, in ONE launch of 2 workers.
 
 Each method is compared with one process on the same global batch: in ONE step where the backbone has no batch
-norm (the ViT methods), in the same 2 micro-batches where it has (world-size invariance), float64, 1e-6."""
+norm (the ViT methods), in the same 2 micro-batches where it has (world-size invariance), float64, 1e-6. The ViT
+methods run on a smaller ViT than their recipe's (tests/helpers/every_method.py)."""
 
 import pytest
+from helpers.every_method import check_every_method
 
-from unison.equivalence import run_equivalence_all
 from unison.methods import METHODS
 
 pytestmark = pytest.mark.distributed
@@ -13,8 +14,8 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def accumulated_reports():
-    return dict(zip(sorted(METHODS), run_equivalence_all(sorted(METHODS), world_size=2, steps=1, local_batch=4,
-                                                         grad_sync_every=2)))
+    """Every method's check (the ViT methods on a smaller ViT: tests/helpers/every_method.py)."""
+    return check_every_method(2, steps=1, local_batch=4, grad_sync_every=2)
 
 
 @pytest.mark.slow

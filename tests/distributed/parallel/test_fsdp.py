@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.every_method import check_every_method
 from torch import nn
 
 from unison.distributed import collectives as C
 from unison.distributed.testing import run_in_workers
-from unison.equivalence import run_equivalence, run_equivalence_all
+from unison.equivalence import run_equivalence
 from unison.methods import METHODS
 from unison.optim import OPTIMIZER_NAMES, build_optimizer
 
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.distributed
 # ------------------------------------------------------------------ unison check --shard full
 @pytest.fixture(scope="module")
 def fully_sharded_reports():
-    """Every method's check at W=2 under --shard full, in one launch of 2 workers (as `unison check --method all`)."""
-    return dict(zip(sorted(METHODS), run_equivalence_all(sorted(METHODS), world_size=2, steps=2, shard="full")))
+    """Every method's check at W=2 under --shard full (as `unison check --method all`; the ViT methods on a smaller
+    ViT: tests/helpers/every_method.py)."""
+    return check_every_method(2, steps=2, shard="full")
 
 
 @pytest.mark.slow
