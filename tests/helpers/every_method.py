@@ -2,8 +2,9 @@
 
 The ViT methods run on ``vit_nano_auto`` instead of their recipe's ``vit_tiny_auto``: the same ViT code and
 patching, 6 blocks of width 128 instead of 12 of 192. Exactness does not depend on the width or the depth, and
-in float64 the smaller ViT is 39 s instead of 90 s of a 2-worker FSDP check of the five ViT methods (2-core CPU).
-The recipes' own ViT is checked by `unison check --method all` in tests/distributed/cli/test_readme.py.
+the 2-worker FSDP check of the five ViT methods took 105-109 s of CPU instead of 225-229 s (2-core CPU, two
+alternating pairs). A recipe's own ViT is checked by the README's `unison check --method all`, which
+tests/distributed/cli/test_readme.py runs for SimCLR and MAE.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Every command of the README's "Using it" block is taken from README.md itself an
 fresh directory (with a copy of ``examples/``), with flags appended that make it small: a
 few steps on a tiny ImageFolder standing in for ``/data/cifar10/{train,val}``, 2 workers
 instead of 4, tiny subsets (the signals' held-back images too) and k. What is not a matter of size is kept as written; two
-commands are narrowed: ``check --method all`` runs one method (every method's check is in
-tests/distributed/equivalence/test_check.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measure for minutes).
+commands are narrowed: ``check --method all`` runs SimCLR and MAE, a CNN recipe and a ViT one, at their recipes'
+backbones (every method's check, the ViT methods on a smaller ViT: tests/distributed/parallel/test_fsdp.py and
+tests/distributed/equivalence/test_accumulation.py) and ``bench all`` is a ``--dry-run`` (the benchmarks measure
+for minutes).
 ``check --no-sync-batchnorm`` is expected to fail: the README says so.
 """
 
@@ -62,7 +64,7 @@ def small(argv: list[str]) -> tuple[list[str], int]:
     if sub == "check" and "--run" in argv:
         return [*argv, "--run-steps", "4", "--run-batch-size", "16"], 0
     if sub == "check":
-        argv = [a if a != "all" else "simclr" for a in argv]
+        argv = [a if a != "all" else "simclr,mae" for a in argv]
         return [*argv, "--steps", "2", "--local-batch", "4"], (1 if "--no-sync-batchnorm" in argv else 0)
     if sub == "eval":
         return [*argv, "--linear-epochs", "2", "--knn-k", "5"], 0
