@@ -5,7 +5,7 @@ norm (the ViT methods), in the same 2 micro-batches where it has (world-size inv
 methods run on a smaller ViT than their recipe's (tests/helpers/every_method.py)."""
 
 import pytest
-from helpers.every_method import check_every_method
+from helpers.every_method import VIT_METHODS, check_every_method
 
 from unison.methods import METHODS
 
@@ -25,5 +25,5 @@ def test_check_passes_with_exact_accumulation(method, accumulated_reports):
     assert report.spec.method == method and report.passed, report.summary()
     summary = report.summary()
     assert "grad_sync_every=2 accumulation=exact" in summary
-    batch_norm_backbone = method not in {"ibot", "ijepa", "lejepa", "mae", "mocov3"}   # the recipes' ViT methods
+    batch_norm_backbone = method not in VIT_METHODS   # the recipes' ViT methods
     assert ("same 2 micro-batches" if batch_norm_backbone else "ONE step on the whole batch of 16") in summary
