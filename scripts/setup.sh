@@ -15,7 +15,8 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
-# pip's own configuration (pip.conf, PIP_* variables) as uv's options: the same indexes, links and constraints
+# pip's own configuration (PIP_CONFIG: `pip config list`, i.e. pip.conf and PIP_* variables) as uv's options: the
+# same indexes, links and constraints
 uv_options() {
   local line key value
   while IFS= read -r line; do
@@ -24,7 +25,7 @@ uv_options() {
       index-url) echo "--index-url"; echo "$value" ;;
       extra-index-url|find-links|constraint) for v in $value; do echo "--$key"; echo "$v"; done ;;
     esac
-  done < <(.venv/bin/pip config list 2>/dev/null)
+  done <<< "$PIP_CONFIG"
 }
 INSTALL=()
 choose_installer() {   # INSTALL: uv where it can be had (pip installs it into .venv once), else pip
@@ -33,8 +34,9 @@ choose_installer() {   # INSTALL: uv where it can be had (pip installs it into .
   [ -x .venv/bin/uv ] || .venv/bin/pip install --disable-pip-version-check -q uv 2>&1 | shown || return 0
   [ -x .venv/bin/uv ] || return 0
   local from cert
+  PIP_CONFIG=$(.venv/bin/pip config list 2>/dev/null || true)   # read once: uv's options and the certificate
   mapfile -t from < <(uv_options)
-  cert=$(.venv/bin/pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | head -1)
+  cert=$(sed -n "s/^.*\.cert='\(.*\)'$/\1/p" <<< "$PIP_CONFIG" | head -1)
   [ -z "$cert" ] || export SSL_CERT_FILE="$cert"
   # unsafe-best-match: every index considered for every package, as pip does; bytecode compiled, as pip does
   INSTALL=(.venv/bin/uv pip install --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match
