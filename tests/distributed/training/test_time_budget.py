@@ -14,35 +14,33 @@ from unison.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-BUDGET_S = 30.0
+BUDGET_S = 120.0   # as the budget's clock counts it: the slow steps below cost no wall time
 TINY = ["--batch-size", "32", "--subset", "512", "--val-subset", "64", "--knn-k", "5", "--no-progress",
         "--signal-images", "0", "--no-online-probe", "--log-every", "1", "--world-size", "2"]
 
 
 def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch):
     """Rank 1's clock runs 50x fast: alone it would plan ~50x fewer steps (or none); rank 0 decides for both.
-    Every step sleeps 0.1 s that the measurement before the run did not see: the re-plan after the warm-up plans
-    fewer steps, and every rank trains them. After it every step sleeps 0.2 s more: the first late re-plan takes
-    fewer steps again, and the schedules go on from where they were to end at its last step. After the last late
-    check every step sleeps 0.5 s more: the clock, not the plan, ends the run. (0.2 s: on a loaded CI machine the
-    steps varied by 0.1 s between windows, and a late check that saw 0.1 s more planned one step more; with 0.3 s
-    the late re-plan left too few steps for the clock to end the run.)"""
-    budget_hooks.register(monkeypatch, "skew=50,slow=0.1,sleep=0.2,late=0.5")
+    The budget's clock sees every step 4x as long as it took (`budget_hooks`: added to the clock, not slept), which
+    the measurement before the run did not see: the re-plan after the warm-up plans fewer steps, and every rank
+    trains them. After it the steps take 3x longer again: the first late re-plan takes fewer steps again, and the
+    schedules go on from where they were to end at its last step. After the last late check they take 4x longer
+    again: the clock, not the plan, ends the run. (Factors of the real step time, so that a loaded machine, whose
+    steps varied by 2x between windows, cannot undo them: slept additions of 0.1 s once planned more steps.)"""
+    budget_hooks.register(monkeypatch, "skew=50,plan=4,replan=3,late=4")
     out = tmp_path / "run"
     assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
     ranks = [json.loads((out / f"budget-rank{r}.json").read_text()) for r in (0, 1)]
     plan = json.loads((out / "config.json").read_text())["time_budget_plan"]
-    assert plan["steps"] > 1 and "fit 30 s" in plan["why"] and plan["measured"]["step_s"] > 0
-    replanned = plan["replanned"]   # the steps were 0.1 s slower than measured: fewer of them fit
+    assert plan["steps"] > 1 and f"fit {BUDGET_S:g} s" in plan["why"] and plan["measured"]["step_s"] > 0
+    replanned = plan["replanned"]   # the steps were 4x slower than measured: fewer of them fit
     assert replanned["first_steps"] > plan["late"][0]["steps_before"]
-    # by at least half the 0.1 s slept: on a loaded CI the measurement before the run, sleeping nothing, was itself
-    # slowed (0.102 s against 0.180 s after it, which once failed a bound of 0.08)
-    assert replanned["step_s"] > plan["measured"]["step_s"] + 0.05
+    assert replanned["step_s"] > 1.5 * plan["measured"]["step_s"], plan
     assert f"re-planned after step {replanned['after_step']}" in (out / "train.log").read_text()
-    late = plan["late"][0]   # 0.2 s slower again: fewer steps, the schedules laid onto what was left of them
+    late = plan["late"][0]   # 3x slower again: fewer steps, the schedules laid onto what was left of them
     # (a later late check may plan a step more or less: what it sees is the load, not a change of step time)
     after_late = plan["late"][1]["steps_before"] if len(plan["late"]) > 1 else plan["steps"]
-    assert late["steps_before"] > after_late and late["step_s"] > replanned["step_s"] + 0.1, plan
+    assert late["steps_before"] > after_late and late["step_s"] > 1.5 * replanned["step_s"], plan
     assert plan["stretch"]["knots"][0][0] == late["after_step"] and plan["stretch"]["length"] == late["steps_before"]
     for r in ranks:   # one plan: the schedules of every rank end at its last step, and they stopped together
         assert r["plan_steps"] == r["total_steps"] == plan["steps"] and r["steps_total"] == plan["stretch"]["length"]
@@ -50,9 +48,10 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     used = json.loads((out / "summary.json").read_text())["extra"]["time_budget"]
     assert used["planned_steps"] == plan["steps"] and used["steps"] == ranks[0]["steps"]
     assert used["stopped_by_clock"] and used["steps"] < plan["steps"], used
-    # the end (kNN, checkpoint) was planned for: the run overruns by at most what one slow step and the load add
-    assert used["used_s"] <= BUDGET_S + 10, used
-    assert "time budget 30s: used" in (out / "train.log").read_text()
+    # the end (kNN, checkpoint) was planned for: the run overruns by at most the step that crossed the line, the
+    # one in flight while the ranks agreed to stop, and what the load adds
+    assert used["used_s"] <= BUDGET_S + 2 * max(r["longest_step_s"] for r in ranks) + 10, (used, ranks)
+    assert f"time budget {BUDGET_S:g}s: used" in (out / "train.log").read_text()
 
     # resumed: the plan is kept, not measured again, and only what is left of the budget is spent: none here,
     # so not a step more (the stop exchange would act after the first step's start-up and one more)
