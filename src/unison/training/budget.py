@@ -27,12 +27,14 @@ model build, the random-initialisation kNN, the measurement, training and the fi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
 import os
 import tempfile
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -46,7 +48,7 @@ from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
 from unison.training.hooks import StepEnd, TrainHook
 from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, PROBE_IMAGES, ProbeHook
-from unison.training.step import Run, accumulated_forward_backward, apply_plan, batches, grouped, optimizer_step
+from unison.training.step import Batch, Run, accumulated_forward_backward, apply_plan, batches, grouped, optimizer_step
 
 clock = time.perf_counter   # one clock for the whole module (the 2-rank test skews it on one rank)
 WARMUP_MEASURE_STEPS = 3     # not timed: compile, first allocations, loader start
@@ -190,26 +192,38 @@ def sync_device(run: Run) -> None:
 
 def measure_step_s(run: Run, budget_s: float) -> tuple[float, int]:
     """(seconds per steady step, steps timed): `WARMUP_MEASURE_STEPS` untimed steps, then timed ones until rank 0
-    says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps. A run capped
-    below that (``--max-steps``) warms up less and times what it has (its first step's cost included: an
-    over-estimate, so its plan stays within the budget)."""
-    warmup = min(WARMUP_MEASURE_STEPS, max(0, run.total_steps - TIMED_STEPS[0]))
-    steps = grouped(batches(run, 0), run.accumulate)   # closed on return: streamed data's loaders end with it
-    try:
-        return _timed_steps(run, steps, budget_s, warmup)
-    finally:
-        getattr(steps, "close", lambda: None)()
+    says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps. A run with fewer
+    steps than that (``--max-steps``) takes them again from step 0: it used to time its first steps, which compile
+    with ``--compile`` (a 2-step run timed 72 s steps on a loaded 2-core CPU and found no time left to train)."""
+    with contextlib.closing(_steps_round_again(run)) as steps:
+        return _timed_steps(run, steps, budget_s, WARMUP_MEASURE_STEPS)
 
 
-def _timed_steps(run: Run, steps: Any, budget_s: float, warmup: int) -> tuple[float, int]:
+def _steps_round_again(run: Run) -> Generator[list[Batch], None, None]:
+    """The run's optimiser steps from step 0, and again from step 0 when they run out; each pass's data closed
+    when it ends or the measurement does (streamed data's loaders end with it)."""
+    while True:
+        steps = grouped(batches(run, 0), run.accumulate)
+        taken = 0
+        try:
+            for step in steps:
+                taken += 1
+                yield step
+        finally:
+            steps.close()
+        if not taken:   # a run of no steps: nothing to time
+            return
+
+
+def _timed_steps(run: Run, steps: Iterator[list[Batch]], budget_s: float, warmup: int) -> tuple[float, int]:
     started = clock()
-    timed_from, timed, elapsed = started, 0, 0.0
+    timed_from, taken, timed, elapsed = started, 0, 0, 0.0
     for micro in steps:
         accumulated_forward_backward(run, micro)
         optimizer_step(run, micro[0].step)
-        done = micro[0].step + 1
-        if done <= warmup:
-            if done == warmup:
+        taken += 1
+        if taken <= warmup:
+            if taken == warmup:
                 sync_device(run)
                 timed_from = clock()
             continue
@@ -220,7 +234,7 @@ def _timed_steps(run: Run, steps: Any, budget_s: float, warmup: int) -> tuple[fl
             timed >= 2 and clock() - started >= MEASURE_SHARE * budget_s)
         if C.broadcast_object(enough if C.rank() == 0 else None):
             break
-    elapsed = C.broadcast_object(elapsed)   # a run shorter than the measurement: rank 0's time of all its steps
+    elapsed = C.broadcast_object(elapsed)
     return elapsed / max(1, timed), timed
 
 
@@ -299,7 +313,7 @@ def describe_plan(budget_s: float, costs: BudgetCosts, cadence: Cadence, cfg: An
     """The plan as ``config.json`` records it: the steps, the warm-up, the reserve for the end, and why."""
     steps = plan_steps(budget_s, costs, cadence, cfg.max_steps)
     final = final_s(costs, cadence)
-    why = (f"{steps} steps of {costs.step_s:.4g} s (timed over {timed} steps after at most {WARMUP_MEASURE_STEPS} warm-up "
+    why = (f"{steps} steps of {costs.step_s:.4g} s (timed over {timed} steps after {WARMUP_MEASURE_STEPS} warm-up "
            f"steps) fit {budget_s:g} s: {costs.spent_s:.1f} s spent before the plan (start-up, data, measurement), "
            f"{cadence.periodic_s(steps, costs):.1f} s for periodic checkpoints, kNN and signals, {final:.1f} s for "
            f"the final kNN, signals and checkpoint, {MARGIN_SHARE:.0%} margin"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -299,7 +299,7 @@ def steps(run: Run, start_step: int = 0) -> Iterator[list[Batch]]:
     return grouped(batches(run, start_step), run.accumulate)
 
 
-def grouped(micro_batches: Iterable[Batch], accumulate: int) -> Iterator[list[Batch]]:
+def grouped(micro_batches: Iterable[Batch], accumulate: int) -> Generator[list[Batch], None, None]:
     """`micro_batches` (in order) as the lists of one optimiser step each: exact accumulation needs them all."""
     micro: list[Batch] = []
     for batch in micro_batches:

@@ -2,6 +2,7 @@
 and measurement steps that leave no trace (a budgeted run trains from step 0 as a run of its planned length)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -156,13 +157,27 @@ def test_a_restarted_run_takes_its_plan_from_the_checkpoint(tmp_path, monkeypatc
         budget.adopt_plan(other)
 
 
-def test_a_run_capped_below_the_measurement_times_what_it_has(tmp_path, local_group):
-    """--max-steps 2 with a budget: both steps timed (no warm-up left), the plan is the cap."""
+def test_a_run_capped_below_the_measurement_does_not_time_its_first_steps(tmp_path, local_group, monkeypatch):
+    """--max-steps 2 with a budget: its steps come round again until the warm-up and the timed steps are done, so
+    the first steps, which compile with --compile (72 s each on a loaded CPU, and the plan found no time left to
+    train), are not timed; the plan is the cap."""
+    monkeypatch.setattr(budget, "TIMED_STEPS", (2, 3))
+    taken: list[int] = []
+    optimizer_step = budget.optimizer_step
+
+    def compiling_at_first(run, step):
+        taken.append(step)
+        if len(taken) <= budget.WARMUP_MEASURE_STEPS:
+            time.sleep(1.0)   # a compiling step
+        return optimizer_step(run, step)
+
+    monkeypatch.setattr(budget, "optimizer_step", compiling_at_first)
     cfg = _cfg(tmp_path, time_budget="1h", max_steps=2, method="simclr").validate()
     init_distributed(cfg.distributed)
     run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
     plan = plan_budget(run, BudgetClock(cfg.time_budget))
-    assert plan["steps"] == run.total_steps == 2 and "timed over 2 steps" in plan["why"]
+    assert plan["steps"] == run.total_steps == 2 and "timed over 3 steps after 3 warm-up steps" in plan["why"]
+    assert taken == [0, 1, 0, 1, 0, 1] and plan["measured"]["step_s"] < 0.5, plan
 
 
 def test_epochs_given_beside_a_budget_are_said_to_be_unused(tmp_path):
