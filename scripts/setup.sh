@@ -3,7 +3,8 @@
 # installer does (torch alone is minutes of download); a later one installs nothing unless pyproject.toml changed.
 #
 # The installer is uv (`uv pip install`, given the indexes pip is configured with): on a 2-core machine it installs
-# torch and the dependencies in 92 s where pip takes 214 s, bytecode compiled in both. Where uv cannot be had, pip.
+# torch and the dependencies in 92 s where pip takes 214 s, bytecode compiled in both. Where uv cannot be
+# had, or fails, pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # pip's own configuration (PIP_CONFIG: `pip config list`, i.e. pip.conf and PIP_* variables) as uv's options: the
-# same indexes, links and constraints
+# same indexes, links, constraints and trusted hosts (pip's proxy and certificate: `choose_installer`)
 uv_options() {
   local line key value
   while IFS= read -r line; do
@@ -24,30 +25,40 @@ uv_options() {
     case $key in
       index-url) echo "--index-url"; echo "$value" ;;
       extra-index-url|find-links|constraint) for v in $value; do echo "--$key"; echo "$v"; done ;;
+      trusted-host) for v in $value; do echo "--allow-insecure-host"; echo "$v"; done ;;
+      no-index) case $value in 1|true|yes|on) echo "--no-index" ;; esac ;;
     esac
   done <<< "$PIP_CONFIG"
 }
+pip_setting() { sed -n "s/^.*\.$1='\(.*\)'$/\1/p" <<< "$PIP_CONFIG" | head -1; }
 INSTALL=()
 choose_installer() {   # INSTALL: uv where it can be had (pip installs it into .venv once), else pip
   [ ${#INSTALL[@]} -gt 0 ] && return
   INSTALL=(.venv/bin/pip install --disable-pip-version-check)
   [ -x .venv/bin/uv ] || .venv/bin/pip install --disable-pip-version-check -q uv 2>&1 | shown || return 0
   [ -x .venv/bin/uv ] || return 0
-  local from cert
-  PIP_CONFIG=$(.venv/bin/pip config list 2>/dev/null || true)   # read once: uv's options and the certificate
+  local from cert proxy
+  PIP_CONFIG=$(.venv/bin/pip config list 2>/dev/null || true)   # read once: uv's options, certificate and proxy
   mapfile -t from < <(uv_options)
-  cert=$(sed -n "s/^.*\.cert='\(.*\)'$/\1/p" <<< "$PIP_CONFIG" | head -1)
+  cert=$(pip_setting cert); proxy=$(pip_setting proxy)
   [ -z "$cert" ] || export SSL_CERT_FILE="$cert"
+  [ -z "$proxy" ] || export HTTPS_PROXY="${HTTPS_PROXY:-$proxy}" HTTP_PROXY="${HTTP_PROXY:-$proxy}"
   # unsafe-best-match: every index considered for every package, as pip does; bytecode compiled, as pip does
   INSTALL=(.venv/bin/uv pip install --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match
            "${from[@]}")
 }
+install() {   # the chosen installer; where uv fails (a setting of pip's it does not take, say), pip after it
+  choose_installer
+  "${INSTALL[@]}" "$@" 2>&1 | shown && return 0
+  [ "${INSTALL[0]}" = .venv/bin/uv ] || return 1
+  say "uv could not install $* (its output is above): installing with pip instead"
+  INSTALL=(.venv/bin/pip install --disable-pip-version-check)
+  "${INSTALL[@]}" "$@" 2>&1 | shown
+}
 # torch/torchvision pinned to the versions this project is tested with (CPU or CUDA builds both work).
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   say "installing torch 2.14.1 and torchvision 0.29.1 (the first time: a few minutes, mostly download)"
-  choose_installer
-  "${INSTALL[@]}" torch==2.14.1 torchvision==0.29.1 2>&1 | shown \
-    || { say "installing torch failed: see the installer's output above"; exit 1; }
+  install torch==2.14.1 torchvision==0.29.1 || { say "installing torch failed: see the installer's output above"; exit 1; }
 fi
 # The editable install of this checkout and the dependencies of pyproject.toml: skipped when the stamp says it
 # was done for this pyproject.toml and this checkout, and unison still imports from here; a dependency added
@@ -60,9 +71,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && .venv/bin/python -c "$HERE" "$
 else
   rm -f "$STAMP"
   say "installing unison from $PWD and the dependencies of pyproject.toml"
-  choose_installer
-  "${INSTALL[@]}" -e '.[test]' 2>&1 | shown \
-    || { say "installing unison failed: see the installer's output above"; exit 1; }
+  install -e '.[test]' || { say "installing unison failed: see the installer's output above"; exit 1; }
 fi
 .venv/bin/python -c "import torch, torchvision, unison, pytest, xdist" || { say "failed: see the installer's output above"; exit 1; }
 echo "$WANT" > "$STAMP"

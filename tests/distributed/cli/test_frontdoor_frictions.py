@@ -132,14 +132,18 @@ case "$*" in *torch==*) touch "$FAKE_STATE/torch" ;; esac
 exit "${FAKE_PIP_EXIT:-0}"
 """
 FAKE_UV = """#!/bin/sh
-# a stand-in for uv, installed into .venv/bin by the fake pip: records its arguments as the fake pip does
+# a stand-in for uv, installed into .venv/bin by the fake pip: records its arguments as the fake pip does, and the
+# certificate and proxy it was given; fails when asked to (FAKE_UV_EXIT: a setting it does not take, say)
 echo "uv $*" >> "$FAKE_STATE/pip.log"
+echo "SSL_CERT_FILE=$SSL_CERT_FILE HTTPS_PROXY=$HTTPS_PROXY" > "$FAKE_STATE/uv.env"
 echo "Resolved something"
+[ -z "$FAKE_UV_EXIT" ] || exit "$FAKE_UV_EXIT"
 case "$*" in *torch==*) touch "$FAKE_STATE/torch" ;; esac
 exit "${FAKE_PIP_EXIT:-0}"
 """
 PIP_CONFIG = ("global.extra-index-url='file:///a/simple file:///b/simple'\n:env:.find-links='/wheels'\n"
-              "global.constraint='/etc/c.txt'\n:env:.cert='/etc/ca.crt'")
+              "global.constraint='/etc/c.txt'\n:env:.cert='/etc/ca.crt'\nglobal.trusted-host='a.example b.example'\n"
+              "global.proxy='http://proxy.example:3128'")
 
 
 def _checkout_with_a_fake_venv(tmp_path: Path) -> tuple[Path, Path]:
@@ -161,8 +165,9 @@ def _setup(repo: Path, state: Path, **env: str) -> tuple[int, str, list[str]]:
     """Run the copy's setup.sh: (exit code, what it printed, the installer commands it ran, 'pip ...' or 'uv ...')."""
     log = state / "pip.log"
     log.unlink(missing_ok=True)
+    ours = {k: v for k, v in os.environ.items() if k not in ("HTTPS_PROXY", "HTTP_PROXY", "SSL_CERT_FILE")}
     proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "FAKE_STATE": str(state), "FAKE_PIP_CONFIG": PIP_CONFIG, **env})
+                          env={**ours, "FAKE_STATE": str(state), "FAKE_PIP_CONFIG": PIP_CONFIG, **env})
     return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines() if log.exists() else []
 
 
@@ -179,8 +184,10 @@ def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp
     assert all(r.startswith(installer + " ") for r in installs), installs
     if installer == "uv":
         assert all("--compile-bytecode --index-strategy unsafe-best-match --extra-index-url file:///a/simple "
-                   "--extra-index-url file:///b/simple --find-links /wheels --constraint /etc/c.txt" in r
-                   for r in installs), installs
+                   "--extra-index-url file:///b/simple --find-links /wheels --constraint /etc/c.txt "
+                   "--allow-insecure-host a.example --allow-insecure-host b.example" in r for r in installs), installs
+        uv_env = (state / "uv.env").read_text().split()
+        assert uv_env == ["SSL_CERT_FILE=/etc/ca.crt", "HTTPS_PROXY=http://proxy.example:3128"], uv_env
     assert "setup: installing torch 2.14.1" in shown and "something" in shown   # not silent
     assert "setup: installing unison from" in shown
     code, shown, runs = _setup(repo, state, **no_uv)   # nothing changed: no installer at all
@@ -188,10 +195,25 @@ def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp
     with open(repo / "pyproject.toml", "a") as f:
         f.write("# a dependency added\n")
     code, shown, runs = _setup(repo, state, FAKE_PIP_EXIT="1", **no_uv)   # changed, and the install fails
-    assert code == 1 and "installing unison failed" in shown and runs[-1].startswith(installer), shown
+    assert code == 1 and "installing unison failed" in shown, shown
+    tried = [r.split()[0] for r in runs if not r.endswith(" uv")]
+    assert tried == (["uv", "pip"] if installer == "uv" else ["pip"]), runs   # where uv failed, pip tried too
     code, shown, runs = _setup(repo, state, **no_uv)   # so the next run installs again
     assert code == 0 and [r.split()[-1] for r in runs if not r.endswith(" uv")] == [".[test]"], shown
     assert _setup(repo, state, **no_uv)[2] == []
+
+
+def test_setup_installs_with_pip_where_uv_fails(tmp_path):
+    """uv installed but unable to install (a setting of pip's it does not take, an index it cannot reach): pip
+    installs what uv could not, and the rest of the setup, and says so in one line."""
+    repo, state = _checkout_with_a_fake_venv(tmp_path)
+    code, shown, runs = _setup(repo, state, FAKE_UV_EXIT="2")
+    assert code == 0, shown
+    assert [r.split()[0] + " " + r.split()[-1] for r in runs[1:]] == [
+        "uv torchvision==0.29.1", "pip torchvision==0.29.1", "pip .[test]"], runs
+    assert "setup: uv could not install torch==2.14.1 torchvision==0.29.1 (its output is above): installing with pip " \
+           "instead" in shown, shown
+    assert _setup(repo, state)[2] == []   # installed: nothing the next time
 
 
 # ------------------------------------------------------------------ the wheel
