@@ -20,6 +20,16 @@ from unison.training.resolve import validate_run
 VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
 
 
+@pytest.fixture
+def two_block_vit(monkeypatch):
+    """ViT nano with 2 blocks, not 6: the same code paths (blocks wrapped one by one), a third of the fake-tensor
+    dispatch, which made the every-method tests below the suite's longest file."""
+    from unison.models import vit
+
+    dim, _, heads = vit.VIT_SIZES["nano"]
+    monkeypatch.setitem(vit.VIT_SIZES, "nano", (dim, 2, heads))
+
+
 def _known(h) -> bool:
     return explain(h) is not None
 
@@ -39,7 +49,7 @@ def _unexpected(figures) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method):
+def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method, two_block_vit):
     figures = simulate(_cfg(method), warmup=False)
     assert figures.flops > 0 and figures.peak > 0
     assert not _unexpected(figures)
@@ -47,7 +57,7 @@ def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_shard_and_amp_makes_only_explained_host_syncs(method):
+def test_every_shard_and_amp_makes_only_explained_host_syncs(method, two_block_vit):
     """The step of every method under each --shard, with and without --amp bf16 (2 simulated ranks): each host
     sync it makes is one `unison.plan.syncs` explains (the matrix found ZeRO-1's reads of Adam's step counter).
     --shard full with bf16 is the 8-rank test's; the other crossings add no code path of their own (CI time)."""
