@@ -16,7 +16,6 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
@@ -34,6 +33,7 @@ from unison.errors import (
 from unison.training.runlog import append_run_log
 
 from .train_args import (
+    LazyEpilogParser,
     add_train_arguments,
     build_train_config,
     check_config_types,
@@ -185,24 +185,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """An `argparse.ArgumentParser` whose epilog may come from a function, called only when the help is shown: the
-    train epilog lists the registries, which import torch, and a typo's one-line error does not wait for that. Its
-    sub-commands' parsers are of this class too (argparse makes them of the parent's)."""
-
-    lazy_epilog: Callable[[], str] | None = None
-
-    def format_help(self) -> str:
-        if self.lazy_epilog is not None:
-            self.epilog, self.lazy_epilog = self.lazy_epilog(), None
-        return super().format_help()
-
-
 def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `unison` parser; with `command`, the other `SUBCOMMANDS` are listed but their modules not imported."""
     from unison.config.check import CheckSpec, CurveSpec  # not unison.equivalence: torch is not needed for --help
 
-    parser = _Parser(prog="unison", description=__doc__.splitlines()[0])
+    parser = LazyEpilogParser(prog="unison", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -214,7 +201,7 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
                                          "and a resume never overwrites checkpoints later than the one it starts\n"
                                          "from (pass a new --out to branch).",
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    cast(_Parser, p_train).lazy_epilog = train_epilog   # for --help only: the registries import torch
+    cast(LazyEpilogParser, p_train).lazy_epilog = train_epilog   # for --help only: the registries import torch
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
 

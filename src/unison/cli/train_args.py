@@ -12,6 +12,7 @@ import argparse
 import copy
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,19 @@ def check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
     bad = type_error(data, cls)
     if bad:
         raise ConfigError(f"{where}{bad[0]}={shown(bad[1])} must be {article(bad[2])} {bad[2]}")
+
+
+class LazyEpilogParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose epilog may come from a function, called only when the help is shown: the
+    train epilog lists the registries, which import torch, and a typo's one-line error does not wait for that. Its
+    sub-commands' parsers are of this class too (argparse makes them of the parent's)."""
+
+    lazy_epilog: Callable[[], str] | None = None
+
+    def format_help(self) -> str:
+        if self.lazy_epilog is not None:
+            self.epilog, self.lazy_epilog = self.lazy_epilog(), None
+        return super().format_help()
 
 
 def train_epilog(width: int = 100) -> str:
