@@ -425,6 +425,8 @@ def phase_accuracy(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     argv += ["--profile-steps", str(s["profile_steps"])]
     if args.device == "cuda":
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]   # speedrun: bf16, eager
+    if args.tiny:   # the GPU's preset runs eager; the CPU's compiles, a start-up (6-7 s here) the dry run need not pay
+        argv += ["--no-compile"]
     argv += shlex.split(args.accuracy_args)   # values to try against the preset's (the last of an option wins)
     summary, wall = run_train(argv, run_dir)   # a failure: cmd_phase records the worker's traceback
     used = summary.get("extra", {}).get("time_budget") or {}

@@ -49,7 +49,7 @@ else LIMITS="tests:100 throughput:240 plan:45 step:60"; fi
 phase() {   # phase NAME SECONDS: time-boxed; a phase killed before writing its record leaves a marker instead
   echo "== phase $1 (at most $2 s) =="
   timeout --kill-after=10 "$2" "$PY" benchmarks/gpu_proof.py phase "$1" --out "$WORK" --device "$DEVICE" $TINY \
-    --deadline "$DEADLINE" --accuracy-s "$ACCURACY_S" --accuracy-args "$ACCURACY_ARGS"
+    --deadline "$DEADLINE" --accuracy-s "$ACCURACY_S" --accuracy-args="$ACCURACY_ARGS"
   rc=$?
   if [ ! -f "$WORK/phase-$1.json" ] || grep -q '"status": "partial"' "$WORK/phase-$1.json"; then
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "timed out after $2 s" > "$WORK/phase-$1.status"

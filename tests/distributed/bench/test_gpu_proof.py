@@ -53,6 +53,7 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     assert 0 <= phases["accuracy"]["result"]["knn_top1"] <= 1
     trained = json.loads((tmp_path / "work/runs/accuracy/config.json").read_text())   # --accuracy-args won
     assert (trained["method_params"]["temperature"], trained["lr"]) == (0.3, 0.2), trained
+    assert not trained["compile"], trained   # eager, as the GPU's preset
     assert "## accuracy: ok" in (tmp_path / "out/proof.md").read_text()
 
 
