@@ -47,7 +47,7 @@ choose_installer() {   # INSTALL: uv where it can be had (pip installs it into .
   INSTALL=(.venv/bin/uv pip install --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match
            "${from[@]}")
 }
-install() {   # the chosen installer; where uv fails (a setting of pip's it does not take, say), pip after it
+install_packages() {   # the chosen installer; where uv fails (a pip setting it does not take, say), pip after it
   choose_installer
   "${INSTALL[@]}" "$@" 2>&1 | shown && return 0
   [ "${INSTALL[0]}" = .venv/bin/uv ] || return 1
@@ -58,7 +58,8 @@ install() {   # the chosen installer; where uv fails (a setting of pip's it does
 # torch/torchvision pinned to the versions this project is tested with (CPU or CUDA builds both work).
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   say "installing torch 2.14.1 and torchvision 0.29.1 (the first time: a few minutes, mostly download)"
-  install torch==2.14.1 torchvision==0.29.1 || { say "installing torch failed: see the installer's output above"; exit 1; }
+  install_packages torch==2.14.1 torchvision==0.29.1 \
+    || { say "installing torch failed: see the installer's output above"; exit 1; }
 fi
 # The editable install of this checkout and the dependencies of pyproject.toml: skipped when the stamp says it
 # was done for this pyproject.toml and this checkout, and unison still imports from here; a dependency added
@@ -71,7 +72,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && .venv/bin/python -c "$HERE" "$
 else
   rm -f "$STAMP"
   say "installing unison from $PWD and the dependencies of pyproject.toml"
-  install -e '.[test]' || { say "installing unison failed: see the installer's output above"; exit 1; }
+  install_packages -e '.[test]' \
+    || { say "installing unison failed: see the installer's output above"; exit 1; }
 fi
 .venv/bin/python -c "import torch, torchvision, unison, pytest, xdist" || { say "failed: see the installer's output above"; exit 1; }
 echo "$WANT" > "$STAMP"

@@ -234,7 +234,7 @@ def _timed_steps(run: Run, steps: Iterator[list[Batch]], budget_s: float, warmup
             timed >= 2 and clock() - started >= MEASURE_SHARE * budget_s)
         if C.broadcast_object(enough if C.rank() == 0 else None):
             break
-    elapsed = C.broadcast_object(elapsed)
+    elapsed = C.broadcast_object(elapsed)   # rank 0's: every rank returns the figure rank 0 plans with
     return elapsed / max(1, timed), timed
 
 
