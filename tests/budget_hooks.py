@@ -1,14 +1,14 @@
 """TESTING ONLY: a hook for the ``--time-budget`` tests (registered like `fault_injection`, by `register`).
 
 ``UNISON_TEST_BUDGET="skew=50,plan=4,replan=3,late=4"``: on rank 1, the budget's clock runs `skew` times fast
-(its own measurement would plan far fewer steps than rank 0's). On every rank the budget's clock then sees each
-step of the loop `plan` times as long as it really took (slower than the measurement before the run: the re-plan
-after the warm-up sees it, `unison.training.replan`), `replan` times longer again after that re-plan (a late
-re-plan sees it) and `late` times longer again after the last late check, so only the clock can end the run on
-time. The slowdowns are factors of the real step time, added to the clock rather than slept: a loaded machine that
-slows every step by up to 2x cannot undo them, and a slow step costs no wall time. Every rank writes what it trained
-to ``<out>/budget-rank<R>.json``: the planned steps, the method's schedule length, the steps taken and the longest
-step as the clock saw it.
+(its own measurement would plan far fewer steps than rank 0's). On rank 0, which decides, the budget's clock counts
+each step of the loop as `plan` times the step measured before the run, whatever it really took (slower than
+measured: the re-plan after the warm-up sees it, `unison.training.replan`), `replan` times that after the re-plan
+(a late re-plan sees it) and `late` times that after the last late check, so only the clock can end the run on
+time. The step times the clock sees are then set by the test, not by the machine's load, which once made a re-plan
+plan more steps, not fewer, and another run out of budget before its late check; a slow step costs no wall time.
+Every rank writes what it trained to ``<out>/budget-rank<R>.json``: the planned steps, the method's schedule
+length, the steps taken and the longest step as its clock counted it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ENV = "UNISON_TEST_BUDGET"
 
 
 class SlowClock:
-    """The budget's clock: real time (`skew` times fast) plus the slowdowns added so far."""
+    """The budget's clock: real time (`skew` times fast) plus what `BudgetProbe` added to the steps."""
 
     def __init__(self, skew: float) -> None:
         self.skew, self.started, self.added = skew, time.perf_counter(), 0.0
@@ -47,18 +47,18 @@ class BudgetProbe(TrainHook):
         self.step_started, self.longest_s = 0.0, 0.0
 
     def start(self, run: Run, step: int) -> None:
-        self.run, self.steps, self.step_started = run, step, time.perf_counter()
+        self.run, self.steps, self.step_started = run, step, self.clock()
 
     def after_step(self, run: Run, end: StepEnd) -> None:
         self.steps = end.step
         plan = run.cfg.time_budget_plan or {}
-        checked = "late" in plan and end.step > math.ceil(LATE_SHARES[-1] * plan["steps"])
-        plan_f, replan_f, late_f = self.factors
-        factor = plan_f * (replan_f if "replanned" in plan else 1.0) * (late_f if checked else 1.0)
-        now = time.perf_counter()
-        real_s, self.step_started = now - self.step_started, now
-        self.clock.added += (factor - 1.0) * real_s * self.clock.skew
-        self.longest_s = max(self.longest_s, factor * real_s * self.clock.skew)
+        if self.rank == 0 and "measured" in plan:   # the step as long as the test says (never shorter than it was)
+            checked = "late" in plan and end.step > math.ceil(LATE_SHARES[-1] * plan["steps"])
+            plan_f, replan_f, late_f = self.factors
+            factor = plan_f * (replan_f if "replanned" in plan else 1.0) * (late_f if checked else 1.0)
+            self.clock.added += max(0.0, factor * plan["measured"]["step_s"] - (self.clock() - self.step_started))
+        now = self.clock()
+        self.longest_s, self.step_started = max(self.longest_s, now - self.step_started), now
 
     def close(self) -> None:
         assert self.run is not None

@@ -14,19 +14,20 @@ from unison.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-BUDGET_S = 120.0   # as the budget's clock counts it: the slow steps below cost no wall time
+BUDGET_S = 120.0   # as rank 0's budget clock counts it: the slow steps below cost no wall time
 TINY = ["--batch-size", "32", "--subset", "512", "--val-subset", "64", "--knn-k", "5", "--no-progress",
         "--signal-images", "0", "--no-online-probe", "--log-every", "1", "--world-size", "2"]
 
 
 def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch):
     """Rank 1's clock runs 50x fast: alone it would plan ~50x fewer steps (or none); rank 0 decides for both.
-    The budget's clock sees every step 4x as long as it took (`budget_hooks`: added to the clock, not slept), which
-    the measurement before the run did not see: the re-plan after the warm-up plans fewer steps, and every rank
-    trains them. After it the steps take 3x longer again: the first late re-plan takes fewer steps again, and the
-    schedules go on from where they were to end at its last step. After the last late check they take 4x longer
-    again: the clock, not the plan, ends the run. (Factors of the real step time, so that a loaded machine, whose
-    steps varied by 2x between windows, cannot undo them: slept additions of 0.1 s once planned more steps.)"""
+    Rank 0's budget clock counts every step as 4x the step measured before the run (`budget_hooks`: set by the
+    test, whatever the step really took, so the machine's load cannot move the plans): the re-plan after the
+    warm-up plans fewer steps, and every rank trains them. After it the steps take 3x longer again: the first late
+    re-plan takes fewer steps again, and the schedules go on from where they were to end at its last step. After
+    the last late check they take 4x longer again: the clock, not the plan, ends the run. (Real sleeps, and then
+    slowdowns in proportion to the real step, were undone by the load: a re-plan planned more steps, not fewer,
+    and a run slower than its re-plan ran out of budget before its late check.)"""
     budget_hooks.register(monkeypatch, "skew=50,plan=4,replan=3,late=4")
     out = tmp_path / "run"
     assert main(["train", *TINY, "--time-budget", f"{BUDGET_S:g}s", "--out", str(out)]) == 0
@@ -50,7 +51,7 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     assert used["stopped_by_clock"] and used["steps"] < plan["steps"], used
     # the end (kNN, checkpoint) was planned for: the run overruns by at most the step that crossed the line, the
     # one in flight while the ranks agreed to stop, and what the load adds
-    assert used["used_s"] <= BUDGET_S + 2 * max(r["longest_step_s"] for r in ranks) + 10, (used, ranks)
+    assert used["used_s"] <= BUDGET_S + 2 * ranks[0]["longest_step_s"] + 10, (used, ranks)   # rank 0's clock
     assert f"time budget {BUDGET_S:g}s: used" in (out / "train.log").read_text()
 
     # resumed: the plan is kept, not measured again, and only what is left of the budget is spent: none here,
