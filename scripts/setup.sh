@@ -31,11 +31,12 @@ uv_options() {
   done <<< "$PIP_CONFIG"
 }
 pip_setting() { sed -n "s/^.*\.$1='\(.*\)'$/\1/p" <<< "$PIP_CONFIG" | head -1; }
+PIP_INSTALL=(.venv/bin/pip install --disable-pip-version-check)
 INSTALL=()
 choose_installer() {   # INSTALL: uv where it can be had (pip installs it into .venv once), else pip
   [ ${#INSTALL[@]} -gt 0 ] && return
-  INSTALL=(.venv/bin/pip install --disable-pip-version-check)
-  [ -x .venv/bin/uv ] || .venv/bin/pip install --disable-pip-version-check -q uv 2>&1 | shown || return 0
+  INSTALL=("${PIP_INSTALL[@]}")
+  [ -x .venv/bin/uv ] || "${PIP_INSTALL[@]}" -q uv 2>&1 | shown || return 0
   [ -x .venv/bin/uv ] || return 0
   local from cert proxy
   PIP_CONFIG=$(.venv/bin/pip config list 2>/dev/null || true)   # read once: uv's options, certificate and proxy
@@ -52,7 +53,7 @@ install_packages() {   # the chosen installer; where uv fails (a pip setting it 
   "${INSTALL[@]}" "$@" 2>&1 | shown && return 0
   [ "${INSTALL[0]}" = .venv/bin/uv ] || return 1
   say "uv could not install $* (its output is above): installing with pip instead"
-  INSTALL=(.venv/bin/pip install --disable-pip-version-check)
+  INSTALL=("${PIP_INSTALL[@]}")
   "${INSTALL[@]}" "$@" 2>&1 | shown
 }
 # torch/torchvision pinned to the versions this project is tested with (CPU or CUDA builds both work).
