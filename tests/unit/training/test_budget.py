@@ -163,13 +163,13 @@ def test_a_run_capped_below_the_measurement_does_not_time_its_first_steps(tmp_pa
     train), are not timed; the plan is the cap."""
     monkeypatch.setattr(budget, "TIMED_STEPS", (2, 3))
     taken: list[int] = []
-    optimizer_step = budget.optimizer_step
+    real_step = budget.optimizer_step
 
     def compiling_at_first(run, step):
         taken.append(step)
         if len(taken) <= budget.WARMUP_MEASURE_STEPS:
             time.sleep(1.0)   # a compiling step
-        return optimizer_step(run, step)
+        return real_step(run, step)
 
     monkeypatch.setattr(budget, "optimizer_step", compiling_at_first)
     cfg = _cfg(tmp_path, time_budget="1h", max_steps=2, method="simclr").validate()
