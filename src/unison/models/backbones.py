@@ -17,7 +17,7 @@ images [B, 3, H, W] to features [B, feature_dim] (no classifier).
   stem whatever the size. `resolve_backbone` gives the pinned name a run used (recorded in the
   checkpoint, so `unison export` / `unison eval` rebuild the same stem). The export loads into
   torchvision as is (ImageNet stem) or after the same stem surgery (CIFAR stem), ``fc.*`` missing.
-* ``vit_nano|tiny|small|base`` with 16 px patches, ``..._p8`` (8 px patches, 64 px images), ``..._p4``
+* ``vit_micro|nano|tiny|small|base`` with 16 px patches, ``..._p8`` (8 px patches, 64 px images), ``..._p4``
   (4 px patches, 32 px images) and ``..._p2`` (2 px patches, 16 px images): Vision Transformers with
   token-level access for the masked-image methods (`unison.models.vit`); ``..._auto`` takes the patch
   size from the image size (at least 8 x 8 patches: 2 px at 16 px, 4 at 32, 8 at 64, 16 at 224), pinned

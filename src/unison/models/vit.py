@@ -27,8 +27,9 @@ Why timm (a dependency, ``timm>=1.0``): its ``Block`` (fused attention through
 implementations that MAE, DINOv2, I-JEPA and MoCo v3 build on; only the token-level
 forward above is written here.
 
-Sizes (`VIT_SIZES`; embedding dim / depth / heads): ``nano`` 128/6/4 (1.2 M parameters, for
-CPU runs), ``tiny`` 192/12/3, ``small`` 384/12/6, ``base`` 768/12/12, ``large`` 1024/24/16 (DeiT / ViT).
+Sizes (`VIT_SIZES`; embedding dim / depth / heads): ``micro`` 128/2/4 (0.4 M parameters: smoke runs and
+exactness checks, whose code paths do not depend on the depth), ``nano`` 128/6/4 (1.2 M, for CPU runs),
+``tiny`` 192/12/3, ``small`` 384/12/6, ``base`` 768/12/12, ``large`` 1024/24/16 (DeiT / ViT).
 Backbone names (`VIT_BACKBONES`): ``vit_<size>`` has 16 px patches on 224 px images;
 ``vit_<size>_p8`` 8 px patches on 64 px images; ``vit_<size>_p4`` 4 px patches on 32 px images
 (CIFAR: 8 x 8 patches); ``vit_<size>_p2`` 2 px patches on 16 px images (the embedded digits: 8 x 8
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 from unison.errors import ConfigError
 
 VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
+    "micro": (128, 2, 4),
     "nano": (128, 6, 4),
     "tiny": (192, 12, 3),
     "small": (384, 12, 6),

@@ -69,8 +69,8 @@ def test_check_passes_on_streamed_images_of_many_sizes_and_modes(tmp_path, capsy
     assert "PASS" in out and "streamed at 16 px" in out and "dtype=float64" in out
 
 
-@pytest.mark.parametrize("shard, teacher, loss", [("none", None, "kl"), ("full", "vit_nano_p2", "kl"),
-                                                 ("none", None, "dino"), ("full", "vit_nano_p2", "dino")])
+@pytest.mark.parametrize("shard, teacher, loss", [("none", None, "kl"), ("full", "vit_micro_p2", "kl"),
+                                                 ("none", None, "dino"), ("full", "vit_micro_p2", "dino")])
 def test_distill_check_passes_under_ddp_and_full_sharding(shard, teacher, loss):
     """`unison check --method distill` (its seeded random-init teacher; under --shard full a ViT teacher of another
     architecture than the student, sharded block by block; loss=dino: through the teacher's DINO head, sharded as

@@ -3,7 +3,7 @@
 One 2-process launch runs, for MAE, iBOT (centring and Sinkhorn), I-JEPA, LeJEPA and MoCo v3,
 `unison.equivalence.record_steps` — the production step of `unison train` (method, DDP, the
 recipe's AdamW and schedule, float64) on DIFFERENT data per rank, a tiny ViT
-(``vit_nano_p4`` on 16 px images: 16 patches) and 3 steps, so masks, EMA teachers, centres
+(``vit_micro_p4``, 2 blocks, on 16 px images: 16 patches) and 3 steps, so masks, EMA teachers, centres
 and step-dependent SIGReg directions are exercised. The references run in one process.
 
 The same launch checks, below the method level:
@@ -59,7 +59,7 @@ def _specs(world: int) -> dict[str, dict]:
     out = {}
     for key, (method, params) in CASES.items():
         d = dataclasses.asdict(CheckSpec(method=method, world_size=WORLD, steps=STEPS, local_batch=LOCAL_BATCH,
-                                         image_size=16, backbone="vit_nano_p4", method_params=params))
+                                         image_size=16, backbone="vit_micro_p4", method_params=params))
         if world == 1:
             d.update(world_size=1, local_batch=LOCAL_BATCH * WORLD)
         out[key] = d

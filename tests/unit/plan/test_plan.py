@@ -18,25 +18,20 @@ from unison.plan.syncs import explain
 from unison.training.resolve import validate_run
 
 VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
-
-
-@pytest.fixture
-def two_block_vit(monkeypatch):
-    """ViT nano with 2 blocks, not 6: the same code paths (blocks wrapped one by one), a third of the fake-tensor
-    dispatch, which made the every-method tests below the suite's longest file."""
-    from unison.models import vit
-
-    dim, _, heads = vit.VIT_SIZES["nano"]
-    monkeypatch.setitem(vit.VIT_SIZES, "nano", (dim, 2, heads))
+# The every-method tests' ViT: 2 blocks, not nano's 6: the same code paths (blocks wrapped one by one), a third of the
+# fake-tensor dispatch, which made them the suite's longest file.
+SMALL_VIT = "vit_micro_p4"
 
 
 def _known(h) -> bool:
     return explain(h) is not None
 
 
-def _cfg(method: str, shard: str = "full", amp: str = "bf16", world: int = 8, local: int = 2) -> TrainConfig:
-    vit = method in VIT_ONLY   # I-JEPA needs room for its context block: 8 x 8 patches
-    cfg = TrainConfig(method=method, data="synthetic", backbone="vit_nano_p4" if vit else "small_cnn",
+def _cfg(method: str, shard: str = "full", amp: str = "bf16", world: int = 8, local: int = 2,
+         vit: str = "vit_nano_p4") -> TrainConfig:
+    """`method`'s run on `world` simulated GPUs; the methods that need patch tokens on ViT `vit`, I-JEPA at 32 px
+    (room for its context block: 8 x 8 patches)."""
+    cfg = TrainConfig(method=method, data="synthetic", backbone=vit if method in VIT_ONLY else "small_cnn",
                       batch_size=local * world, image_size=32 if method == "ijepa" else 16, amp=amp, progress=False,
                       teacher="random" if method == "distill" else None,
                       distributed=DistributedConfig(backend="nccl", world_size=world, shard=shard))
@@ -49,21 +44,21 @@ def _unexpected(figures) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method, two_block_vit):
-    figures = simulate(_cfg(method), warmup=False)
+def test_every_method_runs_on_8_simulated_ranks_with_bf16_and_fsdp(method):
+    figures = simulate(_cfg(method, vit=SMALL_VIT), warmup=False)
     assert figures.flops > 0 and figures.peak > 0
     assert not _unexpected(figures)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_shard_and_amp_makes_only_explained_host_syncs(method, two_block_vit):
+def test_every_shard_and_amp_makes_only_explained_host_syncs(method):
     """The step of every method under each --shard, with and without --amp bf16 (2 simulated ranks): each host
     sync it makes is one `unison.plan.syncs` explains (the matrix found ZeRO-1's reads of Adam's step counter).
     --shard full with bf16 is the 8-rank test's; the other crossings add no code path of their own (CI time)."""
     found = {}
     for shard, amp in (("none", "bf16"), ("optimizer", "none"), ("optimizer", "bf16"), ("full", "none")):
-        syncs = step_host_syncs(_cfg(method, shard, amp, world=2, local=1))
+        syncs = step_host_syncs(_cfg(method, shard, amp, world=2, local=1, vit=SMALL_VIT))
         assert any(h.where.startswith("src/unison/training/step.py") for h in syncs)   # isfinite(loss): seen
         found.update({str(h): (shard, amp) for h in syncs if not _known(h)})
     assert not found, found
