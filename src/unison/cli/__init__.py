@@ -59,15 +59,16 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (   # (name, module, one-line he
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from unison.api import train
-    from unison.distributed.env import detect_launch_env
-    from unison.training.checkpoint import latest_checkpoint
+    # no torch until the options are checked: a mistyped one is refused at once
+    from unison.distributed.launch_env import detect_launch_env
 
     if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
         from unison.config import TrainConfig
 
         check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
     if getattr(ns, "resume", None) == "auto":  # --resume auto: continue the run in --out if it has a checkpoint
+        from unison.training.checkpoint import latest_checkpoint
+
         ns.resume = None
         out = build_train_config(ns, validate=False).out   # unchecked here: the build below checks every value
         try:
@@ -78,6 +79,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if launch_env is not None:   # before anything slow: every rank refuses it at once
         _check_world_size(ns, launch_env)
     cfg = build_train_config(ns)
+    from unison.api import train
+    from unison.training.checkpoint import latest_checkpoint
+
     if cfg.resume == "auto":  # `resume: auto` in a YAML file: the file's options stand, weights come from --out
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
     started = time.perf_counter()
@@ -352,7 +356,7 @@ def _to_devnull(stream: TextIO) -> None:
 
 
 def _launched_worker() -> bool:
-    from unison.distributed.env import detect_launch_env
+    from unison.distributed.launch_env import detect_launch_env
 
     try:
         return detect_launch_env() is not None
@@ -386,9 +390,11 @@ def _run(ns: argparse.Namespace) -> int:
 
 def _exit_code(exc: BaseException) -> int | None:
     """The exit code of a failure the user can act on (`unison.errors`); None for a bug."""
-    from unison.distributed.launch import is_comm_error
     from unison.errors import exit_code_of
 
-    if "RANK" in os.environ and isinstance(exc, RuntimeError) and is_comm_error(f"{type(exc).__name__} {exc}"):
-        return 1  # under torchrun/srun: this worker lost a peer, whose own failure is the root cause
+    if "RANK" in os.environ and isinstance(exc, RuntimeError):
+        from unison.distributed.launch import is_comm_error  # torch: only for a worker's own failure
+
+        if is_comm_error(f"{type(exc).__name__} {exc}"):
+            return 1  # under torchrun/srun: this worker lost a peer, whose own failure is the root cause
     return exit_code_of(exc)

@@ -120,6 +120,7 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
         cfg.resume = resume
     if not validate:
         return cfg
+    cfg.validate(cuda_available)   # the fields first, without torch: a mistyped value is refused in a fraction of a second
     from unison.training.resolve import validate_run  # the registries below import torch: not for --help
 
     return validate_run(cfg, cuda_available)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.budget import check_plan, duration_with_units, parse_duration
-from unison.config.distributed import DistributedConfig
+from unison.config.distributed import DistributedConfig, cuda_found
 from unison.config.extras import install_command
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
@@ -393,8 +393,4 @@ class TrainConfig:
 
 def _cuda(cuda_available: bool | None) -> bool:
     """`cuda_available` as given (tests), else whether this machine has a CUDA device (the workers' device)."""
-    if cuda_available is None:
-        import torch
-
-        return torch.cuda.is_available()
-    return cuda_available
+    return cuda_found() if cuda_available is None else cuda_available

@@ -26,13 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from unison.config.distributed import GPU_DEVICE_NODES
+
 from .signals import stop_signals_blocked
 
 # This process's threads when `fork_from_here` was called; None: not called (or no /proc), never forked from here.
 _THREADS_AT_START: frozenset[str] | None = None
-# Device nodes of a GPU that torch could use (NVIDIA's, AMD's ROCm): where one exists, workers never fork from a
-# process that may have touched it.
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
 
 
 def _threads() -> frozenset[str] | None:
@@ -64,8 +63,8 @@ def _forkable() -> bool:
     untouched, no GPU device."""
     if not (sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()):
         return False
-    if any(Path(node).exists() for node in GPU_DEVICE_NODES):
-        return False
+    if any(Path(node).exists() for node in GPU_DEVICE_NODES):   # workers never fork from a process that may have
+        return False                                             # touched a GPU
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return False

@@ -22,6 +22,7 @@ import pytest
 
 from unison.cli import main
 from unison.cli.train_args import parse_train_args
+from unison.config.distributed import GPU_DEVICE_NODES
 
 TINY = ["--no-progress", "--batch-size", "32", "--subset", "128", "--val-subset", "32", "--knn-k", "5"]
 
@@ -256,14 +257,22 @@ def test_16_train_log_records_an_error_of_a_started_run(tmp_path, capsys):
 def test_help_version_and_a_mistyped_option_import_no_torch():
     """`unison --help` and `--version` list every subcommand without importing torch (seconds): only the
     subcommand being run is imported, the version reads no torch module, and train's epilog (the registries) is
-    made only for ``train --help``, so a mistyped option's error comes at once (0.6 s, not 2.6 s)."""
+    made only for ``train --help``, so a mistyped option's error comes at once (0.3 s, not 2.6 s). So does a value
+    out of its range, where no GPU device node says that torch must be asked whether CUDA is there."""
     probe = ("import sys\nfrom unison.cli import main\n"
-             "for argv in (['--help'], ['--version'], ['train', '--batch-size', 'x']):\n"
+             "for argv in (['--help'], ['--version'], ['train', '--batch-size', 'x'], None,\n"
+             "             ['train', '--epochs', '-1'], ['train', '--world-size', '2', '--batch-size', '3']):\n"
+             "    if argv is None:\n        print('torch' in sys.modules, file=sys.stderr)\n        continue\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
              "print('torch' in sys.modules, file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr
+    *_, before, epochs, batch, after = proc.stderr.strip().splitlines()
+    assert before == "False", proc.stderr
+    assert epochs == "unison: error: epochs=-1 must be an integer >= 1 and <= 1000000000", proc.stderr
+    assert batch.startswith("unison: error: batch_size=3 (global) cannot be split evenly over world_size=2"), batch
+    gpu_node = any(os.path.exists(node) for node in GPU_DEVICE_NODES)
+    assert after == str(gpu_node), proc.stderr   # no GPU device node: torch not asked, not imported
     for name in ("train", "plan", "check", "eval", "embed", "export", "plot", "bench"):
         assert name in proc.stdout
     assert "unison train: error: argument --batch-size: invalid int value: 'x'" in proc.stderr, proc.stderr

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unison.distributed.start import GPU_DEVICE_NODES
+from unison.config.distributed import GPU_DEVICE_NODES
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}

@@ -35,7 +35,10 @@ def test_the_methods_guide_names_each_methods_recipe_as_config_json_records_it(t
 @pytest.fixture
 def gpus(monkeypatch):
     """Simulate a machine with n visible CUDA devices (0: none) for what the configuration and the launch read."""
+    from unison.config import distributed
+
     def visible(n: int) -> None:
+        monkeypatch.setattr(distributed, "GPU_DEVICE_NODES", ("/dev/null",))   # a node exists: torch is asked
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
     return visible

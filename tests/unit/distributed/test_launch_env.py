@@ -7,11 +7,13 @@ mpirun and the two-host torchrun in tests/distributed/cluster/.
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 
 from unison.config.distributed import DistributedConfig
 from unison.distributed import env as E
+from unison.distributed import launch_env as L
 from unison.distributed import network as N
 from unison.errors import ConfigError
 
@@ -27,7 +29,7 @@ def _applied(environ: dict[str, str], **cfg) -> DistributedConfig:
 
 def test_mpirun_on_one_node_needs_no_master_variables():
     cfg = _applied(OMPI)
-    low, high = E.MPI_PORT_RANGE
+    low, high = L.MPI_PORT_RANGE
     assert (cfg.rank, cfg.world_size, cfg.master_addr) == (1, 2, "127.0.0.1")
     assert low <= cfg.master_port <= high
     assert _applied({**OMPI, "OMPI_COMM_WORLD_RANK": "0"}).master_port == cfg.master_port   # every rank agrees
@@ -38,7 +40,7 @@ def test_mpirun_on_one_node_needs_no_master_variables():
 def test_open_mpi_5_and_pmix_name_the_job_by_namespace():
     environ = {k: v for k, v in OMPI.items() if k != "OMPI_MCA_ess_base_jobid"}
     ours = _applied({**environ, "PMIX_NAMESPACE": "prterun-node1-4242@1"}).master_port
-    assert ours == E.MPI_PORT_RANGE[0] + E.zlib.crc32(b"prterun-node1-4242@1") % 10000
+    assert ours == L.MPI_PORT_RANGE[0] + zlib.crc32(b"prterun-node1-4242@1") % 10000
     assert _applied({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "2", "PMIX_NAMESPACE": "j"}).master_port
 
 
