@@ -41,11 +41,16 @@ CPU_WORLD_SIZE = 2  # the default workers without a GPU: the smallest world that
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
+def gpu_device_node_found() -> bool:
+    """Whether one of `GPU_DEVICE_NODES` exists: a GPU torch could use may be here."""
+    return any(os.path.exists(node) for node in GPU_DEVICE_NODES)
+
+
 def cuda_found() -> bool:
     """Whether torch sees a CUDA device here. Where no GPU device node exists (Linux) it cannot, and torch is not
     imported to ask: the options of ``unison train`` are then checked, and a mistyped one refused, in a fraction
     of a second instead of torch's 2 s import."""
-    if sys.platform.startswith("linux") and not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+    if sys.platform.startswith("linux") and not gpu_device_node_found():
         return False
     import torch
 

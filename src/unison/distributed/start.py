@@ -23,10 +23,9 @@ import multiprocessing as mp
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from unison.config.distributed import GPU_DEVICE_NODES
+from unison.config.distributed import gpu_device_node_found
 
 from .signals import stop_signals_blocked
 
@@ -63,8 +62,8 @@ def _forkable() -> bool:
     untouched, no GPU device."""
     if not (sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()):
         return False
-    if any(Path(node).exists() for node in GPU_DEVICE_NODES):   # workers never fork from a process that may have
-        return False                                             # touched a GPU
+    if gpu_device_node_found():   # workers never fork from a process that may have touched a GPU
+        return False
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return False

@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from unison.config.distributed import GPU_DEVICE_NODES
+from unison.config.distributed import gpu_device_node_found
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-NO_GPU = not any(Path(node).exists() for node in GPU_DEVICE_NODES)   # a GPU machine: the fork server, always
+NO_GPU = not gpu_device_node_found()   # a GPU machine: the fork server, always
 
 _RULE = """
 import os, torch
