@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -215,7 +215,7 @@ def record_each(spec_dicts: list[dict[str, Any]], record: Callable[[dict[str, An
     return [record(spec_dict) for spec_dict in spec_dicts]
 
 
-def check_methods(given: str, known: dict[str, Any]) -> list[str]:
+def check_methods(given: str, known: Mapping[str, Any]) -> list[str]:
     """``unison check --method``: one method, a comma-separated list, or 'all'; an unknown name in one line."""
     from unison.config.fields import did_you_mean
     from unison.errors import ConfigError

@@ -1,21 +1,39 @@
-"""Losses: one `nn.Module` per method, each docstring stating its formula and distributed semantics."""
+"""Losses: one `nn.Module` per method, each docstring stating its formula and distributed semantics.
+
+A loss's module is imported when the loss is first named (``from unison.losses import NTXentLoss``): a run
+imports the losses of the one method it trains.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from ._precision import keep_losses_eager
-from .barlowtwins import BarlowTwinsLoss
-from .byol import BYOLLoss
-from .dino import DINOLoss
-from .ibot import IBOTLoss
-from .ijepa import IJEPALoss
-from .koleo import KoLeoLoss
-from .lejepa import LeJEPALoss, SIGRegLoss, sigreg_directions
-from .mae import MAELoss, patchify
-from .moco import MoCoLoss
-from .mocov3 import MoCoV3Loss
-from .ntxent import NTXentLoss
-from .simsiam import SimSiamLoss
-from .swav import SwAVLoss, sinkhorn
-from .vicreg import VICRegLoss
 
-__all__ = ["BYOLLoss", "BarlowTwinsLoss", "DINOLoss", "IBOTLoss", "IJEPALoss", "KoLeoLoss", "LeJEPALoss", "MAELoss",
-           "MoCoLoss", "MoCoV3Loss", "NTXentLoss", "SIGRegLoss", "SimSiamLoss", "SwAVLoss", "VICRegLoss",
-           "keep_losses_eager", "patchify", "sigreg_directions", "sinkhorn"]
+# exported name -> module of this package
+_EXPORTS: dict[str, str] = {
+    "BarlowTwinsLoss": "barlowtwins",
+    "BYOLLoss": "byol",
+    "DINOLoss": "dino",
+    "IBOTLoss": "ibot",
+    "IJEPALoss": "ijepa",
+    "KoLeoLoss": "koleo",
+    "LeJEPALoss": "lejepa", "SIGRegLoss": "lejepa", "sigreg_directions": "lejepa",
+    "MAELoss": "mae", "patchify": "mae",
+    "MoCoLoss": "moco",
+    "MoCoV3Loss": "mocov3",
+    "NTXentLoss": "ntxent",
+    "SimSiamLoss": "simsiam",
+    "SwAVLoss": "swav", "sinkhorn": "swav",
+    "VICRegLoss": "vicreg",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = ["keep_losses_eager", *sorted(_EXPORTS)]

@@ -1,52 +1,78 @@
-"""Self-supervised methods. Each is a small module; `METHODS` maps CLI names to classes."""
+"""Self-supervised methods. Each is a small module; `METHODS` maps CLI names to classes.
+
+`METHODS` imports a method's module when the method is first looked up, not before: a run imports the one method
+it trains, and listing the names (``sorted(METHODS)``, ``name in METHODS``) imports none. Adding a method means
+one line in `_MODULES`, one method module and one loss module.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 from unison.errors import ConfigError
 
-from .barlowtwins import BarlowTwins, BarlowTwinsParams
 from .base import Recipe, SampleKeys, SSLMethod
-from .byol import BYOL, BYOLParams
-from .dino import DINO, DINOParams
-from .distill import Distill, DistillParams
-from .ibot import IBOT, IBOTParams
-from .ijepa import IJEPA, IJEPAParams
-from .lejepa import LeJEPA, LeJEPAParams
-from .mae import MAE, MAEParams
-from .moco import MoCo, MoCoParams
-from .mocov3 import MoCoV3, MoCoV3Params
-from .simclr import SimCLR, SimCLRParams
-from .simsiam import SimSiam, SimSiamParams
-from .swav import SwAV, SwAVParams
-from .teacher import MomentumTeacher
-from .vicreg import VICReg, VICRegParams
 
-METHODS: dict[str, type[SSLMethod]] = {
-    "simclr": SimCLR,
-    "moco": MoCo,
-    "byol": BYOL,
-    "simsiam": SimSiam,
-    "barlowtwins": BarlowTwins,
-    "swav": SwAV,
-    "vicreg": VICReg,
-    "dino": DINO,
-    "mae": MAE,
-    "ibot": IBOT,
-    "ijepa": IJEPA,
-    "lejepa": LeJEPA,
-    "mocov3": MoCoV3,
-    "distill": Distill,
+# CLI name -> (module of this package, method class); the Params class is the method's `Params`
+_MODULES: dict[str, tuple[str, str]] = {
+    "simclr": ("simclr", "SimCLR"),
+    "moco": ("moco", "MoCo"),
+    "byol": ("byol", "BYOL"),
+    "simsiam": ("simsiam", "SimSiam"),
+    "barlowtwins": ("barlowtwins", "BarlowTwins"),
+    "swav": ("swav", "SwAV"),
+    "vicreg": ("vicreg", "VICReg"),
+    "dino": ("dino", "DINO"),
+    "mae": ("mae", "MAE"),
+    "ibot": ("ibot", "IBOT"),
+    "ijepa": ("ijepa", "IJEPA"),
+    "lejepa": ("lejepa", "LeJEPA"),
+    "mocov3": ("mocov3", "MoCoV3"),
+    "distill": ("distill", "Distill"),
 }
 
 
+class _Methods(Mapping[str, type[SSLMethod]]):
+    """The method registry: a read-only mapping whose values are imported on first access."""
+
+    def __getitem__(self, name: str) -> type[SSLMethod]:
+        module, cls = _MODULES[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_MODULES)
+
+    def __len__(self) -> int:
+        return len(_MODULES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _MODULES
+
+
+METHODS: Mapping[str, type[SSLMethod]] = _Methods()
+
+
 def get_method(name: str) -> type[SSLMethod]:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ConfigError(f"method {name!r} is unknown; use one of {', '.join(sorted(METHODS))}") from None
+    if name not in _MODULES:
+        raise ConfigError(f"method {name!r} is unknown; use one of {', '.join(sorted(_MODULES))}")
+    return METHODS[name]
 
 
-__all__ = ["BYOL", "IBOT", "IJEPA", "MAE", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams",
-           "Distill", "DistillParams", "IBOTParams", "IJEPAParams", "LeJEPA", "LeJEPAParams", "MAEParams", "METHODS", "MoCo", "MoCoParams",
-           "MoCoV3", "MoCoV3Params", "MomentumTeacher", "Recipe", "SSLMethod", "SampleKeys", "SimCLR",
-           "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV", "SwAVParams", "VICReg", "VICRegParams", "get_method"]
+# The classes by their own names (``from unison.methods import BYOL``), imported when first named
+_EXPORTS: dict[str, tuple[str, str]] = {
+    **{cls: (module, cls) for module, cls in _MODULES.values()},
+    **{f"{cls}Params": (module, f"{cls}Params") for module, cls in _MODULES.values()},
+    "MomentumTeacher": ("teacher", "MomentumTeacher"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+
+
+__all__ = ["METHODS", "Recipe", "SSLMethod", "SampleKeys", "get_method", *sorted(_EXPORTS)]
