@@ -161,7 +161,7 @@ def baseline_memory_mib() -> float | None:
     import subprocess
     import sys
 
-    code = ("import unison.training.loop, torch; from unison.training.summary import peak_memory_mib; "
+    code = ("import unison.training.trainer, torch; from unison.training.summary import peak_memory_mib; "
             "print(peak_memory_mib(torch.device('cpu')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:

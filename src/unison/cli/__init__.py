@@ -78,7 +78,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     launch_env = detect_launch_env()
     if launch_env is not None:   # before anything slow: every rank refuses it at once
         _check_world_size(ns, launch_env)
-    cfg = build_train_config(ns)
+    # the fields here, without torch, so a mistyped value is refused at once; `unison.train` resolves the rest once
+    cfg = build_train_config(ns, validate=False).validate()
     from unison.api import train
     from unison.training.checkpoint import latest_checkpoint
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,7 +271,12 @@ class TrainConfig:
         `unison.training.resolve.validate_run`, which calls this first.
 
         Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
-        integral numbers in any notation (``1e9``) become ints where the option is an integer."""
+        integral numbers in any notation (``1e9``) become ints where the option is an integer.
+
+        A configuration is checked once: validating it again, unchanged, does nothing (the CLI checks the fields
+        before torch is imported, and the run's resolution would check them a second time)."""
+        if self.__dict__.get("_validated_as") == (self._digest(), cuda_available):
+            return self
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
         if not isinstance(self.distributed, DistributedConfig):
@@ -312,7 +318,12 @@ class TrainConfig:
         check_plan(self.time_budget_plan, self.time_budget)
         self._validate_choices()
         self._validate_teacher()
+        self.__dict__["_validated_as"] = (self._digest(), cuda_available)
         return self
+
+    def _digest(self) -> str:
+        """The configuration's values as one string (what `validate` remembers having checked)."""
+        return json.dumps(self.to_dict(), sort_keys=True, default=repr)
 
     def _validate_signals(self) -> None:
         if not self.stop_on_collapse or self.signal_images >= MIN_COLLAPSE_IMAGES:

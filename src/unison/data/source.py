@@ -63,7 +63,7 @@ from unison.config.limits import MIN_IMAGE_SIZE
 from unison.errors import ConfigError, DataError
 from unison.paths import is_inside, same_file
 
-from .augment import PRESETS, ViewAugmenter, view_sizes
+from .augment import ViewAugmenter
 from .batches import BatchSource, InMemoryBatches
 from .catalog import open_catalog
 from .datasets import load_dataset
@@ -77,7 +77,7 @@ from .tensor_dataset import ImageTensorDataset
 
 __all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
            "build_batch_source", "check_label_spaces", "choose_mode", "data_mode_of", "open_checked",
-           "planned_image_size", "planned_images", "planned_view_sizes", "stream_stats", "subset_positions"]
+           "planned_image_size", "planned_images", "stream_stats", "subset_positions"]
 
 MEMORY_BUDGET = 2 * 2**30
 STATS_IMAGES = 256
@@ -222,22 +222,25 @@ def _check_fits_in_memory(catalog: Catalog, n: int, device_free: int | None = No
 
 
 def build_batch_source(spec: DataSpec, device: torch.device, augmentation: str, *,
-                       train_set: ImageTensorDataset | None = None,
-                       val_set: ImageTensorDataset | None = None, catalog: Catalog | None = None) -> TrainData:
+                       train_set: ImageTensorDataset | None = None, val_set: ImageTensorDataset | None = None,
+                       catalog: Catalog | None = None, val_catalog: Catalog | None = None) -> TrainData:
     """The `BatchSource` of `spec.data` (or of the given in-memory `train_set`), its augmenter and kNN sets.
-    `catalog`: `open_checked(spec)`'s, when the caller has opened it already."""
+    `catalog`, `val_catalog`: `open_checked(spec)`'s of ``--data`` and ``--val``, when the run listed them already
+    (a run lists its data once: `unison.training.resolve.plan_run`); else they are listed here."""
     if train_set is not None:
-        return _memory(spec, device, augmentation, None, train_set, val_set)
-    catalog = catalog if catalog is not None else open_checked(spec)
+        return _memory(spec, device, augmentation, None, train_set, val_set, None)
+    if catalog is None and val_catalog is None:
+        catalog, val_catalog = open_checked(spec), _val_catalog(spec)
     mode = data_mode_of(spec, catalog, free_device_memory(device))
     if mode == "memory":
-        return _memory(spec, device, augmentation, catalog, None, None)
+        return _memory(spec, device, augmentation, catalog, None, None, val_catalog)
     assert catalog is not None
-    return _stream(spec, device, augmentation, catalog)
+    return _stream(spec, device, augmentation, catalog, val_catalog)
 
 
 def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog | None,
-            train_set: ImageTensorDataset | None, val_set: ImageTensorDataset | None) -> TrainData:
+            train_set: ImageTensorDataset | None, val_set: ImageTensorDataset | None,
+            val_catalog: Catalog | None) -> TrainData:
     given = train_set is not None
     if train_set is None:
         if catalog is None:
@@ -257,11 +260,10 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     elif catalog is not None:   # the kNN sets of listed data: decoded when embedded, as when streamed
         pick = subset_positions(catalog, spec.subset, spec.seed)
         knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick, train_set=train_set,
-                                    val_catalog=_val_catalog(spec), val_set=val_set)
+                                    val_catalog=val_catalog, val_set=val_set)
     else:
-        val_catalog = None if val_set is not None else _val_catalog(spec)
-        knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set, val_catalog=val_catalog,
-                                    val_set=val_set)
+        knn, knn_skipped = knn_sets(spec, image_size, device, train_set=train_set,
+                                    val_catalog=None if val_set is not None else val_catalog, val_set=val_set)
     if knn is not None:   # decoded once, now: the start-up pays it, not each kNN (nor a budget's final one)
         for images, what in ((knn.reference, "reference set"), (knn.queries, "queries")):
             if isinstance(images, LazyImages):
@@ -306,7 +308,8 @@ def stream_stats(catalog: Catalog, pick: np.ndarray, size: int) -> tuple[tuple[f
     return channel_stats(images[ok])
 
 
-def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog) -> TrainData:
+def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Catalog,
+            val_catalog: Catalog | None) -> TrainData:
     from .stream import StreamingBatches, default_loader_workers
 
     positions = None if spec.subset is None else subset_positions(catalog, spec.subset, spec.seed)
@@ -318,7 +321,7 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         spec.world_size)
     source = StreamingBatches(catalog, augment, spec.batch_size, spec.seed, device=device, loader_workers=workers,
                               on_corrupt=spec.on_corrupt, positions=positions, decode=spec.decode)
-    knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick, val_catalog=_val_catalog(spec))
+    knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick, val_catalog=val_catalog)
     return TrainData(source, augment, "stream", image_size, mean, std, len(pick), None, None, knn, knn_skipped,
                      catalog=catalog, positions=positions, on_corrupt=spec.on_corrupt)
 
@@ -357,15 +360,6 @@ def planned_image_size(spec: DataSpec, catalog: Catalog | None,
     if catalog is not None:
         return default_image_size(*first_size(catalog), spec.data)
     return BUILTIN_SIZES.get(spec.data)
-
-
-def planned_view_sizes(spec: DataSpec, augmentation: str, catalog: Catalog | None) -> list[int]:
-    """The view sizes the workers' `ViewAugmenter` will make (`catalog`: `open_checked`'s), for the pre-flight:
-    ``--image-size``, else the data's default (a built-in set's size, or the first readable image's)."""
-    size = planned_image_size(spec, catalog)
-    if size is None:   # images given in memory (`unison check`'s): their size is known only to the build
-        return []
-    return view_sizes({**PRESETS[augmentation], **spec.augment_overrides()}, size)
 
 
 def first_size(catalog: Catalog) -> tuple[int, int]:

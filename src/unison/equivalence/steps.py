@@ -259,16 +259,17 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     from unison.distributed.testing import run_in_workers
     from unison.training.init_read import check_backbone_setup
     from unison.training.own import check_picklable, check_pieces
-    from unison.training.resolve import resolve_recipe, validate_run
+    from unison.training.resolve import plan_run, validate_run
 
     refuse_reentered_main("unison.check")   # a script without the main guard, re-run by a worker
     specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
     validate_check_specs(specs, torch.cuda.is_available())
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
         cfg = validate_run(train_config_for(spec, world_size, own), own=own)
+        plan = plan_run(cfg, own=own, train_set=None if spec.data else synthetic_images(spec))
         if own is not None:
-            check_pieces(cfg, own)
-        check_backbone_setup(cfg, resolve_recipe(cfg).backbone, spec.image_size)   # --freeze, --layer-decay
+            check_pieces(plan, own)
+        check_backbone_setup(plan.cfg, plan.recipe.backbone, spec.image_size)   # --freeze, --layer-decay
     if own is not None:
         check_picklable(own)
         record = functools.partial(cast(Any, record), own=own)

@@ -349,14 +349,12 @@ def planned_data(cfg: TrainConfig) -> tuple[TrainConfig, int]:
     """`cfg` at the image size its run trains at, and its training images, by the rules and the resolution of
     `unison train`'s pre-flight (`unison.data.source`): a missing or empty ``--data``, a batch or a step of
     ``--grad-sync-every`` micro-batches beyond its images are refused in one line."""
-    from unison.data.source import open_checked, planned_image_size, planned_images
-    from unison.training.step import data_spec
+    from unison.data.source import planned_images
+    from unison.training.resolve import plan_run
 
-    spec = data_spec(cfg)
-    catalog = open_checked(spec)
-    cfg = copy.deepcopy(cfg)
-    cfg.image_size = planned_image_size(spec, catalog)
-    return cfg, planned_images(spec, catalog)
+    plan = plan_run(copy.deepcopy(cfg))
+    plan.cfg.image_size = plan.image_size
+    return plan.cfg, planned_images(plan.spec, plan.catalogs[0])
 
 
 def _simulate_step(cfg: TrainConfig, images: int, say: Any, what: str) -> tuple[StepFigures, str | None]:

@@ -21,7 +21,7 @@
 5. Plan again (`unison.training.replan`): at the end of the warm-up, from the steps the run has trained, and late
    (half and four fifths of the way), from the steps since, the schedules then going on from where they are.
 
-The budget counts from the start of `unison.training.loop.train` on rank 0 (after the workers' start-up): data,
+The budget counts from the start of `unison.training.trainer.Trainer` on rank 0 (after the workers' start-up): data,
 model build, the random-initialisation kNN, the measurement, training and the final kNN and checkpoint.
 """
 
@@ -46,8 +46,7 @@ from unison.distributed import collectives as C
 from unison.errors import ConfigError
 from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
-from unison.training.hooks import StepEnd, TrainHook
-from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, PROBE_IMAGES, ProbeHook
+from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, PROBE_IMAGES, OnlineProbe
 from unison.training.step import Batch, Run, accumulated_forward_backward, apply_plan, batches, grouped, optimizer_step
 
 clock = time.perf_counter   # one clock for the whole module (the 2-rank test skews it on one rank)
@@ -134,7 +133,7 @@ def cadence_of(run: Run) -> Cadence:
 
 
 class BudgetClock:
-    """Rank 0's clock of a budgeted run: started with `unison.training.loop.train`; `spent_before_s` is what
+    """Rank 0's clock of a budgeted run: started with `unison.training.trainer.Trainer`; `spent_before_s` is what
     earlier attempts of a resumed run spent (its history)."""
 
     def __init__(self, budget: str) -> None:
@@ -151,16 +150,6 @@ class BudgetClock:
     def out_of_time(self) -> bool:
         """Whether the step loop must end now (rank 0 decides; the other ranks' clocks are not read)."""
         return C.rank() == 0 and self.spent_s() >= self.budget_s - self.reserve_s
-
-
-class BudgetHook(TrainHook):
-    """Keeps the budget spent in the history, so a checkpoint (and the run resumed from it) carries it."""
-
-    def __init__(self, budget: BudgetClock, history: dict[str, Any]) -> None:
-        self.budget, self.history = budget, history
-
-    def after_step(self, run: Run, end: StepEnd) -> None:
-        self.history[USED_KEY] = self.budget.spent_s()
 
 
 class Snapshot:
@@ -292,7 +281,7 @@ def plan_budget(run: Run, budget: BudgetClock, knn_s: float | None = None) -> di
     knn, world = run.data.knn, max(1, C.world_size())
     knn_images = knn.reference.shape[0] + knn.queries.shape[0] if knn is not None else 0
     per_image_s = knn_s / max(1.0, knn_images / world) if knn_s else measure_eval_s(run)
-    probe = ProbeHook(run)   # the online probe embeds a few images of every step, outside the step itself
+    probe = OnlineProbe(run)   # the online probe embeds a few images of every step, outside the step itself
     probe_s = per_image_s * min(PROBE_IMAGES, run.global_batch) / world if probe.enabled else 0.0
     costs = BudgetCosts(spent_s=budget.spent_s(), step_s=step_s + probe_s,
                         knn_s=knn_s or per_image_s * knn_images / world,

@@ -9,7 +9,7 @@ the kernel's out-of-memory kill) after start-up in every worker.
 
 Example::
 
-    check_model_memory(cfg)   # ConfigError: "the model needs about 8.0 TiB ... lower --param proj_hidden_dim=..."
+    check_model_memory(resolve_run(cfg))   # ConfigError: "the model needs about 8.0 TiB ... lower --param proj_hidden_dim=..."
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from unison.data.memory import physical_memory
 from unison.distributed.env import detect_launch_env
 from unison.errors import ConfigError
 from unison.training.model import build_method
-from unison.training.resolve import resolve_recipe
+from unison.training.resolve import RunPlan
 
 OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adam": 2, "adamw": 2}   # state tensors per parameter (momentum; m and v)
 
 
-def model_bytes(cfg: TrainConfig) -> tuple[int, int, str]:
+def model_bytes(plan: RunPlan) -> tuple[int, int, str]:
     """(bytes of the model's parameters and buffers, bytes of its gradients and optimizer state, the name of its
-    largest tensor) for the validated `cfg`, from a build on the meta device."""
-    recipe = resolve_recipe(cfg)
+    largest tensor) for the resolved run `plan`, from a build on the meta device."""
+    cfg, recipe = plan.cfg, plan.recipe
     meta = torch.device("meta")
     with meta:
         method = build_method(cfg, 1, getattr(torch, cfg.precision), meta, cfg.image_size, backbone=recipe.backbone,
@@ -70,10 +70,11 @@ def _local_workers(cfg: TrainConfig) -> int:
     return int(local) if ascii_digits(local) and 1 <= int(local) <= cfg.distributed.world_size else 1
 
 
-def check_model_memory(cfg: TrainConfig) -> None:
-    """Raise a one-line `ConfigError` when the model of the validated `cfg` (parameters, buffers, gradients and
+def check_model_memory(plan: RunPlan) -> None:
+    """Raise a one-line `ConfigError` when the model of the resolved run `plan` (parameters, buffers, gradients and
     optimizer state) cannot fit in this machine's memory, naming the size and what to lower."""
-    weights, training, largest = model_bytes(cfg)
+    cfg = plan.cfg
+    weights, training, largest = model_bytes(plan)
     shards = cfg.distributed.world_size if cfg.distributed.shard == "full" else 1
     per_worker = weights + training // shards
     local = _local_workers(cfg)

@@ -1,6 +1,6 @@
 """Hooks: what runs around the training step, and the one way to add more (tests inject faults with it).
 
-The loop (`unison.training.loop`) calls every hook of a run, on every rank, at these points:
+The trainer (`unison.training.trainer`) calls every hook of a run, on every rank, at these points:
 
     hook.start(run, step)           once, before the first batch is asked for (`step`: steps already done)
     hook.on_batch(run, batch)       as each micro-batch arrives, still in the watchdog's "data" phase
@@ -10,11 +10,9 @@ The loop (`unison.training.loop`) calls every hook of a run, on every rank, at t
                                     background writer thread), after every write; `written`: bytes so far
     hook.close()                    after the last step (not after a failure), in reverse order
 
-A hook subclasses `TrainHook` and overrides what it needs; the others do nothing. The loop's own
-hooks (``--profile-steps``'s recorder, the online probe, logging, kNN evaluation, the label-free signals,
-checkpoint timing, the stop agreement: `unison.training.profile`, `unison.training.loop_hooks`,
-`unison.training.signals`) run first, in that order, then the extra hooks, in the order given. A hook may
-set ``end.stop`` to end the run after the step, through its normal end (every rank must set it at the same
+A hook subclasses `TrainHook` and overrides what it needs; the others do nothing. Hooks run after the
+trainer's own work of each step (logging, evaluation, checkpoints, the stop agreement), in the order given. A hook
+may set ``end.stop`` to end the run after the step, through its normal end (every rank must set it at the same
 step).
 
 Extra hooks come from ``train(cfg, device, hooks=[...])`` (in-process runs), or, for workers that
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,40 +75,6 @@ class TrainHook:
 
     def close(self) -> None:
         """After the last step (not after a failure)."""
-
-
-class Hooks:
-    """The hooks of a run, called in order (`close` in reverse order)."""
-
-    def __init__(self, hooks: Iterable[TrainHook] = ()) -> None:
-        self.hooks = list(hooks)
-
-    def start(self, run: Run, step: int) -> None:
-        for hook in self.hooks:
-            hook.start(run, step)
-
-    def batches(self, run: Run, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
-        """Pass `micro_batches` through, calling `TrainHook.on_batch` on each."""
-        for batch in micro_batches:
-            for hook in self.hooks:
-                hook.on_batch(run, batch)
-            yield batch
-
-    def before_step(self, run: Run, step: int) -> None:
-        for hook in self.hooks:
-            hook.before_step(run, step)
-
-    def after_step(self, run: Run, end: StepEnd) -> None:
-        for hook in self.hooks:
-            hook.after_step(run, end)
-
-    def on_checkpoint_write(self, step: int, written: int) -> None:
-        for hook in self.hooks:
-            hook.on_checkpoint_write(step, written)
-
-    def close(self) -> None:
-        for hook in reversed(self.hooks):
-            hook.close()
 
 
 def hooks_from_env(cfg: TrainConfig, rank: int) -> list[TrainHook]:

@@ -16,7 +16,7 @@ for unison's backbones, and reads the dataset through `unison.data.own.build_own
 Example::
 
     pieces = OwnPieces(backbone=MyNet(), feature_dim=512, dataset=MyPhotos("/data"), transform=my_views)
-    check_pieces(validate_run(cfg, own=pieces), pieces)
+    check_pieces(resolve_run(cfg, own=pieces), pieces)
 """
 
 from __future__ import annotations
@@ -31,32 +31,31 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from unison.config import TrainConfig
 from unison.data.augment import PRESETS, view_sizes
 from unison.data.own import OwnBatches, seeded_rngs, user_raised
 from unison.errors import ConfigError
 from unison.training.init_read import init_weights_of
 from unison.training.model import build_method
 from unison.training.pieces import OwnPieces
-from unison.training.resolve import resolve_recipe
-from unison.training.step import build_data, data_spec
+from unison.training.resolve import RunPlan, data_spec
+from unison.training.step import build_data
 
 __all__ = ["OwnPieces", "check_features", "check_picklable", "check_pieces"]
 
-def check_pieces(cfg: TrainConfig, pieces: OwnPieces, sizes: list[int] | None = None) -> None:
-    """The pieces against the run `cfg` (validated, `OwnPieces.apply` done): the dataset's first item and its
+def check_pieces(plan: RunPlan, pieces: OwnPieces, sizes: list[int] | None = None) -> None:
+    """The pieces against the run `plan` (`resolve_run`'s, `OwnPieces.apply` done): the dataset's first item and its
     views, then the backbone on a dummy batch of every view size (those of the views, else `sizes`, else the
     configuration's). Raises `ConfigError`/`DataError` with one line."""
     if not pieces.given:
         return
-    augmentation = resolve_recipe(cfg).augmentation
+    cfg, augmentation = plan.cfg, plan.recipe.augmentation
     if pieces.dataset is not None:
-        data = build_data(cfg, torch.device("cpu"), augmentation, None, None, pieces)
+        data = build_data(plan, torch.device("cpu"), None, None, pieces)
         first = cast(OwnBatches, data.source).make.of(0, [0], [data.own.first()])["views"]
         sizes = [int(v.shape[-1]) for v in first]
     if pieces.backbone is not None:
         size = cfg.image_size or 32
-        sizes = sizes or view_sizes({**PRESETS[augmentation], **data_spec(cfg, size).augment_overrides()}, size)
+        sizes = sizes or view_sizes({**PRESETS[augmentation], **data_spec(cfg, plan.recipe.at_size(cfg, size)).augment_overrides()}, size)
         check_features(pieces.backbone, pieces.feature_dim or 0, sorted(set(sizes)))
         # the method around (a copy of) it, as every worker builds it: a method that needs a ViT's patch tokens
         # (MAE, iBOT, I-JEPA) refuses here, and --init/--freeze/--layer-decay are checked against it; the build

@@ -1,10 +1,9 @@
 """Checks in the launching process of what would otherwise fail in every worker after start-up.
 
-`preflight(cfg)` runs before any worker starts (`unison.train` calls it, after `TrainConfig.validate`,
-which checks the method's hyper-parameters): data (folder, file list or shards: layout, image count
-against subset and batch, by `unison.data.source.open_checked`, the function each worker's build
-calls too; the held-out labels against the training labels, by `unison.data.evalsets.map_labels`, the rule
-of the workers' kNN sets), the crop sizes against the backbone (`check_crops`: a ViT's patch size, a timm model's one input
+`preflight(plan)` runs before any worker starts (`unison.train` calls it on the run as resolved,
+`unison.training.resolve.resolve_run`, which has checked every option and listed the data: layout, image count
+against subset and batch, the held-out labels against the training labels), the crop sizes against the
+backbone (`check_crops`: a ViT's patch size, a timm model's one input
 size; ``--init``, ``--freeze``, ``--layer-decay`` by `unison.training.init.prepare_backbone`, the workers' rule, on a
 meta-device backbone), the checkpoint to resume (exists, intact, safe, same method: its header only, the weights are
 read once, by the workers) and the run directory: never the data folder nor inside it (nor inside a class
@@ -20,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +26,6 @@ import torch
 
 from unison.config import TrainConfig
 from unison.data.files import MAX_CLASSES
-from unison.data.samples import Catalog
-from unison.data.source import check_label_spaces, data_mode_of, open_checked, planned_image_size, planned_view_sizes
 from unison.distributed.elastic import recorded_here
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
@@ -45,34 +41,23 @@ from unison.training.init_read import check_backbone_setup
 from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
-from unison.training.resolve import resolve_recipe, resumed_checkpoint_of, resumes_its_teacher
+from unison.training.resolve import RunPlan, resumed_checkpoint_of, resumes_its_teacher
 from unison.training.runlog import append_run_log
-from unison.training.step import data_spec
 from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
 
 
-def preflight(cfg: TrainConfig, launched: bool, own: OwnPieces | None = None) -> None:
-    """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on. `own`: the
-    user's pieces (`unison.training.own.check_pieces`: their dataset replaces the data checks)."""
+def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> None:
+    """Raise a one-line `ConfigError`/`DataError`/`CheckpointError` for what the workers would fail on. `plan`: the
+    run as resolved (its data listed, `unison.training.resolve.resolve_run`); `own`: the user's pieces
+    (`unison.training.own.check_pieces`: their dataset replaces the data checks)."""
     own = own or OwnPieces()
-    catalogs: dict[str, Catalog | None] = {}
-    sizes: list[int] | None = None
-    if own.dataset is None:
-        spec = data_spec(cfg)
-        for role in ("data", "val"):   # the rules every build applies (`open_checked`), before W workers start
-            with warnings.catch_warnings():  # the workers repeat the scan and its warnings
-                warnings.simplefilter("ignore")
-                catalogs[role] = open_checked(spec, role)
-        check_label_spaces(spec, catalogs["data"], catalogs["val"])   # the rule of the workers' kNN sets
-        if spec.data_mode == "memory":   # refused when one decoded copy exceeds the RAM (auto decides in the workers)
-            data_mode_of(spec, catalogs["data"])
-        spec = data_spec(cfg, planned_image_size(spec, catalogs["data"]))   # the recipe's local crops at that size
-        sizes = planned_view_sizes(spec, resolve_recipe(cfg).augmentation, catalogs["data"])
-    check_pieces(cfg, own, sizes)
+    cfg = plan.cfg
+    sizes = list(plan.view_sizes) if own.dataset is None else None
+    check_pieces(plan, own, sizes)
     out = Path(cfg.out)
     check_init_not_replaced(cfg, out)
     if own.backbone is None:   # unison's backbone against the views, and --init, --freeze, --layer-decay against it
-        check_crops(cfg, sizes or [])
+        check_crops(cfg, plan.recipe.backbone, sizes or [])
     for inp in (Input("--data", cfg.data), Input("--val", cfg.val or "")):
         for folder, where in _data_folders(inp.path):   # run files would become data (plot.png an image)
             if is_inside(out, folder):
@@ -162,18 +147,17 @@ def _record_head(cfg: TrainConfig, spec: dict | None) -> None:
         cfg.method_params = {**cfg.method_params, **head_params(spec)}
 
 
-def check_crops(cfg: TrainConfig, sizes: list[int]) -> None:
+def check_crops(cfg: TrainConfig, backbone: str, sizes: list[int]) -> None:
     """The views the workers' augmenter will make (`sizes`, `planned_view_sizes`'s; none known for the user's own
     dataset; multi-crop: global and local crops), against what the backbone takes (a ViT's patch size, a timm model
     built for one input size): the workers' build applies the same rule (`unison.models.backbones.check_view_sizes`),
     here before any of them starts."""
-    recipe = resolve_recipe(cfg)
     if len(set(sizes)) > 1:
-        check_backbone(recipe.backbone, sizes[0], cfg.backbone_args, sizes)
+        check_backbone(backbone, sizes[0], cfg.backbone_args, sizes)
     # the workers' rule; a restart that resumes from the run directory reads no --init there either
     setup = dataclasses.replace(cfg, init=None) if resumes_after_restart(cfg) else cfg
-    check_backbone_setup(setup, recipe.backbone, sizes[0] if sizes else cfg.image_size)
-    name = resolve_backbone(recipe.backbone, sizes[0] if sizes else cfg.image_size)
+    check_backbone_setup(setup, backbone, sizes[0] if sizes else cfg.image_size)
+    name = resolve_backbone(backbone, sizes[0] if sizes else cfg.image_size)
     method = get_method(cfg.method)   # its views against the backbone's patches, as every worker's build checks them
     method.check_views(method.Params(**cfg.method_params), vit_patch_size(name) if name in VIT_BACKBONES else None,
                        sizes)
@@ -181,7 +165,7 @@ def check_crops(cfg: TrainConfig, sizes: list[int]) -> None:
 
 def resumes_after_restart(cfg: TrainConfig) -> bool:
     """A restarted or requeued attempt whose run directory has a checkpoint: the workers resume from it
-    (`unison.training.loop`), whatever the command says."""
+    (`unison.training.trainer`), whatever the command says."""
     restarted = restart_reason() is not None or recorded_here(cfg.out)   # torchrun: a re-formed group of this job
     return restarted and latest_checkpoint(Path(cfg.out)) is not None
 

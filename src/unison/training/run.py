@@ -23,13 +23,13 @@ from unison.distributed.main_guard import refuse_reentered_main
 from unison.distributed.watchdog import watched_startup
 
 from .footprint import check_model_memory
-from .loop import train_worker, train_worker_own
 from .own import check_picklable
 from .owner import RunDirLock
 from .pieces import OwnPieces
 from .preflight import preflight, set_aside_other_run
-from .resolve import validate_run
+from .resolve import resolve_run
 from .summary import Summary
+from .trainer import train_worker, train_worker_own
 
 
 def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | None = None) -> Summary:
@@ -45,24 +45,24 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     if launch_env is not None:   # torchrun/srun/mpirun decide the world size: validate the batch split for theirs
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     check_gpu_per_worker(cfg.distributed, launch_env)   # NCCL: a GPU per worker, before any worker starts
-    validate_run(cfg, own=own)
     in_process = launched or (cfg.distributed.world_size == 1 and not isolated)
-    if own is not None and not in_process:
-        check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
-    if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
-        check_model_memory(cfg)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
     with watched_startup(cfg.distributed.watchdog_s, "checking the data before training (listing it, reading "
                          "its first images or your dataset's first items)"):
-        preflight(cfg, launched=launched, own=own)
+        plan = resolve_run(cfg, own=own)   # the run, decided once: the workers build from it
+        if own is not None and not in_process:
+            check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
+        if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
+            check_model_memory(plan)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
+        preflight(plan, launched=launched, own=own)
     owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
     with RunDirLock(cfg.out) if owner else contextlib.nullcontext():
         if owner:
             set_aside_other_run(cfg)   # a run never mixes its files with those of the run it replaces
         if in_process:
-            return Summary.from_dict(train_worker(cfg.to_dict(), own))
+            return Summary.from_dict(train_worker(plan, own))
         if own is not None:
-            results = launch(train_worker_own, {"config": cfg.to_dict(), "own": own}, cfg.distributed,
+            results = launch(train_worker_own, {"plan": plan, "own": own}, cfg.distributed,
                              threads_per_worker=cfg.threads)
         else:
-            results = launch(train_worker, cfg.to_dict(), cfg.distributed, threads_per_worker=cfg.threads)
+            results = launch(train_worker, plan, cfg.distributed, threads_per_worker=cfg.threads)
         return Summary.from_dict(results[0])

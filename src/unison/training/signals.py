@@ -1,17 +1,17 @@
 """Seeing a run without labels: the label-free signals, collapse caught early, and the online linear probe.
 
-* `SignalsHook`: the signals of `unison.eval.signals` (RankMe, embedding std, alignment, uniformity) on a fixed
-  held-back set of ``--signal-images`` training images (default 512; chosen from ``--seed`` only, no labels
-  needed), at the start, every ``--signals-every`` steps (0: every max(50, steps / 50) steps: one evaluation costs
-  about one training step at batch 256, so at most 2 % of a run, plus the start and the end) and at the end. They go to
-  ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
+* The signals (`measure_signals`, which the trainer calls): those of `unison.eval.signals` (RankMe, embedding
+  std, alignment, uniformity) on a fixed held-back set of ``--signal-images`` training images (default 512; chosen
+  from ``--seed`` only, no labels needed), at the start, every ``--signals-every`` steps (0: every max(50, steps /
+  50) steps: one evaluation costs about one training step at batch 256, so at most 2 % of a run) and at the end.
+  They go to ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
 * Collapse: `COLLAPSE_EVALS` evaluations in a row of `unison.training.collapse.collapsed` (embedding std or RankMe
-  too low) -> one warning line (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there
-  (`StepEnd.stop`), its checkpoint and summary written like any run's end. Collapse is judged on `MIN_COLLAPSE_IMAGES` (16) held-back
+  too low) -> one warning line (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there,
+  its checkpoint and summary written like any run's end. Collapse is judged on `MIN_COLLAPSE_IMAGES` (16) held-back
   images or more: below that a healthy network's RankMe already lies under its floor (``--stop-on-collapse`` with
   fewer ``--signal-images`` is refused by the configuration; data with fewer images turns it off, with a warning).
   Non-finite embeddings end the run with their cause (`unison.training.nonfinite`), before RankMe's SVD meets them.
-* `ProbeHook`: with labelled training data (``--online-probe``, on by default), a linear classifier on the
+* `OnlineProbe`: with labelled training data (``--online-probe``, on by default), a linear classifier on the
   detached features of the first view of about `PROBE_IMAGES` images of each step (those whose index is a
   multiple of ``global batch / 64``: the same images at any W); its accuracy on each batch before it learns from
   it is logged.
@@ -43,7 +43,7 @@ again), as solo-learn's and Lightly's online classifiers do.
 from __future__ import annotations
 
 import math
-import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -52,18 +52,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unison.config.train import MIN_COLLAPSE_IMAGES
 from unison.distributed import collectives as C
-from unison.distributed.watchdog import Watchdog
 from unison.errors import CheckpointError, NonFiniteLossError
 from unison.eval.signals import all_signals
 from unison.rng import epoch_permutation
 from unison.training.checkpoint.contents import check_optimizer_state
-from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
-from unison.training.hooks import StepEnd, TrainHook
-from unison.training.metrics import MetricsLogger
 from unison.training.nonfinite import non_finite_cause
-from unison.training.runlog import RunLog
 from unison.training.step import Batch, Run
 
 CHUNK = 64                  # images per embedding call: the same chunks at any world size
@@ -167,90 +161,9 @@ def measure_signals(run: Run, held: HeldBack, step: int) -> dict[str, float]:
     return out
 
 
-class SignalsHook(TrainHook):
-    """The signals at the start, every ``--signals-every`` steps (see the module docstring) and at the end; the
-    collapse warning and ``--stop-on-collapse``. `latest` holds the last values (the progress bar shows them)."""
-
-    def __init__(self, run: Run, watch: Watchdog, logger: MetricsLogger, runlog: RunLog) -> None:
-        self.run, self.watch, self.logger, self.runlog = run, watch, logger, runlog
-        count = run.cfg.signal_images
-        self.held = HeldBack(run, count) if count and run.data.num_images >= 2 and run.data.random_access else None
-        self.every = run.cfg.signals_every or max(AUTO_MIN_EVERY, math.ceil(run.total_steps / AUTO_EVALUATIONS))
-        self.latest: dict[str, float] = {}
-        self.streak = 0
-        self.collapse: dict[str, Any] | None = None   # {"step", "what"} once warned
-        self.stopped = False
-        self.eval_s = 0.0
-        # collapse is judged on MIN_COLLAPSE_IMAGES held-back images or more (fewer: RankMe stays below its floor)
-        self.judges = self.held is not None and len(self.held) >= MIN_COLLAPSE_IMAGES
-        if run.cfg.stop_on_collapse and not self.judges:
-            why = (f"only {len(self.held)} held-back image(s) (the data has {run.data.num_images})"
-                   if self.held is not None else "the data gives no held-back images (it is not indexable, or has "
-                   "fewer than 2)")
-            self._say(f"unison: warning: --stop-on-collapse is off for this run: {why}, and collapse needs "
-                      f"{MIN_COLLAPSE_IMAGES} or more to be judged")
-
-    def start(self, run: Run, step: int) -> None:
-        if step == 0:
-            self._measure(0)
-
-    def after_step(self, run: Run, end: StepEnd) -> None:
-        if self.held is None or end.last or end.step % self.every:
-            return
-        values = self._measure(end.step)
-        what = collapsed(values) if self.judges else None
-        self.streak = self.streak + 1 if what else 0
-        if what and self.streak >= COLLAPSE_EVALS and self.collapse is None:
-            self._warn(end.step, what)
-        if self.collapse is not None and run.cfg.stop_on_collapse:
-            end.stop = self.stopped = True   # every rank computed the same values, so every rank stops here
-
-    def final(self, step: int) -> None:
-        """The end of the run (unless the last evaluation was this step's)."""
-        if self.latest.get("step") != step:
-            self._measure(step)
-
-    def _measure(self, step: int) -> dict[str, float]:
-        if self.held is None:
-            return {}
-        import time
-
-        started = time.perf_counter()
-        with self.watch.phase("eval", step):
-            values = measure_signals(self.run, self.held, step)
-        self.eval_s += time.perf_counter() - started
-        self.latest = {**values, "step": step}
-        self.logger.log(step=step, epoch=step / self.run.steps_per_epoch,
-                        **{k: values[k] for k in ("rankme", "emb_std", "align", "uniform")})
-        self.runlog.line(f"step {step}: RankMe {values['rankme']:.1f} of {values['rankme_max']:.0f}, embedding std "
-                         f"{values['emb_std']:.3f}/sqrt(d), alignment {values['align']:.3f}, uniformity "
-                         f"{values['uniform']:.3f}")
-        return values
-
-    def _warn(self, step: int, what: str) -> None:
-        self.collapse = {"step": step, "what": what}
-        stop = "; --stop-on-collapse: stopping here" if self.run.cfg.stop_on_collapse else ""
-        self._say(f"unison: warning: the representation collapsed by step {step} ({what}, {COLLAPSE_EVALS} "
-                  f"evaluations in a row){stop}; {COLLAPSE_ADVICE}")
-
-    def _say(self, line: str) -> None:
-        if C.rank() == 0:
-            print(line, file=sys.stderr, flush=True)
-        self.runlog.line(line)
-
-    def summary(self) -> dict[str, Any]:
-        """What ``summary.json`` reports: the last values, the collapse (if any), the signals' time."""
-        out: dict[str, Any] = {k: self.latest[k] for k in ("rankme", "rankme_max", "emb_std", "align", "uniform")
-                               if k in self.latest}
-        if self.held is not None:
-            out.update(images=len(self.held), every_steps=self.every, eval_s=round(self.eval_s, 3))
-        out["collapse"] = self.collapse
-        out["stopped_on_collapse"] = self.stopped
-        return out
-
-
-class ProbeHook(TrainHook):
-    """The online linear probe (module docstring): its accuracy is logged with the metrics (`LogHook`)."""
+class OnlineProbe:
+    """The online linear probe (module docstring): it sees each step's first micro-batch (`see`), learns from it
+    after the step (`learn`), and its accuracy is logged with the metrics (`accuracy`)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -266,18 +179,17 @@ class ProbeHook(TrainHook):
         self.stride = max(1, run.global_batch * run.accumulate // PROBE_IMAGES)
         self.train_s = 0.0
 
-    def on_batch(self, run: Run, batch: Batch) -> None:
+    def see(self, batch: Batch) -> None:
         if self.enabled and batch.micro == 0:
             self.pending = batch   # the step's first micro-batch: its first view is probed after the step
 
-    def after_step(self, run: Run, end: StepEnd) -> None:
+    def learn(self) -> None:
+        """One probe step on the step's pending micro-batch (none: nothing to learn)."""
         if self.pending is None:
             return
-        import time
-
         started = time.perf_counter()
         batch, self.pending = self.pending, None
-        self._learn(run, batch)
+        self._learn(self.run, batch)
         self.train_s += time.perf_counter() - started
 
     def _learn(self, run: Run, batch: Batch) -> None:

@@ -43,8 +43,8 @@ import torch.nn as nn
 from unison.config import TrainConfig
 from unison.data.augment import ViewAugmenter, eval_transform
 from unison.data.batches import BatchSource
-from unison.data.source import TrainData, build_batch_source, open_checked, planned_image_size
-from unison.data.spec import BUILTIN, DataSpec, check_step
+from unison.data.source import TrainData, build_batch_source
+from unison.data.spec import BUILTIN, check_step
 from unison.data.tensor_dataset import ImageTensorDataset
 from unison.distributed import collectives as C
 from unison.distributed.sync_batchnorm import convert_sync_batchnorm
@@ -64,7 +64,7 @@ from unison.training.length import planned_schedule
 from unison.training.model import build_method, compiled
 from unison.training.nonfinite import non_finite_cause
 from unison.training.pieces import OWN
-from unison.training.resolve import exact_accumulation, resolve_recipe
+from unison.training.resolve import RunPlan, data_spec, exact_accumulation, plan_run
 
 if TYPE_CHECKING:   # annotations only (unison.training.own imports this module's data_spec)
     from unison.training.pieces import OwnPieces
@@ -120,32 +120,24 @@ class Run:
         return x.contiguous(memory_format=torch.channels_last) if self.cfg.nhwc else x
 
 
-def data_spec(cfg: TrainConfig, image_size: int | None = None) -> DataSpec:
-    """What the data side reads of `cfg` (`unison.data` never sees the training configuration); with the data's
-    `image_size` (when ``--image-size`` is not given), the local crops the recipe derives from it."""
-    recipe = resolve_recipe(cfg, image_size)
-    return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
-                    val_subset=cfg.val_subset, knn_reference=cfg.knn_reference, on_corrupt=cfg.on_corrupt,
-                    data_mode=cfg.data_mode, decode=cfg.decode, loader_workers=cfg.loader_workers,
-                    image_size=cfg.image_size, world_size=cfg.distributed.world_size, local_crops=recipe.local_crops,
-                    local_crop_size=recipe.local_crop_size, grad_sync_every=cfg.distributed.grad_sync_every)
-
-
-def build_run(cfg: TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
+def build_run(plan: RunPlan | TrainConfig, device: torch.device, *, train_set: ImageTensorDataset | None = None,
               val_set: ImageTensorDataset | None = None, metered_comm: bool = False,
               init: InitWeights | None = None, own: OwnPieces | None = None) -> Run:
-    """Build one rank's step. `train_set`/`val_set` replace the data `cfg` names (``unison check``'s and the
+    """Build one rank's step from the run's `plan` (`unison.training.resolve`; a validated `TrainConfig` is planned
+    here, `plan_run`). `train_set`/`val_set` replace the data the plan names (``unison check``'s and the
     benchmarks' synthetic images); `metered_comm` routes DDP's gradient all-reduce through Python so
     `unison.distributed.comm_meter` counts it (``unison bench comm``); `init`: ``--init``'s tensors
     (`unison.training.init_read.init_weights_of`); `own`: the user's backbone, dataset and transform
     (`unison.training.own`). The process group must already be initialised (one process: backend local)."""
-    recipe = resolve_recipe(cfg)
+    if isinstance(plan, TrainConfig):
+        plan = plan_run(plan, train_set=train_set, own=own)
+    cfg = plan.cfg
     dtype = getattr(torch, cfg.precision)
-    data = build_data(cfg, device, recipe.augmentation, train_set, val_set, own)
+    data = build_data(plan, device, train_set, val_set, own)
     if not cfg.knn and data.knn is not None:
         data.knn, data.knn_skipped = None, "--no-knn"
     image_size, augment, source = data.image_size, data.augment, data.source
-    recipe = resolve_recipe(cfg, image_size)   # with what follows from the image size (local crops)
+    recipe = plan.recipe if image_size == plan.image_size else plan.recipe.at_size(cfg, image_size)
     global_batch, accumulate = cfg.batch_size, cfg.distributed.grad_sync_every
     steps_per_epoch = max(1, source.batches_per_epoch // accumulate)
     peak_lr = recipe.lr * global_batch * accumulate / 256   # scaled linearly with the global batch
@@ -230,27 +222,27 @@ def apply_plan(run: Run) -> None:
     run.resolved.update(total_steps=run.schedule.total_steps, warmup_steps=run.schedule.warmup_steps)
 
 
-def build_data(cfg: TrainConfig, device: torch.device, augmentation: str, train_set: ImageTensorDataset | None,
-          val_set: ImageTensorDataset | None, own: OwnPieces | None) -> TrainData:
-    """The run's data: the user's dataset (`unison.data.own`), else what `cfg` names or the sets given. The
+def build_data(plan: RunPlan, device: torch.device, train_set: ImageTensorDataset | None,
+               val_set: ImageTensorDataset | None, own: OwnPieces | None) -> TrainData:
+    """The run's data: the user's dataset (`unison.data.own`), else what the plan lists or the sets given. The
     pre-flight of the user's pieces (`unison.training.own.check_pieces`) builds it too."""
+    cfg, augmentation = plan.cfg, plan.recipe.augmentation
     if own is not None and own.dataset is not None:
         from unison.data.own import build_own_source, own_image_size  # only runs given a dataset read them
 
         batches = cfg.max_steps * cfg.distributed.grad_sync_every if cfg.max_steps else None
-        size = own_image_size(data_spec(cfg), augmentation, own.dataset, own.transform)
-        data = build_own_source(data_spec(cfg, size), device, augmentation, own.dataset, own.transform,
-                                max_batches=batches)
+        size = own_image_size(plan.spec, augmentation, own.dataset, own.transform)
+        spec = data_spec(cfg, plan.recipe.at_size(cfg, size))
+        data = build_own_source(spec, device, augmentation, own.dataset, own.transform, max_batches=batches)
         if own.val is not None:   # labelled held-out items: the kNN against the dataset's labelled items
             from unison.data.own_knn import own_knn_sets
 
             data.knn = own_knn_sets(own.dataset, own.val, data.image_size, device, cfg.seed, cfg.val_subset)
             data.knn_skipped = None
     else:
-        spec = data_spec(cfg)
-        catalog = open_checked(spec) if train_set is None else None
-        spec = data_spec(cfg, planned_image_size(spec, catalog, train_set))   # the recipe's local crops at that size
-        data = build_batch_source(spec, device, augmentation, train_set=train_set, val_set=val_set, catalog=catalog)
+        data = build_batch_source(plan.spec, device, augmentation, train_set=train_set, val_set=val_set,
+                                  catalog=plan.catalogs[0] if train_set is None else None,
+                                  val_catalog=plan.catalogs[1] if train_set is None else None)
     # every source (built-in, listed, given, your own): one optimiser step of K micro-batches within an epoch
     check_step(f"--data {cfg.data}", data.num_images, cfg.batch_size, cfg.distributed.grad_sync_every)
     return data

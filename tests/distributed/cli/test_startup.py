@@ -21,7 +21,7 @@ def test_the_cli_imports_no_torch_until_a_command_needs_it():
 
 
 def test_the_training_modules_import_neither_fsdp_nor_distributed_checkpoint():
-    assert imported("unison.training.loop, unison.training.step, unison.training.checkpoint", HEAVY) == []
+    assert imported("unison.training.trainer, unison.training.step, unison.training.checkpoint", HEAVY) == []
 
 
 def test_the_sharded_paths_still_import_them():

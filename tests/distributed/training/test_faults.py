@@ -113,7 +113,7 @@ def test_hung_worker_ends_the_run_after_the_collective_timeout(tmp_path, capfd, 
 
 def _consistent(seed_by_rank: bool) -> str:
     from unison.distributed import collectives as C
-    from unison.training.loop import consistent_config
+    from unison.training.trainer import consistent_config
 
     cfg = TrainConfig(seed=C.rank() if seed_by_rank else 0, distributed=DistributedConfig(world_size=2))
     consistent_config(cfg)

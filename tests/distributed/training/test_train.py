@@ -57,7 +57,7 @@ def test_unison_train_and_check_stay_callable_after_their_packages_are_imported(
     """`unison.train(cfg)` is the API even once the training package is imported (it is named ``training``)."""
     import unison
     import unison.equivalence.steps  # noqa: F401
-    import unison.training.loop  # noqa: F401
+    import unison.training.trainer  # noqa: F401
     from unison.config import TrainConfig
     from unison.config.distributed import DistributedConfig
 

@@ -139,7 +139,7 @@ def test_resnet_stem_follows_the_image_size():
 def test_waiting_for_data_is_warned_once_with_what_to_change(capsys):
     from types import SimpleNamespace
 
-    from unison.training.loop import DataWaitWarning
+    from unison.training.trainer import DataWaitWarning
 
     def warnings_of(mode: str, device: str) -> list[str]:
         run = SimpleNamespace(data=SimpleNamespace(mode=mode, source=SimpleNamespace(loader_workers=2)),

@@ -215,12 +215,12 @@ def _renamed_val(sets: dict[str, Path], names: dict[str, str]) -> Path:
 def test_integer_labels_against_named_classes_fail_before_any_worker(sets, tmp_path):
     """Item 7: a list labelled 0/1 with a --val folder of names failed in the workers; now the pre-flight says
     what to change, in one line."""
-    from unison.training.preflight import preflight
+    from unison.training.resolve import resolve_run
 
     data = _labelled_list(sets, {"class_0": "0", "class_1": "1"})
     cfg = TrainConfig(data=str(data), val=str(sets["val"]), batch_size=8, out=str(tmp_path / "run"))
     with pytest.raises(ConfigError) as e:
-        preflight(cfg, launched=False)
+        resolve_run(cfg)
     msg = str(e.value)
     assert "label classes differently" in msg and "integer labels" in msg and "\n" not in msg
     assert not (tmp_path / "run").exists()
@@ -230,12 +230,13 @@ def test_unambiguous_label_spaces_are_mapped(sets, tmp_path):
     """Item 7: a held-out folder holding some of the classes, named by the list's integers or by its names, maps
     onto the training labels by name (it failed in the workers: "--val ... has classes [...] but --data ...")."""
     from unison.training.preflight import preflight
+    from unison.training.resolve import resolve_run
 
     for labels in ({"class_0": "0", "class_1": "1"}, {"class_0": "cat", "class_1": "dog"}):
         data, val = _labelled_list(sets, labels), _renamed_val(sets, {"class_1": labels["class_1"]})
         cfg = TrainConfig(data=str(data), val=str(val), batch_size=8, image_size=SIZE, data_mode="stream",
                           loader_workers=0, out=str(tmp_path / val.name))
-        preflight(cfg, launched=False)
+        preflight(resolve_run(cfg), launched=False)
         knn = S.build_batch_source(data_spec(cfg), torch.device("cpu"), "simclr").knn
         assert knn.num_classes == 2 and knn.query_labels.tolist() == [1] * 8
 
@@ -245,7 +246,7 @@ def test_training_knn_embeds_in_batches_of_the_training_share():
     rose with the reference set (a 300-image share at 600 images, 512 at 6,000: +24-29 % peak RSS per worker)."""
     from types import SimpleNamespace
 
-    from unison.training.loop_hooks import knn_top1
+    from unison.training.trainer import knn_top1
 
     images = torch.randint(0, 256, (300, 3, 4, 4), dtype=torch.uint8)
     labels = torch.arange(300) % 2

@@ -8,10 +8,9 @@ import torch
 
 from unison.cli import main
 from unison.cli.train_args import parse_train_args
-from unison.data.source import planned_view_sizes
 from unison.errors import ConfigError
 from unison.models.backbones import build_backbone, check_backbone
-from unison.training.step import data_spec
+from unison.training.resolve import plan_run
 
 _TINY = ["train", "--world-size", "1", "--max-steps", "1", "--batch-size", "8", "--subset", "32", "--val-subset", "16",
          "--knn-k", "5", "--no-progress", "--no-random-init-knn", "--method", "dino"]
@@ -55,9 +54,9 @@ def test_timm_vit_takes_local_crops_of_another_size():
 def test_local_crop_settings_on_the_command_line(capsys, tmp_path):
     cfg = parse_train_args(["--method", "dino", "--local-crops", "2", "--local-crop-size", "8"])
     assert (cfg.local_crops, cfg.local_crop_size) == (2, 8)
-    assert planned_view_sizes(data_spec(cfg), "digits_multicrop", None) == [16, 16, 8, 8]
+    assert plan_run(cfg).view_sizes == (16, 16, 8, 8)
     cfg = parse_train_args(["--method", "dino", "--local-crops", "0"])
-    assert planned_view_sizes(data_spec(cfg), "digits_multicrop", None) == [16, 16]
+    assert plan_run(cfg).view_sizes == (16, 16)
     err = _refused([*_TINY, "--local-crops", "99", "--out", str(tmp_path / "a")], capsys)
     assert "--local-crops" in err or "local_crops" in err
     err = _refused([*_TINY, "--local-crop-size", "4", "--out", str(tmp_path / "b")], capsys)

@@ -2,7 +2,7 @@
 16 px images), 32 px (CIFAR-10's size), 64 px and 224 px folders.
 
 Each cell goes the way `unison train --method M --data FOLDER` goes, on a folder of 4 tiny images: the whole
-check before any worker starts (`validate_run`, `preflight`), then the step every worker builds (`build_run`)
+check before any worker starts (`resolve_run`, `preflight`), then the step every worker builds (`build_run`)
 and one optimiser step on a batch of 2. The defaults are the recipe's, derived from the image size and the
 backbone's patch size (`unison.training.resolve.resolve_recipe`): the ViT methods' patches and the multi-crop
 methods' local crops. A failing cell names the method and the size.
@@ -22,7 +22,7 @@ from unison.distributed.env import init_distributed, shutdown_distributed
 from unison.methods import METHODS
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.training.preflight import preflight
-from unison.training.resolve import resolve_recipe, validate_run
+from unison.training.resolve import RunPlan, resolve_recipe, resolve_run, validate_run
 from unison.training.step import accumulated_forward_backward, build_run, optimizer_step, steps
 
 SIZES = ("digits", 16, 32, 64, 224)
@@ -55,10 +55,10 @@ def _defaults(method: str, size: int | str, folders: dict[int, Path], out: Path)
                        distributed=DistributedConfig(backend="local", world_size=1))
 
 
-def _one_step(cfg: TrainConfig) -> tuple[dict, list[int], float]:
-    init_distributed(cfg.distributed)
+def _one_step(plan: RunPlan) -> tuple[dict, list[int], float]:
+    init_distributed(plan.cfg.distributed)
     try:
-        run = build_run(cfg, torch.device("cpu"))
+        run = build_run(plan, torch.device("cpu"))
         micro = next(iter(steps(run, 0)))
         loss = accumulated_forward_backward(run, micro)
         optimizer_step(run, micro[0].step)
@@ -72,9 +72,9 @@ def _one_step(cfg: TrainConfig) -> tuple[dict, list[int], float]:
 def test_every_method_trains_at_its_defaults(method, size, folders, tmp_path, one_torch_thread):
     cell = f"{method} at {'16 px (the embedded digits)' if size == 'digits' else f'{size} px'}"
     try:
-        cfg = validate_run(_defaults(method, size, folders, tmp_path / "run"))
-        preflight(cfg, launched=False)
-        resolved, views, loss = _one_step(cfg)
+        plan = resolve_run(_defaults(method, size, folders, tmp_path / "run"))
+        preflight(plan, launched=False)
+        resolved, views, loss = _one_step(plan)
     except Exception as exc:   # the cell, then what refused it
         pytest.fail(f"{cell}: its defaults do not train: {type(exc).__name__}: {exc}")
     assert np.isfinite(loss), f"{cell}: loss {loss} at the first step"

@@ -77,10 +77,10 @@ class _Evil:
     ("superscript-freeze", 2, "--freeze '²' names no part of the backbone"),   # '²'.isdigit(): int('²') failed
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
-    """What `unison train` runs before any worker starts (`validate_run`, `preflight`): one line, its exit code."""
+    """What `unison train` runs before any worker starts (`resolve_run`, `preflight`): one line, its exit code."""
     from unison.cli.train_args import parse_train_args
     from unison.training.preflight import preflight
-    from unison.training.resolve import validate_run
+    from unison.training.resolve import resolve_run
 
     argv = [*TINY, "--out", str(tmp_path / "run")]
     if case == "pickle":
@@ -105,7 +105,7 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
     else:
         argv += ["--layer-decay", "1.5"]
     with pytest.raises(UnisonError) as info:
-        preflight(validate_run(parse_train_args(argv)), launched=False)
+        preflight(resolve_run(parse_train_args(argv)), launched=False)
     assert info.value.exit_code == code and fragment in str(info.value) and "\n" not in str(info.value), info.value
     assert not (tmp_path / "ran").exists() and not (tmp_path / "run" / "config.json").exists()
 
@@ -133,14 +133,14 @@ def test_init_weights_of_another_kind_are_one_line(tmp_path, kind, fragment):
     """--init weights that are not dense floats: refused by name, never cast silently nor a raw torch error."""
     from unison.cli.train_args import parse_train_args
     from unison.training.preflight import preflight
-    from unison.training.resolve import validate_run
+    from unison.training.resolve import resolve_run
 
     net, _ = build_backbone("small_cnn", 16)
     cast = _cast(kind)
     torch.save({k: cast(v) if v.is_floating_point() else v for k, v in net.state_dict().items()}, tmp_path / "w.pt")
     argv = [*TINY, "--out", str(tmp_path / "run"), "--init", str(tmp_path / "w.pt")]
     with pytest.raises(UnisonError) as info:
-        preflight(validate_run(parse_train_args(argv)), launched=False)
+        preflight(resolve_run(parse_train_args(argv)), launched=False)
     message = str(info.value)
     assert info.value.exit_code == 4 and message.startswith(f"--init {tmp_path / 'w.pt'}: "), message
     assert fragment in message and "\n" not in message, message
@@ -187,7 +187,7 @@ def test_a_restart_that_resumes_reads_no_init_in_the_preflight(tmp_path, monkeyp
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert resumes_after_restart(cfg)
     check_init_not_replaced(cfg, tmp_path / "run")
-    check_crops(cfg, [])
+    check_crops(cfg, cfg.backbone, [])
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     with pytest.raises(UnisonError, match="no such file"):
-        check_crops(cfg, [])
+        check_crops(cfg, cfg.backbone, [])
