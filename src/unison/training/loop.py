@@ -68,6 +68,7 @@ from unison.training.metrics import MetricsLogger
 from unison.training.preemption import MidStepStop
 from unison.training.profile import ProfileHook
 from unison.training.replan import ReplanHook
+from unison.training.run_files import run_file_error
 from unison.training.runlog import RunLog
 from unison.training.signals import ProbeHook, SignalsHook
 from unison.training.step import (
@@ -149,7 +150,8 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     _say(start_budget(run, budget, step, history), runlog)   # --time-budget: measure and plan, or keep the plan
     # after the restore: a checkpoint refused by it leaves the run directory's config as it was
     _write_config(run)
-    logger = MetricsLogger(cfg.out, enabled=C.rank() == 0, kind=cfg.logger, config=cfg.to_dict())
+    logger = MetricsLogger(cfg.out, enabled=C.rank() == 0, kind=cfg.logger, config=cfg.to_dict(),
+                           error=lambda path, e: run_file_error(path, e, cfg.out))
     on_exit.callback(logger.release)
 
     # ---- the hooks, in the order they run after every step
@@ -201,10 +203,12 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
 
 def _write_config(run: Run) -> None:
     """``config.json`` (rank 0): the run's configuration and what it resolved to; a full disk or a read-only folder
-    is one line naming the file (`write_text_atomic`), not an OSError traceback on every rank."""
+    is one line naming the file and the last good checkpoint (`unison.training.run_files`), not an OSError
+    traceback on every rank."""
     if C.rank() == 0:
         write_text_atomic(Path(run.cfg.out) / "config.json",
-                          json.dumps({**run.cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n")
+                          json.dumps({**run.cfg.to_dict(), "resolved": run.resolved}, indent=2) + "\n",
+                          error=lambda path, e: run_file_error(path, e, run.cfg.out))
 
 
 def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None) -> Run:
@@ -286,7 +290,8 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
                **({"time_budget": history["time_budget"]} if history.get("time_budget") else {}),
                **({"init": run.resolved["init"]} if "init" in run.resolved else {})})   # --init: file, sha256
     if C.rank() == 0:
-        write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
+        write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n",
+                          error=lambda path, e: run_file_error(path, e, cfg.out))
         logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
     return summary
 
