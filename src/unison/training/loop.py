@@ -160,10 +160,11 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     knn = KnnEvalHook(run, watch, logger, runlog)
     saver = CheckpointHook(run, checkpointer, watch, history)
     stop = StopHook(run, checkpointer, watch, history, budget.out_of_time if budget else lambda: False)
-    spent = [BudgetHook(budget, history), ReplanHook(budget, lambda line: _say(line, runlog), lambda: _write_config(run))
-             ] if budget else []
     profile = [ProfileHook(cfg.out, cfg.profile_steps, C.rank(), lambda line: _say(line, runlog))
                ] if cfg.profile_steps else []   # first: it records whole iterations, the other hooks' work included
+    spent = [BudgetHook(budget, history), ReplanHook(budget, lambda line: _say(line, runlog), lambda: _write_config(run),
+                                                     untimed=profile[0].records if profile else lambda step: False)
+             ] if budget else []
     hooks = Hooks([*profile, probe, log, knn, signals, *spent, saver, stop, *extra.hooks])
 
     # ---- the loop
