@@ -135,9 +135,11 @@ def write_error(path: str | Path, e: OSError, flag: str = "--out", kept: str = "
     return ConfigError(f"could not write {path} ({reason}){kept}; choose another {flag}")
 
 
-def write_text_atomic(path: str | Path, text: str, flag: str = "--out") -> Path:
+def write_text_atomic(path: str | Path, text: str, flag: str = "--out",
+                      error: Callable[[Path, OSError], Exception] | None = None) -> Path:
     """Write `text` to `path` through a temporary sibling and a rename (a reader never sees half a file); an
-    `OSError` becomes `write_error`'s one line and leaves no temporary behind."""
+    `OSError` becomes `write_error`'s one line (`error(path, oserror)`'s where given: a training run's files name
+    its last good checkpoint) and leaves no temporary behind."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
     try:
@@ -150,5 +152,5 @@ def write_text_atomic(path: str | Path, text: str, flag: str = "--out") -> Path:
             tmp.unlink()
         except OSError:
             pass
-        raise write_error(p, e, flag) from None
+        raise (error(p, e) if error is not None else write_error(p, e, flag)) from None
     return p

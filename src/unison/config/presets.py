@@ -41,6 +41,9 @@ CPU (docs/benchmarks.md has every run):
 * On a CPU (`SPEEDRUN_CPU`): the small CNN at batch 256. Not a ResNet-18: on 2 cores its step at batch 512
   measured 10.0 s (2 workers, compiled) after 105 s of start-up, so 5 minutes would train about 17 steps.
 
+The method parameters (the temperature) are SimCLR's: with another ``--method`` they are left out, and one warning
+says which (`with_preset`); the other values apply to any method.
+
 To tune them further, vary one at a time on the ``val`` split only (``--val <val> --time-budget 5m``), never on a
 test set.
 """
@@ -50,6 +53,7 @@ from __future__ import annotations
 import os
 import shutil
 import sysconfig
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +89,25 @@ def preset_values(name: str, cuda: bool) -> dict[str, Any]:
     return {**SPEEDRUN, **SPEEDRUN_CPU, **({"compile": True} if cpu_compiler_found() else {})}
 
 
-def with_preset(given: dict[str, Any], cuda: bool) -> dict[str, Any]:
+def with_preset(given: dict[str, Any], cuda: bool, say: bool = True) -> dict[str, Any]:
     """`given` (a configuration's explicit options) on top of its ``preset``'s values; nested mappings
     (method_params, distributed) merge key by key. ``epochs`` given without ``time_budget`` sets the run's length:
-    the preset's time budget is then left out (``--preset speedrun --epochs 200`` trains 200 epochs)."""
+    the preset's time budget is then left out (``--preset speedrun --epochs 200`` trains 200 epochs). The preset's
+    method parameters are its method's (SimCLR's temperature): with another ``method`` given they are left out,
+    and (`say`) one warning names them."""
     name = given.get("preset")
     if name is None:
         return given
     merged = dict(preset_values(name, cuda))
     if "epochs" in given and "time_budget" not in given:   # the length given in epochs: not the preset's time
         merged.pop("time_budget", None)
+    method = given.get("method", merged["method"])
+    if method != merged["method"]:   # another method's parameters: BYOL has no temperature
+        left_out = merged.pop("method_params", {})
+        if say and left_out:
+            values = ", ".join(f"{k}={v!r}" for k, v in left_out.items())
+            warnings.warn(f"--preset {name}'s {merged['method']} parameter(s) {values} are not applied to --method "
+                          f"{str(method)[:40]}; give that method's own with --param NAME=VALUE", stacklevel=3)
     for key, value in given.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}

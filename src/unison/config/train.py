@@ -395,7 +395,9 @@ class TrainConfig:
                               f"{' '.join('--' + k.replace('_', '-') for k in misplaced)}")
         if unknown:
             raise ConfigError(unknown_keys_message(unknown, known))
-        data = coerce_fields(cls, with_preset(data, _cuda(cuda_available)) if data.get("preset") else data)
+        # a complete configuration (a run's config.json, a worker's payload) was filled, and warned about, before
+        data = coerce_fields(cls, with_preset(data, _cuda(cuda_available), say=not known <= set(data))
+                             if data.get("preset") else data)
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")

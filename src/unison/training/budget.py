@@ -1,25 +1,29 @@
-"""``--time-budget``: the steps that fit a wall-clock budget, planned once, kept on resume, ended on time.
+"""``--time-budget``: the steps that fit a wall-clock budget, planned, checked as they run, kept on resume.
 
-1. Measure (`measure_costs`, every rank, before the step loop of a new run): a few warm-up steps (compile,
+1. Measure (`plan_budget`, every rank, before the step loop of a new run): a few warm-up steps (compile,
    allocator, loader start), then steady steps timed between device synchronisations; the kNN's embedding rate on
    one batch of its images; the copy and the write of a checkpoint of this model and optimizer. The measured
    steps are then undone (`Snapshot`: weights, buffers, optimizer state, extra state, RNG), so the run trains
-   from step 0 exactly as a ``--max-steps`` run of the planned length would.
+   from step 0 exactly as a ``--max-steps`` run of the planned length would. A stop signal during the
+   measurement ends the run after the step it arrived in (`stop_if_requested`): exit 75, before any plan.
 2. Plan (`plan_steps`, a pure function, on rank 0): the largest step count N such that the time spent so far,
    N steps, the periodic work of N steps (epoch checkpoints, ``--eval-every`` kNN, the label-free signals), the
    final kNN, signals and checkpoint, one step of stop delay and a safety margin fit the budget; the warm-up is
    ``--warmup-epochs`` but at most a tenth of N (`budget_warmup`). Rank 0 broadcasts the plan, so every rank
    trains the same N even when their clocks disagree.
 3. Apply: the plan goes into ``cfg.time_budget_plan`` (``config.json`` and every checkpoint record it, with the
-   measured costs: why N) and `unison.training.step.apply_plan` plans the learning rate and every schedule of
-   the method for N steps, the one rule `build_run` and a resumed run use. A resumed run reads the plan from
-   its checkpoint's configuration and does not measure again.
-4. Stop on time (`BudgetClock`): rank 0's clock says when the step loop must end to leave room for the final
+   measured costs and the world size they were measured at: why N) and `unison.training.step.apply_plan` plans
+   the learning rate and every schedule of the method for N steps, the one rule `build_run` and a resumed run
+   use (`unison.training.length.plan_length`, which a ``--max-steps`` given on resume caps). A resumed run reads
+   the plan from its checkpoint's configuration and does not measure again; at another world size the reserve
+   for its end is scaled to it (`costs_at`).
+4. Stop in time (`BudgetClock`): rank 0's clock says when the step loop must end to leave room for the final
    work; the ranks agree through the per-step stop exchange (`unison.training.preemption`), so a run slower
-   than measured still ends on time, through its normal end. The budget used is reported at the end and kept
-   in the history, so a resumed run spends only what is left.
-5. Plan again (`unison.training.replan`): at the end of the warm-up, from the steps the run has trained, and late
-   (half and four fifths of the way), from the steps since, the schedules then going on from where they are.
+   than measured still ends through its normal end. The budget used is reported at the end (`used_line`: an
+   overrun and an unfinished schedule are said as such) and kept in the history, so a resumed run spends only
+   what is left.
+5. Plan again (`unison.training.replan`): the run checks its plan against the steps it trains, at the end of the
+   warm-up and then every tenth of the plan, and plans again by `plan_steps` when they run far from it.
 
 The budget counts from the start of `unison.training.trainer.Trainer` on rank 0 (after the workers' start-up): data,
 model build, the random-initialisation kNN, the measurement, training and the final kNN and checkpoint.
@@ -30,12 +34,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import math
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -43,10 +47,13 @@ import torch
 from unison.config.budget import check_plan, parse_duration
 from unison.config.train import checkpoint_cadence
 from unison.distributed import collectives as C
-from unison.errors import ConfigError
+from unison.distributed.signals import stop_requests
+from unison.errors import ConfigError, Preempted
+from unison.training.budget_plan import MARGIN_SHARE, BudgetCosts, Cadence, costs_at, final_s, plan_steps, reserve_of
 from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
-from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, PROBE_IMAGES, OnlineProbe
+from unison.training.length import budget_warmup
+from unison.training.signals import PROBE_IMAGES, OnlineProbe
 from unison.training.step import Batch, Run, accumulated_forward_backward, apply_plan, batches, grouped, optimizer_step
 
 clock = time.perf_counter   # one clock for the whole module (the 2-rank test skews it on one rank)
@@ -54,76 +61,7 @@ WARMUP_MEASURE_STEPS = 3     # not timed: compile, first allocations, loader sta
 TIMED_STEPS = (5, 30)        # at least / at most, timed until MIN_TIMED_S has passed
 MIN_TIMED_S = 1.0
 MEASURE_SHARE = 0.05         # the measurement stops early past this share of the budget (two timed steps at least)
-MARGIN_SHARE = 0.02          # kept free of the plan: clocks, logging, the variation of the step time
-WARMUP_SHARE_MAX = 0.1       # the warm-up of a budgeted run is at most this share of its steps
 USED_KEY = "time_budget_used_s"   # in the run's history (checkpointed): the budget spent by earlier attempts
-
-
-@dataclass(frozen=True)
-class BudgetCosts:
-    """What the plan is made from, in seconds (all measured on this run, rank 0's values)."""
-
-    spent_s: float              # the budget spent when the plan is made (start-up, data, measurement)
-    step_s: float               # one steady optimiser step, with the online probe's share
-    knn_s: float                # one kNN evaluation (0: the run has none)
-    signals_s: float            # one measurement of the label-free signals (0: none)
-    checkpoint_copy_s: float    # what the step loop waits for at a periodic (background) checkpoint
-    checkpoint_s: float         # the final checkpoint, written before the run returns
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """How often the periodic work of the run happens (from its configuration)."""
-
-    steps_per_epoch: int
-    eval_every: int = 0          # kNN every N epochs (0: only at the end)
-    checkpoint_every: int = 0    # steps (0: every epoch, unless checkpoint_every_s)
-    signals_every: int = 0       # steps (0: automatic, `unison.training.signals`)
-    signals: bool = True
-    checkpoint_every_s: float = 0.0   # --checkpoint-every 10m: one save per that much training time
-
-    def periodic_s(self, steps: int, costs: BudgetCosts) -> float:
-        """The time the periodic work of a `steps`-step run takes, the final work excluded."""
-        epochs = steps // self.steps_per_epoch
-        if self.checkpoint_every_s:
-            saves = int(steps * costs.step_s / self.checkpoint_every_s)
-        else:
-            saves = (steps - 1) // self.checkpoint_every if self.checkpoint_every else max(0, epochs - (
-                steps % self.steps_per_epoch == 0))
-        evals = (epochs - (steps % self.steps_per_epoch == 0)) // self.eval_every if self.eval_every else 0
-        every = self.signals_every or max(AUTO_MIN_EVERY, math.ceil(steps / AUTO_EVALUATIONS))
-        signals = (1 + (steps - 1) // every) if self.signals else 0   # the start's and the periodic ones
-        return saves * costs.checkpoint_copy_s + max(0, evals) * costs.knn_s + signals * costs.signals_s
-
-
-def final_s(costs: BudgetCosts, cadence: Cadence) -> float:
-    """The end of the run after its last step: kNN, signals, the checkpoint written in full."""
-    return costs.knn_s + (costs.signals_s if cadence.signals else 0.0) + costs.checkpoint_s
-
-
-def plan_steps(budget_s: float, costs: BudgetCosts, cadence: Cadence, cap: int | None = None) -> int:
-    """The most steps N for which the budget holds the time spent, N steps and their periodic work, one step of
-    stop delay, the final work and a margin of `MARGIN_SHARE`; 0 when not even one fits. `cap`: ``--max-steps``."""
-    room = budget_s * (1 - MARGIN_SHARE) - costs.spent_s - final_s(costs, cadence) - costs.step_s
-
-    def fits(n: int) -> bool:
-        return n * costs.step_s + cadence.periodic_s(n, costs) <= room
-
-    hi = int(max(0.0, room) / max(costs.step_s, 1e-9)) + 1
-    if cap is not None:
-        hi = min(hi, cap)
-    lo = 0
-    while lo < hi:   # the time grows with N: the last N that fits
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-def budget_warmup(steps: int, warmup_epochs: float, steps_per_epoch: int) -> int:
-    """The warm-up of a budgeted run: ``--warmup-epochs``, at most `WARMUP_SHARE_MAX` of its steps."""
-    if steps <= 1:
-        return 0
-    return min(int(warmup_epochs * steps_per_epoch), int(WARMUP_SHARE_MAX * steps), steps - 1)
 
 
 def cadence_of(run: Run) -> Cadence:
@@ -141,15 +79,17 @@ class BudgetClock:
         self.started = clock()
         self.spent_before_s = 0.0
         self.reserve_s = 0.0   # kept for the end of the run (`final_s`), set by the plan
-        self.planned_here = False   # this attempt measured and planned (`unison.training.replan` may plan again)
         self.spent_on_resume = False   # a resumed attempt found it spent (every rank): it trains no more steps
+        self.ended_by_clock = False    # rank 0's clock said the step loop must end (`out_of_time`)
 
     def spent_s(self) -> float:
         return self.spent_before_s + clock() - self.started
 
     def out_of_time(self) -> bool:
         """Whether the step loop must end now (rank 0 decides; the other ranks' clocks are not read)."""
-        return C.rank() == 0 and self.spent_s() >= self.budget_s - self.reserve_s
+        if C.rank() == 0 and self.spent_s() >= self.budget_s - self.reserve_s:
+            self.ended_by_clock = True
+        return self.ended_by_clock
 
 
 class Snapshot:
@@ -215,16 +155,32 @@ def _timed_steps(run: Run, steps: Iterator[list[Batch]], budget_s: float, warmup
             if taken == warmup:
                 sync_device(run)
                 timed_from = clock()
+            stop_if_requested(False)
             continue
         timed += 1
         sync_device(run)
         elapsed = clock() - timed_from
         enough = timed >= TIMED_STEPS[1] or (timed >= TIMED_STEPS[0] and elapsed >= MIN_TIMED_S) or (
             timed >= 2 and clock() - started >= MEASURE_SHARE * budget_s)
-        if C.broadcast_object(enough if C.rank() == 0 else None):
+        if stop_if_requested(enough):
             break
     elapsed = C.broadcast_object(elapsed)   # rank 0's: every rank returns the figure rank 0 plans with
     return elapsed / max(1, timed), timed
+
+
+def stop_if_requested(enough: bool = False) -> bool:
+    """After each measurement step, every rank: rank 0's `enough` (whether the step is timed well enough), and a
+    stop signal (SIGTERM, SIGUSR1) received by any rank ends the run here, on every rank, as a preemption (exit
+    75): the measurement would otherwise run on, and the plan after it, before the step loop's stop exchange
+    hears the signal (a cluster kills the job some seconds after it)."""
+    votes = C.all_gather_object((bool(enough) if C.rank() == 0 else False, stop_requests().first))
+    stopped = next(((r, sig) for r, (_, sig) in enumerate(votes) if sig), None)
+    if stopped is not None:
+        name = signal.Signals(stopped[1]).name
+        raise Preempted(f"preempted by {name} (received by rank {stopped[0]}) while the --time-budget run measured "
+                        "its step, before its first step: nothing was trained, so there is no checkpoint to keep; "
+                        "run the same command again (it measures again)", signal_name=name)
+    return bool(votes[0][0])
 
 
 def measure_eval_s(run: Run) -> float:
@@ -287,6 +243,7 @@ def plan_budget(run: Run, budget: BudgetClock, knn_s: float | None = None) -> di
                         knn_s=knn_s or per_image_s * knn_images / world,
                         signals_s=3 * cfg.signal_images * per_image_s / world, checkpoint_copy_s=copy_s,
                         checkpoint_s=checkpoint_s)
+    stop_if_requested()   # a stop during the rest of the measurement (kNN rate, checkpoint write): before the plan
     plan = describe_plan(budget.budget_s, costs, cadence_of(run), cfg, timed) if C.rank() == 0 else None
     plan = C.broadcast_object(plan)
     if plan["steps"] < 1:
@@ -294,7 +251,7 @@ def plan_budget(run: Run, budget: BudgetClock, knn_s: float | None = None) -> di
                           "budget")
     cfg.time_budget_plan = plan
     apply_plan(run)
-    budget.reserve_s, budget.planned_here = plan["reserve_s"], True
+    budget.reserve_s = plan["reserve_s"]
     return plan
 
 
@@ -309,7 +266,7 @@ def describe_plan(budget_s: float, costs: BudgetCosts, cadence: Cadence, cfg: An
            + (f"; capped by --max-steps {cfg.max_steps}" if cfg.max_steps and steps == cfg.max_steps else ""))
     return {"budget_s": budget_s, "steps": steps,
             "warmup_steps": budget_warmup(steps, cfg.warmup_epochs, cadence.steps_per_epoch),
-            "reserve_s": final + costs.step_s, "why": why,
+            "reserve_s": reserve_of(costs, cadence), "why": why, "world_size": C.world_size(),
             "measured": {k: round(v, 6) for k, v in asdict(costs).items()}}
 
 
@@ -338,27 +295,58 @@ def start_budget(run: Run, budget: BudgetClock | None, step: int, history: dict[
         plan = plan_budget(run, budget, history.get("random_init_knn_s"))
         return f"time budget {run.cfg.time_budget}: planned {plan['steps']} steps: {plan['why']}"
     budget.spent_before_s = float(history.get(USED_KEY, 0.0))
-    budget.reserve_s = float(plan.get("reserve_s", 0.0))
+    notes = []
+    if "measured" in plan:   # the end's reserve as this attempt will spend it (its world size)
+        costs, scaled = costs_at(plan, C.world_size())
+        budget.reserve_s = reserve_of(costs, cadence_of(run))
+        if scaled:
+            notes.append(f"the reserve for the end (final kNN, signals, checkpoint, one step) {scaled}: "
+                         f"{budget.reserve_s:.1f} s (was {float(plan['reserve_s']):.1f} s)")
+    else:
+        budget.reserve_s = float(plan.get("reserve_s", 0.0))
+    if run.total_steps < int(plan["steps"]):   # --max-steps given on resume caps the plan (`plan_length`)
+        notes.append(f"capped at {run.total_steps} steps by --max-steps {run.cfg.max_steps}")
+        run.cfg.time_budget_plan = {**{k: v for k, v in plan.items() if k != "stretch"}, "steps": run.total_steps,
+                                    "warmup_steps": run.schedule.warmup_steps,
+                                    "why": f"capped at {run.total_steps} steps by --max-steps on resume; {plan['why']}"}
     # decided before the loop: the per-step stop exchange would act a step late, after the first step's start-up
     budget.spent_on_resume = bool(C.broadcast_object(budget.out_of_time() if C.rank() == 0 else None))
+    if budget.spent_on_resume:
+        notes.append("nothing is left for steps: the run goes on to its end")
     return (f"time budget {run.cfg.time_budget}: resuming the plan of {plan['steps']} steps at step {step}, "
-            f"{budget.spent_before_s:.1f} s of {budget.budget_s:g} s spent before"
-            + ("; nothing is left for steps: the run goes on to its end" if budget.spent_on_resume else ""))
+            f"{budget.spent_before_s:.1f} s of {budget.budget_s:g} s spent before" + "".join(f"; {n}" for n in notes))
 
 
 def end_budget(run: Run, budget: BudgetClock | None, step: int) -> dict[str, Any] | None:
-    """After the final checkpoint: the budget used (rank 0's clock, broadcast) and whether the loop ended early."""
+    """After the final checkpoint: the budget used (rank 0's clock, broadcast), whether rank 0's clock ended the
+    loop, and where the learning rate stands when the schedule did not reach its end."""
     if budget is None:
         return None
-    used = C.broadcast_object(budget.spent_s() if C.rank() == 0 else None)
+    used, by_clock = C.broadcast_object((budget.spent_s(), budget.ended_by_clock) if C.rank() == 0 else None)
     planned = run.total_steps
-    return {"budget_s": budget.budget_s, "used_s": round(used, 3), "planned_steps": planned, "steps": step,
-            "stopped_by_clock": step < planned}
+    record = {"budget_s": budget.budget_s, "used_s": round(used, 3), "planned_steps": planned, "steps": step,
+              "stopped_by_clock": bool(by_clock) and step < planned, "over_s": round(max(0.0, used - budget.budget_s), 3),
+              "schedule_finished": step >= planned}
+    if step < planned:   # the rate of its last step, as a share of the peak
+        record["last_lr_share"] = round(run.schedule.lr(max(0, step - 1)) / max(run.schedule.peak_lr, 1e-30), 4)
+    return record
+
+
+def over_text(over_s: float) -> str:
+    """An overrun in seconds for the result line: never rounded to nothing."""
+    return f"{over_s:.1f} s" if over_s >= 0.1 else "less than 0.1 s"
 
 
 def used_line(budget: str, used: dict[str, Any], spent_on_resume: bool) -> str:
-    """The line for ``train.log`` at the end of a budgeted run (`used`: `end_budget`'s record)."""
-    why = (" (resumed with the budget spent)" if spent_on_resume else
-           " (the steps ran slower than measured: ended on time)" if used["stopped_by_clock"] else "")
-    return (f"time budget {budget}: used {used['used_s']:.1f} s of {used['budget_s']:g} s, "
-            f"{used['steps']} of {used['planned_steps']} planned steps{why}")
+    """The result line of a budgeted run (`used`: `end_budget`'s record): every figure on it as measured, an
+    overrun said as one, and a schedule that did not reach its end said with where its learning rate stands."""
+    line = (f"time budget {budget}: used {used['used_s']:.1f} s of {used['budget_s']:g} s"
+            + (f", {over_text(used['over_s'])} over budget" if used["over_s"] > 0 else "")
+            + f", {used['steps']} of {used['planned_steps']} planned steps")
+    if used["schedule_finished"]:
+        return line + (" (resumed with the budget spent)" if spent_on_resume else "")
+    why = ("resumed with the budget spent" if spent_on_resume else
+           "the steps ran slower than planned and the clock ended the run" if used["stopped_by_clock"] else
+           "the run ended before its last step")
+    return (line + f": {why}, its learning-rate schedule unfinished (the last step at "
+            f"{used['last_lr_share']:.0%} of the peak rate)")

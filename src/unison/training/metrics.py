@@ -22,8 +22,10 @@ columns (earlier rows keep their values, new columns empty).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,42 @@ COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait
 
 
 class MetricsLogger:
+    """`error(path, oserror)`: what a failed write of ``metrics.csv`` or ``plot.png`` raises (a full disk: the
+    training loop's one line, `unison.training.run_files`); None: the `OSError` itself."""
+
     def __init__(self, run_dir: str | Path, enabled: bool = True, kind: str = "csv",
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, error: Callable[[Path, OSError], Exception] | None = None):
         self.enabled = enabled and kind != "none"
         self.run_dir = Path(run_dir)
         self.rows: list[dict[str, Any]] = []
         self._tb: Any = None
         self._wandb: Any = None
+        self.error = error
         if not self.enabled:
             return
         self.path = self.run_dir / "metrics.csv"
+        with self._writing(self.path):
+            self._open()
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        elif kind == "wandb":
+            import wandb
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "unison"), name=self.run_dir.name,
+                                     dir=str(self.run_dir), config=config or {}, resume="allow")
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            if self.error is None:
+                raise
+            raise self.error(path, e) from None
+
+    def _open(self) -> None:
         if self.path.exists():  # resumed run: keep the earlier rows
             with open(self.path, newline="") as f:
                 reader = csv.DictReader(f)
@@ -54,15 +82,6 @@ class MetricsLogger:
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
         if self._file.tell() == 0:  # a resumed run whose file holds only the header must not get a second one
             self._writer.writeheader()
-        if kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        elif kind == "wandb":
-            import wandb
-
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "unison"), name=self.run_dir.name,
-                                     dir=str(self.run_dir), config=config or {}, resume="allow")
 
     def _rewrite(self) -> None:
         tmp = self.path.with_suffix(".csv.tmp")
@@ -77,8 +96,9 @@ class MetricsLogger:
             return
         row = {k: values.get(k) for k in COLUMNS}
         self.rows.append(row)
-        self._writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
-        self._file.flush()
+        with self._writing(self.path):
+            self._writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+            self._file.flush()
         scalars = {k: v for k, v in values.items() if k not in ("step", "epoch") and v is not None}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -89,19 +109,22 @@ class MetricsLogger:
     def release(self) -> None:
         """Close the files without drawing the plot (a run that failed); safe after `close`."""
         if self.enabled and not self._file.closed:
-            self._file.close()
+            with contextlib.suppress(OSError):   # a full disk: the run's own error says so
+                self._file.close()
             if self._tb is not None:
                 self._tb.close()
 
     def close(self, random_init_knn_top1: float | None = None) -> None:
         if not self.enabled:
             return
-        self._file.close()
+        with self._writing(self.path):
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        plot_metrics(self.rows, self.run_dir / "plot.png", random_init_knn_top1)
+        with self._writing(self.run_dir / "plot.png"):
+            plot_metrics(self.rows, self.run_dir / "plot.png", random_init_knn_top1)
 
 
 def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None) -> Any:

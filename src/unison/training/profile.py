@@ -55,6 +55,11 @@ class ProfileHook(TrainHook):
         if self.first == step < run.total_steps:
             self._begin(run.device)
 
+    def records(self, step: int) -> bool:
+        """Whether optimiser step `step` (1-based, as `StepEnd.step`) is one this hook records: its time is the
+        profiler's too (a ``--time-budget`` run does not plan from it, `unison.training.replan`)."""
+        return self.first < step <= self.first + self.steps
+
     def after_step(self, run: Run, end: StepEnd) -> None:
         if self.profiler is None and self.recorded == 0 and end.step == self.first and not end.last:
             self._begin(run.device)

@@ -72,6 +72,7 @@ from unison.training.profile import ProfileHook
 from unison.training.progress_bar import progress_bar
 from unison.training.replan import ReplanHook
 from unison.training.resolve import RunPlan, plan_run
+from unison.training.run_files import run_file_error
 from unison.training.runlog import RunLog
 from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, HeldBack, OnlineProbe, measure_signals
 from unison.training.step import (
@@ -182,7 +183,7 @@ class Trainer:
             self._say(start_budget(run, self.budget, step, self.history))   # measure and plan, or keep the plan
             self._write_config()   # after the restore: a checkpoint refused by it leaves config.json as it was
             self.logger = MetricsLogger(self.cfg.out, enabled=self.master, kind=self.cfg.logger,
-                                        config=self.cfg.to_dict())
+                                        config=self.cfg.to_dict(), error=self._file_error)
             on_exit.callback(self.logger.release)
             step = self._loop(step)
             return self._end(step)
@@ -306,7 +307,9 @@ class Trainer:
         self.profile = ProfileHook(cfg.out, cfg.profile_steps, C.rank(), self._say) if cfg.profile_steps else None
         if self.profile is not None:
             self.profile.start(run, step)
-        self.replan = ReplanHook(self.budget, self._say, self._write_config) if self.budget is not None else None
+        self.replan = (ReplanHook(self.budget, self._say, self._write_config,
+                                  untimed=self.profile.records if self.profile is not None else lambda step: False)
+                       if self.budget is not None else None)
         if self.replan is not None:
             self.replan.start(run, step)
         self.cadence = checkpoint_cadence(cfg.checkpoint_every)
@@ -515,18 +518,24 @@ class Trainer:
                    **({"time_budget": history["time_budget"]} if history.get("time_budget") else {}),
                    **({"init": run.resolved["init"]} if "init" in run.resolved else {})})   # --init: file, sha256
         if self.master:
-            write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n")
+            write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n",
+                              error=self._file_error)
             self.logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
         return summary
 
     # ---- shared
 
     def _write_config(self) -> None:
-        """``config.json`` (rank 0): the run's configuration and what it resolved to; a full disk or a read-only
-        folder is one line naming the file (`write_text_atomic`), not an OSError traceback on every rank."""
+        """``config.json`` (rank 0): the run's configuration and what it resolved to."""
         if self.master:
             write_text_atomic(Path(self.cfg.out) / "config.json",
-                              json.dumps({**self.cfg.to_dict(), "resolved": self.run.resolved}, indent=2) + "\n")
+                              json.dumps({**self.cfg.to_dict(), "resolved": self.run.resolved}, indent=2) + "\n",
+                              error=self._file_error)
+
+    def _file_error(self, path: Path, error: OSError) -> Exception:
+        """A failed write of one of the run's own files (a full disk, a read-only folder): one line naming the file
+        and the last good checkpoint (`unison.training.run_files`), not an OSError traceback on every rank."""
+        return run_file_error(path, error, self.cfg.out)
 
     def _say(self, line: str | None, log_as_printed: bool = False) -> None:
         """A line on rank 0's standard error and in ``train.log`` (nothing for None); `log_as_printed`: with its

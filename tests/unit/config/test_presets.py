@@ -95,3 +95,22 @@ def test_unison_plan_takes_the_gpu_values_on_a_machine_without_one():
     cfg = build_train_config(ns, cuda_available=True)
     assert (cfg.backbone, cfg.batch_size, cfg.amp, cfg.compile) == ("resnet18", 512, "bf16", False)
     assert TrainConfig.from_dict({"preset": "speedrun"}, cuda_available=False).backbone == "small_cnn"
+
+
+@pytest.mark.parametrize("method", ["byol", "mae"])
+def test_speedrun_with_another_method_leaves_out_simclrs_parameters_and_says_so(method, tmp_path):
+    """The preset's temperature is SimCLR's: with --method byol it was refused as 'unknown byol parameter(s)
+    'temperature'', a value the user never gave."""
+    with pytest.warns(UserWarning) as caught:
+        cfg = parse_train_args(["--preset", "speedrun", "--method", method, "--out", str(tmp_path)])
+    lines = [str(w.message) for w in caught if "--preset speedrun" in str(w.message)]
+    assert lines == [f"--preset speedrun's simclr parameter(s) temperature=0.2 are not applied to --method {method}; "
+                     "give that method's own with --param NAME=VALUE"]
+    assert cfg.method == method and "temperature" not in cfg.method_params and cfg.data_mode == "memory"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a run's config.json (every option given): filled and said before
+        assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+        simclr = parse_train_args(["--preset", "speedrun", "--method", "simclr", "--out", str(tmp_path)])
+    assert simclr.method_params == {"temperature": 0.2}

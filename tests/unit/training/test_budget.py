@@ -2,7 +2,6 @@
 and measurement steps that leave no trace (a budgeted run trains from step 0 as a run of its planned length)."""
 
 import json
-import time
 
 import pytest
 import torch
@@ -164,11 +163,12 @@ def test_a_run_capped_below_the_measurement_does_not_time_its_first_steps(tmp_pa
     monkeypatch.setattr(budget, "TIMED_STEPS", (2, 3))
     taken: list[int] = []
     real_step = budget.optimizer_step
+    now = [0.0]
+    monkeypatch.setattr(budget, "clock", lambda: now[0])   # the budget's clock: the steps take what the test says
 
     def compiling_at_first(run, step):
         taken.append(step)
-        if len(taken) <= budget.WARMUP_MEASURE_STEPS:
-            time.sleep(1.0)   # a compiling step
+        now[0] += 50.0 if len(taken) <= budget.WARMUP_MEASURE_STEPS else 0.1   # a compiling step, then steady ones
         return real_step(run, step)
 
     monkeypatch.setattr(budget, "optimizer_step", compiling_at_first)
@@ -177,7 +177,7 @@ def test_a_run_capped_below_the_measurement_does_not_time_its_first_steps(tmp_pa
     run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
     plan = plan_budget(run, BudgetClock(cfg.time_budget))
     assert plan["steps"] == run.total_steps == 2 and "timed over 3 steps after 3 warm-up steps" in plan["why"]
-    assert taken == [0, 1, 0, 1, 0, 1] and plan["measured"]["step_s"] < 0.5, plan
+    assert taken == [0, 1, 0, 1, 0, 1] and plan["measured"]["step_s"] == pytest.approx(0.1), plan
 
 
 def test_epochs_given_beside_a_budget_are_said_to_be_unused(tmp_path):
@@ -197,3 +197,88 @@ def test_epochs_given_beside_a_budget_are_said_to_be_unused(tmp_path):
         warnings.simplefilter("error")   # no budget, or no epochs given: nothing to say
         parse_train_args(["--epochs", "1", "--out", str(tmp_path / "c")])
         parse_train_args(["--time-budget", "30s", "--out", str(tmp_path / "d")])
+
+
+def _used(**kw):
+    return {"budget_s": 20.0, "used_s": 19.0, "planned_steps": 21, "steps": 21, "stopped_by_clock": False,
+            "over_s": 0.0, "schedule_finished": True, **kw}
+
+
+def test_the_result_line_says_an_overrun_and_an_unfinished_schedule():
+    """Every figure as measured: 'used 25.3 s of 20 s, 21 of 21 planned steps' said nothing of 5.3 s over, and a
+    run the clock ended at step 15 of 44 nothing of its learning rate, still at 77 % of the peak."""
+    assert budget.used_line("20s", _used(), False) == "time budget 20s: used 19.0 s of 20 s, 21 of 21 planned steps"
+    over = budget.used_line("20s", _used(used_s=25.3, over_s=5.3), False)
+    assert over == "time budget 20s: used 25.3 s of 20 s, 5.3 s over budget, 21 of 21 planned steps"
+    assert "less than 0.1 s over budget" in budget.used_line("20s", _used(used_s=20.04, over_s=0.04), False)
+    ended = budget.used_line("60s", _used(budget_s=60.0, used_s=61.2, over_s=1.2, planned_steps=44, steps=15,
+                                          stopped_by_clock=True, schedule_finished=False, last_lr_share=0.7712), False)
+    assert ended == ("time budget 60s: used 61.2 s of 60 s, 1.2 s over budget, 15 of 44 planned steps: the steps ran "
+                     "slower than planned and the clock ended the run, its learning-rate schedule unfinished (the "
+                     "last step at 77% of the peak rate)")
+    spent = budget.used_line("60s", _used(planned_steps=44, steps=15, schedule_finished=False, last_lr_share=0.5),
+                             True)
+    assert spent.endswith("15 of 44 planned steps: resumed with the budget spent, its learning-rate schedule "
+                          "unfinished (the last step at 50% of the peak rate)")
+    assert not [line for line in (over, ended, spent) if "on time" in line]
+
+
+def test_the_end_record_is_rank_0s_clock_and_schedule(tmp_path, local_group, monkeypatch):
+    plan = {"budget_s": 60.0, "steps": 44, "warmup_steps": 4, "reserve_s": 1.0, "why": "test"}
+    cfg = _cfg(tmp_path, time_budget="60s", time_budget_plan=plan, warmup_epochs=2.0).validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    now = [0.0]
+    monkeypatch.setattr(budget, "clock", lambda: now[0])
+    clock = BudgetClock("60s")
+    clock.reserve_s = 5.0
+    now[0] = 56.0
+    assert clock.out_of_time()   # the clock ends the loop: said at the end
+    now[0] = 61.2
+    used = budget.end_budget(run, clock, 15)
+    assert used["used_s"] == 61.2 and used["over_s"] == pytest.approx(1.2) and used["stopped_by_clock"]
+    assert not used["schedule_finished"] and used["last_lr_share"] == pytest.approx(
+        run.schedule.lr(14) / run.schedule.peak_lr, abs=1e-4) and 0.5 < used["last_lr_share"] < 0.9
+
+
+def test_a_plan_resumed_at_another_world_size_scales_what_its_workers_share():
+    """Measured at 2 workers, resumed at 1: the step, the kNN and the signals take twice as long (each worker embeds
+    its share of the images), the checkpoint (rank 0's) as long; the reserve for the end follows."""
+    plan = {"budget_s": 45.0, "steps": 40, "warmup_steps": 4, "reserve_s": 9.0, "why": "test", "world_size": 2,
+            "measured": {**budget.asdict(COSTS), "signals_s": 2.0}}
+    same, said = budget.costs_at(plan, 2)
+    assert same == BudgetCosts(**plan["measured"]) and said == ""
+    one, said = budget.costs_at(plan, 1)
+    assert (one.step_s, one.knn_s, one.signals_s, one.checkpoint_s) == (1.0, 8.0, 4.0, 1.0)
+    assert said == "measured at 2 worker(s), scaled to 1"
+    cadence = Cadence(steps_per_epoch=100)
+    assert budget.reserve_of(one, cadence) == 8.0 + 4.0 + 1.0 + 1.0
+    assert budget.costs_at({k: v for k, v in plan.items() if k != "world_size"}, 1)[0] == same   # recorded before
+
+
+def test_max_steps_given_on_resume_caps_the_plan_and_its_warmup(tmp_path, local_group):
+    """A plan of 90 steps resumed with --max-steps 30: a run of 30 steps, its warm-up by the first plan's rule (a
+    tenth: 3), as if planned so; a late re-plan's stretch gives way to it. It trained on to the plan's end."""
+    plan = {"budget_s": 600.0, "steps": 90, "warmup_steps": 9, "reserve_s": 1.0, "why": "test",
+            "stretch": {"knots": [[20, 20.0]], "length": 100}}
+    cfg = _cfg(tmp_path, time_budget="10m", time_budget_plan=plan, max_steps=30, warmup_epochs=5.0).validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    assert run.total_steps == run.method.steps_total == 30 and run.schedule.warmup_steps == budget_warmup(30, 5.0, 2)
+    assert run.schedule.stretch is None and run.schedule.lr(29) > 0 and run.schedule.lr(30) == 0.0
+    line = budget.start_budget(run, BudgetClock("10m"), 12, {budget.USED_KEY: 100.0})
+    assert "capped at 30 steps by --max-steps 30" in line
+    assert cfg.time_budget_plan["steps"] == 30 and cfg.time_budget_plan["warmup_steps"] == 3
+    assert "stretch" not in cfg.time_budget_plan and cfg.time_budget_plan["why"].startswith("capped at 30 steps")
+
+
+def test_a_stop_signal_during_the_measurement_ends_the_run_as_a_preemption(monkeypatch):
+    from unison.distributed import signals
+    from unison.errors import PREEMPTED_EXIT_CODE, Preempted
+
+    assert budget.stop_if_requested(True) is True and budget.stop_if_requested(False) is False
+    monkeypatch.setattr(signals, "_REQUESTS", signals.StopRequests(first=int(budget.signal.SIGTERM), count=1))
+    with pytest.raises(Preempted, match=r"preempted by SIGTERM \(received by rank 0\) while the --time-budget run "
+                                        r"measured its step, before its first step: nothing was trained") as caught:
+        budget.stop_if_requested(True)
+    assert caught.value.exit_code == PREEMPTED_EXIT_CODE and caught.value.signal_name == "SIGTERM"

@@ -73,3 +73,16 @@ def test_the_summary_line_says_how_busy_the_device_was():
     line = summary_line(20, 20, wall_s=1.0, kernels_s=0.25, folder=Path("runs/x/profile"))
     assert line == ("profile: 20 steps, 50.0 ms per step, device busy 25 % (12.5 ms of kernels per step); "
                     "trace and operator table in runs/x/profile")
+
+
+def test_the_hook_says_which_steps_it_records(tmp_path):
+    """A --time-budget run does not time them (`unison.training.replan`): the ones the trace holds, 1-based."""
+    from types import SimpleNamespace
+
+    from unison.training.profile import ProfileHook
+
+    hook = ProfileHook(tmp_path, 3, rank=0)
+    hook.start(SimpleNamespace(total_steps=100, device=torch.device("cpu")), 0)
+    assert [s for s in range(1, 30) if hook.records(s)] == [SKIP_STEPS + 1, SKIP_STEPS + 2, SKIP_STEPS + 3]
+    hook.start(SimpleNamespace(total_steps=100, device=torch.device("cpu")), 40)   # a resumed attempt skips again
+    assert [s for s in range(1, 80) if hook.records(s)] == [51, 52, 53]

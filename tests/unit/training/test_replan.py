@@ -1,7 +1,7 @@
-"""A budgeted run plans its steps again at the end of its warm-up, from the steps it trained: the count follows the
-real step time, the warm-up's learning rates stay, and every schedule ends at the new last step. Late in the run it
-checks again, from the steps since: a run turned slower takes fewer steps, its schedules go on from where they were
-(no jump) and end at its new last step; one on time keeps its plan."""
+"""A budgeted run checks its plan against the steps it trains (at the end of its warm-up, or as soon as a few steps are
+timed, then every tenth of the plan) and plans again when they run far from it: at the end of the warm-up as from
+step 0 (the warm-up by the first plan's rule), later by laying the steps left onto its schedules (no jump). Steps
+``--profile-steps`` records are not timed. The budget's clock is faked: the steps take what each test says."""
 
 from dataclasses import asdict
 
@@ -13,12 +13,14 @@ from unison.data.synthetic import synthetic_dataset
 from unison.distributed.env import init_distributed, shutdown_distributed
 from unison.errors import ConfigError
 from unison.training import budget
-from unison.training.budget import MARGIN_SHARE, BudgetClock, BudgetCosts, Cadence
+from unison.training.budget import BudgetClock, BudgetCosts, Cadence, plan_steps, reserve_of
 from unison.training.hooks import StepEnd
-from unison.training.replan import ReplanHook, late_step, late_steps, replan_step, replanned_steps
+from unison.training.length import budget_warmup
+from unison.training.replan import ReplanHook, far_from_plan, next_check, window_step_s
 from unison.training.step import apply_plan, build_run
 
 FIRST = BudgetCosts(spent_s=10.0, step_s=1.0, knn_s=0.0, signals_s=0.0, checkpoint_copy_s=0.0, checkpoint_s=0.0)
+NO_WORK = Cadence(steps_per_epoch=2, signals=False)   # the synthetic runs below: 8 images, batch 4, nothing periodic
 
 
 @pytest.fixture
@@ -27,142 +29,169 @@ def local_group():
     shutdown_distributed(None)
 
 
-def _plan(steps: int, warmup: int) -> dict:
-    return {"budget_s": 600.0, "steps": steps, "warmup_steps": warmup, "reserve_s": 1.0, "why": "measured",
+def _plan(steps: int, warmup: int, budget_s: float = 600.0) -> dict:
+    return {"budget_s": budget_s, "steps": steps, "warmup_steps": warmup, "reserve_s": 1.0, "why": "measured",
             "measured": asdict(FIRST)}
 
 
-def test_the_replan_comes_at_the_end_of_the_warmup_and_once():
-    assert replan_step(_plan(100, 10)) == 10
-    assert replan_step(_plan(1000, 10)) == 100                 # no earlier than a tenth of the steps
-    assert replan_step(_plan(20, 3)) is None                   # 2 steps to time: the first plan stays
-    assert replan_step({**_plan(100, 10), "replanned": {}}) is None
-
-
-def test_replanned_steps_follow_the_trained_step_time():
-    cadence = Cadence(steps_per_epoch=50, signals=False)
-    # 10 steps of 2 s after 10 s of start-up: the first plan's rule with a 2 s step
-    room = 600 * (1 - MARGIN_SHARE) - 10 - 2
-    assert replanned_steps(600, FIRST, cadence, 10, 30.0, 2.0, None) == int(room / 2)
-    assert replanned_steps(600, FIRST, cadence, 10, 30.0, 2.0, 50) == 50          # --max-steps still caps it
-    assert replanned_steps(600, FIRST, cadence, 10, 599.0, 2.0, None) == 11       # no time left: the clock ends it
-
-
-def test_a_slower_run_replans_its_schedules_for_the_steps_that_fit(tmp_path, local_group, monkeypatch):
-    """Planned for 100 steps of 1 s, the steps take 2 s: after step 10 (the warm-up's end) the run plans 288 steps,
-    and the lr's cosine and BYOL's momentum end exactly there; the warm-up's rates are those of the first plan."""
-    cfg = TrainConfig(method="byol", data="synthetic", batch_size=4, precision="float64", threads=1, out=str(tmp_path),
-                      random_init_knn=False, signal_images=0, online_probe=False, time_budget="10m",
-                      time_budget_plan=_plan(100, 10),
+def _run(tmp_path, plan: dict, method: str = "byol", warmup_epochs: float = 5.0):
+    """A run of `plan` whose --warmup-epochs give the plan's warm-up (2 steps an epoch)."""
+    cfg = TrainConfig(method=method, data="synthetic", batch_size=4, precision="float64", threads=1, out=str(tmp_path),
+                      random_init_knn=False, signal_images=0, online_probe=False, warmup_epochs=warmup_epochs,
+                      time_budget=f"{plan['budget_s']:g}s", time_budget_plan=plan,
                       distributed=DistributedConfig(backend="local", world_size=1)).validate()
     init_distributed(cfg.distributed)
-    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
-    warmup_lrs = [run.schedule.lr(s) for s in range(10)]
-    now = [0.0]
-    monkeypatch.setattr(budget, "clock", lambda: now[0])
-    clock = BudgetClock("10m")
-    clock.planned_here = True
-    lines, written = [], []
-    hook = ReplanHook(clock, lines.append, lambda: written.append(dict(cfg.time_budget_plan)))
-    hook.start(run, 0)
-    now[0] = 10.0                                  # start-up, data, the first measurement
-    for step in range(1, 13):
-        now[0] += 2.0
+    return cfg, build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+
+
+def _steps(hook, run, now, steps, seconds):
+    """Steps `steps` through the hook, each `seconds(step)` long on the budget's clock."""
+    for step in steps:
+        now[0] += seconds(step)
         hook.after_step(run, StepEnd(step, 0.1, torch.zeros(()), epoch_done=False, last=False))
-    expected = replanned_steps(600, FIRST, Cadence(steps_per_epoch=run.steps_per_epoch, signals=False), 10, 30.0,
-                               2.0, None)
+
+
+def _hook(monkeypatch, cfg, now, start_s=0.0, untimed=lambda step: False):
+    monkeypatch.setattr(budget, "clock", lambda: now[0])
+    clock = BudgetClock(cfg.time_budget)
+    clock.started, clock.reserve_s = start_s, 1.0
+    lines, written = [], []
+    hook = ReplanHook(clock, lines.append, lambda: written.append(dict(cfg.time_budget_plan)), untimed=untimed)
+    return hook, clock, lines, written
+
+
+def test_the_checks_come_at_the_end_of_the_warmup_or_once_steps_are_timed_then_every_tenth():
+    assert next_check(100, 10, timed_from=1) == 10              # the end of the warm-up
+    assert next_check(44, 4, timed_from=1) == 6                 # a short warm-up: as soon as 5 steps are timed
+    assert next_check(100, 10, timed_from=10) == 20             # then a tenth of the plan on
+    assert next_check(1000, 10, timed_from=10) == 110
+    assert next_check(30, 0, timed_from=3) == 8                 # at least 5 steps timed
+    assert next_check(100, 10, timed_from=85) == 95
+    assert next_check(100, 10, timed_from=86) is None           # none in the last 5 steps
+
+
+def test_far_from_plan_is_more_than_a_fiftieth_of_the_steps_left_and_more_than_a_step():
+    assert not far_from_plan(50, 100, 51 + 50)                 # 1 step off of 50 left
+    assert far_from_plan(50, 100, 98) and far_from_plan(50, 100, 102)
+    assert not far_from_plan(90, 100, 101)                     # near the end: a step is noise
+    assert far_from_plan(6, 44, 15)
+
+
+def test_a_windows_pace_leaves_out_its_planned_periodic_work():
+    assert window_step_s(20.0, 10, planned_work_s=4.0) == pytest.approx(1.6)
+    assert window_step_s(20.0, 10, planned_work_s=50.0) == pytest.approx(1.0)   # at least half the plain mean
+
+
+def test_the_steps_that_fit_are_the_first_plans_rule_from_the_step_reached():
+    """plan_steps from step `at`: the steps left and their periodic work fit what is left after the time spent."""
+    costs = BudgetCosts(spent_s=30.0, step_s=2.0, knn_s=2.0, signals_s=0.0, checkpoint_copy_s=0.5, checkpoint_s=1.0)
+    cadence = Cadence(steps_per_epoch=50, eval_every=1, signals=False)
+    n = plan_steps(600.0, costs, cadence, at=10)
+    room = 600.0 * (1 - budget.MARGIN_SHARE) - 30.0 - reserve_of(costs, cadence)
+    assert (n - 10) * 2.0 + cadence.work_s(costs, n, 10) <= room < (n + 1 - 10) * 2.0 + cadence.work_s(costs, n + 1, 10)
+    assert cadence.work_s(costs, 200, 10, 120) == 2 * (2.0 + 0.5)        # the epoch ends at steps 50 and 100
+    assert cadence.work_s(costs, 200) == cadence.periodic_s(200, costs) == 3 * 2.5   # 50, 100, 150 (200: the end)
+    assert plan_steps(600.0, costs, cadence, cap=50, at=10) == 50
+    assert plan_steps(600.0, BudgetCosts(**{**asdict(costs), "spent_s": 599.0}), cadence, at=10) == 10
+
+
+def test_a_slower_run_replans_at_the_end_of_its_warmup_for_the_steps_that_fit(tmp_path, local_group, monkeypatch):
+    """Planned for 100 steps of 1 s, the steps take 2 s: after step 10 (the warm-up's end) the run plans 288 steps,
+    and the lr's cosine and BYOL's momentum end exactly there; the warm-up's rates are those of the first plan."""
+    cfg, run = _run(tmp_path, _plan(100, 10))
+    warmup_lrs = [run.schedule.lr(s) for s in range(10)]
+    now = [10.0]                                   # start-up, data, the first measurement
+    hook, _, lines, written = _hook(monkeypatch, cfg, now)
+    hook.start(run, 0)
+    _steps(hook, run, now, range(1, 13), lambda step: 2.0)
+    expected = plan_steps(600, BudgetCosts(**{**asdict(FIRST), "spent_s": 30.0, "step_s": 2.0}), NO_WORK, at=10)
     assert expected == 288 and run.total_steps == run.method.steps_total == cfg.time_budget_plan["steps"] == 288
     assert cfg.time_budget_plan["replanned"] == {"after_step": 10, "first_steps": 100, "step_s": 2.0}
+    assert run.schedule.warmup_steps == cfg.time_budget_plan["warmup_steps"] == 10
     assert [run.schedule.lr(s) for s in range(10)] == warmup_lrs
     assert run.schedule.lr(287) > 0 and run.schedule.lr(288) == 0.0 and run.method.momentum(288) == 1.0
     assert len(written) == 1 and "re-planned after step 10 from 9 trained steps of 2 s: 288 steps" in lines[0]
 
 
-def test_a_resumed_run_keeps_its_plan(tmp_path, local_group):
-    cfg = TrainConfig(method="simclr", data="synthetic", batch_size=4, threads=1, out=str(tmp_path),
-                      random_init_knn=False, signal_images=0, online_probe=False, time_budget="10m",
-                      time_budget_plan=_plan(100, 10),
-                      distributed=DistributedConfig(backend="local", world_size=1)).validate()
-    init_distributed(cfg.distributed)
-    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
-    hook = ReplanHook(BudgetClock("10m"), print, lambda: None)   # planned by an earlier attempt
+def test_a_replan_from_step_0_takes_the_first_plans_rule_for_the_warmup(tmp_path, local_group, monkeypatch):
+    """A first plan of 180 steps warms up for 18 (a tenth); its steps take 20 s, not 1: 27 fit, and their warm-up is
+    a tenth of them, as a first plan of 27 steps would have it (it kept the 18 steps, two thirds of the run)."""
+    cfg, run = _run(tmp_path, _plan(180, 18), warmup_epochs=9.0)
+    now = [10.0]
+    hook, _, lines, _ = _hook(monkeypatch, cfg, now)
+    hook.start(run, 0)
+    _steps(hook, run, now, range(1, 19), lambda step: 20.0)
+    plan = cfg.time_budget_plan
+    assert plan["steps"] == run.total_steps == 27 and plan["replanned"]["after_step"] == 18
+    assert plan["warmup_steps"] == run.schedule.warmup_steps == budget_warmup(27, 9.0, 2) == 2
+    assert run.schedule.lr(27) == 0.0 and "27 steps, 2 of them warm-up" in lines[0]
+
+
+def test_a_run_far_slower_than_measured_replans_once_five_steps_are_timed(tmp_path, local_group, monkeypatch):
+    """Planned from two timed steps for 44 steps of 1 s in 60 s, the steps take 3 s: the run re-plans after step 6
+    (five timed steps, past its 4-step warm-up), to the 15 that fit, and its schedules end there without a jump
+    (it was ended by the clock at step 15 of 44, its learning rate at 77 % of the peak)."""
+    cfg, run = _run(tmp_path, _plan(44, 4, budget_s=60.0), warmup_epochs=2.0)
+    before = [run.schedule.lr(s) for s in range(7)]
+    now = [10.0]
+    hook, _, lines, _ = _hook(monkeypatch, cfg, now)
+    hook.start(run, 0)
+    _steps(hook, run, now, range(1, 7), lambda step: 3.0)
+    plan = cfg.time_budget_plan
+    assert run.total_steps == plan["steps"] == 15 and plan["late"][0] == {"after_step": 6, "steps_before": 44,
+                                                                         "step_s": 3.0}
+    assert plan["stretch"] == {"knots": [[6, 6]], "length": 44} and plan["warmup_steps"] == 4
+    assert [run.schedule.lr(s) for s in range(7)] == before
+    assert run.schedule.lr(14) > 0 and run.schedule.lr(15) == 0.0 and run.method.momentum(15) == 1.0
+    assert "re-planned after step 6 from its last 5 steps" in lines[0]
+
+
+def test_profiled_steps_are_not_timed(tmp_path, local_group, monkeypatch):
+    """Steps 2 to 4 are profiled and take 6 s more each (the profiler, its trace): the check at step 10 times the
+    steps after them, 1 s each, and plans the steps those fit in what the profile left of the budget."""
+    steps = plan_steps(120, FIRST, NO_WORK)   # the first plan, right for 1-second steps
+    cfg, run = _run(tmp_path, _plan(steps, 10, budget_s=120.0))
+    now = [10.0]
+    hook, clock, lines, _ = _hook(monkeypatch, cfg, now, untimed=lambda step: 2 <= step <= 4)
+    hook.start(run, 0)
+    _steps(hook, run, now, range(1, 11), lambda step: 7.0 if 2 <= step <= 4 else 1.0)
+    plan = cfg.time_budget_plan
+    assert plan["replanned"]["step_s"] == 1.0 and "from 6 trained steps of 1 s" in lines[0]
+    expected = plan_steps(120, BudgetCosts(**{**asdict(FIRST), "spent_s": clock.spent_s()}), NO_WORK, at=10)
+    assert plan["steps"] == expected == steps - 18
+
+
+def test_a_run_on_plan_keeps_it_and_its_reserve_follows_the_pace(tmp_path, local_group, monkeypatch):
+    """Resumed at step 5 of a plan its steps keep to: every check keeps the plan; the clock's reserve for the end is
+    the final work and one step at the pace measured."""
+    steps = plan_steps(120, FIRST, NO_WORK)
+    cfg, run = _run(tmp_path, _plan(steps, 10, budget_s=120.0))
+    now = [15.0]
+    hook, clock, lines, written = _hook(monkeypatch, cfg, now)
     hook.start(run, 5)
-    for step in range(6, 12):
-        hook.after_step(run, StepEnd(step, 0.1, torch.zeros(()), epoch_done=False, last=False))
-    assert run.total_steps == 100 and "replanned" not in cfg.time_budget_plan
-
-
-def test_late_checks_come_at_half_and_four_fifths_of_the_plan():
-    assert late_step(_plan(100, 10), timed_from=10) == (50, 0.5)
-    assert late_step(_plan(100, 10), timed_from=50) == (80, 0.8)
-    assert late_step(_plan(100, 10), timed_from=78) is None    # too few steps to time before the last check
-    assert late_step(_plan(100, 10), timed_from=47) == (80, 0.8)
-    assert late_step(_plan(150, 10), timed_from=80, shares=()) is None   # each share is checked once
-
-
-def test_each_late_check_is_made_once_even_when_the_plan_grows_past_it(tmp_path, local_group, monkeypatch):
-    """On plan at step 50; twice as fast from there: at step 80 (four fifths) 150 steps fit. Four fifths of 150
-    is step 120, but that check was made: no third one (a 5-minute CPU run checked again 5 steps later)."""
-    cfg, run = _late_run(tmp_path)
-    now = [427.0]
-    monkeypatch.setattr(budget, "clock", lambda: now[0])
-    clock = BudgetClock("10m")
-    clock.started, clock.reserve_s = 0.0, 1.0
-    lines = []
-    hook = ReplanHook(clock, lines.append, lambda: None)
-    hook.start(run, 20)
-    for step in range(21, 131):
-        now[0] += 2.0 if step <= 50 else 1.0
-        hook.after_step(run, StepEnd(step, 0.1, torch.zeros(()), epoch_done=False, last=False))
-        if step == 50:
-            assert run.total_steps == 100 and hook.late_at == 80 and not lines   # on plan: kept
-    assert run.total_steps == 150 and len(lines) == 1 and "re-planned after step 80" in lines[0]
-    assert hook.late_at is None and cfg.time_budget_plan["stretch"]["knots"] == [[80, 80]]
-
-
-def test_late_steps_follow_the_time_left_and_keep_a_plan_that_is_close():
-    assert late_steps(50, 100, left_s=100.0, step_s=2.0, cap=None) is None          # 50 steps fit: on plan
-    assert late_steps(50, 100, left_s=101.0, step_s=2.0, cap=None) is None          # within a fiftieth of 50
-    assert late_steps(50, 100, left_s=80.0, step_s=2.0, cap=None) == 90
-    assert late_steps(50, 100, left_s=200.0, step_s=2.0, cap=None) == 150
-    assert late_steps(50, 100, left_s=200.0, step_s=2.0, cap=100) is None            # --max-steps caps it
-    assert late_steps(50, 100, left_s=-5.0, step_s=2.0, cap=None) == 51             # no time left: the clock ends it
-
-
-def _late_run(tmp_path, method: str = "byol"):
-    plan = {**_plan(100, 10), "replanned": {"after_step": 10, "first_steps": 120, "step_s": 1.0}}
-    cfg = TrainConfig(method=method, data="synthetic", batch_size=4, precision="float64", threads=1, out=str(tmp_path),
-                      random_init_knn=False, signal_images=0, online_probe=False, time_budget="10m",
-                      time_budget_plan=plan, distributed=DistributedConfig(backend="local", world_size=1)).validate()
-    init_distributed(cfg.distributed)
-    return cfg, build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    _steps(hook, run, now, range(6, steps - 1), lambda step: 1.0)
+    assert run.total_steps == steps and "replanned" not in cfg.time_budget_plan and not lines and not written
+    assert clock.reserve_s == reserve_of(FIRST, NO_WORK) == 1.0
 
 
 def test_a_run_turned_slower_replans_late_without_a_jump(tmp_path, local_group, monkeypatch):
-    """Resumed at step 20 of 100 with 500 s of 600 spent by step 50 (2 s a step): 43 steps fit after step 50, so
-    the run takes 93; the lr and BYOL's momentum go on from their step-50 values and end at step 93. At step 75
-    the steps still fit: the plan stays."""
-    cfg, run = _late_run(tmp_path)
-    before = [run.schedule.lr(s) for s in range(51)]
-    momentum_50 = run.method.momentum(50)
-    now = [0.0]
-    monkeypatch.setattr(budget, "clock", lambda: now[0])
-    clock = BudgetClock("10m")
-    clock.reserve_s = 1.0
-    lines, written = [], []
-    hook = ReplanHook(clock, lines.append, lambda: written.append(dict(cfg.time_budget_plan)))
+    """Resumed at step 20 of 100 with 440 s of 600 spent, 2 s a step: at the check after step 31, 93 steps fit, so
+    the run takes 93; the lr and BYOL's momentum go on from their step-31 values and end at step 93. At the next
+    check the steps still fit: the plan stays."""
+    cfg, run = _run(tmp_path, {**_plan(100, 10), "replanned": {"after_step": 10, "first_steps": 120, "step_s": 1.0}})
+    before = [run.schedule.lr(s) for s in range(32)]
+    momentum_31 = run.method.momentum(31)
+    now = [440.0]
+    hook, _, lines, written = _hook(monkeypatch, cfg, now)
     hook.start(run, 20)
-    now[0] = 440.0
-    for step in range(21, 76):
-        now[0] += 2.0
-        hook.after_step(run, StepEnd(step, 0.1, torch.zeros(()), epoch_done=False, last=False))
+    _steps(hook, run, now, range(21, 60), lambda step: 2.0)
     plan = cfg.time_budget_plan
     assert run.total_steps == plan["steps"] == 93 and run.method.steps_total == 100
-    assert plan["stretch"] == {"knots": [[50, 50]], "length": 100} and plan["late"][0]["steps_before"] == 100
-    assert [run.schedule.lr(s) for s in range(51)] == before and run.method.momentum(50) == momentum_50
+    assert plan["stretch"] == {"knots": [[31, 31]], "length": 100} and plan["late"][0]["steps_before"] == 100
+    assert [run.schedule.lr(s) for s in range(32)] == before and run.method.momentum(31) == momentum_31
     assert run.schedule.lr(92) > 0 and run.schedule.lr(93) == 0.0 and run.method.momentum(93) == 1.0
     assert run.method.momentum(70) < run.method.momentum(71) < 1.0
-    assert len(written) == 1 and len(lines) == 1 and "re-planned after step 50 from its last 29 steps" in lines[0]
+    assert len(written) == 1 and len(lines) == 1 and "re-planned after step 31 from its last 10 steps" in lines[0]
     assert "93 steps (were 100)" in lines[0]
 
     # resumed from a checkpoint of this run: the same schedules, built from the plan it recorded
@@ -175,7 +204,7 @@ def test_a_run_turned_slower_replans_late_without_a_jump(tmp_path, local_group, 
 
 
 def test_dino_teacher_temperature_follows_the_stretch(tmp_path, local_group):
-    cfg, run = _late_run(tmp_path, "dino")
+    cfg, run = _run(tmp_path, _plan(100, 10), "dino")
     temps = [run.method.teacher_temp(s) for s in range(12)]
     cfg.time_budget_plan = {**cfg.time_budget_plan, "steps": 60, "stretch": {"knots": [[5, 5.0]], "length": 100}}
     apply_plan(run)
