@@ -2,7 +2,8 @@
 
 Imports made inside functions count like the others (a cycle hidden behind a function-level import is still a
 cycle), and so does ``import unison.x as m`` followed by ``m._private``. Each rule is also run on a copy of the
-package with one violation planted, and must name it: a rule that cannot fail is no rule.
+package with one violation planted, and must name it: a rule that cannot fail is no rule. There is no rule on the
+length of files or functions: a module is as long as its one subject needs (a trainer may be one file).
 
 The layers, bottom to top (a module may import its own package and the layers below it, nothing beside or above):
 
@@ -11,7 +12,7 @@ The layers, bottom to top (a module may import its own package and the layers be
     2  distributed/, rng                   (collectives, dtensor, tagging, sync_batchnorm, env, launch, ...)
     3  models/, data/, losses/, optim/, eval/    (plain values and small specs, not TrainConfig)
     4  methods/, parallel/                 (DDP, FSDP2, ZeRO-1, comm hooks)
-    5  training/                           (resolve, step, loop, run, checkpoint/)
+    5  training/                           (resolve, step, trainer, run, checkpoint/)
     6  equivalence/, evaluation, embedding, export, plan/, plotting
     7  api
     8  cli.train_args                      (a run's options from flags and YAML; bench builds runs with it)
@@ -49,8 +50,6 @@ NO_TRAINING_CONFIG = ("distributed", "data", "models", "losses", "optim")
 LOSSES_MAY_USE = ("unison.distributed.collectives", "unison.distributed.tagging")
 ERROR_CLASSES = {node.name for node in ast.parse((SRC / "errors.py").read_text()).body if isinstance(node, ast.ClassDef)}
 ERROR_NAME = re.compile(r"(Error|Failure|Exception|Timeout)$")
-MAX_FUNCTION_LINES = 80
-MAX_FILE_LINES = 400
 
 
 @dataclass
@@ -231,22 +230,8 @@ def error_classes_elsewhere(pkg: Package) -> list[str]:
     return bad
 
 
-def long_functions_and_files(pkg: Package) -> list[str]:
-    bad = []
-    for name, path in pkg.modules.items():
-        text = path.read_text()
-        if text.count("\n") > MAX_FILE_LINES:
-            bad.append(f"{name}: {text.count(chr(10))} lines (at most {MAX_FILE_LINES})")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    bad.append(f"{name}.{node.name}: {length} lines (at most {MAX_FUNCTION_LINES})")
-    return bad
-
-
 RULES = [cycles, upward_imports, config_imports, training_config_in_lower_layers, losses_distributed_imports,
-         private_imports, error_classes_elsewhere, long_functions_and_files]
+         private_imports, error_classes_elsewhere]
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +264,6 @@ PLANTED = {   # rule -> (file, line appended to it, a fragment of the violation 
     "private_imports": ("data/subsets.py", "import unison.rng as _r\n_x = _r._PERM_STREAM\n", "_PERM_STREAM"),
     "error_classes_elsewhere": ("models/heads.py", "from unison.config.train import ConfigError\n\n\n"
                                                    "class HeadError(ValueError):\n    pass\n", "defines HeadError"),
-    "long_functions_and_files": ("rng.py", "def planted():\n" + "    x = 1\n" * 90, "planted"),
 }
 
 

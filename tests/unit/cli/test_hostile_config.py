@@ -42,10 +42,11 @@ def _no_process_starts(monkeypatch):
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """The case is refused before training (the pre-flight of the CLI): reaching `unison.api.train` fails it."""
-    import unison.api
+    """The case is refused before training (the run's resolution, before any worker): reaching a worker fails it."""
+    import unison.training.run
 
-    monkeypatch.setattr(unison.api, "train", _refuse)
+    monkeypatch.setattr(unison.training.run, "train_worker", _refuse)
+    monkeypatch.setattr(unison.training.run, "launch", _refuse)
 
 
 COMMAND = "train"

@@ -32,11 +32,11 @@ def test_check_on_cuda_refuses_full_sharding_before_any_worker_starts():
 def test_check_keeps_the_local_crops_that_swav_and_dino_drop_at_small_sizes():
     """The check's images are 16 px, where SwAV and DINO train 2 views by default: it checks their local-crop path."""
     from unison.equivalence import CheckSpec, train_config_for
-    from unison.training.step import data_spec
+    from unison.training.resolve import data_spec, resolve_recipe
 
     for method in ("swav", "dino"):
         cfg = train_config_for(CheckSpec(method=method), world_size=2)
-        assert data_spec(cfg, 16).local_crops == 4, method
+        assert data_spec(cfg, resolve_recipe(cfg, 16)).local_crops == 4, method
     assert train_config_for(CheckSpec(method="simclr"), world_size=2).local_crops is None
 
 
