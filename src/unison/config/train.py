@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,9 +276,10 @@ class TrainConfig:
 
         A configuration is checked once: validating it again, unchanged, does nothing (the CLI checks the fields
         before torch is imported, and the run's resolution would check them a second time)."""
-        if "_validated_as" in self.__dict__:
+        checked = _VALIDATED.get(id(self))
+        if checked is not None and checked[0]() is self:
             digest = self._digest()
-            if digest is not None and self.__dict__["_validated_as"] == (digest, cuda_available):
+            if digest is not None and checked[1:] == (digest, cuda_available):
                 return self
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
@@ -320,7 +322,12 @@ class TrainConfig:
         check_plan(self.time_budget_plan, self.time_budget)
         self._validate_choices()
         self._validate_teacher()
-        self.__dict__["_validated_as"] = (self._digest(), cuda_available)
+        key = id(self)
+
+        def forget(_: weakref.ref) -> None:
+            _VALIDATED.pop(key, None)
+
+        _VALIDATED[key] = (weakref.ref(self, forget), self._digest(), cuda_available)
         return self
 
     def _digest(self) -> str | None:
@@ -421,6 +428,11 @@ class TrainConfig:
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
         return cls(**data, distributed=DistributedConfig.from_dict(dist, top_level_names=known))
+
+
+# id -> (the configuration, its values when `TrainConfig.validate` passed, the CUDA answer it was checked for); kept
+# beside the object, not on it, so that copies of its attributes (``TrainConfig(**cfg.__dict__)``) stay plain
+_VALIDATED: dict[int, tuple[weakref.ref, str | None, bool | None]] = {}
 
 
 def _cuda(cuda_available: bool | None) -> bool:

@@ -113,10 +113,11 @@ def test_small_images_train_two_views_where_that_was_measured_better(method, siz
     """At CIFAR-10's size and below SwAV and DINO train their 2 global views (better and faster there, on both
     seeds measured), LeJEPA at 16 px (measured on the digits only); above, and iBOT at every size, the
     augmentation's local crops. Asking wins."""
-    from unison.training.step import data_spec
+    from unison.training.resolve import data_spec
 
     cfg = TrainConfig(method=method, data="/data/images")
-    assert (resolve_recipe(cfg, size).local_crops, data_spec(cfg, size).local_crops) == (crops, crops)
+    recipe = resolve_recipe(cfg, size)
+    assert (recipe.local_crops, data_spec(cfg, recipe).local_crops) == (crops, crops)
     assert (resolve_recipe(cfg, size).local_crop_size is None) is (crops == 0)
     for asked in ({"local_crops": 2}, {"local_crop_size": 10}):   # either one asks for local crops
         assert resolve_recipe(TrainConfig(method=method, data="/data/images", **asked), size).local_crops != 0
