@@ -51,7 +51,6 @@ MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 va
 # collapse floor of 2; one image has embedding std 0
 MIN_COLLAPSE_IMAGES = 16
 
-
 MAX_CADENCE_S = 10**7   # about 4 months: past any run
 
 
@@ -264,6 +263,14 @@ class TrainConfig:
                 "forward in bf16)", "choices": TEACHER_DTYPES})
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
+    def __post_init__(self) -> None:   # ``distributed={"world_size": 2}``: taken as a config file's mapping is
+        if isinstance(self.distributed, dict):
+            self.distributed = DistributedConfig.from_dict(self.distributed, {f.name for f in dataclasses.fields(self)})
+
+    def check_nested(self) -> None:   # what is read first, before the fields are validated
+        if not isinstance(self.distributed, DistributedConfig):
+            raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (in a file: a mapping)")
+
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
         """Raise `ConfigError` with a one-line fix for any invalid field; return self. The names that only the layers
         above know (method, its parameters, backbone, augmentation) are checked by
@@ -273,15 +280,12 @@ class TrainConfig:
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
-        if not isinstance(self.distributed, DistributedConfig):
-            raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (or, in a config "
-                              "file, a mapping of distributed options)")
+        self.check_nested()
         self.distributed.validate(cuda_available)
         w = self.distributed.world_size
         if self.batch_size % w:
-            raise ConfigError(
-                f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
-                f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
+            raise ConfigError(f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
+                              f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
         if not self.out:   # Path("") is the current folder: the run's files would land among the user's own
             raise ConfigError("--out is empty; give a run directory, e.g. --out runs/x")
         if "\x00" in self.out:   # no file name holds one (os.mkdir raises ValueError)
@@ -390,7 +394,7 @@ class TrainConfig:
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
-        return cls(**data, distributed=DistributedConfig.from_dict(dist, top_level_names=known))
+        return cls(**data, distributed=dist)   # converted by __post_init__
 
 
 def _cuda(cuda_available: bool | None) -> bool:

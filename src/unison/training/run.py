@@ -39,6 +39,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     and thread settings are its own). `own`: the user's backbone, dataset and transform (`unison.training.own`),
     sent to unison's worker processes pickled."""
     refuse_reentered_main("unison.train")   # a script without the main guard, re-run by a worker
+    cfg.check_nested()   # read below before the fields are validated
     launch_env = detect_launch_env()
     launched = launch_env is not None
     check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
