@@ -20,6 +20,7 @@ from unison.config import TrainConfig
 from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
 from unison.distributed.main_guard import refuse_reentered_main
+from unison.distributed.start import refuse_unimportable_main
 from unison.distributed.watchdog import watched_startup
 
 from .footprint import check_model_memory
@@ -48,6 +49,8 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     check_gpu_per_worker(cfg.distributed, launch_env)   # NCCL: a GPU per worker, before any worker starts
     validate_run(cfg, own=own)
     in_process = launched or (cfg.distributed.world_size == 1 and not isolated)
+    if not in_process:   # before anything is read or written: the launch would refuse it only then
+        refuse_unimportable_main(cfg.distributed.world_size)
     if own is not None and not in_process:
         check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
     if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
