@@ -394,7 +394,7 @@ class TrainConfig:
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
-        return cls(**data, distributed=dist)   # converted by __post_init__
+        return cls(**data, distributed=dist)  # type: ignore[arg-type]  # converted by __post_init__
 
 
 def _cuda(cuda_available: bool | None) -> bool:

@@ -88,7 +88,7 @@ def _unimportable_main() -> str | None:
         return None
     from multiprocessing import process
 
-    full = os.path.join(process.ORIGINAL_DIR or "", path)   # as multiprocessing's spawn resolves it
+    full = os.path.join(getattr(process, "ORIGINAL_DIR", None) or "", path)   # as multiprocessing's spawn resolves it
     return None if os.path.isfile(full) else path
 
 
