@@ -62,7 +62,7 @@ from unison.errors import DataError
 from .files import MAX_LIST_BYTES, check_regular, file_kind, read_regular, resolved
 from .pack import PACK_SUFFIX, open_pack
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices, stat_all
-from .shards import SHARD_SUFFIXES, open_shards, shard_paths
+from .shards import SHARD_SUFFIXES, is_shard_pattern, open_shards, shard_paths
 
 __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "open_catalog", "scan_folder"]
 
@@ -79,7 +79,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
     if not spec or "\x00" in spec:
         raise DataError(f"{what} {spec!r} is not a path; give a folder, a file list, .tar shards or the name "
                         "'digits' or 'cifar10'")
-    if "{" in spec and ".." in spec:
+    if is_shard_pattern(spec):
         return open_shards(shard_paths(spec))
     path = resolved(spec, what)
     try:
