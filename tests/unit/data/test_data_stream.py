@@ -181,6 +181,26 @@ def test_corrupt_files_are_skipped_with_a_substitute_or_named_in_the_error(corru
     assert "\n" not in str(e.value) and "--on-corrupt skip" in str(e.value)
 
 
+
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_files_deleted_while_a_run_streams_them_say_the_data_changed(tmp_path, decode):
+    """Under the default --on-corrupt skip, a run of unreadable samples has no substitute: the error ended "or pass
+    --on-corrupt skip", the option already in effect. Now it says how many failed in a row and that the data may
+    have changed since the run listed it (here: deleted after the catalog was made, read by a loader process)."""
+    root = tmp_path / "photos"
+    write_image_folder(root, 24, classes=1, sizes=(16, 16))
+    cat = open_catalog(str(root))
+    for i in range(24):   # every file gone: whichever sample comes first, the 10 after it are gone too
+        Path(cat.path(i)).unlink()
+    with pytest.raises(DataError) as e:
+        _take(_stream(str(root), 1, batch=8, catalog=cat, decode=decode), 0, 1)
+    message = str(e.value)
+    assert "it and the 10 samples after it are unreadable, 11 in a row: " in message, message
+    assert message.endswith("and --on-corrupt skip (in effect) found no readable sample to take its place: the data "
+                            "may have changed since the run listed it (files deleted, moved or rewritten while it "
+                            "ran); restore them, or start the run again on the data as it is now"), message
+    assert "or pass --on-corrupt skip" not in message and "\n" not in message
+
 # -- world size, loader workers, reads ---------------------------------------------------------------------
 def test_views_do_not_depend_on_the_number_of_loader_workers(data):
     ref = _take(_stream(data["folder"], 0), 0, 7)                        # crosses into epoch 1
