@@ -163,7 +163,8 @@ class StreamingBatches:
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
         for out in map(raise_failed, self.loader(batch_number)):
             if out["error"] is not None:
-                raise unreadable_error(*out["error"], self.on_corrupt)
+                where, why = out["error"]
+                raise unreadable_error(where, why, self.on_corrupt)
             self._report(out["skipped"])
             epoch = int(out["epoch"])
             indices = out["indices"].to(self.device, non_blocking=True)
