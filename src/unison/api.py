@@ -110,6 +110,8 @@ def _hint(terms: list[str], value: Any) -> str:
         return "; make one of the dict with TrainConfig.from_dict(d) (nested 'distributed' options too)"
     if "TrainConfig" in terms and value is None:
         return ", e.g. unison.train(TrainConfig(method='simclr'))"
+    if "nn.Module" in terms and isinstance(value, str):
+        return f"; a backbone by name is an option: TrainConfig(backbone={value[:40]!r})"
     return ""
 
 

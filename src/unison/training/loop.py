@@ -47,8 +47,8 @@ from unison.distributed.env import (
     shutdown_distributed,
 )
 from unison.distributed.signals import install_stop_handlers, restore_default_handlers
-from unison.distributed.watchdog import Watchdog
-from unison.errors import ConfigError
+from unison.distributed.watchdog import Stuck, Watchdog
+from unison.errors import ConfigError, WatchdogTimeout
 from unison.paths import same_file, write_text_atomic
 from unison.training.budget import USED_KEY, BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget, used_line
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
@@ -123,7 +123,8 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
     budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's clock)
     extra = Hooks([*hooks, *hooks_from_env(cfg, C.rank())])
     install_stop_handlers()    # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
-    watch = Watchdog(C.rank(), cfg.distributed.watchdog_s)
+    # no launcher: the process is the caller's (a notebook's kernel), and a stuck run raises here instead of ending it
+    watch = Watchdog(C.rank(), cfg.distributed.watchdog_s, in_caller=detect_launch_env() is None)
     checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,
                                 on_write=extra.on_checkpoint_write)
     try:
@@ -132,6 +133,9 @@ def train(cfg: TrainConfig, device: torch.device, hooks: Sequence[TrainHook] = (
     except KeyboardInterrupt:
         checkpointer.close(abort=True)     # Ctrl-C: end promptly, no half-written checkpoint
         raise
+    except Stuck:
+        checkpointer.close(abort=True)     # a save that never returns is not waited for
+        raise WatchdogTimeout(str(watch.stuck)) from None
     finally:
         checkpointer.close()               # a good save in flight completes (errors elsewhere end the run anyway)
         watch.close()
