@@ -99,7 +99,7 @@ def refuse_unimportable_main(world_size: int) -> None:
         return
     what = "a script read from standard input" if path.startswith("<") else f"{path}, which no longer exists"
     raise ConfigError(f"the {world_size} worker processes start by importing the script that launched them, and this "
-                      f"one is {what}: save it to a file and run `python FILE.py`, or use world_size=1 (training in "
+                      f"one is {what}: save it to a file and run it as python FILE.py, or use world_size=1 (training in "
                       "this process, no workers)")
 
 

@@ -94,7 +94,7 @@ def test_a_script_piped_to_python_is_told_its_workers_need_a_file(tmp_path):
     assert proc.returncode == 1 and "FileNotFoundError" not in proc.stderr and "WorkerFailure" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "unison.errors.ConfigError: the 2 worker processes start by importing the script that launched them, and this "
-        "one is a script read from standard input: save it to a file and run `python FILE.py`, or use world_size=1 "
+        "one is a script read from standard input: save it to a file and run it as python FILE.py, or use world_size=1 "
         "(training in this process, no workers)"), proc.stderr[-3000:]
     assert not out.exists()
     proc = subprocess.run([sys.executable, "-"], input=_FROM_STDIN.format(out=str(out), world=1), env=ENV, cwd=tmp_path,
