@@ -110,7 +110,7 @@ def _hint(terms: list[str], value: Any) -> str:
         return "; make one of the dict with TrainConfig.from_dict(d) (nested 'distributed' options too)"
     if "TrainConfig" in terms and value is None:
         return ", e.g. unison.train(TrainConfig(method='simclr'))"
-    if "nn.Module" in terms and isinstance(value, str):
+    if "nn.Module" in terms and isinstance(value, str):   # `check` takes a name too (its annotation says str)
         return f"; a backbone by name is an option: TrainConfig(backbone={value[:40]!r})"
     return ""
 
@@ -226,11 +226,12 @@ def train(cfg: TrainConfig, *, backbone: nn.Module | None = None, feature_dim: i
 
 
 @checked(_check_spec, given=("method", "world_size"))
-def check(method: str = "simclr", world_size: int = 2, *, backbone: nn.Module | None = None,
+def check(method: str = "simclr", world_size: int = 2, *, backbone: nn.Module | str | None = None,
           feature_dim: int | None = None, dataset: Any = None, transform: Callable[[Any], Any] | None = None,
           **options: Any) -> CheckReport:
     """`unison check`: the production step at `world_size` workers against one process on the global batch;
-    with your own `backbone` (and `feature_dim`), `dataset` and `transform` as `train` takes them.
+    with your own `backbone` (and `feature_dim`), `dataset` and `transform` as `train` takes them, or a backbone by
+    name (``backbone="resnet18"``, as ``unison check --backbone``). Other keywords: ``unison check``'s options.
 
     Example::
 
@@ -239,6 +240,8 @@ def check(method: str = "simclr", world_size: int = 2, *, backbone: nn.Module | 
     from unison.equivalence import run_equivalence
     from unison.training.pieces import OwnPieces
 
+    if isinstance(backbone, str):   # a name, as --backbone
+        options["backbone"], backbone = backbone, None
     own = OwnPieces(backbone, feature_dim, dataset, transform)
     return run_equivalence(method, world_size, own=own if own.given else None, **options)
 
