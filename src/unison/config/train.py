@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.budget import check_plan, duration_with_units, parse_duration
-from unison.config.distributed import DistributedConfig, cuda_found
+from unison.config.distributed import DistributedConfig, as_distributed, cuda_found
 from unison.config.extras import install_command
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
@@ -264,12 +264,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:   # ``distributed={"world_size": 2}``: taken as a config file's mapping is
-        if isinstance(self.distributed, dict):
-            self.distributed = DistributedConfig.from_dict(self.distributed, {f.name for f in dataclasses.fields(self)})
-
-    def check_nested(self) -> None:   # what is read first, before the fields are validated
-        if not isinstance(self.distributed, DistributedConfig):
-            raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (in a file: a mapping)")
+        self.distributed = as_distributed(self.distributed, {f.name for f in dataclasses.fields(self)})
 
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
         """Raise `ConfigError` with a one-line fix for any invalid field; return self. The names that only the layers
@@ -280,7 +275,7 @@ class TrainConfig:
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
-        self.check_nested()
+        self.distributed = as_distributed(self.distributed)   # a value assigned since
         self.distributed.validate(cuda_available)
         w = self.distributed.world_size
         if self.batch_size % w:

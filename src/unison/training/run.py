@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 
 from unison.config import TrainConfig
+from unison.config.distributed import as_distributed
 from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
 from unison.distributed.main_guard import refuse_reentered_main
@@ -40,7 +41,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     and thread settings are its own). `own`: the user's backbone, dataset and transform (`unison.training.own`),
     sent to unison's worker processes pickled."""
     refuse_reentered_main("unison.train")   # a script without the main guard, re-run by a worker
-    cfg.check_nested()   # read below before the fields are validated
+    cfg.distributed = as_distributed(cfg.distributed)   # read below, before the fields are validated
     launch_env = detect_launch_env()
     launched = launch_env is not None
     check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
