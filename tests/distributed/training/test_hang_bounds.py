@@ -117,7 +117,7 @@ def _blocked_run(tmp_path, where: str) -> tuple[subprocess.CompletedProcess, flo
     script.write_text(_BLOCKING)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), where], env=ENV,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=240)   # generous: a loaded machine starts torch slowly
     return proc, time.monotonic() - started
 
 
@@ -140,7 +140,7 @@ def test_a_dataset_item_that_blocks_before_the_first_step_raises_in_the_caller(t
     assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
     assert "the caller goes on after WatchdogTimeout" in proc.stdout, proc.stderr[-3000:]
     assert len(lines) == 1 and line in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert took < 45, took
+    assert took < 200, took   # a hang would be for ever: any bound tells them apart
 
 
 def _train(argv: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
