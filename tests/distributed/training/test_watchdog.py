@@ -150,4 +150,4 @@ def test_the_watchdog_of_a_run_in_the_callers_process_raises_there(thread, how):
     assert proc.stdout.splitlines() == [
         "watchdog: no progress for 1 s (--watchdog-s) in read (of an image or an item of your dataset) before the "
         "first step; the run was ended", "the caller goes on"], proc.stdout + proc.stderr
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 90   # generous under load: a hang would be for ever
