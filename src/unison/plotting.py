@@ -3,7 +3,9 @@
 A RUN is a run directory (its ``metrics.csv``, and the random-initialisation kNN from its ``summary.json`` when
 there is one) or a ``metrics.csv`` file. Every file read is a regular file of bounded size, decoded as UTF-8, and
 every value a bounded number (`read_metrics`; past ±`MAX_PLOTTED` or not finite: a gap in its curve, as a
-diverged loss): a damaged file is one line naming it, the line and the column. ``--out`` is a new ``.png`` file;
+diverged loss): a damaged file is one line naming it, the line and the column, and so is a header that names a column
+twice. A step logged twice (a resumed or re-formed run trains the steps after its checkpoint again) is drawn from its
+later row (`unison.training.metrics.rows_by_step`). ``--out`` is a new ``.png`` file;
 with ``--replace`` also one this command wrote earlier (its PNG metadata says so); never a file inside a RUN,
 never anything else that exists. It is written to a temporary sibling and renamed: a full disk leaves no
 half-written ``--out``. The x-axis is steps, or epochs once a run spans one (``--x``).
@@ -28,6 +30,7 @@ from typing import Any
 from unison.config.fields import MAX_NUMBER_CHARS, count
 from unison.errors import ConfigError, DataError
 from unison.paths import Input, check_output, write_error
+from unison.training.metrics import rows_by_step
 from unison.training.plots import X_AXES
 
 MAX_METRICS_BYTES = 256 * 2**20   # a 100k-step run logging every step writes about 20 MB
@@ -76,13 +79,19 @@ def _number(text: str, where: str) -> float | None:
 
 
 def read_metrics(path: Path) -> list[dict[str, float | None]]:
-    """The rows of a ``metrics.csv`` (numbers, None where empty or not finite); `DataError` if it is not one."""
+    """The rows of a ``metrics.csv`` (numbers, None where empty or not finite), one per step in step order, the later
+    row of a step logged twice (`rows_by_step`); `DataError` if it is not one."""
     text = _read_bounded(path, "metrics file", MAX_METRICS_BYTES)
     reader = csv.reader(io.StringIO(text))
     try:
         header = next(reader, None)
         if not header or "epoch" not in header or "step" not in header:
             raise DataError(f"metrics file {path} has no step and epoch columns; is it a unison metrics.csv?")
+        twice = next((name for k, name in enumerate(header) if name in header[:k]), None)
+        if twice is not None:   # one of the two would be read without a word
+            columns = [k + 1 for k, name in enumerate(header) if name == twice]
+            raise DataError(f"metrics file {path} names the column {twice[:40]!r} twice (columns "
+                            f"{', '.join(map(str, columns))}); a unison metrics.csv names each column once")
         rows = []
         for values in reader:
             where = f"metrics file {path} line {reader.line_num}"
@@ -92,7 +101,7 @@ def read_metrics(path: Path) -> list[dict[str, float | None]]:
     except csv.Error as exc:   # a field past the csv module's limit (131,072 characters), a NUL byte, ...
         raise DataError(f"metrics file {path} line {reader.line_num} is not CSV ({exc}); is it a unison "
                         "metrics.csv?") from None
-    return rows
+    return rows_by_step(rows)
 
 
 def _baseline(run_dir: Path) -> float | None:

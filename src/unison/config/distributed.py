@@ -245,3 +245,13 @@ class DistributedConfig:
                                   "not under 'distributed:'")
             raise ConfigError(unknown_keys_message(unknown, known, "distributed option"))
         return cls(**coerce_fields(cls, data))
+
+
+def as_distributed(value: Any, top_level_names: Collection[str] = ()) -> DistributedConfig:
+    """`TrainConfig.distributed` as a `DistributedConfig`: a mapping converted as a config file's ``distributed:`` is
+    (`DistributedConfig.from_dict`), anything else refused in one line (it is read before the fields are checked)."""
+    if isinstance(value, dict):
+        return DistributedConfig.from_dict(value, top_level_names)
+    if not isinstance(value, DistributedConfig):
+        raise ConfigError(f"distributed={shown(value)} must be a DistributedConfig (in a file: a mapping)")
+    return value

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.budget import check_plan, duration_with_units, parse_duration
-from unison.config.distributed import DistributedConfig, cuda_found
+from unison.config.distributed import DistributedConfig, as_distributed, cuda_found
 from unison.config.extras import install_command
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
@@ -52,7 +52,6 @@ MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 va
 # init, SimCLR's first steps, digits) measured 1.3-1.5 at N=2, 1.8-2.1 at 4, 2.6-3.2 at 8, 3.9-5.1 at 16 against the
 # collapse floor of 2; one image has embedding std 0
 MIN_COLLAPSE_IMAGES = 16
-
 
 MAX_CADENCE_S = 10**7   # about 4 months: past any run
 
@@ -266,6 +265,9 @@ class TrainConfig:
                 "forward in bf16)", "choices": TEACHER_DTYPES})
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
+    def __post_init__(self) -> None:   # ``distributed={"world_size": 2}``: taken as a config file's mapping is
+        self.distributed = as_distributed(self.distributed, {f.name for f in dataclasses.fields(self)})
+
     def validate(self, cuda_available: bool | None = None) -> TrainConfig:
         """Raise `ConfigError` with a one-line fix for any invalid field; return self. The names that only the layers
         above know (method, its parameters, backbone, augmentation) are checked by
@@ -283,15 +285,12 @@ class TrainConfig:
                 return self
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
         check_fields(self)
-        if not isinstance(self.distributed, DistributedConfig):
-            raise ConfigError(f"distributed={shown(self.distributed)} must be a DistributedConfig (or, in a config "
-                              "file, a mapping of distributed options)")
+        self.distributed = as_distributed(self.distributed)   # a value assigned since
         self.distributed.validate(cuda_available)
         w = self.distributed.world_size
         if self.batch_size % w:
-            raise ConfigError(
-                f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
-                f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
+            raise ConfigError(f"batch_size={self.batch_size} (global) cannot be split evenly over world_size={w}; "
+                              f"use a multiple of {w}, e.g. {max(w, self.batch_size // w * w)}")
         if not self.out:   # Path("") is the current folder: the run's files would land among the user's own
             raise ConfigError("--out is empty; give a run directory, e.g. --out runs/x")
         if "\x00" in self.out:   # no file name holds one (os.mkdir raises ValueError)
@@ -427,7 +426,7 @@ class TrainConfig:
         dist = data.pop("distributed", None) or {}
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
-        return cls(**data, distributed=DistributedConfig.from_dict(dist, top_level_names=known))
+        return cls(**data, distributed=dist)  # type: ignore[arg-type]  # converted by __post_init__
 
 
 # id -> (the configuration, its values when `TrainConfig.validate` passed, the CUDA answer it was checked for); kept

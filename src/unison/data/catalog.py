@@ -62,7 +62,7 @@ from unison.errors import DataError
 from .files import MAX_LIST_BYTES, check_regular, file_kind, read_regular, resolved
 from .pack import PACK_SUFFIX, open_pack
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices, stat_all
-from .shards import SHARD_SUFFIXES, open_shards, shard_paths
+from .shards import SHARD_SUFFIXES, is_shard_pattern, open_shards, shard_paths
 
 __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "open_catalog", "scan_folder"]
 
@@ -79,7 +79,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
     if not spec or "\x00" in spec:
         raise DataError(f"{what} {spec!r} is not a path; give a folder, a file list, .tar shards or the name "
                         "'digits' or 'cifar10'")
-    if "{" in spec and ".." in spec:
+    if is_shard_pattern(spec):
         return open_shards(shard_paths(spec))
     path = resolved(spec, what)
     try:
@@ -243,7 +243,8 @@ def _open_image_folder(root: Path) -> Catalog:
 
 
 def _open_list(path: Path) -> Catalog:
-    """A file list: ``path`` or ``path<TAB>label`` (or ``path label`` for paths without spaces) per line."""
+    """A file list: per line ``path<TAB>label``, ``path label`` (paths without spaces), ``path`` or ``path<TAB>`` (a
+    path with spaces and no label: the tab ends it); ``#`` starts a comment line (docs/guides/your-images.md)."""
     try:
         data = read_regular(str(path), MAX_LIST_BYTES)
     except OSError as e:
@@ -256,21 +257,19 @@ def _open_list(path: Path) -> Catalog:
         bad_line = data[:e.start].count(b"\n") + 1
         raise DataError(f"file list {path}: line {bad_line} is not UTF-8 text; write the list in UTF-8") from None
     names: list[str] = []
-    label: str | None
     raw_labels: list[str | None] = []
     line_of: list[int] = []
+    spaced: dict[int, str] = {}   # entry -> its whole line, where a space (no tab) parted the path from a label
     for lineno, raw in enumerate(text.split("\n"), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
+        line = raw.strip(" \r\f\v")   # not a tab: a trailing one ends a path with spaces that has no label
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
-        if "\t" in line:
-            name, label = (s.strip() for s in line.rsplit("\t", 1))
-        else:
-            parts = line.rsplit(None, 1)
-            name, label = (parts[0], parts[1]) if len(parts) == 2 else (line, None)
+        name, label = _list_line(line)
         _check_list_entry(path, lineno, name, label)
+        if label is not None and "\t" not in line:
+            spaced[len(names)] = line
         names.append(name)
-        raw_labels.append(label or None)
+        raw_labels.append(label)
         line_of.append(lineno)
     if not names:
         raise DataError(f"file list {path} names no images (expected one image path per line)")
@@ -278,15 +277,26 @@ def _open_list(path: Path) -> Catalog:
     if any(has) and not all(has):
         first = line_of[has.index(not has[0])]
         raise DataError(f"file list {path}: line {first} {'has no' if has[0] else 'has a'} label column, unlike "
-                        f"line {line_of[0]}; give a label on every line or on none (paths with spaces: tab-separate)")
+                        f"line {line_of[0]}; give a label on every line or on none (a path with spaces: a tab before "
+                        "its label, or after it when it has none)")
     base = path.parent
-    _check_listed_files(path, base, names, line_of)
+    _check_listed_files(path, base, names, line_of, spaced)
     if all(has):
         labels, classes = label_indices([str(lab) for lab in raw_labels],
                                         lambda k: f"file list {path}: line {line_of[k]}")
     else:
         labels, classes = np.full(len(names), -1, np.int64), []
     return Catalog("list", path, base, PackedStrings(names), labels, classes)
+
+
+def _list_line(line: str) -> tuple[str, str | None]:
+    """(path, label or None) of one line of a file list: after the last tab the label (none: empty), else after
+    the last space when there is one."""
+    if "\t" in line:
+        name, label = (part.strip() for part in line.rsplit("\t", 1))
+        return name, label or None
+    parts = line.strip().rsplit(None, 1)
+    return (parts[0], parts[1]) if len(parts) == 2 else (line.strip(), None)
 
 
 def _check_list_entry(path: Path, lineno: int, name: str, label: str | None) -> None:
@@ -303,12 +313,25 @@ def _check_list_entry(path: Path, lineno: int, name: str, label: str | None) -> 
         raise DataError(f"{where}: the label is {len(label):,} characters long, past {_NAME_MAX}")
 
 
-def _check_listed_files(path: Path, base: Path, names: list[str], line_of: list[int]) -> None:
-    """Every listed file exists and is a regular file (a FIFO would hang the first read, a device never end)."""
+def _check_listed_files(path: Path, base: Path, names: list[str], line_of: list[int],
+                        spaced: dict[int, str] | None = None) -> None:
+    """Every listed file exists and is a regular file (a FIFO would hang the first read, a device never end). A
+    missing one read as ``path label`` from a line with spaces says how that line was read and how to write it."""
     files = [os.path.join(base, n) for n in names]
     for k, st in enumerate(stat_all(files, missing_ok=True)):
         if st is None:
-            raise DataError(f"file list {path}: line {line_of[k]}: {files[k]} does not exist")
+            raise DataError(f"file list {path}: line {line_of[k]}: {files[k]} does not exist"
+                            + _spaced_hint(base, names[k], (spaced or {}).get(k)))
         if not stat.S_ISREG(st.st_mode):
             raise DataError(f"file list {path}: line {line_of[k]}: {files[k]} is {file_kind(st.st_mode)}, not an "
                             "image file; remove the line or the file")
+
+
+def _spaced_hint(base: Path, name: str, line: str | None) -> str:
+    if line is None:
+        return ""
+    label = line.strip()[len(name):].strip()
+    whole = os.path.join(base, line.strip())
+    found = f"; {whole} (the whole line) does" if os.path.isfile(whole) else ""
+    return (f" (the line was read as the path {name!r} and the label {label!r}){found}: a path with spaces is "
+            "parted from its label by a tab (path<TAB>label), and ends in a tab when it has no label (path<TAB>)")

@@ -157,6 +157,7 @@ class CropDecoder:
     def _readable(self, i: int, skipped: list, start: int):
         """(image with its header read, k, bytes) of the first readable sample i + k, k >= start; (None, k, b"")
         when there is none within the limit, or on_corrupt='error' (the reason is the last entry of `skipped`)."""
+        first = ""
         for k in range(start, _MAX_SUBSTITUTES + 1):
             j = (i + k) % self.n
             try:
@@ -167,9 +168,11 @@ class CropDecoder:
                 return None, k, b""
             except Exception as e:
                 skipped.append((self._describe(j), _reason(e)))
+                first = first or _reason(e)
                 if self.on_corrupt == "error":
                     return None, k, b""
-        skipped.append((self._describe(i), f"it and the {_MAX_SUBSTITUTES} samples after it are unreadable"))
+        skipped.append((self._describe(i), f"it and the {_MAX_SUBSTITUTES} samples after it are unreadable, "
+                                           f"{_MAX_SUBSTITUTES + 1} in a row: {first}"))
         return None, _MAX_SUBSTITUTES, b""
 
     def _substitute(self, i: int, epoch: int, crops: list[np.ndarray], row: int, skipped: list) -> bool:
@@ -210,3 +213,14 @@ class CropDecoder:
 
 
 _reason = decode_reason
+
+
+def unreadable_error(where: str, why: str, on_corrupt: str) -> DataError:
+    """The one line for a sample of a batch that cannot be read (`where`, `why`), as the ``--on-corrupt`` policy in
+    effect leaves it: ``error`` names the option that skips it; ``skip`` found no readable sample to take its place
+    (a run of unreadable ones, a shard that changed): files changed since the run listed them."""
+    if on_corrupt == "error":
+        return DataError(f"cannot read image {where} ({why}); fix or remove it, or pass --on-corrupt skip")
+    return DataError(f"cannot read image {where} ({why}), and --on-corrupt skip (in effect) found no readable sample "
+                     "to take its place: the data may have changed since the run listed it (files deleted, moved or "
+                     "rewritten while it ran); restore them, or start the run again on the data as it is now")

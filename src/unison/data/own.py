@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import random
-import sys
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from unison.distributed.collectives import all_gather_object, gather_no_grad, local_slice
+from unison.distributed.watchdog import reading
 from unison.errors import ConfigError, DataError
 from unison.rng import combine_key
 
@@ -50,11 +48,13 @@ from .source import STATS_IMAGES, TrainData, default_image_size
 from .spec import DataSpec, check_batch
 from .stream import default_loader_workers, job_loader, raise_failed
 from .subsets import channel_stats
+from .user_code import user_raised
 
-__all__ = ["ITEMS", "OwnBatches", "OwnImages", "as_image", "build_own_source", "seeded_rngs"]
+__all__ = ["ITEMS", "OwnBatches", "OwnImages", "as_image", "build_own_source", "seeded_rngs", "user_raised"]
 
 ITEMS = ("a PIL image, a uint8 or float [0, 1] tensor/array [3, H, W] or [H, W, 3], or (image, label)")
 MAX_ITEMS = 2**32   # a map-style dataset's length: its epoch order is a permutation of every index (8 bytes each)
+_END = object()   # the end of an iterable dataset's pass
 _TRANSFORM_STREAM = 0x0A_7F_0001   # the RNG stream of user transforms (unison's augmentation uses small streams)
 
 
@@ -105,23 +105,6 @@ def seeded_rngs(seed: int, epoch: int, index: int, view: int) -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
-def user_raised(what: str, error: BaseException) -> DataError:
-    """One line for an exception raised in the user's code: `what` unison was doing ("your dataset X raised at item
-    5"), the exception, and the user's frame that raised it (the innermost outside Python's and unison's files)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    outside = [f for f in frames if not any(f.filename.startswith(p) for p in _LIBRARY_DIRS)]
-    chosen = outside or list(frames)
-    where = ""
-    if chosen:
-        frame = chosen[-1]
-        where = f" (at {frame.filename}:{frame.lineno} in {frame.name}" + (f": {frame.line}" if frame.line else "") + ")"
-    text = str(error).splitlines()[0] if str(error) else ""
-    return DataError(f"{what}: {type(error).__name__}: {text}{where}")
-
-
-_LIBRARY_DIRS = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(__file__))})
-
-
 class OwnImages:
     """The user's dataset (map-style or iterable) and transform: items, their views and uint8 images.
 
@@ -156,9 +139,10 @@ class OwnImages:
         return int(n)
 
     def item(self, index: int) -> Any:
-        """Item `index` of a map-style dataset (the user's ``__getitem__``)."""
+        """Item `index` of a map-style dataset (the user's ``__getitem__``), under the run's watchdog (`reading`)."""
         try:
-            return self.dataset[index]
+            with reading():
+                return self.dataset[index]
         except Exception as e:
             last = (f" (its last by __len__, which says {self.length:,} items)" if isinstance(e, (IndexError, KeyError))
                     and self.length is not None and index == self.length - 1 else "")
@@ -168,7 +152,12 @@ class OwnImages:
         """One pass over an iterable dataset (the user's ``__iter__``)."""
         yielded = 0
         try:
-            for item in self.dataset:
+            items = iter(self.dataset)
+            while True:
+                with reading():   # each item under the run's watchdog, as `item`'s
+                    item = next(items, _END)
+                if item is _END:
+                    return
                 yield item
                 yielded += 1
         except Exception as e:

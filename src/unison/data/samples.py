@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from unison.config.fields import ascii_digits, shown
+from unison.distributed.watchdog import reading
 from unison.errors import DataError
 
 from .files import MAX_CLASSES, MAX_IMAGE_BYTES, parse_label, read_regular
@@ -110,7 +111,12 @@ class Catalog:
         return f"{self.path(i)}:{self.names[i]}" if self.kind in POSITIONED else self.path(i)
 
     def read(self, i: int) -> bytes:
-        """The encoded bytes of sample i (a file read, or one positioned read from its shard or pack)."""
+        """The encoded bytes of sample i (a file read, or one positioned read from its shard or pack), under the
+        run's watchdog (`reading`: a read that never returns ends the run, whatever it was read for)."""
+        with reading():
+            return self._read(i)
+
+    def _read(self, i: int) -> bytes:
         if self.kind not in POSITIONED:
             return read_regular(self.path(i))  # a FIFO, a device or an oversized file: OSError, nothing read
         size, offset = int(self.sizes[i]), int(self.offsets[i])

@@ -58,7 +58,7 @@ from .cache import cache_root
 from .files import MAX_LABEL_BYTES, check_regular, parse_label, resolved
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, integer_classes
 
-__all__ = ["MAX_SHARDS", "SHARD_SUFFIXES", "index_shard", "open_shards", "shard_paths"]
+__all__ = ["MAX_SHARDS", "SHARD_SUFFIXES", "index_shard", "is_shard_pattern", "open_shards", "shard_paths"]
 
 COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 SHARD_SUFFIXES = (".tar", *COMPRESSED)
@@ -70,13 +70,19 @@ _INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
 _NO_LABEL = -1
 
 
+def is_shard_pattern(spec: str) -> bool:
+    """`spec` is a brace pattern to expand (``train-{0000..0146}.tar``): it has one, and names nothing that exists. A
+    folder or file named so (``br{1..2}``) is what it is: the one rule of every reader of a data option."""
+    return "{" in spec and ".." in spec and not os.path.lexists(os.path.expanduser(spec))
+
+
 def shard_paths(spec: str) -> list[str]:
     """The shard files of ``x.tar``, a folder of ``*.tar`` or a brace pattern ``train-{0000..0146}.tar``.
 
     A pattern is expanded lazily and each name checked as it comes (a missing first shard of
     ``{0000000..9999999}`` is found at once), at most `MAX_SHARDS` names.
     """
-    if "{" in spec and ".." in spec:
+    if is_shard_pattern(spec):
         paths: list[str] = []
         for name in _expand(spec):
             if len(paths) == MAX_SHARDS:

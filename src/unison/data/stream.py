@@ -55,7 +55,7 @@ from unison.errors import DataError, UnisonError
 
 from .augment import ViewAugmenter
 from .batches import EpochOrder
-from .decode import CropDecoder
+from .decode import CropDecoder, unreadable_error
 from .samples import Catalog
 
 __all__ = ["StreamingBatches", "default_loader_workers", "job_loader", "raise_failed"]
@@ -142,6 +142,7 @@ class StreamingBatches:
                             "support; use --data-mode memory or another preset")
         self.catalog, self.augment, self.global_batch, self.seed = catalog, augment, global_batch, seed
         self.device, self.loader_workers, self.prefetch, self.decode_on = device, loader_workers, prefetch, decode
+        self.on_corrupt = on_corrupt
         self.n = n
         self.batches_per_epoch = self.order.batches_per_epoch
         if decode == "gpu":
@@ -163,7 +164,7 @@ class StreamingBatches:
         for out in map(raise_failed, self.loader(batch_number)):
             if out["error"] is not None:
                 where, why = out["error"]
-                raise DataError(f"cannot read image {where} ({why}); fix or remove it, or pass --on-corrupt skip")
+                raise unreadable_error(where, why, self.on_corrupt)
             self._report(out["skipped"])
             epoch = int(out["epoch"])
             indices = out["indices"].to(self.device, non_blocking=True)

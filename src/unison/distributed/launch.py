@@ -204,7 +204,7 @@ def launch(target: Callable[[Any], Any], payload: Any, cfg: DistributedConfig, *
     free = find_free_port(cfg.master_addr)   # also refuses, before any worker, an address not of this machine
     port = cfg.master_port or free
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    ctx = start_context(target)
+    ctx = start_context(target, cfg.world_size)
     streams = (LauncherStream(1), LauncherStream(2)) if ctx.get_start_method() == "forkserver" else ()
     forked = ctx.get_start_method() == "fork"
     heartbeats = watchdog.new_table(ctx, cfg.world_size)

@@ -14,6 +14,10 @@
   part of a short ``unison train``'s 12-14 s. A GPU machine, or any other process, keeps the fork server.
 
 The workers of both get the launcher's environment as it is at launch (`unison.distributed.launch`).
+
+Both the fork server and spawn import the launching script in every worker (``__main__``, so that its functions and
+classes unpickle there): a script that is no file (``python - < train.py``: ``<stdin>``) cannot be, and every worker
+would die with a traceback about it. `refuse_unimportable_main` says so in one line before any worker starts.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unison.config.distributed import gpu_device_node_found
+from unison.errors import ConfigError
 
 from .signals import stop_signals_blocked
 
@@ -71,7 +76,34 @@ def _forkable() -> bool:
     return _THREADS_AT_START is not None and now is not None and now <= _THREADS_AT_START
 
 
-def start_context(target: Callable[[Any], Any]) -> Any:   # a ForkContext, ForkServerContext or SpawnContext
+def _unimportable_main() -> str | None:
+    """The launching script as multiprocessing would import it in a worker, when that file does not exist (a script
+    read from standard input, ``<stdin>``; one deleted since it started); None when there is nothing to import (the
+    interactive interpreter, a notebook, ``python -c``) or it can be (a file, ``python -m module``)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return None
+    from multiprocessing import process
+
+    full = os.path.join(getattr(process, "ORIGINAL_DIR", None) or "", path)   # as multiprocessing's spawn resolves it
+    return None if os.path.isfile(full) else path
+
+
+def refuse_unimportable_main(world_size: int) -> None:
+    """`ConfigError` (one line) before any worker starts when the workers could not import the launching script."""
+    path = _unimportable_main()
+    if path is None:
+        return
+    what = "a script read from standard input" if path.startswith("<") else f"{path}, which no longer exists"
+    raise ConfigError(f"the {world_size} worker processes start by importing the script that launched them, and this "
+                      f"one is {what}: save it to a file and run it as python FILE.py, or use world_size=1 (training in "
+                      "this process, no workers)")
+
+
+def start_context(target: Callable[[Any], Any], world_size: int = 2) -> Any:   # a Fork-, ForkServer- or SpawnContext
     """The context that starts `target`'s workers (the module docstring says which)."""
     if _THREADS_AT_START is not None:
         for module in _preload(target):   # what a fork server would import, here before the check: an import that
@@ -81,6 +113,7 @@ def start_context(target: Callable[[Any], Any]) -> Any:   # a ForkContext, ForkS
 
             resource_tracker.ensure_running()   # one for all workers, as with the fork server: a worker's own died with it
             return mp.get_context("fork")
+    refuse_unimportable_main(world_size)   # fork server and spawn: every worker imports __main__
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -187,7 +187,10 @@ def run_curves_for_check(method: str, check: dict[str, Any], curve: dict[str, An
     check_run_options(check)
     spec = CurveSpec(**{k: v for k, v in curve.items() if k in {f.name for f in dataclasses.fields(CurveSpec)}})
     from unison.config.check import CheckSpec
+    from unison.config.fields import check_fields
 
+    check_fields(CheckSpec(**check))   # the values given, in the check's own names
+    check_fields(spec)
     defaults = CheckSpec()
     return run_curves(method, spec.run_steps, (1, check.get("world_size", defaults.world_size)),
                       batch_size=spec.run_batch_size, precision=check.get("dtype", defaults.dtype),

@@ -234,8 +234,11 @@ def check_methods(given: str, known: Mapping[str, Any]) -> list[str]:
 
 def validate_check_specs(specs: list[CheckSpec], cuda_available: bool) -> None:
     """The check's own options (those `unison train` does not have); raises `ConfigError` with a one-line fix."""
+    from unison.config.fields import check_fields
     from unison.errors import ConfigError
 
+    for spec in specs:   # each value's type and range, in the check's own names (world_size=0, not batch_size=0)
+        check_fields(spec)
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
     if any(spec.device == "cuda" and spec.shard == "full" for spec in specs):

@@ -17,7 +17,9 @@
 * ``none``: no metrics files (``summary.json``, ``config.json`` and ``train.log`` are still written).
 
 A resumed run appends to ``metrics.csv``; a file with an older header is rewritten with the current
-columns (earlier rows keep their values, new columns empty).
+columns (earlier rows keep their values, new columns empty). The steps after the checkpoint it resumed from are
+trained and logged again, so a step can have rows from two attempts: `rows_by_step` is the one rule of which counts
+(the later), for every reader of the file (``plot.png``, ``unison plot``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,28 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 COLUMNS = ("step", "epoch", "loss", "lr", "images_per_s", "knn_top1", "data_wait", "rankme", "emb_std", "align",
            "uniform", "probe_top1", "world_size")
+
+
+def rows_by_step(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, in step order, each column the value of the latest row of that step that has one.
+
+    A step's events are rows of their own (its loss, its kNN, its signals); a resumed or re-formed run (a restart,
+    torchrun ``--nnodes MIN:MAX``) logs the steps after its checkpoint again, below the first attempt's rows: the
+    later row of a step counts (not a line going back from step 9 to 6). Rows without a step are left out."""
+    merged: dict[float, dict[str, Any]] = {}
+    for row in rows:
+        step = row.get("step")
+        if step is None:
+            continue
+        into = merged.setdefault(float(step), {})
+        into.update({k: v for k, v in row.items() if v is not None or k not in into})
+    return [merged[step] for step in sorted(merged)]
 
 
 class MetricsLogger:
@@ -124,7 +142,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         with self._writing(self.run_dir / "plot.png"):
-            plot_metrics(self.rows, self.run_dir / "plot.png", random_init_knn_top1)
+            plot_metrics(rows_by_step(self.rows), self.run_dir / "plot.png", random_init_knn_top1)
 
 
 def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None) -> Any:

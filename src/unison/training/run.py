@@ -17,9 +17,11 @@ import contextlib
 import dataclasses
 
 from unison.config import TrainConfig
+from unison.config.distributed import as_distributed
 from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
 from unison.distributed.main_guard import refuse_reentered_main
+from unison.distributed.start import refuse_unimportable_main
 from unison.distributed.watchdog import watched_startup
 
 from .footprint import check_model_memory
@@ -39,6 +41,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
     and thread settings are its own). `own`: the user's backbone, dataset and transform (`unison.training.own`),
     sent to unison's worker processes pickled."""
     refuse_reentered_main("unison.train")   # a script without the main guard, re-run by a worker
+    cfg.distributed = as_distributed(cfg.distributed)   # read below, before the fields are validated
     launch_env = detect_launch_env()
     launched = launch_env is not None
     check_backend_launcher(cfg.distributed, launch_env)   # before anything starts
@@ -46,6 +49,8 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
         cfg = dataclasses.replace(cfg, distributed=apply_launch_env(cfg.distributed, launch_env))
     check_gpu_per_worker(cfg.distributed, launch_env)   # NCCL: a GPU per worker, before any worker starts
     in_process = launched or (cfg.distributed.world_size == 1 and not isolated)
+    if not in_process:   # before anything is read or written: the launch would refuse it only then
+        refuse_unimportable_main(cfg.distributed.world_size)
     with watched_startup(cfg.distributed.watchdog_s, "checking the data before training (listing it, reading "
                          "its first images or your dataset's first items)"):
         plan = resolve_run(cfg, own=own)   # the run, decided once: the workers build from it

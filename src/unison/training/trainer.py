@@ -50,8 +50,8 @@ from unison.distributed.env import (
     shutdown_distributed,
 )
 from unison.distributed.signals import install_stop_handlers, restore_default_handlers, stop_requests
-from unison.distributed.watchdog import Watchdog
-from unison.errors import ConfigError
+from unison.distributed.watchdog import Stuck, Watchdog
+from unison.errors import ConfigError, WatchdogTimeout
 from unison.eval.knn import knn_accuracy
 from unison.paths import same_file, write_text_atomic
 from unison.training.budget import USED_KEY, BudgetClock, adopt_plan, end_budget, start_budget, used_line
@@ -137,6 +137,9 @@ def train(plan: RunPlan | TrainConfig, device: torch.device, hooks: Sequence[Tra
     except KeyboardInterrupt:
         trainer.checkpointer.close(abort=True)   # Ctrl-C: end promptly, no half-written checkpoint
         raise
+    except Stuck:
+        trainer.checkpointer.close(abort=True)   # a save that never returns is not waited for
+        raise WatchdogTimeout(str(trainer.watch.stuck)) from None
     finally:
         trainer.checkpointer.close()   # a good save in flight completes (errors elsewhere end the run anyway)
         trainer.watch.close()
@@ -167,7 +170,8 @@ class Trainer:
         self.budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's)
         self.hooks = [*hooks, *hooks_from_env(cfg, C.rank())]
         install_stop_handlers()   # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
-        self.watch = Watchdog(C.rank(), cfg.distributed.watchdog_s)
+        # no launcher: the process is the caller's (a notebook's kernel), and a stuck run raises here, not ending it
+        self.watch = Watchdog(C.rank(), cfg.distributed.watchdog_s, in_caller=detect_launch_env() is None)
         self.checkpointer = Checkpointer(cfg.out, cfg.keep_checkpoints, asynchronous=cfg.checkpoint_async,
                                          on_write=self._on_checkpoint_write)
         self.history: dict[str, Any] = {}   # what checkpoints carry beside the state: baselines, budget spent, ...

@@ -73,3 +73,30 @@ def test_the_unison_command_forks_its_workers_from_its_own_process(tmp_path):
     assert command.returncode == 0, err[-3000:]
     parents = {(tmp_path / f"rank{r}").read_text() for r in range(2)}
     assert (parents == {str(command.pid)}) == NO_GPU, (parents, command.pid)
+
+
+_FROM_STDIN = """
+import unison
+from unison.config import DistributedConfig, TrainConfig
+cfg = TrainConfig(max_steps=1, batch_size=32, subset=128, signal_images=0, random_init_knn=False, knn=False,
+                  progress=False, out={out!r}, distributed=DistributedConfig(world_size={world}))
+print(unison.train(cfg).result_line())
+"""
+
+
+def test_a_script_piped_to_python_is_told_its_workers_need_a_file(tmp_path):
+    """`python - < train.py` at two workers: each worker imports the script, `<stdin>`, which is no file. Before: two
+    fork-server tracebacks (FileNotFoundError: '.../<stdin>'), then WorkerFailure; now one line before any worker
+    starts, and the run directory is not touched. One worker trains in the process, which imports nothing."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-"], input=_FROM_STDIN.format(out=str(out), world=2), env=ENV, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "FileNotFoundError" not in proc.stderr and "WorkerFailure" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "unison.errors.ConfigError: the 2 worker processes start by importing the script that launched them, and this "
+        "one is a script read from standard input: save it to a file and run it as python FILE.py, or use world_size=1 "
+        "(training in this process, no workers)"), proc.stderr[-3000:]
+    assert not out.exists()
+    proc = subprocess.run([sys.executable, "-"], input=_FROM_STDIN.format(out=str(out), world=1), env=ENV, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "simclr x1 worker, 1 step" in proc.stdout, proc.stderr[-3000:]

@@ -73,28 +73,42 @@ def test_workers_of_a_sigkilled_launcher_stop_at_once(tmp_path):
 
 
 _BLOCKING = """
-import os, sys, time
+import inspect, os, sys, time
 import torch
 import unison
+import unison.errors
 from unison.config import DistributedConfig, TrainConfig
 
+def _in(name):
+    # a function of that name, or a method of a class of that name, is reading the item
+    return any(f.function == name or type(f.frame.f_locals.get("self")).__name__ == name for f in inspect.stack())
+
 class Blocking(torch.utils.data.Dataset):
-    '''64 images; a read never returns where argv[2] says: "checks" (item 5, read by the checks before training in
-    this process), "loader" (any item read in a loader process: the first batch).'''
+    '''64 images; a read of item 5 never returns where argv[2] says: "checks" (read by the checks before training),
+    "loader" (any item, in a loader process: the first batch), "build" (the worker's build: the image-size probe and
+    the channel statistics), "signals" (the held-back images of the quality signals, read when their hook starts).'''
     def __init__(self):
         self.pid = os.getpid()
     def __len__(self):
         return 64
     def __getitem__(self, i):
-        if (sys.argv[2] == "checks" and i == 5) or (sys.argv[2] == "loader" and os.getpid() != self.pid):
+        where = sys.argv[2]
+        if {"checks": i == 5, "loader": os.getpid() != self.pid, "build": i == 5 and _in("_build"),
+                "signals": i == 5 and _in("HeldBack")}[where]:
             time.sleep(3600)
         return torch.rand(3, 16, 16)
 
 if __name__ == "__main__":
-    cfg = TrainConfig(out=sys.argv[1], max_steps=3, batch_size=8, random_init_knn=False, signal_images=0,
-                      progress=False, loader_workers=1, distributed=DistributedConfig(world_size=1, watchdog_s=4))
-    unison.train(cfg, dataset=Blocking())
-    print("not reached")
+    cfg = TrainConfig(out=sys.argv[1], max_steps=3, batch_size=8, random_init_knn=False, progress=False,
+                      signal_images=64 if sys.argv[2] == "signals" else 0, loader_workers=1,
+                      distributed=DistributedConfig(world_size=1, watchdog_s=4))
+    try:
+        unison.train(cfg, dataset=Blocking())
+        print("not reached")
+    except unison.errors.UnisonError as e:   # the caller's process goes on (a notebook keeps its kernel)
+        print(f"unison: error: {e}", file=sys.stderr)
+        print(f"the caller goes on after {type(e).__name__}")
+        sys.exit(e.exit_code)
 """
 
 
@@ -103,29 +117,30 @@ def _blocked_run(tmp_path, where: str) -> tuple[subprocess.CompletedProcess, flo
     script.write_text(_BLOCKING)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), where], env=ENV,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=240)   # generous: a loaded machine starts torch slowly
     return proc, time.monotonic() - started
 
 
-def test_a_dataset_item_that_blocks_the_checks_before_training_ends_the_run(tmp_path):
-    """One worker, --watchdog-s 4: item 5 never returns, read by the pre-flight's look at the data. It hung for
-    ever; now exit 1 with one line, about 4 s later."""
-    proc, took = _blocked_run(tmp_path, "checks")
+@pytest.mark.parametrize("where, line", [
+    ("checks", "no progress for 4 s (--watchdog-s) while checking the data before training"),
+    ("loader", "no progress for 4 s (--watchdog-s) in data at step 0; the run was ended"),
+    ("build", "no progress for 4 s (--watchdog-s) in read (of an image or an item of your dataset) before the first "
+              "step; the run was ended"),
+    ("signals", "no progress for 4 s (--watchdog-s) in read (of an image or an item of your dataset) before the "
+                "first step; the run was ended"),
+])
+def test_a_dataset_item_that_blocks_before_the_first_step_raises_in_the_caller(tmp_path, where, line):
+    """One worker, --watchdog-s 4, an item that never returns: read by the pre-flight's look at the data, by the
+    loader process that makes the first batch, by the worker's build, or for the signals' held-back images. Each
+    hung for ever (the last two also after the first two were watched: the build was not); now `WatchdogTimeout`
+    in the caller, about 4 s later, naming the phase. One worker trains in the caller's process, which the
+    watchdog ended before (a notebook lost its kernel): the script catches the exception and goes on."""
+    proc, took = _blocked_run(tmp_path, where)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
     assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
-    assert len(lines) == 1 and "no progress for 4 s (--watchdog-s) while checking the data" in lines[0], proc.stderr
-    assert took < 45, took
-
-
-def test_a_dataset_item_that_blocks_the_first_batch_ends_a_one_worker_run(tmp_path):
-    """No item returns in the loader process that makes the batches: the first batch waits for ever (it was
-    not watched before the first step, and one worker has no collective timeout); now exit 1 with one line
-    naming the wait, about 4 s later."""
-    proc, took = _blocked_run(tmp_path, "loader")
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("unison: error:")]
-    assert proc.returncode == 1 and "not reached" not in proc.stdout, proc.stderr
-    assert len(lines) == 1 and "made no progress for 4 s (--watchdog-s) in data at step 0" in lines[0], proc.stderr
-    assert took < 45, took
+    assert "the caller goes on after WatchdogTimeout" in proc.stdout, proc.stderr[-3000:]
+    assert len(lines) == 1 and line in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert took < 200, took   # a hang would be for ever: any bound tells them apart
 
 
 def _train(argv: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:

@@ -109,3 +109,45 @@ def test_the_in_process_watchdog_ends_a_stuck_worker_outside_unisons_launcher(tm
     assert proc.stderr.strip().endswith("unison: error: watchdog: rank 3 made no progress for 1 s (--watchdog-s) in "
                                         "collective at step 7; ending this worker"), proc.stderr
     assert 3.0 <= took < 25, took
+
+
+_IN_CALLER = """
+import sys, threading, time
+from unison.distributed.watchdog import Stuck, Watchdog, reading
+
+def stuck_read(result):
+    watch = Watchdog(rank=0, limit_s=1.0, poll_s=0.1, in_caller=True)
+    try:
+        with reading():   # a read that never returns (here: {how}), before the first step
+            {how}
+    except Stuck:
+        result.append(watch.stuck)
+    finally:
+        watch.close()
+
+result = []
+if sys.argv[1] == "main":
+    stuck_read(result)
+else:
+    t = threading.Thread(target=stuck_read, args=(result,))
+    t.start()
+    t.join()
+print(result[0])
+print("the caller goes on")
+"""
+
+
+@pytest.mark.parametrize("thread, how", [("main", "time.sleep(3600)"), ("main", "threading.Event().wait()"),
+                                         ("other", "while True: time.sleep(0.01)")])
+def test_the_watchdog_of_a_run_in_the_callers_process_raises_there(thread, how):
+    """One worker without a launcher trains in the caller's process (a notebook's kernel): a stuck read raises
+    `Stuck` in the thread that trains, and the process goes on (a launched worker's ends: the test above). The main
+    thread is woken from a blocking sleep or lock by a signal; another thread at its next Python instruction."""
+    code = textwrap.dedent(_IN_CALLER).replace("{how}", how)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, thread], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "watchdog: no progress for 1 s (--watchdog-s) in read (of an image or an item of your dataset) before the "
+        "first step; the run was ended", "the caller goes on"], proc.stdout + proc.stderr
+    assert time.monotonic() - started < 90   # generous under load: a hang would be for ever

@@ -187,3 +187,23 @@ def test_the_knn_reference_set_is_bounded_unless_asked_for_all():
     assert sorted(every.tolist()) == list(range(12_000))
     some, _ = knn_subsets(labels, queries, None, seed=0, reference=1_000)
     assert len(some) == 1_000 and len(query) == 300
+
+
+def test_an_existing_path_named_like_a_brace_pattern_is_what_it_is(tmp_path):
+    """A folder ``br{1..2}`` was read as the shards br1, br2 ("tar shard .../br1 of ... does not exist"); only a name
+    that does not exist is expanded."""
+    from unison.data.catalog import open_catalog
+    from unison.data.generated import write_image_folder, write_shards
+
+    folder = tmp_path / "br{1..2}"
+    files = write_image_folder(folder, 6, sizes=(12, 12))
+    catalog = open_catalog(str(folder))
+    assert catalog.kind == "folder" and len(catalog) == 6
+    shards = write_shards(folder, files, tmp_path / "shards", per_shard=3)   # shard-00000.tar, shard-00001.tar
+    named = shards[0].rename(tmp_path / "shards" / "s-{0..1}.tar")   # one file named like a pattern of two
+    assert len(open_catalog(str(named))) == 3
+    shards[1].rename(tmp_path / "shards" / "p-1.tar")
+    named.rename(tmp_path / "shards" / "p-0.tar")
+    assert len(open_catalog(str(tmp_path / "shards" / "p-{0..1}.tar"))) == 6   # a pattern: expanded
+    with pytest.raises(DataError, match=r"tar shard .*p-2.tar of .*p-\{0..2\}.tar does not exist"):
+        open_catalog(str(tmp_path / "shards" / "p-{0..2}.tar"))

@@ -87,6 +87,31 @@ def test_file_list_labels_comments_and_relative_paths(tmp_path):
         open_catalog(str(tmp_path / "mixed.txt"))
 
 
+
+def test_file_list_paths_with_spaces_take_a_tab(tmp_path):
+    """An absolute path with spaces lost its last word as a label (".../my does not exist", no hint), and one without
+    a label could not be listed at all (a trailing tab was stripped). A tab parts a path from its label, and a
+    trailing tab ends a path that has none; a space-parted line whose path is missing says how it was read."""
+    files = write_image_folder(tmp_path / "my photos", 2, classes=2, sizes=(16, 16))
+    paths = [tmp_path / "my photos" / f for f in files]
+    listed = tmp_path / "labelled.txt"
+    listed.write_text("".join(f"{p}\t{k}\n" for k, p in enumerate(paths)))
+    cat = open_catalog(str(listed))
+    assert cat.labels.tolist() == [0, 1] and cat.path(0) == str(paths[0])
+    unlabelled = tmp_path / "unlabelled.txt"
+    unlabelled.write_text("".join(f"{p}\t\n" for p in paths))
+    cat = open_catalog(str(unlabelled))
+    assert not cat.labelled and [cat.path(i) for i in range(2)] == [str(p) for p in paths]
+    spaced = tmp_path / "spaced.txt"
+    spaced.write_text("".join(f"{p}\n" for p in paths))   # no tab: the last word is read as a label
+    head, word = str(paths[0]).rsplit(" ", 1)
+    with pytest.raises(DataError) as info:
+        open_catalog(str(spaced))
+    assert str(info.value) == (
+        f"file list {spaced}: line 1: {head} does not exist (the line was read as the path {head!r} and the label "
+        f"{word!r}); {paths[0]} (the whole line) does: a path with spaces is parted from its label by a tab "
+        "(path<TAB>label), and ends in a tab when it has no label (path<TAB>)")
+
 # -- one-line errors naming the file -----------------------------------------------------------------------
 def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
     with tarfile.open(path, "w") as tar:
@@ -155,6 +180,26 @@ def test_corrupt_files_are_skipped_with_a_substitute_or_named_in_the_error(corru
         _take(_stream(corrupt, 1, batch=16, on_corrupt="error"), 0, 3)
     assert "\n" not in str(e.value) and "--on-corrupt skip" in str(e.value)
 
+
+
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_files_deleted_while_a_run_streams_them_say_the_data_changed(tmp_path, decode):
+    """Under the default --on-corrupt skip, a run of unreadable samples has no substitute: the error ended "or pass
+    --on-corrupt skip", the option already in effect. Now it says how many failed in a row and that the data may
+    have changed since the run listed it (here: deleted after the catalog was made, read by a loader process)."""
+    root = tmp_path / "photos"
+    write_image_folder(root, 24, classes=1, sizes=(16, 16))
+    cat = open_catalog(str(root))
+    for i in range(24):   # every file gone: whichever sample comes first, the 10 after it are gone too
+        Path(cat.path(i)).unlink()
+    with pytest.raises(DataError) as e:
+        _take(_stream(str(root), 1, batch=8, catalog=cat, decode=decode), 0, 1)
+    message = str(e.value)
+    assert "it and the 10 samples after it are unreadable, 11 in a row: " in message, message
+    assert message.endswith("and --on-corrupt skip (in effect) found no readable sample to take its place: the data "
+                            "may have changed since the run listed it (files deleted, moved or rewritten while it "
+                            "ran); restore them, or start the run again on the data as it is now"), message
+    assert "or pass --on-corrupt skip" not in message and "\n" not in message
 
 # -- world size, loader workers, reads ---------------------------------------------------------------------
 def test_views_do_not_depend_on_the_number_of_loader_workers(data):

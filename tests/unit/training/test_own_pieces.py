@@ -72,7 +72,9 @@ CASES = {  # name: (pieces, world size, error class, fragment of the message)
                           f"returns (2, {WIDTH}) for 2 images of 10x10 px; it must return [batch, feature_dim] = "
                           f"(2, {WIDTH * 2})"),
     "feature_dim without backbone": (dict(feature_dim=8), 1, ConfigError, "backbone= and feature_dim= go together"),
-    "not a module": (dict(backbone="resnet18", feature_dim=8), 1, ConfigError, "backbone= is str; give a torch.nn"),
+    "not a module": (dict(backbone="resnet18", feature_dim=8), 1, ConfigError,
+                     "backbone='resnet18' (str) must be an nn.Module or None; a backbone by name is an option: "
+                     "TrainConfig(backbone='resnet18')"),
     "transform without dataset": (dict(transform=jitter), 1, ConfigError, "give dataset= too"),
     "transform returns uint8": (dict(dataset=Photos(), transform=_uint8_views), 1, ConfigError,
                                 "view 0 is a torch.uint8 tensor (3, 12, 12); a view must be a float tensor"),
