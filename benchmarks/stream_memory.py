@@ -63,7 +63,7 @@ def eval_and_embed(run: str, data: Path, out: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sides", type=int, nargs=2, default=[32, 64], help="image side range in pixels")

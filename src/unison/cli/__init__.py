@@ -23,6 +23,7 @@ from unison.errors import (
     BROKEN_PIPE_EXIT_CODE,
     INTERRUPTED_EXIT_CODE,
     ConfigError,
+    ConfigProblems,
     OutputError,
     Preempted,
     RunDirRefused,
@@ -36,7 +37,6 @@ from .train_args import (
     LazyEpilogParser,
     add_train_arguments,
     build_train_config,
-    check_config_types,
     config_file,
     parse_params,
     train_epilog,
@@ -62,10 +62,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     # no torch until the options are checked: a mistyped one is refused at once
     from unison.distributed.launch_env import detect_launch_env
 
-    if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
-        from unison.config import TrainConfig
-
-        check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
+    if getattr(ns, "config", None):  # every problem of the file at once, before anything else reads it
+        config_file(ns)
     if getattr(ns, "resume", None) == "auto":  # --resume auto: continue the run in --out if it has a checkpoint
         from unison.training.checkpoint import latest_checkpoint
 
@@ -178,10 +176,6 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from unison.plan import PlanProgress, plan, resolve_gpu
 
     gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
-    if getattr(ns, "config", None):
-        from unison.config import TrainConfig
-
-        check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
     cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
     with PlanProgress() as progress:   # stages on stderr as it works (it takes seconds to minutes)
         report = plan(cfg, gpu, mfu=ns.mfu, progress=progress)
@@ -382,9 +376,10 @@ def _run(ns: argparse.Namespace) -> int:
             if worker_traceback:
                 print(worker_traceback, file=sys.stderr)
             raise
-        text = " ".join(str(exc).split()) or type(exc).__name__
+        lines = exc.lines() if isinstance(exc, ConfigProblems) else [str(exc)]   # several: one line each
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
-        print(f"unison: error: {where}{text}", file=sys.stderr)  # under torchrun every worker is a main()
+        text = " ".join(lines[0].split()) or type(exc).__name__
+        print(f"unison: error: {where}{text}", *lines[1:], sep="\n", file=sys.stderr)   # every worker is a main()
         return code
 
 
