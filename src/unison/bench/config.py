@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config.budget import parse_duration
+from unison.config.fields import shown
 from unison.errors import ConfigError
 
 PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")
@@ -142,7 +143,20 @@ class BenchConfig:
         parse_duration(self.budget, "--budget")
         if self.comm_steps < 3:
             raise ConfigError("bench: --comm-steps must be >= 3 (PowerSGD compresses from the third step)")
+        self.train_words   # noqa: B018 (a command line that does not split is refused here, before any work)
         return self
+
+    @property
+    def train_words(self) -> list[str]:
+        """--train-args split as a shell splits it: the one reading of them (every run, the Lightly side's --amp)."""
+        import shlex
+
+        try:
+            return shlex.split(self.train_args)
+        except ValueError as exc:   # "No closing quotation", "No escaped character"
+            raise ConfigError(f"bench: --train-args {shown(self.train_args)} is not a command line ({exc}); give "
+                              "unison train's flags as one quoted string, e.g. --train-args \"--amp bf16 "
+                              "--param temperature=0.2\"") from None
 
     @property
     def method_list(self) -> list[str]:

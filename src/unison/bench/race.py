@@ -57,7 +57,7 @@ def unison_argv(cfg: BenchConfig, data: str, run_dir: Path, threads: int) -> lis
         from unison.distributed.launch import find_free_port
 
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]
-    return argv + shlex.split(cfg.train_args)
+    return argv + cfg.train_words
 
 
 def _unison_side(cfg: BenchConfig, data: str, out_dir: Path, snapshots: Path, threads: int) -> dict[str, Any]:

@@ -95,7 +95,7 @@ def train_argv(cfg: BenchConfig, spec: RunSpec, data: str, val: str | None, run_
     elif cfg.backend == "nccl":
         # One worker on a GPU: 'auto' would choose the in-memory single-process group, which runs on the CPU.
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]
-    return argv + shlex.split(cfg.train_args)
+    return argv + cfg.train_words
 
 
 def run_train(argv: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:

@@ -49,8 +49,9 @@ def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[
             raise ConfigError(f"{flag} {key.strip()[:60]}={shown(value)} is not a value ({yaml_error(exc)}); give a "
                               f"number, true/false, a string or a [list], e.g. {flag} {example}") from None
         if isinstance(parsed, Sexagesimal):   # 1:30 is no number, nor silently the text for a number option
-            raise ConfigError(f"{flag} {sexagesimal_problem(key.strip()[:60], parsed, 'number')}, or quote the "
-                              f"text: {flag} '{key.strip()[:60]}=\"{parsed}\"'")
+            name = f"{flag} {key.strip()[:60]}"
+            raise ConfigError(f"{sexagesimal_problem(name, parsed, 'number', '=')}, or quote the text: "
+                              f"{flag} '{key.strip()[:60]}=\"{parsed}\"'")
         values[key.strip()] = plain(parsed)
     return values
 

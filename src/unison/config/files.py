@@ -94,18 +94,19 @@ class Located(dict):
     lines: dict[str, int]
 
 
-def sexagesimal_problem(name: str, value: Sexagesimal, takes: str) -> str:
+def sexagesimal_problem(name: str, value: Sexagesimal, takes: str, sep: str = ": ") -> str:
     """Why ``name: value`` (a base-60 number) is refused, and what to write instead; `takes`: "duration",
-    "steps or duration" or "number" (what the option takes)."""
+    "steps or duration" or "number" (what the option takes); `sep`: how the name and a value are written (``=``
+    for ``--param NAME=VALUE``)."""
     number = value.number
     n = f"{int(number)}" if float(number).is_integer() else f"{number:g}"
-    head = f"{name}: {value} is a base-60 number in YAML 1.1 ({n}), which unison does not read as a number"
+    head = f"{name}{sep}{value} is a base-60 number in YAML 1.1 ({n}), which unison does not read as a number"
     clock = _as_durations(value) or f'"{n}s"'
     if takes == "duration":
-        return f"{head}: write the duration with units, quoted, e.g. {name}: {clock}"
+        return f"{head}: write the duration with units, quoted, e.g. {name}{sep}{clock}"
     if takes == "steps or duration":
-        return f"{head}: write steps as a number ({name}: {n}) or a duration with units, quoted ({name}: {clock})"
-    return f"{head}: write the number itself, e.g. {name}: {n}"
+        return f"{head}: write steps as a number ({name}{sep}{n}) or a duration with units, quoted ({name}{sep}{clock})"
+    return f"{head}: write the number itself, e.g. {name}{sep}{n}"
 
 
 def _as_durations(value: str) -> str:

@@ -91,4 +91,6 @@ def test_a_base_60_number_is_never_a_number_for_any_option():
 def test_a_base_60_param_value_is_refused_in_one_line(capfd):
     assert main([TRAIN, "--param", "temperature=1:00", "--world-size", "1"]) == 2
     err = capfd.readouterr().err.strip()
-    assert err.startswith("unison: error: --param temperature: 1:00 is a base-60 number in YAML 1.1 (60)"), err
+    assert err == ("unison: error: --param temperature=1:00 is a base-60 number in YAML 1.1 (60), which unison does not "
+                   "read as a number: write the number itself, e.g. --param temperature=60, or quote the text: --param "
+                   "'temperature=\"1:00\"'"), err
