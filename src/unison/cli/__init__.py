@@ -2,9 +2,8 @@
 
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
-are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``,
-``eval``, ``embed``, ``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMANDS`: only the one run is
-imported).
+are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``, ``embed``,
+``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMANDS`: only the one run is imported).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import sys
 import time
@@ -38,6 +38,7 @@ from .train_args import (
     add_train_arguments,
     build_train_config,
     config_file,
+    option_given,
     parse_params,
     train_epilog,
 )
@@ -170,17 +171,21 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    """`unison plan`: one rank's memory, FLOPs, collective bytes and host syncs, from a simulated step."""
-    import json
+    """`unison plan`: one rank's memory, FLOPs, bytes and host syncs, from a simulated step; exit 0 when the run fits
+    the GPU, 1 when it does not (a verdict, as `unison check`'s 1 when the runs differ), 2 for bad input."""
+    from unison.progress import Stages
 
-    from unison.plan import PlanProgress, plan, resolve_gpu
+    with Stages("unison plan") as progress:   # a line from its first second (torch imports for seconds)
+        progress.stage("importing torch; reading the options")
+        from unison.plan import NO_DATA, plan, resolve_gpu
 
-    gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
-    cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
-    with PlanProgress() as progress:   # stages on stderr as it works (it takes seconds to minutes)
+        gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
+        if not option_given(ns, "data"):   # the model and the image size alone, not the default digits
+            ns.data = NO_DATA
+        cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
         report = plan(cfg, gpu, mfu=ns.mfu, progress=progress)
     print(json.dumps(report.as_dict(), indent=1) if ns.json else report.text(), flush=True)
-    return 0
+    return 0 if report.fits else 1
 
 
 def make_parser(command: str | None = None) -> argparse.ArgumentParser:

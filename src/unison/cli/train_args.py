@@ -90,6 +90,11 @@ def config_file(ns: argparse.Namespace) -> dict[str, Any]:
     return copy.deepcopy(ns.config_file_data[1])
 
 
+def option_given(ns: argparse.Namespace, name: str) -> bool:
+    """Whether option `name` is given: a flag, the ``--config`` file, or the run ``--resume`` continues."""
+    return name in vars(ns) or bool(getattr(ns, "resume", None)) or bool(ns.config and name in config_file(ns))
+
+
 def resume_base(resume: str) -> dict[str, Any]:
     from unison.training.checkpoint import read_header
 
