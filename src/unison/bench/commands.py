@@ -34,6 +34,7 @@ from .config import (
     loadavg,
     machine_info,
 )
+from .report import result_paths
 
 _WHAT = {
     "table": ("Distributed table",
@@ -62,7 +63,7 @@ _WHAT = {
 
 
 # The options each part reads (the others keep the preset's value); `all` takes every option.
-_COMMON = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run")
+_COMMON = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run", "overwrite")
 _DATA = ("data", "val", "subset", "val_subset", "knn_k")
 PART_OPTIONS = {
     "table": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args"),
@@ -108,6 +109,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         return 0
     check_devices(cfg, parts)
     _check_lightly(parts)
+    check_outputs(cfg, parts, ns.part)   # nothing an earlier bench left is replaced without --overwrite
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     machine = describe_machine(machine_info())
@@ -129,7 +131,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             print(f"unison bench: {part} took {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
             sections.append(text)
     if ns.part == "all":
-        (out / "report.md").write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
+        result_paths(out, "all")["md"].write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
     return 0
 
 
@@ -272,6 +274,25 @@ def check_train_args(cfg: BenchConfig, parts: list[str]) -> None:
                     parse_train_args(argv[1:], what, validate=False)
             except ConfigError as exc:   # a usage error names `what` already; a value's error does not
                 raise ConfigError(str(exc) if str(exc).startswith(what) else f"{what}: {exc}") from None
+
+
+def check_outputs(cfg: BenchConfig, parts: list[str], command: str) -> None:
+    """The result files (`result_paths`) and run directories the bench would write in ``--out``: refused in one line
+    where any exists and ``--overwrite`` is not given (every command's rule, `unison.paths`), before any work."""
+    if cfg.overwrite:
+        return
+    out = cfg.out_dir
+    data = data_or_skip(cfg)
+    train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
+    paths = [p for part in [*parts, *(["all"] if command == "all" else [])] for p in result_paths(out, part).values()]
+    paths += [Path(argv[argv.index("--out") + 1]) for part in parts for argv in _train_argvs(cfg, part, train, val, out)]
+    there = [p for p in paths if p.exists() or p.is_symlink()]
+    if there:
+        named = ", ".join(str(p.relative_to(out)) + ("/" if p.is_dir() else "") for p in there[:6])
+        more = f" and {len(there) - 6} more" if len(there) > 6 else ""
+        raise ConfigError(f"bench {command}: --out {out} already holds {named}{more} (an earlier bench's results "
+                          "and runs); they are left as they are: pass --overwrite to replace them, or choose another "
+                          "--out")
 
 
 def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:

@@ -109,6 +109,9 @@ class BenchConfig:
     load_wait_s: float = field(default=900.0, metadata={
         "help": "the most this run waits for --max-load, all measurements together; then it measures anyway"})
     dry_run: bool = field(default=False, metadata={"help": "print the training commands and exit"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace the results and runs an earlier bench left in --out (without it, they are left as they are "
+                "and nothing is run)"})
 
     def validate(self) -> BenchConfig:
         from unison.methods import METHODS
@@ -316,7 +319,7 @@ def bench_command(part: str, cfg: BenchConfig) -> str:
     args = ["unison", "bench", part, "--preset", cfg.preset]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("preset", "dry_run") or value == getattr(base, f.name) or value is None:
+        if f.name in ("preset", "dry_run", "overwrite") or value == getattr(base, f.name) or value is None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

@@ -7,7 +7,8 @@
 * answers a usage error with one line of its own command (``unison train: error: ...``), not the 40 lines of
   its usage above it, nor the top-level ``unison`` usage for a subcommand's option;
 * suggests the closest option for a mistyped one and the closest choice for a mistyped value
-  (`unison.config.names.closest`).
+  (`unison.config.names.closest`);
+* keeps a renamed flag's earlier name working, with one line that names the new one (`DeprecatedAlias`).
 
 Its subcommands' parsers are of the same class (argparse makes them of their parent's), so every command and
 every part of ``unison bench`` parse alike. `error_prefix` set: a usage error raises `ConfigError` instead of
@@ -27,7 +28,7 @@ from typing import Any, NoReturn
 from unison.config.names import closest
 from unison.errors import ConfigError
 
-__all__ = ["Parser", "unrecognized"]
+__all__ = ["DeprecatedAlias", "Parser", "unrecognized"]
 
 _PARSING: list[Parser] = []   # the parsers of the command line being parsed, outermost first
 
@@ -89,6 +90,22 @@ class Parser(argparse.ArgumentParser):
             close = closest(str(value), choices)
             hint = f" (did you mean {close!r}?)" if close else ""
             raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; choose from {', '.join(choices)}")
+
+
+class DeprecatedAlias(argparse.Action):
+    """A flag's earlier name (``plot --replace`` for ``--overwrite``): it still sets `dest` to True, and says so in
+    one warning line, naming the flag to use (``use``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, use: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.use = use
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
+        import warnings
+
+        warnings.warn(f"{option} is deprecated: use {self.use} (the same flag in every command that writes a file)",
+                      FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, True)
 
 
 def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
