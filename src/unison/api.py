@@ -333,9 +333,11 @@ def embed(run: Run, data: str | os.PathLike[str] | None = None, out: str | os.Pa
 
 
 @checked()
-def export(run: Run, out: str | os.PathLike[str], *, format: str | None = None) -> dict[str, Any]:
+def export(run: Run, out: str | os.PathLike[str], *, format: str | None = None,
+           overwrite: bool = False) -> dict[str, Any]:
     """`unison export`: `run`'s backbone as a plain state dict (``.pt``, or ``.safetensors``: `format` or the
-    suffix of `out`) with its preprocessing beside it in ``<out>.json``; returns what was written.
+    suffix of `out`) with its preprocessing beside it in ``<out>.json``; returns what was written. An existing
+    `out` (or sidecar) is replaced only with `overwrite`.
 
     Example::
 
@@ -344,7 +346,7 @@ def export(run: Run, out: str | os.PathLike[str], *, format: str | None = None) 
     """
     from unison.export import export_backbone
 
-    return export_backbone(_path(run), os.fspath(out), format)
+    return export_backbone(_path(run), os.fspath(out), format, overwrite=overwrite)
 
 
 def _path(run: Run) -> Path:

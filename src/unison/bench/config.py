@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config.budget import parse_duration
+from unison.config.fields import shown
 from unison.errors import ConfigError
 
 PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")
@@ -108,6 +109,9 @@ class BenchConfig:
     load_wait_s: float = field(default=900.0, metadata={
         "help": "the most this run waits for --max-load, all measurements together; then it measures anyway"})
     dry_run: bool = field(default=False, metadata={"help": "print the training commands and exit"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace the results and runs an earlier bench left in --out (without it, they are left as they are "
+                "and nothing is run)"})
 
     def validate(self) -> BenchConfig:
         from unison.methods import METHODS
@@ -142,7 +146,20 @@ class BenchConfig:
         parse_duration(self.budget, "--budget")
         if self.comm_steps < 3:
             raise ConfigError("bench: --comm-steps must be >= 3 (PowerSGD compresses from the third step)")
+        self.train_words   # noqa: B018 (a command line that does not split is refused here, before any work)
         return self
+
+    @property
+    def train_words(self) -> list[str]:
+        """--train-args split as a shell splits it: the one reading of them (every run, the Lightly side's --amp)."""
+        import shlex
+
+        try:
+            return shlex.split(self.train_args)
+        except ValueError as exc:   # "No closing quotation", "No escaped character"
+            raise ConfigError(f"bench: --train-args {shown(self.train_args)} is not a command line ({exc}); give "
+                              "unison train's flags as one quoted string, e.g. --train-args \"--amp bf16 "
+                              "--param temperature=0.2\"") from None
 
     @property
     def method_list(self) -> list[str]:
@@ -302,7 +319,7 @@ def bench_command(part: str, cfg: BenchConfig) -> str:
     args = ["unison", "bench", part, "--preset", cfg.preset]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("preset", "dry_run") or value == getattr(base, f.name) or value is None:
+        if f.name in ("preset", "dry_run", "overwrite") or value == getattr(base, f.name) or value is None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

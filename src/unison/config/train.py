@@ -274,6 +274,8 @@ class TrainConfig:
         Numbers written as strings (``lr: 1e-3`` in YAML, ``--param momentum_base=1e-2``) become floats, and
         integral numbers in any notation (``1e9``) become ints where the option is an integer."""
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
+        if isinstance(self.time_budget, (int, float)) and not isinstance(self.time_budget, bool):
+            self.time_budget = str(self.time_budget)   # `time_budget: 600` in YAML: seconds, as --time-budget 600
         check_fields(self)
         self.distributed = as_distributed(self.distributed)   # a value assigned since
         self.distributed.validate(cuda_available)
