@@ -251,8 +251,15 @@ def load_backbone(run: Run, *, backbone: nn.Module | None = None,
                   device: str | torch.device = "cpu") -> nn.Module:
     """The trained backbone of `run` (a run directory or checkpoint file): an ``nn.Module`` in eval mode with the
     run's weights, returning ``[batch, feature_dim]`` for images normalised as the run's (its ``config.json``:
-    ``resolved.image_size``, ``mean``, ``std``). For a run of your own backbone class, its class is imported and built
-    without arguments, or pass an instance as `backbone` (its weights are replaced by the run's).
+    ``resolved.image_size``, ``mean``, ``std``), on `device` (``cpu``, ``cuda``, ``cuda:N``, ``auto``; one that is not
+    a device, or not on this machine, is a one-line `ConfigError`).
+
+    `backbone`: a module of yours to load the run's backbone weights into, returned (in eval mode) instead of the
+    rebuilt one. The load is strict: its ``state_dict`` must have exactly the keys and shapes of the trained
+    backbone's, else a one-line `ConfigError` names the differences (nothing is loaded). For a run of your own
+    backbone class, pass an instance of it (needed when the class cannot be built without arguments; without one
+    the class is imported and built without arguments); for unison's backbones, any module of the same layout (a
+    ``resnet18_imagenet`` run: ``torchvision.models.resnet18()`` with ``fc = torch.nn.Identity()``).
 
     Example::
 

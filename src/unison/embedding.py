@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.config.distributed import checked_device
 from unison.config.fields import Range, check_fields
 from unison.config.train import DATA_LAYOUTS, MAX_BATCH
 from unison.errors import ConfigError, Preempted
@@ -77,8 +78,7 @@ class EmbedOptions:
                 raise ConfigError(f"give --{name}, e.g. unison embed --checkpoint runs/default --data photos/ "
                                   "--out photos.npy")
         check_fields(self)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+        checked_device(self.device)   # the one device check (`unison.load_backbone` and every checkpoint read too)
         return self
 
 

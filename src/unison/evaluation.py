@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.config import TrainConfig
+from unison.config.distributed import checked_device
 from unison.config.fields import Range, check_fields, count
 from unison.config.train import DATA_LAYOUTS, MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
@@ -107,8 +108,7 @@ class EvalOptions:
         if not (self.knn or self.linear):
             raise ConfigError("nothing to evaluate: drop --no-knn or --no-linear")
         check_fields(self)   # types and the stated ranges, as `unison train` checks its options
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+        checked_device(self.device)   # the one device check (`unison.load_backbone` and every checkpoint read too)
         return self
 
 

@@ -85,7 +85,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
     started = time.perf_counter()
     try:
-        with _stop_before_training():   # a stop signal leaves it as `Preempted`, logged below
+        with _stop_before_training(cfg.out):   # a stop signal leaves it as `Preempted`, logged below
             summary = train(cfg)   # a WorkerFailure goes to main(), which prints it as one line
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_where_to_continue(cfg.out)) from None
@@ -111,21 +111,21 @@ def _where_to_continue(out: str) -> str:
     from unison.training.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out)
-    if last is None:
-        return f"no checkpoint was written in {out}"
-    return f"the last checkpoint is {last}; continue with --resume auto --out {out}"
+    return (f"no checkpoint was written in {out}" if last is None
+            else f"the last checkpoint is {last}; continue with --resume auto --out {out}")
 
 
-def _stop_before_training() -> contextlib.AbstractContextManager[None]:
+def _stop_before_training(out: str | None = None) -> contextlib.AbstractContextManager[None]:
     """SIGTERM/SIGUSR1 before the workers run (pre-flight, data scan): end at once with a line, nothing to save.
+    Training (launcher or loop) replaces this handler and puts it back as it ends, also as it fails (torchrun
+    SIGTERMs a dead worker's peers at once): a stop then names `out`'s last checkpoint (`stop_handovers` tells)."""
+    from unison.distributed.signals import stop_handovers, stop_signals_raise
 
-    Once training runs, the launcher (forwarding) or the training loop (finish the step, checkpoint)
-    replace this handler with their own.
-    """
-    from unison.distributed.signals import stop_signals_raise
-
-    return stop_signals_raise(lambda name: Preempted(f"stopped by {name} before training started: nothing to save; "
-                                                     "run the same command again", signal_name=name))
+    began = stop_handovers()
+    return stop_signals_raise(lambda name: Preempted(
+        f"stopped by {name} before training started: nothing to save; run the same command again"
+        if stop_handovers() == began else f"stopped by {name} after its training had stopped: "
+        f"{_where_to_continue(out) if out else 'continue with --resume auto and the same --out'}", signal_name=name))
 
 
 def _explicit_world_size(ns: argparse.Namespace) -> int | None:

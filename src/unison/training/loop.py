@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -49,10 +50,10 @@ from unison.distributed.env import (
 from unison.distributed.signals import install_stop_handlers, restore_default_handlers
 from unison.distributed.watchdog import Stuck, Watchdog
 from unison.errors import ConfigError, WatchdogTimeout
-from unison.paths import same_file, write_text_atomic
+from unison.paths import is_inside, same_file, write_text_atomic
 from unison.training.budget import USED_KEY, BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget, used_line
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
-from unison.training.checkpoint.files import step_of
+from unison.training.checkpoint.files import CHECKPOINT_DIR, step_of
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
 from unison.training.loop_hooks import (
@@ -253,6 +254,7 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
     random-initialisation kNN baseline (never of a trained encoder)."""
     cfg = run.cfg
     step, history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
+    name_run(run)
     runlog.line(start_line(run, C.world_size(), step))
     if "resumed_from_total_steps" in run.resolved and C.rank() == 0:
         replanned = (f"unison: the checkpoint's run was planned for "
@@ -275,12 +277,27 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
     return step, history
 
 
+def name_run(run: Run) -> None:
+    """``resolved.run_id`` (in every checkpoint, ``config.json`` and ``summary.json``): the resumed checkpoint's when
+    the run continues the run of its own directory (``--resume`` naming ``--out`` or a checkpoint in it, a restart),
+    a new one otherwise (a fresh run; a run branched from another directory's checkpoint is a run of its own).
+    Rank 0 draws it, every rank keeps the same. What tells a run's own checkpoints from one copied in from another
+    run (`unison.training.checkpoint.header.check_placement`)."""
+    cfg = run.cfg
+    resume, out = cfg.resume, Path(cfg.out)
+    continues = resume is not None and (same_file(resume, out) or is_inside(resume, out / CHECKPOINT_DIR))
+    if continues and isinstance(run.resolved.get("run_id"), str):
+        return
+    run.resolved["run_id"] = C.broadcast_object(secrets.token_hex(8) if C.rank() == 0 else None)
+
+
 def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpointer: Checkpointer,
              logger: MetricsLogger, probe_s: float = 0.0) -> Summary:
     """The run's `Summary` (the same on every rank); rank 0 writes ``summary.json`` and closes the metrics."""
     cfg, device, train_time = run.cfg, run.device, log.train_time_s
     summary = Summary(
         method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=C.world_size(), steps=step,
+        run_id=run.resolved["run_id"],
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
         train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
         final_loss=log.final_loss, knn_top1=history["knn_top1"],
