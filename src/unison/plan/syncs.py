@@ -47,6 +47,7 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
     KnownSync("src/unison/methods/lejepa.py (forward)", "", "the step's random directions are seeded by its counter"),
     KnownSync("src/unison/methods/swav.py (forward)", "", "the prototypes are frozen for the first steps (step counter)"),
     KnownSync("src/unison/methods/moco.py (_enqueue)", "", "the queue pointer (where this step's keys go)"),
+    KnownSync("src/unison/methods/nnclr.py (_enqueue)", "", "the support set's pointer (where this step's projections go)"),
 )
 
 
