@@ -15,7 +15,8 @@ same-size views trains (``--augmentation``); 2 is SimSiam.
 Defaults: SimSiam's heads and recipe as unison's `unison.methods.simsiam` (the paper builds on SimSiam's CIFAR-10
 setting, as Lightly's CIFAR-10 FastSiam benchmark: 2-layer projector with batch norm after each layer, a 4x
 bottleneck predictor, SGD, lr 0.03 per 256 images, weight decay 5e-4), widths reduced for CPU from 2048 / 512 to
-512 / 128 (pass ``proj_hidden_dim=2048, proj_dim=2048, pred_hidden_dim=512`` for the paper's).
+512 / 128 (pass ``proj_hidden_dim=2048, proj_dim=2048, pred_hidden_dim=512`` for the paper's). On the embedded
+digits' short schedule the learning rate is 0.1, as SimSiam's there.
 
 Distributed semantics: per-sample loss, nothing to communicate; each rank returns the mean over its local
 samples. Exact under DDP when batch norm is synchronised (SyncBN). The gather setting does not apply.
@@ -58,7 +59,9 @@ class FastSiamParams:
 class FastSiam(SSLMethod):
     name = "fastsiam"
     Params = FastSiamParams
-    recipe = Recipe(optimizer="sgd", base_lr=0.03, weight_decay=5e-4, augmentation="fastsiam")
+    # The embedded digits' 150 steps: SimSiam's short-schedule rate, as unison's SimSiam (docs/benchmarks.md).
+    recipe = Recipe(optimizer="sgd", base_lr=0.03, weight_decay=5e-4, augmentation="fastsiam",
+                    embedded={"base_lr": 0.1})
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: FastSiamParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -21,6 +21,7 @@ def _backbone() -> nn.Module:
 def test_fastsiams_augmentation_makes_four_views_on_every_data():
     recipe = FastSiam.recipe
     assert recipe.augmentation == "fastsiam" and recipe.for_data("digits").augmentation == "digits_fastsiam"
+    assert (recipe.for_data("digits").base_lr, recipe.for_data("/data/cifar10/train").base_lr) == (0.1, 0.03)
     for preset, like in (("fastsiam", "mocov2"), ("digits_fastsiam", "digits")):
         assert PRESETS[preset]["n_global"] == 4 and PRESETS[preset]["n_local"] == 0
         assert {k: v for k, v in PRESETS[preset].items() if k != "n_global"} == \
