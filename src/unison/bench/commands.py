@@ -44,10 +44,10 @@ _WHAT = {
              "Bytes each worker hands to collectives per step, counted by `CommMeter` (DDP wrapped with "
              "`metered=True`), against the ideal (the gradient in bytes); W real gloo/NCCL workers, random images."),
     "lightly": ("Side by side with Lightly SSL",
-                "Each --method (seed: Lightly's six; all: also vicreg, dino, mae) with the same backbone type, data, global "
-                "batch, steps and schedule, each side its own recipe (Lightly's: its modules, transforms and CIFAR-10 "
-                "settings); one training process per side (Lightly's with its DataLoader workers); kNN of both "
-                "encoders by the same code, throughput and peak memory."),
+                "Each --method (seed: Lightly's six; all: also vicreg, dino, mae, nnclr, dcl, dclw, tico, fastsiam) with "
+                "the same backbone type, data, global batch, steps and schedule, each side its own recipe (Lightly's: "
+                "its modules, transforms and CIFAR-10 settings); one training process per side (Lightly's with its "
+                "DataLoader workers); kNN of both encoders by the same code, throughput and peak memory."),
     "data": ("Data loading at 224 px",
              "Images/s and images per CPU-second of SimCLR's two 224 px views from a JPEG folder: unison's "
              "streaming loader against the decode limit (libjpeg-turbo), torchvision's ImageFolder + Lightly's "

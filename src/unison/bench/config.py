@@ -33,7 +33,8 @@ from unison.errors import ConfigError
 PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")
 NOT_IN_ALL = ("all", "race")   # `bench all` runs the others; the race (two budgets of 15 minutes) is its own
 SEED_METHODS = ("simclr", "moco", "simsiam", "barlowtwins", "byol", "swav")   # Lightly's distributed table
-LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae")   # with a Lightly side (`unison.bench.lightly_methods`)
+# with a Lightly side (`unison.bench.lightly_methods`)
+LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae", "nnclr", "dcl", "dclw", "tico", "fastsiam")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -51,7 +52,8 @@ class BenchConfig:
                 "moco, simsiam, barlowtwins, byol, swav)"})
     method: str = field(default="simclr", metadata={
         "help": "the Lightly comparison's method(s): a name, comma-separated names, 'seed' (the six of Lightly's "
-                "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae)"})
+                "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae, nnclr, dcl, dclw, "
+                "tico, fastsiam)"})
     backbone: str = field(default="small_cnn", metadata={"help": "backbone of every run (same module type on both "
                                                                  "sides of the Lightly comparison)"})
     data: str = field(default=f"{SHARED_CIFAR10}/train", metadata={

@@ -3,7 +3,9 @@
 from ._precision import keep_losses_eager
 from .barlowtwins import BarlowTwinsLoss
 from .byol import BYOLLoss
+from .dcl import DCLLoss, DCLWLoss
 from .dino import DINOLoss
+from .fastsiam import FastSiamLoss
 from .ibot import IBOTLoss
 from .ijepa import IJEPALoss
 from .koleo import KoLeoLoss
@@ -11,11 +13,14 @@ from .lejepa import LeJEPALoss, SIGRegLoss, sigreg_directions
 from .mae import MAELoss, patchify
 from .moco import MoCoLoss
 from .mocov3 import MoCoV3Loss
+from .nnclr import NNCLRLoss, nearest_neighbours
 from .ntxent import NTXentLoss
 from .simsiam import SimSiamLoss
 from .swav import SwAVLoss, sinkhorn
+from .tico import TiCoLoss
 from .vicreg import VICRegLoss
 
-__all__ = ["BYOLLoss", "BarlowTwinsLoss", "DINOLoss", "IBOTLoss", "IJEPALoss", "KoLeoLoss", "LeJEPALoss", "MAELoss",
-           "MoCoLoss", "MoCoV3Loss", "NTXentLoss", "SIGRegLoss", "SimSiamLoss", "SwAVLoss", "VICRegLoss",
-           "keep_losses_eager", "patchify", "sigreg_directions", "sinkhorn"]
+__all__ = ["BYOLLoss", "BarlowTwinsLoss", "DCLLoss", "DCLWLoss", "DINOLoss", "FastSiamLoss", "IBOTLoss", "IJEPALoss",
+           "KoLeoLoss", "LeJEPALoss", "MAELoss", "MoCoLoss", "MoCoV3Loss", "NNCLRLoss", "NTXentLoss", "SIGRegLoss",
+           "SimSiamLoss", "SwAVLoss", "TiCoLoss", "VICRegLoss", "keep_losses_eager", "nearest_neighbours", "patchify",
+           "sigreg_directions", "sinkhorn"]

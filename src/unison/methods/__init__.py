@@ -7,18 +7,22 @@ from unison.errors import ConfigError
 from .barlowtwins import BarlowTwins, BarlowTwinsParams
 from .base import Recipe, SampleKeys, SSLMethod
 from .byol import BYOL, BYOLParams
+from .dcl import DCL, DCLW, DCLParams, DCLWParams
 from .dino import DINO, DINOParams
 from .distill import Distill, DistillParams
+from .fastsiam import FastSiam, FastSiamParams
 from .ibot import IBOT, IBOTParams
 from .ijepa import IJEPA, IJEPAParams
 from .lejepa import LeJEPA, LeJEPAParams
 from .mae import MAE, MAEParams
 from .moco import MoCo, MoCoParams
 from .mocov3 import MoCoV3, MoCoV3Params
+from .nnclr import NNCLR, NNCLRParams
 from .simclr import SimCLR, SimCLRParams
 from .simsiam import SimSiam, SimSiamParams
 from .swav import SwAV, SwAVParams
 from .teacher import MomentumTeacher
+from .tico import TiCo, TiCoParams
 from .vicreg import VICReg, VICRegParams
 
 METHODS: dict[str, type[SSLMethod]] = {
@@ -36,6 +40,11 @@ METHODS: dict[str, type[SSLMethod]] = {
     "lejepa": LeJEPA,
     "mocov3": MoCoV3,
     "distill": Distill,
+    "nnclr": NNCLR,
+    "dcl": DCL,
+    "dclw": DCLW,
+    "tico": TiCo,
+    "fastsiam": FastSiam,
 }
 
 
@@ -46,7 +55,9 @@ def get_method(name: str) -> type[SSLMethod]:
         raise ConfigError(f"method {name!r} is unknown; use one of {', '.join(sorted(METHODS))}") from None
 
 
-__all__ = ["BYOL", "IBOT", "IJEPA", "MAE", "BYOLParams", "BarlowTwins", "BarlowTwinsParams", "DINO", "DINOParams",
-           "Distill", "DistillParams", "IBOTParams", "IJEPAParams", "LeJEPA", "LeJEPAParams", "MAEParams", "METHODS", "MoCo", "MoCoParams",
-           "MoCoV3", "MoCoV3Params", "MomentumTeacher", "Recipe", "SSLMethod", "SampleKeys", "SimCLR",
-           "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV", "SwAVParams", "VICReg", "VICRegParams", "get_method"]
+__all__ = ["BYOL", "DCL", "DCLW", "IBOT", "IJEPA", "MAE", "NNCLR", "BYOLParams", "BarlowTwins", "BarlowTwinsParams",
+           "DCLParams", "DCLWParams", "DINO", "DINOParams", "Distill", "DistillParams", "FastSiam", "FastSiamParams",
+           "IBOTParams", "IJEPAParams", "LeJEPA", "LeJEPAParams", "MAEParams", "METHODS", "MoCo", "MoCoParams",
+           "MoCoV3", "MoCoV3Params", "MomentumTeacher", "NNCLRParams", "Recipe", "SSLMethod", "SampleKeys", "SimCLR",
+           "SimCLRParams", "SimSiam", "SimSiamParams", "SwAV", "SwAVParams", "TiCo", "TiCoParams", "VICReg",
+           "VICRegParams", "get_method"]

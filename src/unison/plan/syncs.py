@@ -52,6 +52,8 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
     KnownSync("src/unison/methods/swav.py (forward)", "", "SwAV's prototypes",
               "frozen for the first steps (step counter)"),
     KnownSync("src/unison/methods/moco.py (_enqueue)", "", "MoCo's queue pointer", "where this step's keys go"),
+    KnownSync("src/unison/methods/nnclr.py (_enqueue)", "", "NNCLR's support set pointer",
+              "where this step's projections go"),
 )
 
 
