@@ -4,5 +4,5 @@
 # `unison train`, e.g. ./run.sh --method byol --out runs/byol
 set -euo pipefail
 cd "$(dirname "$0")"
-bash scripts/setup.sh
+bash scripts/setup.sh main   # what training needs; scripts/test.sh adds the test toolchain
 exec .venv/bin/unison train "$@"

@@ -105,7 +105,7 @@ def one(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--method", default="simclr")
     p.add_argument("--backbone", default="resnet18")
     p.add_argument("--image-size", type=int, default=32)

@@ -37,7 +37,7 @@ def run(asynchronous: bool, args: argparse.Namespace, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--backbone", default="resnet18")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)

@@ -28,7 +28,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared/data/cifar10
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="'digits', 'cifar10' or an ImageFolder directory")
     ap.add_argument("--subset", type=int, default=None, help="load only this many images (class-balanced)")
     ap.add_argument("--preset", default="simclr")

@@ -22,7 +22,7 @@ from unison.training.step import data_spec
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--data", required=True)
     ap.add_argument("--val", required=True)
     ap.add_argument("--knn-reference", type=int, default=0)

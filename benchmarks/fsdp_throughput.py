@@ -61,7 +61,7 @@ def _work(args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--backbone", default="small_cnn")
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--method", default="simclr")

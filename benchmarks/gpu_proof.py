@@ -572,16 +572,16 @@ SECTIONS = {"tests": _tests_md, "throughput": _throughput_md, "plan": _plan_md, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    pk = sub.add_parser("pack")
+    pk = sub.add_parser("pack", allow_abbrev=False)
     pk.add_argument("source")
     pk.add_argument("out")
-    sz = sub.add_parser("size")
+    sz = sub.add_parser("size", allow_abbrev=False)
     sz.add_argument("folder", nargs="?", default=str(REPO / CARRY))
-    ph = sub.add_parser("phase")
+    ph = sub.add_parser("phase", allow_abbrev=False)
     ph.add_argument("name", choices=PHASES)
-    rp = sub.add_parser("report")
+    rp = sub.add_parser("report", allow_abbrev=False)
     for p in (ph, rp):
         p.add_argument("--out", required=True)
     ph.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

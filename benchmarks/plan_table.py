@@ -41,7 +41,7 @@ def row(backbone: str, method: str, world: int, shard: str, local: int, gpu: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--backbones", nargs="+", default=list(BACKBONES), choices=list(BACKBONES))
     ap.add_argument("--methods", nargs="+", default=["dino", "simclr", "mae"])
     ap.add_argument("--worlds", nargs="+", type=int, default=[8, 64])

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from unison.plan.measure import measure_cpu_step
     from unison.training.resolve import validate_run
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--method", default="simclr")
     ap.add_argument("--backbone", default="resnet18")
     ap.add_argument("--image-size", type=int, default=32)

@@ -73,7 +73,7 @@ def _work(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     defaults = TrainConfig()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--method", default=defaults.method)

@@ -124,7 +124,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":   # the launcher's fork server imports this file: run only as a script
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()

@@ -54,7 +54,7 @@ def _cli(*argv: str) -> str:
 
 def eval_and_embed(run: str, data: Path, out: Path) -> dict[str, float]:
     """Peak RSS of `unison eval` (one process) and of `unison embed --world-size 2` (the larger of its two)."""
-    _cli("eval", "--checkpoint", run, "--linear-epochs", "10", "--json", str(out / "eval.json"))
+    _cli("eval", "--checkpoint", run, "--linear-epochs", "10", "--json", str(out / "eval.json"), "--overwrite")
     eval_peak = json.loads((out / "eval.json").read_text())["peak_memory_mib"]
     line = _cli("embed", "--checkpoint", run, "--data", str(data), "--out", str(out / "emb.npy"), "--overwrite",
                 "--world-size", "2")
@@ -63,7 +63,7 @@ def eval_and_embed(run: str, data: Path, out: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sides", type=int, nargs=2, default=[32, 64], help="image side range in pixels")

@@ -2,6 +2,13 @@
 # Create .venv (if missing) and install unison with its dependencies. Idempotent: the first run shows what the
 # installer does (torch alone is minutes of download); a later one installs nothing unless pyproject.toml changed.
 #
+#   bash scripts/setup.sh main   what the main job needs (unison and its runtime dependencies): ./run.sh
+#   bash scripts/setup.sh        that and the test toolchain (the `test` extra: pytest, ruff, mypy, mkdocs, Lightly
+#                                for the benchmarks' cross-checks): scripts/test.sh, and a developer's checkout
+#
+# A checkout set up for the tests is set up for the main job too; one set up for the main job gets the rest the
+# first time the tests run.
+#
 # The installer is uv (`uv pip install`, given the indexes pip is configured with): on a 2-core machine it installs
 # torch and the dependencies in 92 s where pip takes 214 s, bytecode compiled in both. Where uv cannot be
 # had, or fails, pip.
@@ -9,6 +16,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 say() { echo "setup: $*" >&2; }
+FOR=${1:-test}
+case $FOR in
+  main) EXTRAS=""; CHECK="torch, torchvision, unison"; COMPILE=(src) ;;
+  test) EXTRAS="[test]"; CHECK="torch, torchvision, unison, pytest, xdist"; COMPILE=(src tests benchmarks) ;;
+  *) say "unknown set-up '$FOR': give main (the main job's needs) or nothing (also the test toolchain)"; exit 2 ;;
+esac
 # the installer's lines, without the one warning a shared venv repeats; --line-buffered: progress as it happens
 shown() { grep --line-buffered -v "^WARNING: Location" || true; }
 hash_of() { { sha256sum "$1" 2>/dev/null || shasum -a 256 "$1"; } | cut -d' ' -f1; }
@@ -62,23 +75,27 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   install_packages torch==2.14.1 torchvision==0.29.1 \
     || { say "installing torch failed: see the installer's output above"; exit 1; }
 fi
-# The editable install of this checkout and the dependencies of pyproject.toml: skipped when the stamp says it
-# was done for this pyproject.toml and this checkout, and unison still imports from here; a dependency added
-# to pyproject.toml changes its hash, so the next run installs it.
+# The editable install of this checkout and the dependencies of pyproject.toml (with the `test` extra for the
+# tests): skipped when the stamp says it was done for this pyproject.toml, this checkout and this set-up (or the
+# tests', which holds the main job's), and unison still imports from here; a dependency added to pyproject.toml
+# changes its hash, so the next run installs it.
 STAMP=.venv/.unison-install-stamp
 WANT="$(hash_of pyproject.toml) $PWD"
-HERE="import os, sys, unison, pytest, xdist; sys.exit(not os.path.realpath(unison.__file__).startswith(sys.argv[1]))"
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && .venv/bin/python -c "$HERE" "$(pwd -P)/src/" 2>/dev/null; then
+HAVE=$(cat "$STAMP" 2>/dev/null || true)
+HERE="import os, sys, $CHECK; sys.exit(not os.path.realpath(unison.__file__).startswith(sys.argv[1]))"
+case "$HAVE" in "$WANT test") DONE=test ;; "$WANT main") DONE=main ;; *) DONE="" ;; esac
+if { [ "$DONE" = test ] || [ "$DONE" = "$FOR" ]; } && .venv/bin/python -c "$HERE" "$(pwd -P)/src/" 2>/dev/null; then
   say "unison and its dependencies are up to date (pyproject.toml unchanged)"
 else
   rm -f "$STAMP"
-  say "installing unison from $PWD and the dependencies of pyproject.toml"
-  install_packages -e '.[test]' \
+  DONE=$FOR
+  say "installing unison from $PWD and the dependencies of pyproject.toml${EXTRAS:+ with the test toolchain}"
+  install_packages -e ".$EXTRAS" \
     || { say "installing unison failed: see the installer's output above"; exit 1; }
 fi
-.venv/bin/python -c "import torch, torchvision, unison, pytest, xdist" || { say "failed: see the installer's output above"; exit 1; }
-echo "$WANT" > "$STAMP"
+.venv/bin/python -c "import $CHECK" || { say "failed: see the installer's output above"; exit 1; }
+echo "$WANT $DONE" > "$STAMP"
 # unison's own modules compiled to bytecode once, as an installer does for installed packages (an editable install
 # does not): where PYTHONDONTWRITEBYTECODE is set, every process would compile them again, ~0.3 s of CPU each.
 # Only changed files are compiled again; a stale file is recompiled in memory by Python, never used as it is.
-.venv/bin/python -m compileall -q src tests benchmarks > /dev/null || say "compiling unison's bytecode failed (it runs, only slower)"
+.venv/bin/python -m compileall -q "${COMPILE[@]}" > /dev/null || say "compiling unison's bytecode failed (it runs, only slower)"

@@ -2,7 +2,7 @@
 # One command: set up (first time), lint, and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh   # the main job's needs and the test toolchain (pytest, ruff, mypy, mkdocs, Lightly)
 .venv/bin/ruff check src tests benchmarks    # lint (configured in pyproject.toml)
 .venv/bin/mypy                               # types (configured in pyproject.toml)
 # Three pytest workers, each taking whole files (their module-scoped reference runs are made once): many tests wait

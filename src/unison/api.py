@@ -251,8 +251,15 @@ def load_backbone(run: Run, *, backbone: nn.Module | None = None,
                   device: str | torch.device = "cpu") -> nn.Module:
     """The trained backbone of `run` (a run directory or checkpoint file): an ``nn.Module`` in eval mode with the
     run's weights, returning ``[batch, feature_dim]`` for images normalised as the run's (its ``config.json``:
-    ``resolved.image_size``, ``mean``, ``std``). For a run of your own backbone class, its class is imported and built
-    without arguments, or pass an instance as `backbone` (its weights are replaced by the run's).
+    ``resolved.image_size``, ``mean``, ``std``), on `device` (``cpu``, ``cuda``, ``cuda:N``, ``auto``; one that is not
+    a device, or not on this machine, is a one-line `ConfigError`).
+
+    `backbone`: a module of yours to load the run's backbone weights into, returned (in eval mode) instead of the
+    rebuilt one. The load is strict: its ``state_dict`` must have exactly the keys and shapes of the trained
+    backbone's, else a one-line `ConfigError` names the differences (nothing is loaded). For a run of your own
+    backbone class, pass an instance of it (needed when the class cannot be built without arguments; without one
+    the class is imported and built without arguments); for unison's backbones, any module of the same layout (a
+    ``resnet18_imagenet`` run: ``torchvision.models.resnet18()`` with ``fc = torch.nn.Identity()``).
 
     Example::
 
@@ -333,9 +340,11 @@ def embed(run: Run, data: str | os.PathLike[str] | None = None, out: str | os.Pa
 
 
 @checked()
-def export(run: Run, out: str | os.PathLike[str], *, format: str | None = None) -> dict[str, Any]:
+def export(run: Run, out: str | os.PathLike[str], *, format: str | None = None,
+           overwrite: bool = False) -> dict[str, Any]:
     """`unison export`: `run`'s backbone as a plain state dict (``.pt``, or ``.safetensors``: `format` or the
-    suffix of `out`) with its preprocessing beside it in ``<out>.json``; returns what was written.
+    suffix of `out`) with its preprocessing beside it in ``<out>.json``; returns what was written. An existing
+    `out` (or sidecar) is replaced only with `overwrite`.
 
     Example::
 
@@ -344,7 +353,7 @@ def export(run: Run, out: str | os.PathLike[str], *, format: str | None = None) 
     """
     from unison.export import export_backbone
 
-    return export_backbone(_path(run), os.fspath(out), format)
+    return export_backbone(_path(run), os.fspath(out), format, overwrite=overwrite)
 
 
 def _path(run: Run) -> Path:

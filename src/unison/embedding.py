@@ -42,10 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.config.distributed import checked_device
 from unison.config.fields import Range, check_fields
 from unison.config.train import DATA_LAYOUTS, MAX_BATCH
 from unison.errors import ConfigError, Preempted
-from unison.paths import write_error
+from unison.paths import OVERWRITE_HELP, write_error
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -61,7 +62,7 @@ class EmbedOptions:
     out: str | None = field(default=None, metadata={
         "help": "features file, .npy (float32 [N, dim]); the file names go to OUT with .names.csv; required",
         "required": True, "metavar": "OUT.npy"})
-    overwrite: bool = field(default=False, metadata={"help": "replace an existing --out (never an input)"})
+    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP + " (--out and its names file)"})
     world_size: int = field(default=1, metadata={"range": Range(1, 256),
                                                  "help": "processes embedding a share of the images each"})
     batch_size: int = field(default=256, metadata={"range": Range(1, MAX_BATCH), "help": "images per forward pass"})
@@ -77,8 +78,7 @@ class EmbedOptions:
                 raise ConfigError(f"give --{name}, e.g. unison embed --checkpoint runs/default --data photos/ "
                                   "--out photos.npy")
         check_fields(self)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+        checked_device(self.device)   # the one device check (`unison.load_backbone` and every checkpoint read too)
         return self
 
 
@@ -108,10 +108,7 @@ def check_outputs(opts: EmbedOptions) -> tuple[Path, Path]:
     inputs = [*checkpoint_inputs(opts.checkpoint), Input("--data", opts.data, tree=True)]
     names = names_path(out)
     for path, flag in ((out, "--out"), (names, "--out (its names file)")):
-        if not opts.overwrite and (path.exists() or path.is_symlink()) and not path.is_dir():
-            raise ConfigError(f"{flag} {path} already exists; it is left as it is: pass --overwrite to replace it, "
-                              "or choose another --out")
-        check_output(path, "--out", inputs=inputs, own=lambda p: True, label=f"{flag} {path}")
+        check_output(path, "--out", inputs=inputs, overwrite=opts.overwrite, label=f"{flag} {path}")
     return out, names
 
 

@@ -44,6 +44,24 @@ class ConfigError(UnisonError, ValueError):
     exit_code = 2
 
 
+class ConfigProblems(ConfigError):
+    """Several problems of one input (every problem of a config file, found at once): the CLI prints a line
+    naming `where` and then one line per problem; `str()` is all of them on one line (for a log or a caller)."""
+
+    def __init__(self, where: str, problems: list[str]):
+        self.where, self.problems = where, list(problems)
+        n = len(self.problems)
+        super().__init__(f"{where}: {self.problems[0]}" if n == 1 else f"{where} has {n} problems: "
+                         + "; ".join(self.problems))
+
+    def lines(self) -> list[str]:
+        """The message as the CLI prints it: one line, or a heading and one line per problem."""
+        if len(self.problems) == 1:
+            return [str(self)]
+        return [f"{self.where} has {len(self.problems)} problems; fix them all, then run again:",
+                *(f"  {p}" for p in self.problems)]
+
+
 class RunDirRefused(ConfigError):
     """The run directory is not this run's to write: another live run owns it (`unison.training.owner`), it is
     the data, or a resume would overwrite its later checkpoints. Nothing is written there, not even a log line."""

@@ -28,9 +28,9 @@ Example::
     unison eval --checkpoint runs/cifar --no-linear --knn-k 20  # kNN only
     unison eval --checkpoint runs/cifar/checkpoints/step_00000100.pt --json eval.json
 
-``--json`` replaces its own output only: an existing file there must be an earlier ``unison eval`` result
-(refused otherwise, like the checkpoint, a data file or a directory there; `unison.paths.check_output`),
-checked before anything is loaded.
+An existing ``--json`` file is replaced only with ``--overwrite`` (every command's rule, an earlier eval result
+included), never the checkpoint, a data file or a directory there (`unison.paths.check_output`), checked before
+anything is loaded.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.config import TrainConfig
+from unison.config.distributed import checked_device
 from unison.config.fields import Range, check_fields, count
 from unison.config.train import DATA_LAYOUTS, MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError, DataError
+from unison.paths import OVERWRITE_HELP
 
 if TYPE_CHECKING:
     from unison.data.evalsets import KnnSets
@@ -97,8 +99,8 @@ class EvalOptions:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available) | cpu | cuda",
                                                   "choices": DEVICES})
     json: str | None = field(default=None, metadata={
-        "help": "also write the results to this JSON file (an existing one is replaced only if it is an earlier "
-                "unison eval result)", "metavar": "PATH"})
+        "help": "also write the results to this JSON file (an existing one only with --overwrite)", "metavar": "PATH"})
+    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP + " (--json)"})
 
     def validate(self) -> EvalOptions:
         if not self.checkpoint:
@@ -106,8 +108,7 @@ class EvalOptions:
         if not (self.knn or self.linear):
             raise ConfigError("nothing to evaluate: drop --no-knn or --no-linear")
         check_fields(self)   # types and the stated ranges, as `unison train` checks its options
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+        checked_device(self.device)   # the one device check (`unison.load_backbone` and every checkpoint read too)
         return self
 
 
@@ -348,7 +349,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def is_eval_result(path: Path) -> bool:
-    """`path` holds an earlier ``unison eval --json`` result (what ``--json`` may replace)."""
+    """`path` holds an earlier ``unison eval --json`` result (how a refusal names it)."""
     try:
         if path.stat().st_size > 1 << 20:
             return False
@@ -359,14 +360,14 @@ def is_eval_result(path: Path) -> bool:
 
 
 def check_json_path(opts: EvalOptions) -> Path:
-    """``--json``, refused (one line) where it is an input, a directory or a file that is not an eval result."""
+    """``--json``, refused (one line) where it is an input, a directory, or an existing file without --overwrite."""
     from unison.paths import Input, check_output
     from unison.training.load import checkpoint_inputs
 
     assert opts.json is not None
     inputs = checkpoint_inputs(opts.checkpoint) if opts.checkpoint else []
     inputs += [Input(f"--{name}", getattr(opts, name)) for name in ("data", "val") if getattr(opts, name)]
-    return check_output(opts.json, "--json", inputs=inputs, own=is_eval_result,
+    return check_output(opts.json, "--json", inputs=inputs, overwrite=opts.overwrite, own=is_eval_result,
                         own_text="an earlier unison eval result")
 
 

@@ -13,9 +13,9 @@ method, backbone and step, and under ``load`` the call that takes the weights wi
 they need (`load_call`: ``timm.create_model('vit_tiny_patch16_224', num_classes=0, patch_size=4, img_size=32)``;
 unison's ViTs are timm's ``VisionTransformer``); a safetensors file carries the same in its metadata.
 
-Its own output, and nothing else, is replaced: ``--out`` may name an earlier export (a file whose
-``<name>.json`` sidecar says it is one), never the checkpoint read, a file in its run's ``checkpoints/``
-folder or any other existing file; ``--out x.json`` is refused, its sidecar would be the same file
+An existing ``--out`` or sidecar is replaced only with ``--overwrite`` (every command's rule: an earlier export is
+no exception, whose run it came from the command cannot know), and never the checkpoint read or a file in its run's
+``checkpoints/`` folder; ``--out x.json`` is refused, its sidecar would be the same file
 (`unison.paths.check_output`).
 
 ResNets trained above 64 px (``resnet18_imagenet``) are torchvision's without ``fc``: the export
@@ -48,7 +48,7 @@ import torch
 from unison.errors import ConfigError
 from unison.models.backbones import timm_create_kwargs
 from unison.models.vit import VIT_BACKBONES, vit_timm_kwargs
-from unison.paths import check_output, write_error
+from unison.paths import OVERWRITE_HELP, check_output, write_error
 from unison.training.load import checkpoint_inputs, config_of, method_of, own_backbone_weights, preprocessing
 
 if TYPE_CHECKING:   # annotations only: the functions import the training stack when called
@@ -66,6 +66,7 @@ class ExportOptions:
     format: str | None = field(default=None, metadata={
         "help": "pt (torch.save) or safetensors; default: safetensors if FILE ends in .safetensors, else pt",
         "choices": FORMATS})
+    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP + " (FILE and its .json sidecar)"})
 
 
 def backbone_state_dict(method: SSLMethod) -> dict[str, torch.Tensor]:
@@ -133,21 +134,21 @@ def is_export(path: Path) -> bool:
     return isinstance(info, dict) and info.get("unison") == "backbone" and (path == sidecar or info.get("file") == path.name)
 
 
-def check_export_paths(checkpoint: str | Path, out: str | Path) -> tuple[Path, Path]:
-    """The weights file and its sidecar, refused (one line) where they would replace an input, each other or an
-    existing file that is not an earlier export (`unison.paths.check_output`)."""
+def check_export_paths(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """The weights file and its sidecar, refused (one line) where they would replace an input, each other or, without
+    `overwrite`, an existing file (`unison.paths.check_output`)."""
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'backbone.pt'}")
     sidecar = out.with_suffix(".json")
     inputs = checkpoint_inputs(checkpoint)
-    own_text = "an earlier export (a backbone file with its .json sidecar)"
+    own_text = "an earlier unison export"
     if out.suffix == ".json":   # the sidecar <name>.json would be the weights file itself
         raise ConfigError(f"--out {out} would be its own sidecar (the .json beside the weights, which records their "
                           f"preprocessing); name the weights file {out.with_suffix('.pt')} or "
                           f"{out.with_suffix('.safetensors')}")
-    check_output(out, "--out", inputs=inputs, own=is_export, own_text=own_text)
-    check_output(sidecar, "--out", inputs=inputs, own=is_export, own_text=own_text,
+    check_output(out, "--out", inputs=inputs, overwrite=overwrite, own=is_export, own_text=own_text)
+    check_output(sidecar, "--out", inputs=inputs, overwrite=overwrite, own=is_export, own_text=own_text,
                  label=f"the sidecar {sidecar} of --out {out}")
     return out, sidecar
 
@@ -158,7 +159,8 @@ def _umask() -> int:
     return mask
 
 
-def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = None) -> dict[str, Any]:
+def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = None, *,
+                    overwrite: bool = False) -> dict[str, Any]:
     """Export the backbone of `checkpoint` to `out`, with its preprocessing in ``<out stem>.json`` (and, for
     safetensors, in the file's metadata); return a description (path, format, counts, backbone, preprocessing)."""
     import json
@@ -169,7 +171,7 @@ def export_backbone(checkpoint: str | Path, out: str | Path, fmt: str | None = N
     fmt = _resolve_format(Path(out), fmt)
     from unison.training.checkpoint import load_checkpoint
 
-    out, sidecar = check_export_paths(checkpoint, out)   # before the (slow) load: refused without work
+    out, sidecar = check_export_paths(checkpoint, out, overwrite)   # before the (slow) load: refused without work
     ckpt = load_checkpoint(checkpoint, map_location="cpu", run=True)   # every field checked, the config too
     cfg = config_of(ckpt)
     own = own_backbone_weights(ckpt)   # the user's backbone: its weights as trained, for their module
@@ -224,7 +226,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if not opts.checkpoint or not opts.out:
         raise ConfigError("give --checkpoint RUN_DIR_OR_FILE and --out FILE, e.g. "
                           "unison export --checkpoint runs/default --out backbone.pt")
-    info = export_backbone(opts.checkpoint, opts.out, opts.format)   # a refused checkpoint: CheckpointError, exit 4
+    # a refused checkpoint: CheckpointError, exit 4
+    info = export_backbone(opts.checkpoint, opts.out, opts.format, overwrite=opts.overwrite)
     norm = (f"normalise with mean {_fmt3(info['mean'])}, std {_fmt3(info['std'])}" if info["mean"] is not None
             else f"normalised as your transform {info['transform'][4:]} does" if info.get("transform")
             else "mean/std not recorded in this checkpoint")

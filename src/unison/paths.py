@@ -1,19 +1,22 @@
 """Output paths: what a command writes, checked against what it reads and against what is already there.
 
-One rule for every command that writes (``train --out`` and its files, ``export --out`` and its sidecar,
-``eval --json``), in one place so that each command applies the same check:
+One rule for every command that writes a file the user names (``export --out`` and its sidecar, ``eval --json``,
+``embed --out`` and its names file, ``plot --out``, the files of ``bench --out``), in one place so that each
+command applies the same check (``train --out`` is a run directory, with rules of its own: `unison.training`):
 
 * an output is never the same file as an input (the checkpoint read, a run directory, the data), nor inside
   an input that is a tree (a data folder, a sharded checkpoint);
 * two outputs of one command are never the same file (``export --out x.json``: the sidecar is ``x.json``);
-* an output never replaces an existing file that is not the command's own earlier output: each command
-  says what its own output is (``own``), and anything else is refused with one line;
+* **an existing file is replaced only with ``--overwrite``** (`OVERWRITE_HELP`), the same flag in every command,
+  whoever wrote the file (an earlier output of the same command too: which run's it is, the command cannot know);
+  without it the command refuses in one line before any work, and the file is left as it is. With it, a file
+  is still never replaced where it is an input, a directory or not a regular file;
 * an `OSError` while writing (full disk, read-only, a file where a folder should be) is one line naming the
   file (`write_error`), not a traceback.
 
 Example::
 
-    out = check_output("bb.pt", "--out", inputs=[Input("--checkpoint", ckpt)], own=is_export)
+    out = check_output("bb.pt", "--out", inputs=[Input("--checkpoint", ckpt)], overwrite=opts.overwrite)
 """
 
 from __future__ import annotations
@@ -88,11 +91,17 @@ def is_inside(path: str | Path, directory: str | Path) -> bool:
     return p == d or d in p.parents
 
 
+OVERWRITE_HELP = ("replace an output file that already exists (never an input, a directory or another output of "
+                  "this command); without it an existing file is left as it is and nothing is done")
+
+
 def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
-                 others: Sequence[tuple[str, str | Path]] = (), own: Callable[[Path], bool] | None = None,
-                 own_text: str = "an earlier output of this command", label: str | None = None) -> Path:
+                 others: Sequence[tuple[str, str | Path]] = (), overwrite: bool = False,
+                 own: Callable[[Path], bool] | None = None, own_text: str = "",
+                 label: str | None = None) -> Path:
     """Refuse (`ConfigError`, one line) an output file that is an input, lies inside an input tree, is another
-    output of the same command, is a directory, or exists without being this command's own output (`own`).
+    output of the same command, is a directory, or exists while `overwrite` (``--overwrite``) is not given.
+    `own`/`own_text`: how the message names an existing file this command wrote ("an earlier unison export");
     `label` names the file in messages (default: "`flag` `path`")."""
     p = Path(path)
     name = label or f"{flag} {p}"
@@ -113,9 +122,10 @@ def check_output(path: str | Path, flag: str, *, inputs: Sequence[Input] = (),
     if p.exists() or p.is_symlink():
         if not p.is_file():
             raise ConfigError(f"{name} exists and is not a regular file; choose another {flag}")
-        if own is None or not own(p):
-            raise ConfigError(f"{name} already exists and is not {own_text}; it is left as it is: "
-                              f"remove it or choose another {flag}")
+        if not overwrite:
+            whose = f" ({own_text})" if own_text and own is not None and own(p) else ""
+            raise ConfigError(f"{name} already exists{whose}; it is left as it is: pass --overwrite to replace it, "
+                              f"or choose another {flag}")
     return p
 
 

@@ -5,9 +5,9 @@ there is one) or a ``metrics.csv`` file. Every file read is a regular file of bo
 every value a bounded number (`read_metrics`; past ±`MAX_PLOTTED` or not finite: a gap in its curve, as a
 diverged loss): a damaged file is one line naming it, the line and the column, and so is a header that names a column
 twice. A step logged twice (a resumed or re-formed run trains the steps after its checkpoint again) is drawn from its
-later row (`unison.training.metrics.rows_by_step`). ``--out`` is a new ``.png`` file;
-with ``--replace`` also one this command wrote earlier (its PNG metadata says so); never a file inside a RUN,
-never anything else that exists. It is written to a temporary sibling and renamed: a full disk leaves no
+later row (`unison.training.metrics.rows_by_step`). ``--out`` is a ``.png`` file; an existing one is replaced only
+with ``--overwrite`` (every command's rule; ``--replace``, its earlier name, still works and says so), never a file
+inside a RUN. It is written to a temporary sibling and renamed: a full disk leaves no
 half-written ``--out``. The x-axis is steps, or epochs once a run spans one (``--x``).
 
 Example::
@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from unison.config.fields import MAX_NUMBER_CHARS, count
+from unison.config.parser import DeprecatedAlias
 from unison.errors import ConfigError, DataError
-from unison.paths import Input, check_output, write_error
+from unison.paths import OVERWRITE_HELP, Input, check_output, write_error
 from unison.training.metrics import rows_by_step
 from unison.training.plots import X_AXES
 
@@ -38,7 +39,7 @@ MAX_SUMMARY_BYTES = 1 << 20
 MAX_RUNS = 20
 MAX_LABEL_CHARS = 60
 MAX_PLOTTED = 1e100   # larger magnitudes overflow matplotlib's axis arithmetic (a range of 2e308 is inf)
-SOFTWARE = "unison plot"          # the PNG's Software field: how --out knows an earlier plot of its own
+SOFTWARE = "unison plot"          # the PNG's Software field: how a refusal names an earlier plot of its own
 
 
 def _read_bounded(path: Path, what: str, limit: int) -> str:
@@ -139,8 +140,8 @@ def _own_plot(path: Path) -> bool:
     return head.startswith(b"\x89PNG") and SOFTWARE.encode() in head
 
 
-def plot_runs(runs: list[str], out: str, *, replace: bool = False, x_axis: str = "auto") -> Path:
-    """Overlay `runs` into `out` (see the module docstring)."""
+def plot_runs(runs: list[str], out: str, *, overwrite: bool = False, x_axis: str = "auto") -> Path:
+    """Overlay `runs` into `out` (see the module docstring); an existing `out` is replaced only with `overwrite`."""
     from unison.training.metrics import COLLAPSE_STD_LINE
     from unison.training.plots import runs_figure
 
@@ -152,10 +153,8 @@ def plot_runs(runs: list[str], out: str, *, replace: bool = False, x_axis: str =
         raise ConfigError(f"--out {out} must end in .png, e.g. {Path(out).with_suffix('.png')}")
     found = [run_metrics(r) for r in runs]
     inputs = [Input(f"run {r}", d if d is not None else m, tree=d is not None) for r, (m, d) in zip(runs, found)]
-    target = check_output(out, "--out", inputs=inputs, own=_own_plot, own_text="a plot written by unison plot")
-    if (target.exists() or target.is_symlink()) and not replace:
-        raise ConfigError(f"--out {out} already exists (a plot written by unison plot); it is left as it is: add "
-                          "--replace to write over it, or choose another --out")
+    target = check_output(out, "--out", inputs=inputs, overwrite=overwrite, own=_own_plot,
+                          own_text="a plot written by unison plot")
     page = [((r[-MAX_LABEL_CHARS:] if len(runs) > 1 else None), read_metrics(m), _baseline(d) if d else None)
             for r, (m, d) in zip(runs, found)]
     _save(runs_figure(page, collapse_std=COLLAPSE_STD_LINE, x_axis=x_axis), target)
@@ -173,7 +172,7 @@ def _save(fig: Any, target: Path) -> None:
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:
-    target = plot_runs(list(ns.runs or []), ns.out, replace=ns.replace, x_axis=ns.x)
+    target = plot_runs(list(ns.runs or []), ns.out, overwrite=ns.overwrite, x_axis=ns.x)
     print(f"wrote {target}: {count(len(ns.runs), 'run')}, loss, learning rate, accuracy and the label-free signals")
     return 0
 
@@ -181,9 +180,9 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 def add_subcommand(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("plot", help=help_text, description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", metavar="RUN", help="run directories (or their metrics.csv)")
-    p.add_argument("--out", required=True, metavar="FILE.png", help="the page to write (a new .png file)")
-    p.add_argument("--replace", action="store_true",
-                   help="write over --out if it is a plot written earlier by unison plot (never any other file)")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the page to write (a .png file)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--replace", action=DeprecatedAlias, use="--overwrite", dest="overwrite", help=argparse.SUPPRESS)
     p.add_argument("--x", choices=X_AXES, default="auto",
                    help="the x-axis: optimiser steps, epochs, or auto (epochs once a run spans one, else steps)")
     p.set_defaults(func=cmd_plot)

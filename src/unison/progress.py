@@ -5,6 +5,10 @@ seconds and a last one when it ends. Plain lines, not a bar: they read the same 
 and a cluster's output, and several processes cannot garble them. Used where a phase's length grows with
 the data: decoding a data set into memory, embedding kNN sets, ``unison eval`` and ``unison embed``.
 
+`Stages` is the other kind: a command that works through a few long stages of unknown length (``unison plan``'s
+simulated steps) says each as it starts and, while one runs, ``still ...`` every `STILL_EVERY_S` seconds, so it is
+never silent for long; it is torch-free, so the first line comes before torch is imported.
+
 Example::
 
     progress = Progress("kNN: embedding the reference set", total=5000)
@@ -16,12 +20,16 @@ Example::
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["PROGRESS_AFTER_S", "PROGRESS_EVERY_S", "Progress"]
+__all__ = ["PROGRESS_AFTER_S", "PROGRESS_EVERY_S", "STILL_EVERY_S", "Progress", "Stages"]
 
 PROGRESS_AFTER_S = 3.0    # a phase shorter than this shows nothing
 PROGRESS_EVERY_S = 10.0   # then one line at most this often
+STILL_EVERY_S = 10.0      # `Stages`: a line this often while a stage runs
 
 
 class Progress:
@@ -46,3 +54,42 @@ class Progress:
         print(f"unison: {self.what} {done:,}/{self.total:,} images{share} ({now - self.start:.0f} s)",
               file=sys.stderr, flush=True)
         self.shown, self.last = True, now
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Stages:
+    """``NAME: [N s] STAGE`` as each stage starts, and ``still STAGE`` every `every_s` while it runs (a thread)."""
+
+    def __init__(self, name: str, write: Callable[[str], None] | None = None, every_s: float = STILL_EVERY_S) -> None:
+        self.name, self.write, self.every_s = name, write or _to_stderr, every_s
+        self._started = time.monotonic()
+        self._stage, self._next = "", 0.0   # the stage running, and when its next "still" line is due
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._still, name=f"{name} progress", daemon=True)
+
+    def __enter__(self) -> Stages:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def stage(self, text: str) -> None:
+        with self._lock:
+            self._stage, self._next = text, time.monotonic() + self.every_s
+            self._line(text)
+
+    def _line(self, text: str) -> None:
+        self.write(f"{self.name}: [{time.monotonic() - self._started:.0f} s] {text}")
+
+    def _still(self) -> None:
+        while not self._done.wait(max(0.01, min(self.every_s, self._next - time.monotonic()))):
+            with self._lock:
+                if self._stage and time.monotonic() >= self._next:
+                    self._line(f"still {self._stage}")
+                    self._next = time.monotonic() + self.every_s

@@ -32,7 +32,7 @@ import torch
 
 from unison.distributed.comm_meter import CommMeter
 
-from .report import fmt_bytes, markdown_table, write_csv
+from .report import fmt_bytes, markdown_table, result_paths, write_csv
 
 POWERSGD_START_ITER = 2
 _HOOK_MODULE = "ddp_comm_hooks"   # torch/distributed/algorithms/ddp_comm_hooks/*.py
@@ -185,7 +185,7 @@ def write_comm(rows: list[dict[str, Any]], out_dir, header: str = "") -> dict[st
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "comm.md", "csv": out_dir / "comm.csv"}
+    paths = result_paths(out_dir, "comm")
     notes = ("\nBytes per step per worker, the mean over the steps after PowerSGD's start "
              f"(steps {POWERSGD_START_ITER + 1}+), counted by `CommMeter` as each worker hands them to a collective "
              "(a ring all-reduce moves about 2(W-1)/W times that over the wire). Ideal = trainable parameters "

@@ -13,11 +13,12 @@ import argparse
 import dataclasses
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from unison.config.extras import install_command
-from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
+from unison.config.fields import add_dataclass_arguments, overrides_from_namespace, shown
 from unison.distributed.signals import stop_signals_raise
 from unison.errors import BenchError, ConfigError, Preempted, WorkerFailure
 
@@ -33,6 +34,7 @@ from .config import (
     loadavg,
     machine_info,
 )
+from .report import result_paths
 
 _WHAT = {
     "table": ("Distributed table",
@@ -42,10 +44,10 @@ _WHAT = {
              "Bytes each worker hands to collectives per step, counted by `CommMeter` (DDP wrapped with "
              "`metered=True`), against the ideal (the gradient in bytes); W real gloo/NCCL workers, random images."),
     "lightly": ("Side by side with Lightly SSL",
-                "Each --method (seed: Lightly's six; all: also vicreg, dino, mae) with the same backbone type, data, global "
-                "batch, steps and schedule, each side its own recipe (Lightly's: its modules, transforms and CIFAR-10 "
-                "settings); one training process per side (Lightly's with its DataLoader workers); kNN of both "
-                "encoders by the same code, throughput and peak memory."),
+                "Each --method (seed: Lightly's six; all: also vicreg, dino, mae, nnclr, dcl, dclw, tico, fastsiam) with "
+                "the same backbone type, data, global batch, steps and schedule, each side its own recipe (Lightly's: "
+                "its modules, transforms and CIFAR-10 settings); one training process per side (Lightly's with its "
+                "DataLoader workers); kNN of both encoders by the same code, throughput and peak memory."),
     "data": ("Data loading at 224 px",
              "Images/s and images per CPU-second of SimCLR's two 224 px views from a JPEG folder: unison's "
              "streaming loader against the decode limit (libjpeg-turbo), torchvision's ImageFolder + Lightly's "
@@ -61,7 +63,7 @@ _WHAT = {
 
 
 # The options each part reads (the others keep the preset's value); `all` takes every option.
-_COMMON = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run")
+_COMMON = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run", "overwrite")
 _DATA = ("data", "val", "subset", "val_subset", "knn_k")
 PART_OPTIONS = {
     "table": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args"),
@@ -101,11 +103,13 @@ def add_subcommand(subparsers: Any, help_text: str) -> None:
 def cmd_bench(ns: argparse.Namespace) -> int:
     cfg = config_from_overrides(overrides_from_namespace(ns, BenchConfig))
     parts = [p for p in PARTS if p not in NOT_IN_ALL] if ns.part == "all" else [ns.part]
+    check_train_args(cfg, parts)   # as `unison train` reads them, before any work (the dry run too)
     if cfg.dry_run:
         _print_plan(cfg, parts)
         return 0
     check_devices(cfg, parts)
     _check_lightly(parts)
+    check_outputs(cfg, parts, ns.part)   # nothing an earlier bench left is replaced without --overwrite
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     machine = describe_machine(machine_info())
@@ -127,7 +131,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             print(f"unison bench: {part} took {time.perf_counter() - started:.0f} s; files in {out}", flush=True)
             sections.append(text)
     if ns.part == "all":
-        (out / "report.md").write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
+        result_paths(out, "all")["md"].write_text(f"# unison bench ({cfg.preset})\n\n" + "\n".join(sections))
     return 0
 
 
@@ -233,12 +237,68 @@ def _run_comm(cfg: BenchConfig, out: Path, machine: str, start_load: str) -> str
     return write_comm(rows, out, _header("comm", cfg, machine, load))["md"].read_text()
 
 
+def _train_argvs(cfg: BenchConfig, part: str, train: str, val: str | None, out: Path) -> list[list[str]]:
+    """The ``unison train`` arguments of every run of `part` (none for the parts that run no training)."""
+    from .lightly_compare import for_method, side_run_name, side_threads, unison_side_argv
+    from .race import unison_argv
+    from .table import scaling_specs, table_specs, train_argv
+
+    if part in ("table", "scaling"):
+        specs = table_specs(cfg) if part == "table" else scaling_specs(cfg)
+        return [train_argv(cfg, spec, train, val, out / "runs" / spec.name) for spec in specs]
+    if part == "lightly":
+        seeded = [(m, dataclasses.replace(cfg, seed=seed)) for m in cfg.lightly_method_list for seed in cfg.seed_list]
+        return [unison_side_argv(for_method(c, m), m, train, val, out / "runs" / side_run_name(c, m)) for m, c in seeded]
+    if part == "race":
+        return [unison_argv(cfg, train, out / "runs" / "race-unison", side_threads(cfg))]
+    return []
+
+
+def check_train_args(cfg: BenchConfig, parts: list[str]) -> None:
+    """``--train-args`` read as ``unison train`` reads them (flags, values, each run's options together), for
+    every part that takes them: one line before any work, the dry run included (the data need not exist yet)."""
+    from unison.cli.train_args import parse_train_args
+
+    if not cfg.train_args.strip():
+        return
+    data = data_or_skip(cfg)
+    train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
+    for part in parts:
+        if "train_args" not in PART_OPTIONS.get(part, ()):
+            continue
+        what = f"bench {part}: --train-args {shown(cfg.train_args)}"
+        for argv in _train_argvs(cfg, part, train, val, cfg.out_dir)[:1]:   # the others differ in the bench's own
+            try:
+                with warnings.catch_warnings():   # the run itself says them, once
+                    warnings.simplefilter("ignore")
+                    parse_train_args(argv[1:], what, validate=False)
+            except ConfigError as exc:   # a usage error names `what` already; a value's error does not
+                raise ConfigError(str(exc) if str(exc).startswith(what) else f"{what}: {exc}") from None
+
+
+def check_outputs(cfg: BenchConfig, parts: list[str], command: str) -> None:
+    """The result files (`result_paths`) and run directories the bench would write in ``--out``: refused in one line
+    where any exists and ``--overwrite`` is not given (every command's rule, `unison.paths`), before any work."""
+    if cfg.overwrite:
+        return
+    out = cfg.out_dir
+    data = data_or_skip(cfg)
+    train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
+    paths = [p for part in [*parts, *(["all"] if command == "all" else [])] for p in result_paths(out, part).values()]
+    paths += [Path(argv[argv.index("--out") + 1]) for part in parts for argv in _train_argvs(cfg, part, train, val, out)]
+    there = [p for p in paths if p.exists() or p.is_symlink()]
+    if there:
+        named = ", ".join(str(p.relative_to(out)) + ("/" if p.is_dir() else "") for p in there[:6])
+        more = f" and {len(there) - 6} more" if len(there) > 6 else ""
+        raise ConfigError(f"bench {command}: --out {out} already holds {named}{more} (an earlier bench's results "
+                          "and runs); they are left as they are: pass --overwrite to replace them, or choose another "
+                          "--out")
+
+
 def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
     import shlex
 
     from .comm import default_specs
-    from .lightly_compare import for_method, side_run_name, unison_side_argv
-    from .table import scaling_specs, table_specs, train_argv
 
     data = data_or_skip(cfg)
     train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
@@ -247,22 +307,17 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
         print(f"# note: {data}")
     for part in parts:
         print(f"# {part}")
+        argvs = _train_argvs(cfg, part, train, val, out)
         if part in ("table", "scaling"):
-            specs = table_specs(cfg) if part == "table" else scaling_specs(cfg)
-            for spec in specs:
-                print("unison " + shlex.join(train_argv(cfg, spec, train, val, out / "runs" / spec.name)))
+            for argv in argvs:
+                print("unison " + shlex.join(argv))
         elif part == "lightly":
-            for method, seeded in ((m, dataclasses.replace(cfg, seed=seed)) for m in cfg.lightly_method_list
-                                   for seed in cfg.seed_list):
-                run_dir = out / "runs" / side_run_name(seeded, method)
-                print("unison " + shlex.join(unison_side_argv(for_method(seeded, method), method, train, val, run_dir)))
+            for argv, method in zip(argvs, (m for m in cfg.lightly_method_list for _ in cfg.seed_list)):
+                print("unison " + shlex.join(argv))
                 print(f"# + Lightly SSL side of {method}: its transform, heads and loss + DataLoader("
                       f"{cfg.lightly_loader_workers} workers), {cfg.lightly_steps} steps of {cfg.batch_size}")
         elif part == "race":
-            from .lightly_compare import side_threads
-            from .race import unison_argv
-
-            print("unison " + shlex.join(unison_argv(cfg, train, out / "runs" / "race-unison", side_threads(cfg))))
+            print("unison " + shlex.join(argvs[0]))
             print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
                   f"budget {cfg.budget}; then kNN of {cfg.race_points} + 1 snapshots per side")
         elif part == "data":

@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from unison.config.budget import parse_duration
+from unison.config.fields import shown
 from unison.errors import ConfigError
 
 PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")
 NOT_IN_ALL = ("all", "race")   # `bench all` runs the others; the race (two budgets of 15 minutes) is its own
 SEED_METHODS = ("simclr", "moco", "simsiam", "barlowtwins", "byol", "swav")   # Lightly's distributed table
-LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae")   # with a Lightly side (`unison.bench.lightly_methods`)
+# with a Lightly side (`unison.bench.lightly_methods`)
+LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae", "nnclr", "dcl", "dclw", "tico", "fastsiam")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -50,7 +52,8 @@ class BenchConfig:
                 "moco, simsiam, barlowtwins, byol, swav)"})
     method: str = field(default="simclr", metadata={
         "help": "the Lightly comparison's method(s): a name, comma-separated names, 'seed' (the six of Lightly's "
-                "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae)"})
+                "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae, nnclr, dcl, dclw, "
+                "tico, fastsiam)"})
     backbone: str = field(default="small_cnn", metadata={"help": "backbone of every run (same module type on both "
                                                                  "sides of the Lightly comparison)"})
     data: str = field(default=f"{SHARED_CIFAR10}/train", metadata={
@@ -108,6 +111,9 @@ class BenchConfig:
     load_wait_s: float = field(default=900.0, metadata={
         "help": "the most this run waits for --max-load, all measurements together; then it measures anyway"})
     dry_run: bool = field(default=False, metadata={"help": "print the training commands and exit"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace the results and runs an earlier bench left in --out (without it, they are left as they are "
+                "and nothing is run)"})
 
     def validate(self) -> BenchConfig:
         from unison.methods import METHODS
@@ -142,7 +148,20 @@ class BenchConfig:
         parse_duration(self.budget, "--budget")
         if self.comm_steps < 3:
             raise ConfigError("bench: --comm-steps must be >= 3 (PowerSGD compresses from the third step)")
+        self.train_words   # noqa: B018 (a command line that does not split is refused here, before any work)
         return self
+
+    @property
+    def train_words(self) -> list[str]:
+        """--train-args split as a shell splits it: the one reading of them (every run, the Lightly side's --amp)."""
+        import shlex
+
+        try:
+            return shlex.split(self.train_args)
+        except ValueError as exc:   # "No closing quotation", "No escaped character"
+            raise ConfigError(f"bench: --train-args {shown(self.train_args)} is not a command line ({exc}); give "
+                              "unison train's flags as one quoted string, e.g. --train-args \"--amp bf16 "
+                              "--param temperature=0.2\"") from None
 
     @property
     def method_list(self) -> list[str]:
@@ -302,7 +321,7 @@ def bench_command(part: str, cfg: BenchConfig) -> str:
     args = ["unison", "bench", part, "--preset", cfg.preset]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("preset", "dry_run") or value == getattr(base, f.name) or value is None:
+        if f.name in ("preset", "dry_run", "overwrite") or value == getattr(base, f.name) or value is None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

@@ -336,7 +336,7 @@ def _rows(cfg: BenchConfig, folder: str, pipeline: str, rates: dict, cpu: dict, 
 
 
 def write(rows: list[dict[str, Any]], out: Path, header: str) -> dict[str, Path]:
-    from .report import markdown_table, write_csv
+    from .report import markdown_table, result_paths, write_csv
 
     def num(x: float, fmt: str) -> str:
         return "-" if x != x else format(x, fmt)  # NaN: the side did not run
@@ -356,7 +356,7 @@ def write(rows: list[dict[str, Any]], out: Path, header: str) -> dict[str, Path]
              "whatever else runs on the machine; the fraction of the decode limit and the first ratio to "
              f"torchvision use it. Decode limit: the row '{LIMIT}'. torchvision side: "
              f"{tv['pipeline']}. Images: {rows[0]['images']}.\n")
-    paths = {"md": out / "data.md", "csv": out / "data.csv"}
+    paths = result_paths(out, "data")
     paths["md"].write_text(header + table + notes)
     write_csv(paths["csv"], rows)
     return paths

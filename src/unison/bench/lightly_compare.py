@@ -167,7 +167,7 @@ def run_lightly_side(cfg: BenchConfig, method: str, data: str, val: str | None, 
                "seed": cfg.seed,
                "batch_size": cfg.batch_size, "steps": cfg.lightly_steps, "backbone": cfg.backbone,
                "loader_workers": cfg.lightly_loader_workers, "threads": threads, "knn_k": cfg.knn_k, "device": device,
-               "amp": train_flag(cfg.train_args, "--amp") or "none"}
+               "amp": train_flag(cfg.train_words, "--amp") or "none"}
     return run_side_process(_lightly_child, payload, out_dir / f"lightly_side_{method}_seed{cfg.seed}.json",
                             "lightly-side", f"the Lightly side of {method}")
 
@@ -194,10 +194,9 @@ def run_side_process(target: Callable[[dict[str, Any], str], None], payload: dic
     return json.loads(result.read_text()), wall
 
 
-def train_flag(train_args: str, flag: str) -> str | None:
+def train_flag(words: list[str], flag: str) -> str | None:
     """The value of `flag` in the extra ``unison train`` arguments (``--amp bf16`` or ``--amp=bf16``), if given:
     the Lightly side runs under the same autocast as unison's."""
-    words = shlex.split(train_args)
     for k, word in enumerate(words):
         if word == flag and k + 1 < len(words):
             return words[k + 1]

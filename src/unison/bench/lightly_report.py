@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import fmt_duration, markdown_table, write_csv
+from .report import fmt_duration, markdown_table, result_paths, write_csv
 from .table import load_pair
 
 WARMUP_SHARE = 0.05   # a side's warm-up above this share of its time: the all-steps rate understates it
@@ -92,7 +92,7 @@ def _ratio_note(method: str, rows: list[dict[str, Any]], steady_from: int | None
 
 def write_lightly(rows: list[dict[str, Any]], out_dir: Path, header: str = "") -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "lightly.md", "csv": out_dir / "lightly.csv"}
+    paths = result_paths(out_dir, "lightly")
     paths["md"].write_text(header + lightly_markdown(rows))
     write_csv(paths["csv"], rows)
     return paths

@@ -40,7 +40,7 @@ from .config import BenchConfig, format_load, loadavg, wait_for_load
 from .lightly_compare import PILImages, package_version, run_side_process, side_threads, user_loader_context
 from .race_hook import ENV as SNAPSHOT_ENV
 from .race_hook import save_snapshot
-from .report import fmt_duration, markdown_table, write_csv
+from .report import fmt_duration, markdown_table, result_paths, write_csv
 
 LIGHTLY_WARMUP, LIGHTLY_TIMED = 3, 10   # Lightly's side: untimed steps (loader start), then timed ones
 LIGHTLY_LR_PER_128 = 0.06               # Lightly's CIFAR-10 benchmark: lr = 6e-2 * batch_size / 128
@@ -57,7 +57,7 @@ def unison_argv(cfg: BenchConfig, data: str, run_dir: Path, threads: int) -> lis
         from unison.distributed.launch import find_free_port
 
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]
-    return argv + shlex.split(cfg.train_args)
+    return argv + cfg.train_words
 
 
 def _unison_side(cfg: BenchConfig, data: str, out_dir: Path, snapshots: Path, threads: int) -> dict[str, Any]:
@@ -277,8 +277,7 @@ def plot_race(result: dict[str, Any], path: Path) -> None:
 
 
 def write_race(result: dict[str, Any], out_dir: Path, header: str = "") -> dict[str, Path]:
-    paths = {"md": out_dir / "race.md", "csv": out_dir / "race.csv", "png": out_dir / "race.png",
-             "json": out_dir / "race.json"}
+    paths = result_paths(out_dir, "race")
     paths["md"].write_text(header + race_markdown(result))
     write_csv(paths["csv"], result["points"])
     paths["json"].write_text(json.dumps(result, indent=2) + "\n")

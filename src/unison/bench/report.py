@@ -2,7 +2,8 @@
 
 Every part writes ``<name>.md`` (a self-contained section: what was measured, the exact
 command, the machine, the load average at measurement time, the table, notes) and
-``<name>.csv`` (one row per configuration, raw numbers, for plots or comparisons).
+``<name>.csv`` (one row per configuration, raw numbers, for plots or comparisons); `result_paths` names them, for
+the writers and for the check that nothing there is replaced without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,18 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+# The files each part writes into --out (`result_paths`), by kind; `bench all` adds report.md
+RESULT_FILES: dict[str, tuple[str, ...]] = {"table": ("md", "csv", "png"), "scaling": ("md", "csv"),
+                                            "comm": ("md", "csv"), "lightly": ("md", "csv"), "data": ("md", "csv"),
+                                            "race": ("md", "csv", "png", "json")}
+
+
+def result_paths(out_dir: Path, part: str) -> dict[str, Path]:
+    """The result files of `part` in `out_dir`, by kind: ``{"md": out_dir / "table.md", ...}``."""
+    if part == "all":
+        return {"md": out_dir / "report.md"}
+    return {kind: out_dir / f"{part}.{kind}" for kind in RESULT_FILES[part]}
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -30,7 +30,7 @@ from unison.config.fields import count
 from unison.errors import BenchError
 
 from .config import BenchConfig, format_load, loadavg, wait_for_load
-from .report import fmt_duration, markdown_table, plot_table, write_csv
+from .report import fmt_duration, markdown_table, plot_table, result_paths, write_csv
 
 
 @dataclass
@@ -95,7 +95,7 @@ def train_argv(cfg: BenchConfig, spec: RunSpec, data: str, val: str | None, run_
     elif cfg.backend == "nccl":
         # One worker on a GPU: 'auto' would choose the in-memory single-process group, which runs on the CPU.
         argv += ["--backend", "nccl", "--master-port", str(find_free_port())]
-    return argv + shlex.split(cfg.train_args)
+    return argv + cfg.train_words
 
 
 def run_train(argv: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
@@ -230,7 +230,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path, header: str = "", tit
                 baseline_mib: float | None = None) -> dict[str, Path]:
     """table.md (header + table), table.csv and table.png in `out_dir`; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "table.md", "csv": out_dir / "table.csv", "png": out_dir / "table.png"}
+    paths = result_paths(out_dir, "table")
     kind = next((r.get("peak_memory_kind") for r in rows if r.get("peak_memory_kind")), None)
     mem_note: dict[str | None, str] = {
         "peak_rss": "peak resident set size (VmHWM) of each worker process, the largest over workers",
@@ -262,7 +262,7 @@ def scaling_markdown(rows: list[dict[str, Any]]) -> str:
 
 def write_scaling(rows: list[dict[str, Any]], out_dir: Path, header: str = "") -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "scaling.md", "csv": out_dir / "scaling.csv"}
+    paths = result_paths(out_dir, "scaling")
     for r in rows:
         r["ratio_vs_1_worker"] = r["images_per_s"] / rows[0]["images_per_s"]
     paths["md"].write_text(header + scaling_markdown(rows))

@@ -2,9 +2,8 @@
 
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
-are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``,
-``eval``, ``embed``, ``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMANDS`: only the one run is
-imported).
+are read (flags, ``--config FILE.yaml``, the resumed run's config) is `unison.cli.train_args`; ``eval``, ``embed``,
+``export``, ``plot`` and ``bench`` add their own subcommands (`SUBCOMMANDS`: only the one run is imported).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import sys
 import time
@@ -23,6 +23,7 @@ from unison.errors import (
     BROKEN_PIPE_EXIT_CODE,
     INTERRUPTED_EXIT_CODE,
     ConfigError,
+    ConfigProblems,
     OutputError,
     Preempted,
     RunDirRefused,
@@ -36,8 +37,8 @@ from .train_args import (
     LazyEpilogParser,
     add_train_arguments,
     build_train_config,
-    check_config_types,
     config_file,
+    option_given,
     parse_params,
     train_epilog,
 )
@@ -62,10 +63,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     # no torch until the options are checked: a mistyped one is refused at once
     from unison.distributed.launch_env import detect_launch_env
 
-    if getattr(ns, "config", None):  # wrong value types would otherwise surface as TypeErrors deep in validate()
-        from unison.config import TrainConfig
-
-        check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
+    if getattr(ns, "config", None):  # every problem of the file at once, before anything else reads it
+        config_file(ns)
     if getattr(ns, "resume", None) == "auto":  # --resume auto: continue the run in --out if it has a checkpoint
         from unison.training.checkpoint import latest_checkpoint
 
@@ -87,7 +86,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.resume = cfg.out if latest_checkpoint(cfg.out) is not None else None
     started = time.perf_counter()
     try:
-        with _stop_before_training():   # a stop signal leaves it as `Preempted`, logged below
+        with _stop_before_training(cfg.out):   # a stop signal leaves it as `Preempted`, logged below
             summary = train(cfg)   # a WorkerFailure goes to main(), which prints it as one line
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_where_to_continue(cfg.out)) from None
@@ -113,21 +112,21 @@ def _where_to_continue(out: str) -> str:
     from unison.training.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out)
-    if last is None:
-        return f"no checkpoint was written in {out}"
-    return f"the last checkpoint is {last}; continue with --resume auto --out {out}"
+    return (f"no checkpoint was written in {out}" if last is None
+            else f"the last checkpoint is {last}; continue with --resume auto --out {out}")
 
 
-def _stop_before_training() -> contextlib.AbstractContextManager[None]:
+def _stop_before_training(out: str | None = None) -> contextlib.AbstractContextManager[None]:
     """SIGTERM/SIGUSR1 before the workers run (pre-flight, data scan): end at once with a line, nothing to save.
+    Training (launcher or loop) replaces this handler and puts it back as it ends, also as it fails (torchrun
+    SIGTERMs a dead worker's peers at once): a stop then names `out`'s last checkpoint (`stop_handovers` tells)."""
+    from unison.distributed.signals import stop_handovers, stop_signals_raise
 
-    Once training runs, the launcher (forwarding) or the training loop (finish the step, checkpoint)
-    replace this handler with their own.
-    """
-    from unison.distributed.signals import stop_signals_raise
-
-    return stop_signals_raise(lambda name: Preempted(f"stopped by {name} before training started: nothing to save; "
-                                                     "run the same command again", signal_name=name))
+    began = stop_handovers()
+    return stop_signals_raise(lambda name: Preempted(
+        f"stopped by {name} before training started: nothing to save; run the same command again"
+        if stop_handovers() == began else f"stopped by {name} after its training had stopped: "
+        f"{_where_to_continue(out) if out else 'continue with --resume auto and the same --out'}", signal_name=name))
 
 
 def _explicit_world_size(ns: argparse.Namespace) -> int | None:
@@ -173,21 +172,21 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    """`unison plan`: one rank's memory, FLOPs, collective bytes and host syncs, from a simulated step."""
-    import json
+    """`unison plan`: one rank's memory, FLOPs, bytes and host syncs, from a simulated step; exit 0 when the run fits
+    the GPU, 1 when it does not (a verdict, as `unison check`'s 1 when the runs differ), 2 for bad input."""
+    from unison.progress import Stages
 
-    from unison.plan import PlanProgress, plan, resolve_gpu
+    with Stages("unison plan") as progress:   # a line from its first second (torch imports for seconds)
+        progress.stage("importing torch; reading the options")
+        from unison.plan import NO_DATA, plan, resolve_gpu
 
-    gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
-    if getattr(ns, "config", None):
-        from unison.config import TrainConfig
-
-        check_config_types(config_file(ns), TrainConfig, f"config file {ns.config}: ")
-    cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
-    with PlanProgress() as progress:   # stages on stderr as it works (it takes seconds to minutes)
+        gpu = resolve_gpu(ns.gpu)   # bad --gpu before anything slow
+        if not option_given(ns, "data"):   # the model and the image size alone, not the default digits
+            ns.data = NO_DATA
+        cfg = build_train_config(ns, cuda_available=True)   # the job runs on GPUs, not on this machine
         report = plan(cfg, gpu, mfu=ns.mfu, progress=progress)
     print(json.dumps(report.as_dict(), indent=1) if ns.json else report.text(), flush=True)
-    return 0
+    return 0 if report.fits else 1
 
 
 def make_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -383,9 +382,10 @@ def _run(ns: argparse.Namespace) -> int:
             if worker_traceback:
                 print(worker_traceback, file=sys.stderr)
             raise
-        text = " ".join(str(exc).split()) or type(exc).__name__
+        lines = exc.lines() if isinstance(exc, ConfigProblems) else [str(exc)]   # several: one line each
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
-        print(f"unison: error: {where}{text}", file=sys.stderr)  # under torchrun every worker is a main()
+        text = " ".join(lines[0].split()) or type(exc).__name__
+        print(f"unison: error: {where}{text}", *lines[1:], sep="\n", file=sys.stderr)   # every worker is a main()
         return code
 
 

@@ -19,7 +19,17 @@ from typing import Any
 from unison.config import DistributedConfig, TrainConfig
 from unison.config.budget import parse_duration
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace, shown
-from unison.config.files import decode_utf8, load_yaml_text, read_regular_file, yaml_error
+from unison.config.files import (
+    Sexagesimal,
+    decode_utf8,
+    load_yaml_text,
+    plain,
+    read_regular_file,
+    sexagesimal_problem,
+    yaml_error,
+)
+from unison.config.parser import Parser
+from unison.config.problems import check_file
 from unison.errors import ConfigError
 
 
@@ -34,10 +44,15 @@ def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[
             raise ConfigError(f"{flag} {shown(item)} must look like NAME=VALUE, e.g. {flag} {example}")
         key, value = item.split("=", 1)
         try:
-            values[key.strip()] = load_yaml_text(value)
+            parsed = load_yaml_text(value)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{flag} {key.strip()[:60]}={shown(value)} is not a value ({yaml_error(exc)}); give a "
                               f"number, true/false, a string or a [list], e.g. {flag} {example}") from None
+        if isinstance(parsed, Sexagesimal):   # 1:30 is no number, nor silently the text for a number option
+            name = f"{flag} {key.strip()[:60]}"
+            raise ConfigError(f"{sexagesimal_problem(name, parsed, 'number', '=')}, or quote the text: "
+                              f"{flag} '{key.strip()[:60]}=\"{parsed}\"'")
+        values[key.strip()] = plain(parsed)
     return values
 
 
@@ -64,7 +79,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option names to values "
                           "(see examples/simclr_cifar10.yaml)")
-    return data
+    check_file(data, f"config file {path}")   # every problem of the file at once, one line each
+    return plain(data)
 
 
 def config_file(ns: argparse.Namespace) -> dict[str, Any]:
@@ -72,6 +88,11 @@ def config_file(ns: argparse.Namespace) -> dict[str, Any]:
     if getattr(ns, "config_file_data", (None,))[0] != ns.config:
         ns.config_file_data = (ns.config, load_yaml(ns.config))
     return copy.deepcopy(ns.config_file_data[1])
+
+
+def option_given(ns: argparse.Namespace, name: str) -> bool:
+    """Whether option `name` is given: a flag, the ``--config`` file, or the run ``--resume`` continues."""
+    return name in vars(ns) or bool(getattr(ns, "resume", None)) or bool(ns.config and name in config_file(ns))
 
 
 def resume_base(resume: str) -> dict[str, Any]:
@@ -126,11 +147,17 @@ def build_train_config(ns: argparse.Namespace, cuda_available: bool | None = Non
     return validate_run(cfg, cuda_available)
 
 
-def parse_train_args(argv: list[str]) -> TrainConfig:
-    """The `TrainConfig` that ``unison train ARGV`` would run (flags, ``--config``, ``--param``, ``--resume``)."""
-    parser = argparse.ArgumentParser(prog="unison train")
+def parse_train_args(argv: list[str], what: str = "unison train", *, validate: bool = True) -> TrainConfig:
+    """The `TrainConfig` that ``unison train ARGV`` would run (flags, ``--config``, ``--param``, ``--resume``); a
+    usage error is a `ConfigError` naming `what` gave the flags. `validate` False: the fields' own checks only
+    (`TrainConfig.validate`, no torch, no data read)."""
+    parser = Parser(prog="unison train")
+    parser.error_prefix = f"{what}: "
     add_train_arguments(parser)
-    return build_train_config(parser.parse_args(argv))
+    ns = parser.parse_args(argv)
+    if validate:
+        return build_train_config(ns)
+    return build_train_config(ns, cuda_available=True, validate=False).validate(cuda_available=True)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,29 +177,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 
-def check_config_types(data: dict[str, Any], cls: type, where: str) -> None:
-    """Refuse a config-file value of the wrong type, naming the option (instead of a TypeError later).
-
-    Numbers written as strings (``lr: 1e-3``, which YAML 1.1 reads as a string) are accepted where a number is due."""
-    import typing
-
-    from unison.config.fields import article, base_type, coerce_fields, type_error
-
-    data = coerce_fields(cls, data, where)
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        typ = base_type(hints[key]) if key in hints else None
-        if isinstance(typ, type) and dataclasses.is_dataclass(typ) and value is not None:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}{key} must be a mapping of {key} options, got {shown(value)}")
-            check_config_types(value, typ, f"{where}{key}.")
-    bad = type_error(data, cls)
-    if bad:
-        raise ConfigError(f"{where}{bad[0]}={shown(bad[1])} must be {article(bad[2])} {bad[2]}")
-
-
-class LazyEpilogParser(argparse.ArgumentParser):
-    """An `argparse.ArgumentParser` whose epilog may come from a function, called only when the help is shown: the
+class LazyEpilogParser(Parser):
+    """A `unison.config.parser.Parser` whose epilog may come from a function, called only when the help is shown: the
     train epilog lists the registries, which import torch, and a typo's one-line error does not wait for that. Its
     sub-commands' parsers are of this class too (argparse makes them of the parent's)."""
 
@@ -186,7 +192,6 @@ class LazyEpilogParser(argparse.ArgumentParser):
 
 def train_epilog(width: int = 100) -> str:
     """The lists `unison train --help` ends with: methods and their --param names, presets, backbones."""
-    import dataclasses
     import textwrap
 
     from unison.data.augment import PRESETS

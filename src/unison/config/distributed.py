@@ -57,6 +57,42 @@ def cuda_found() -> bool:
     return torch.cuda.is_available()
 
 
+def checked_device(device: Any, option: str = "--device") -> Any:
+    """`device` (``auto``, ``cpu``, ``cuda``, ``cuda:N``, another torch device name, a ``torch.device``, a CUDA
+    index) as the ``torch.device`` to use here (``auto``: cuda where torch sees one, else cpu), or a one-line
+    `ConfigError` naming `option` (``--device``, or a keyword such as ``device``): not a device name, or a device
+    this machine lacks. The one check of every command and function that is given a device, before it reads
+    anything onto it (else torch's error there would read like a fault of the file)."""
+    import torch
+
+    given = f"{option} {device}" if option.startswith("--") else f"{option}={device!r}"
+    cpu = f"{option} cpu" if option.startswith("--") else f"{option}='cpu'"
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if cuda_found() else "cpu")
+    try:
+        if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):   # int: a CUDA index
+            raise TypeError(type(device).__name__)
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"{given[:80]} is not a device; give cpu, cuda or cuda:N (or auto)") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type == "cuda":
+        found = torch.cuda.device_count() if cuda_found() else 0
+        if not found:
+            raise ConfigError(f"{given} but no CUDA device is available; use {cpu}")
+        if resolved.index is not None and resolved.index >= found:
+            raise ConfigError(f"{given} but this machine has {found} CUDA device{'s' if found > 1 else ''} "
+                              f"(cuda:0{f' to cuda:{found - 1}' if found > 1 else ''}); give one of them")
+        return resolved
+    try:   # another kind (mps, xpu, ...): usable when torch can place a tensor there
+        torch.empty(0, device=resolved)
+    except Exception as e:   # torch's error for a device it was not built for or cannot reach
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{given} is not available here ({reason}); use {cpu}") from None
+    return resolved
+
+
 def default_world_size() -> int:
     """The default number of workers: one per visible GPU on a CUDA machine (Lightning's ``devices="auto"``; one
     GPU: one worker, as NCCL needs), else `CPU_WORLD_SIZE` CPU workers over gloo."""

@@ -15,7 +15,7 @@ by `parse_int`/`parse_float`, bounded (64 characters, |n| <= 2**64), and every n
 `TrainConfig.validate` and `DistributedConfig.validate` run, in the pre-flight and in every worker. Values shown
 in error messages go through `shown` (bounded in length and cost).
 
-Unknown keys get a "did you mean" (`unknown_keys_message`).
+Unknown keys get a "did you mean" (`unison.config.names`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import decimal
-import difflib
 import math
 import os
 import reprlib
@@ -32,6 +31,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
+from unison.config.names import did_you_mean
 from unison.errors import ConfigError
 
 
@@ -315,16 +315,8 @@ def article(word: str) -> str:
     return "an" if word[:1] in "aeiou" else "a"
 
 
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest known name, or ''."""
-    if not isinstance(name, str) or len(name) > 100:
-        return ""
-    close = difflib.get_close_matches(name, [k for k in known if isinstance(k, str)], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def unknown_keys_message(unknown: Iterable[str], known: Iterable[str], what: str = "option") -> str:
-    """One line naming unknown keys, each with its closest known name, then every known name."""
+    """One line naming unknown keys, each with its closest known name (`did_you_mean`), then every known name."""
     known = sorted(known)
     unknown = sorted(unknown, key=shown)
     named = ", ".join(f"{shown(u)}{did_you_mean(u, known)}" for u in unknown[:10])

@@ -9,6 +9,12 @@ on top of it
 * every mapping key is a string, and a key given twice is refused with both lines (the last one no longer wins
   silently);
 * an integer literal is at most `MAX_NUMBER_CHARS` characters (no 4300-digit ``ValueError``);
+* a YAML 1.1 base-60 number (``1:30``, which YAML 1.1 reads as 90, and ``1:00`` as 60) is never a number: it is
+  the text as written, a `Sexagesimal` (YAML 1.2 has no base-60 numbers, and a duration written as a clock
+  would silently become another count of steps or seconds); `sexagesimal_problem` says how to write it instead,
+  for every option that takes a number, steps or a duration;
+* every mapping is a `Located` dict, which knows the line of each key, for messages that name where a problem is
+  (`plain` turns the parsed value into plain dicts and strings once it is checked);
 * nesting deeper than the parser's recursion is a one-line error.
 
 Errors are `ConfigError` (exit code 2), one line with the position.
@@ -70,8 +76,65 @@ def decode_utf8(data: bytes, what: str) -> str:
                           "save it as UTF-8") from None
 
 
+class Sexagesimal(str):
+    """A YAML 1.1 base-60 number as written (``1:30``); `number` is what YAML 1.1 would have read (90)."""
+
+    @property
+    def number(self) -> float:
+        sign = -1 if self.startswith("-") else 1
+        value = 0.0
+        for part in self.lstrip("+-").replace("_", "").split(":"):
+            value = value * 60 + float(part)
+        return sign * value
+
+
+class Located(dict):
+    """A parsed YAML mapping that knows the line of each of its keys (`lines`)."""
+
+    lines: dict[str, int]
+
+
+def sexagesimal_problem(name: str, value: Sexagesimal, takes: str, sep: str = ": ") -> str:
+    """Why ``name: value`` (a base-60 number) is refused, and what to write instead; `takes`: "duration",
+    "steps or duration" or "number" (what the option takes); `sep`: how the name and a value are written (``=``
+    for ``--param NAME=VALUE``)."""
+    number = value.number
+    n = f"{int(number)}" if float(number).is_integer() else f"{number:g}"
+    head = f"{name}{sep}{value} is a base-60 number in YAML 1.1 ({n}), which unison does not read as a number"
+    clock = _as_durations(value) or f'"{n}s"'
+    if takes == "duration":
+        return f"{head}: write the duration with units, quoted, e.g. {name}{sep}{clock}"
+    if takes == "steps or duration":
+        return f"{head}: write steps as a number ({name}{sep}{n}) or a duration with units, quoted ({name}{sep}{clock})"
+    return f"{head}: write the number itself, e.g. {name}{sep}{n}"
+
+
+def _as_durations(value: str) -> str:
+    """``1:30`` as the durations it may mean, ``"1h30m" or "1m30s"``; ``1:00:30`` as ``"1h0m30s"``; '' otherwise."""
+    parts = value.replace("_", "").split(":")
+    if value.startswith(("-", "+")) or not all(p.isdigit() for p in parts):
+        return ""
+    numbers = [int(p) for p in parts]
+    if len(numbers) == 3:
+        return '"' + "".join(f"{x}{u}" for x, u in zip(numbers, "hms") if x) + '"'
+    if len(numbers) != 2:
+        return ""
+    a, b = numbers
+    return f'"{a}h{b}m" or "{a}m{b}s"' if b else f'"{a}h" or "{a}m"'
+
+
+def plain(value: Any) -> Any:
+    """`value` with every `Located` dict a dict and every `Sexagesimal` a str (what a configuration holds)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return str(value) if isinstance(value, Sexagesimal) else value
+
+
 class StrictLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` without aliases, with string keys given once, and bounded integer literals."""
+    """`yaml.SafeLoader` without aliases, with string keys given once, bounded integer literals and no base-60
+    numbers; mappings are `Located`."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -105,11 +168,29 @@ class StrictLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(
                 None, None, f"the number {shown(text, 40)} has more than {MAX_NUMBER_CHARS} characters",
                 node.start_mark)
+        if ":" in str(text):
+            return Sexagesimal(text)
         return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: Any) -> Any:
+        text = self.construct_scalar(node)
+        if ":" in str(text):
+            return Sexagesimal(text)
+        return super().construct_yaml_float(node)
+
+    def construct_located_map(self, node: Any) -> Any:
+        data = Located()
+        data.lines = {}
+        yield data
+        data.update(self.construct_mapping(node))
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                data.lines.setdefault(key_node.value, key_node.start_mark.line + 1)
 
 
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
-StrictLoader.add_constructor("tag:yaml.org,2002:map", StrictLoader.construct_yaml_map)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+StrictLoader.add_constructor("tag:yaml.org,2002:map", StrictLoader.construct_located_map)
 
 
 def yaml_error(exc: Exception) -> str:

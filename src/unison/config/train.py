@@ -284,6 +284,8 @@ class TrainConfig:
             if digest is not None and checked[1:] == (digest, cuda_available):
                 return self
         self.checkpoint_every = checkpoint_cadence(self.checkpoint_every).value   # "50" -> 50, "10m" -> "10m"
+        if isinstance(self.time_budget, (int, float)) and not isinstance(self.time_budget, bool):
+            self.time_budget = str(self.time_budget)   # `time_budget: 600` in YAML: seconds, as --time-budget 600
         check_fields(self)
         self.distributed = as_distributed(self.distributed)   # a value assigned since
         self.distributed.validate(cuda_available)

@@ -83,6 +83,10 @@ PRESETS: dict[str, dict] = {
         "noise_std": 0.0,  # 0.02 trained no better here and costs ~5x the rest of the pipeline on CPU
     },
 }
+# FastSiam (Pototzky et al., 2022): SimSiam's views (mocov2's) x 4, as Lightly's FastSiamTransform; on the digits,
+# the digits' views x 4.
+PRESETS["fastsiam"] = {**PRESETS["mocov2"], "n_global": 4}
+PRESETS["digits_fastsiam"] = {**PRESETS["digits"], "n_global": 4}
 # Multi-crop (SwAV / DINO) on the digits: the digits' colour ops, 2 global + 4 local 8x8 crops.
 PRESETS["digits_multicrop"] = {**PRESETS["digits"], "n_local": 4, "local_crop_scale": (0.2, 0.5)}
 # MAE / I-JEPA (He et al., 2022; Assran et al., 2023): ONE view, random resized crop and flip, no colour ops

@@ -8,9 +8,12 @@ the count alone cannot say that the new workers belong to a job that already tra
 Nor can a store: the workers' store (``MASTER_ADDR:MASTER_PORT``) is served by the agent of the node that
 was rank 0 when it was created, and a node that becomes rank 0 after that one is lost serves a new, empty one;
 the rendezvous store is not named to the workers. What outlives every group is the run directory, shared by
-all nodes. So rank 0 of every group keeps a record there, ``torchrun_group.json``: the job's id
-(``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``), its number of workers and the steps it has done
-(`note_progress`: a rewrite of one fixed-size line after every optimiser step, no fsync). A group whose run
+all nodes. So rank 0 of every group keeps a record there, ``torchrun_group.json``: the job (the SHA-256 of
+``TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``), its number of workers and the steps it has done
+(`note_progress`: a rewrite of one fixed-size line after every optimiser step, no fsync). The id is stored as its
+hash, not as given: an id may have any length and any characters, and the line has a fixed size, so the id itself
+would be cut (a long one) or escaped past the line's end (``\u00e9``: six bytes a letter), and the group would not
+recognise its own job; a hash of the whole id is what the reader compares, whatever the id. A group whose run
 directory holds the record of its own job id, unfinished, is a re-formed group of that job (`previous_group`),
 and resumes from the run directory's last checkpoint like a restarted one. Give every job its own
 ``--rdzv-id``: torchrun's default, ``none``, is the same for all, so a new job started with it in the run
@@ -19,6 +22,7 @@ directory of an earlier one that did not finish continues that run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -48,12 +52,18 @@ def torchrun_job() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID") if "TORCHELASTIC_RESTART_COUNT" in os.environ else None
 
 
+def job_digest(job: str) -> str:
+    """What the record keeps of a job id: the SHA-256 of its UTF-8 bytes, in hex (64 ASCII characters whatever the
+    id; an id that is not valid UTF-8 reaches Python as surrogates, which are hashed as they came)."""
+    return hashlib.sha256(job.encode("utf-8", "surrogateescape")).hexdigest()
+
+
 def _read(path: Path, job: str) -> PreviousGroup | None:
     """The group the record at `path` describes, if it is one of job `job`."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read(_WIDTH + 1))
-        if data.get("job") == job and not data.get("done"):   # a finished job is continued by no one
+        if data.get("job_sha256") == job_digest(job) and not data.get("done"):   # a finished job: continued by no one
             return PreviousGroup(int(data["world_size"]), int(data["step"]))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):   # none, or not one of ours: a first group
         pass
@@ -61,8 +71,9 @@ def _read(path: Path, job: str) -> PreviousGroup | None:
 
 
 def _write(fd: int, job: str, world: int, step: int, done: bool = False) -> None:
-    line = json.dumps({"job": job[:150], "world_size": world, "step": step, **({"done": True} if done else {})})
-    os.pwrite(fd, line.ljust(_WIDTH).encode("utf-8", "replace")[:_WIDTH] + b"\n", 0)
+    line = json.dumps({"job_sha256": job_digest(job), "world_size": world, "step": step,
+                       **({"done": True} if done else {})})   # ASCII, at most 130 bytes: it always fits
+    os.pwrite(fd, line.ljust(_WIDTH).encode("ascii") + b"\n", 0)
 
 
 def recorded_here(run_dir: str | Path) -> bool:

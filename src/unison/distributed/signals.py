@@ -48,6 +48,7 @@ class StopRequests:
     first: int | None = None
     count: int = 0
     previous: dict[int, object] = field(default_factory=dict)
+    handovers: int = 0   # times training took over the stop signals in this process (`stop_handovers`)
 
     @property
     def requested(self) -> bool:
@@ -123,6 +124,7 @@ class ForwardStopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> ForwardStopSignals:
+        _REQUESTS.handovers += 1
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._forward)
@@ -188,8 +190,17 @@ def _note(text: str) -> None:
         pass
 
 
+def stop_handovers() -> int:
+    """How many times training has taken over SIGTERM/SIGUSR1 in this process so far: a worker's loop
+    (`install_stop_handlers`) or unison's launcher (`ForwardStopSignals`). A `stop_signals_raise` block that sees
+    the count grow knows that training began inside it, whatever handler is back in place when the signal comes
+    (the loop restores the block's when it ends, after its last checkpoint, or while it fails)."""
+    return _REQUESTS.handovers
+
+
 def install_stop_handlers() -> StopRequests:
     """Record SIGTERM/SIGUSR1 from now on (idempotent); return the process-wide `StopRequests`."""
+    _REQUESTS.handovers += 1
     if threading.current_thread() is not threading.main_thread():
         return _REQUESTS
     for sig in STOP_SIGNALS:

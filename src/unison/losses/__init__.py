@@ -27,6 +27,10 @@ _EXPORTS: dict[str, str] = {
     "SimSiamLoss": "simsiam",
     "SwAVLoss": "swav", "sinkhorn": "swav",
     "VICRegLoss": "vicreg",
+    "DCLLoss": "dcl", "DCLWLoss": "dcl",
+    "FastSiamLoss": "fastsiam",
+    "NNCLRLoss": "nnclr", "nearest_neighbours": "nnclr",
+    "TiCoLoss": "tico",
 }
 
 

@@ -31,6 +31,11 @@ _MODULES: dict[str, tuple[str, str]] = {
     "lejepa": ("lejepa", "LeJEPA"),
     "mocov3": ("mocov3", "MoCoV3"),
     "distill": ("distill", "Distill"),
+    "nnclr": ("nnclr", "NNCLR"),
+    "dcl": ("dcl", "DCL"),
+    "dclw": ("dcl", "DCLW"),
+    "tico": ("tico", "TiCo"),
+    "fastsiam": ("fastsiam", "FastSiam"),
 }
 
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
 from unison.distributed.collectives import broadcast_, world_size
 from unison.distributed.dtensor import is_sharded
+from unison.errors import ConfigError
 from unison.models.vit import ViT
 
 # SwAV and DINO train their 2 global views only at 32 px and below (`Recipe.global_views_up_to`), LeJEPA at 16: on
@@ -114,6 +115,22 @@ def two_views(views: list[torch.Tensor], method: str) -> tuple[torch.Tensor, tor
     if views[0].shape != views[1].shape:
         raise ValueError(f"{method}: the two views differ in shape: {tuple(views[0].shape)} vs {tuple(views[1].shape)}")
     return views[0], views[1]
+
+
+def check_global_views(method: str, view_sizes: Sequence[int], exactly: int | None = None, at_least: int = 2,
+                       presets: str = "simclr, byol or mocov2") -> None:
+    """`ConfigError` unless the augmentation's `view_sizes` (empty: not known before the build) are `exactly` views
+    (else `at_least`) of one size: a method that compares whole views cannot take local crops, nor one view."""
+    if not view_sizes:
+        return
+    count = len(view_sizes)
+    fits = (count == exactly) if exactly is not None else count >= at_least
+    if fits and len(set(view_sizes)) == 1:
+        return
+    wanted = f"exactly {exactly}" if exactly is not None else f"{at_least} or more"
+    raise ConfigError(f"{method} takes {wanted} views of one size; the augmentation makes {count} "
+                      f"({', '.join(str(s) for s in view_sizes)} px): give --augmentation {presets}, or leave "
+                      "--augmentation and --local-crops out (the method's own)")
 
 
 def check_multicrop(views: list[torch.Tensor], method: str) -> int:

@@ -53,11 +53,12 @@ class Recipe:
 
     def for_data(self, data: str) -> Recipe:
         """The recipe for `data`: on the embedded digits, their own augmentation (grey, not
-        mirror-symmetric; multi-crop and single-crop kept as such) and the `embedded` overrides."""
+        mirror-symmetric; multi-crop, single-crop and FastSiam's four views kept as such) and the `embedded`
+        overrides."""
         if data != "digits":
             return self
-        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop", "distill": "digits_crop"}.get(
-            self.augmentation, "digits")
+        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop", "distill": "digits_crop",
+                  "fastsiam": "digits_fastsiam"}.get(self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 

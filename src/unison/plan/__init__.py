@@ -32,21 +32,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from unison.config import TrainConfig
+from unison.config.budget import parse_duration
 from unison.distributed.comm_meter import CommMeter
 from unison.errors import ConfigError
-from unison.models.backbones import resolve_backbone
+from unison.progress import Stages
 
 from .batches import micro_batches, step_images, synthetic_train_set
 from .fake import HostSync, HostSyncRecorder, fake_cluster
 from .gpus import GPU, resolve_gpu
 from .progress import PlanProgress
-from .syncs import explained_lines, unexplained
+from .report import MIB, CudaCheck, PlanReport, StepFigures
 from .tracking import (
     activations_and_peak,
     ddp_grad_bytes,
@@ -58,29 +58,12 @@ from .tracking import (
     tracker_class,
 )
 
-MIB = 2**20
 DEFAULT_MFU = 0.4
 DEFAULT_IMAGE_SIZE = 224   # `plan_config` without --image-size and without reading the data
-__all__ = ["GPU", "CudaCheck", "PlanProgress", "PlanReport", "cuda_check", "plan", "plan_config", "planned_data",
-           "resolve_gpu", "simulate", "step_host_syncs"]
-
-
-@dataclass
-class StepFigures:
-    """One simulated step of one rank at one local batch (bytes)."""
-
-    local_batch: int
-    params: int          # this rank's parameters (FSDP2: its shards)
-    buffers: int
-    grads: int
-    optimizer: int
-    activations: int     # activations + temporaries at the peak
-    peak: int            # everything at the step's peak
-    flops: int
-    comm_bytes: dict[str, int]
-    host_syncs: list[HostSync] = field(default_factory=list)
-    ddp_buckets: int = 0  # DDP's gradient buckets (allocated at its construction, outside the tracked step)
-    gathered_params: int = 0   # FSDP2: whole parameters all-gathered and held at the peak, beyond the shards
+# `--data` of a plan made without data (the CLI sets it when none is given): the model and the image size alone
+NO_DATA = "(no --data)"
+__all__ = ["GPU", "MIB", "NO_DATA", "CudaCheck", "PlanProgress", "PlanReport", "StepFigures", "cuda_check", "plan",
+           "plan_config", "planned_data", "resolve_gpu", "simulate", "step_host_syncs"]
 
 
 def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None) -> StepFigures:
@@ -141,15 +124,6 @@ def step_host_syncs(cfg: TrainConfig) -> list[HostSync]:
     return syncs.syncs
 
 
-@dataclass
-class CudaCheck:
-    """The step's GPU code path on fake CUDA tensors, everything but the backward (see `cuda_check`)."""
-
-    host_syncs: list[HostSync]
-    device_error: str | None    # a CPU tensor met a CUDA one: the error and where
-    skipped: str | None = None  # why the check could not run
-
-
 def cuda_check(cfg: TrainConfig, images: int | None = None) -> CudaCheck:
     """`forward_backward` (its backward skipped: the autograd engine needs a CUDA runtime) and `optimizer_step`
     on fake CUDA tensors: AutocastCUDA, torch.nn.SyncBatchNorm, FSDP2's bf16 policy, DDP on a device and the
@@ -204,99 +178,6 @@ def _where(exc: BaseException) -> str:
 
 
 
-@dataclass
-class PlanReport:
-    cfg: TrainConfig
-    gpu: GPU
-    step: StepFigures
-    per_image_bytes: float     # slope of the peak in the local batch (the linear fit)
-    mfu: float
-    cuda: CudaCheck
-    images: int = 0                   # the data's training images
-    extrapolated: str | None = None   # how a step of many micro-batches was simulated (`SIMULATED_MICRO_BATCHES`)
-
-    @property
-    def peak(self) -> int:
-        """The step's tracked peak plus DDP's gradient buckets (not a copy of the gradients under FSDP)."""
-        return self.step.peak + self.step.ddp_buckets
-
-    @property
-    def fits(self) -> bool:
-        return self.peak <= self.gpu.memory_gib * 2**30
-
-    @property
-    def max_local_batch(self) -> int:
-        room = self.gpu.memory_gib * 2**30 - (self.peak - self.per_image_bytes * self.step.local_batch)
-        return max(0, int(room // self.per_image_bytes)) if self.per_image_bytes > 0 else 0
-
-    def as_dict(self) -> dict[str, Any]:
-        s, world, k = self.step, self.cfg.distributed.world_size, self.cfg.distributed.grad_sync_every
-        comm = sum(s.comm_bytes.values())
-        comm_s = comm / (self.gpu.interconnect_gb_s * 1e9)
-        compute_s = s.flops / (self.gpu.bf16_tflops * 1e12 * self.mfu)
-        step_s = compute_s + comm_s
-        return {
-            "method": self.cfg.method, "backbone": resolve_backbone(str(self.cfg.backbone), self.cfg.image_size),
-            "image_size": self.cfg.image_size, "world_size": world, "shard": self.cfg.distributed.shard, "amp": self.cfg.amp,
-            "local_batch": s.local_batch, "global_batch": self.cfg.batch_size, "grad_sync_every": k,
-            "images_per_step": self.cfg.batch_size * k, "train_images": self.images,
-            "steps_per_epoch": self.images // (self.cfg.batch_size * k) if self.images else None,
-            "micro_batches_simulated": self.extrapolated or f"all {k}",
-            "gpu": self.gpu.name, "gpu_memory_mib": round(self.gpu.memory_gib * 1024),
-            "parameters_mib": s.params / MIB, "buffers_mib": s.buffers / MIB, "gradients_mib": s.grads / MIB,
-            "optimizer_state_mib": s.optimizer / MIB, "activations_at_peak_mib": s.activations / MIB,
-            "ddp_buckets_mib": s.ddp_buckets / MIB, "gathered_parameters_at_peak_mib": s.gathered_params / MIB,
-            "peak_mib": self.peak / MIB, "fits": self.fits, "max_local_batch": self.max_local_batch,
-            "max_local_batch_method": "linear fit of the simulated peak at two local batches",
-            "matrix_flops_per_step": s.flops, "collective_bytes_per_step": comm,
-            "collective_bytes_by_kind": dict(s.comm_bytes),
-            "interconnect": f"{self.gpu.interconnect} {self.gpu.interconnect_gb_s:g} GB/s",
-            "estimate_comm_s": comm_s, "estimate_compute_s": compute_s, "estimate_mfu": self.mfu,
-            "estimate_step_s": step_s,
-            "estimate_images_per_s": self.cfg.batch_size * k / step_s if step_s else None,
-            "host_syncs": [str(h) for h in s.host_syncs],
-            "host_syncs_unexplained": [str(h) for h in unexplained(s.host_syncs)],
-            "cuda_path_skipped": self.cuda.skipped, "cuda_path_device_error": self.cuda.device_error,
-            "cuda_path_host_syncs": [str(h) for h in self.cuda.host_syncs],
-            "cuda_path_host_syncs_unexplained": [str(h) for h in unexplained(self.cuda.host_syncs)],
-        }
-
-    def text(self) -> str:
-        d = self.as_dict()
-        micro = (f" x {d['grad_sync_every']:,} micro-batches per step ({d['micro_batches_simulated']})"
-                 if d["grad_sync_every"] > 1 else "")
-        lines = [f"unison plan: {d['method']} on {d['backbone']} at {d['image_size']} px, {d['world_size']} ranks x "
-                 f"{d['local_batch']} images{micro}, --shard {d['shard']}, --amp {d['amp']}, on {d['gpu']} "
-                 f"(simulated); {d['train_images']:,} training images, {_count(d['steps_per_epoch'] or 0, 'step')} per epoch",
-                 "per rank:"]
-        keys = ("parameters", "buffers", "gradients", "optimizer_state", "activations_at_peak", "ddp_buckets",
-                "gathered_parameters_at_peak", "peak")
-        width = max(len(key) for key in keys) + 2
-        for key in keys:
-            lines.append(f"  {key.replace('_', ' '):<{width}}{d[key + '_mib']:>12,.1f} MiB")
-        verdict = "fits" if d["fits"] else "does NOT fit"
-        lines.append(f"  {verdict} in {d['gpu_memory_mib']:,} MiB; largest local batch that fits: "
-                     f"{d['max_local_batch']} ({d['max_local_batch_method']})")
-        lines.append(f"  matrix FLOPs per step   {d['matrix_flops_per_step'] / 1e12:,.3f} TFLOP")
-        lines.append(f"  collectives per step    {d['collective_bytes_per_step'] / MIB:,.1f} MiB "
-                     f"({d['estimate_comm_s'] * 1e3:.2f} ms at {d['interconnect']})")
-        lines.append(f"  estimate: {d['estimate_step_s'] * 1e3:.1f} ms per step, "
-                     f"{d['estimate_images_per_s'] or 0:,.0f} images/s at {d['estimate_mfu']:.0%} MFU "
-                     "(compute + communication, no overlap)")
-        lines.append(f"host synchronisations in the step: {len(d['host_syncs'])}")
-        lines += explained_lines(self.step.host_syncs)
-        lines.append("GPU code path on fake CUDA tensors (forward, optimizer, EMA; no backward): " + (
-            f"not run ({self.cuda.skipped})" if self.cuda.skipped else
-            f"DEVICE MISMATCH: {self.cuda.device_error}" if self.cuda.device_error else
-            f"no device mismatch, {len(self.cuda.host_syncs)} host synchronisations"))
-        lines += explained_lines(self.cuda.host_syncs)
-        return "\n".join(lines)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
-
-
 def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
     """What `plan` simulates of the validated `cfg` (one line where it cannot); without ``--image-size``, 224 px
     here (`plan` itself takes the data's size: `planned_data`)."""
@@ -315,18 +196,23 @@ def plan_config(cfg: TrainConfig, mfu: float = DEFAULT_MFU) -> TrainConfig:
 SIMULATED_MICRO_BATCHES = 8   # above: a step simulated at 4 and 8 micro-batches, extrapolated linearly in K
 
 
-def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU, progress: PlanProgress | None = None, *,
+def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU, progress: Stages | None = None, *,
          images: int | None = None) -> PlanReport:
     """Simulate `cfg` at its local batch and at twice that; the fit gives the largest local batch that fits.
 
     The data is checked by train's own rules (it exists; one batch and one step of ``--grad-sync-every``
     micro-batches within its images) and the run's image size is the one train resolves (``--image-size``, else
     the data's); its images are not decoded (synthetic views of that size stand in). `images` (with
-    ``cfg.image_size``): plan for data of that many images, without reading ``cfg.data``. `progress`: lines.
+    ``cfg.image_size``): plan for data of that many images, without reading ``cfg.data``; ``cfg.data`` `NO_DATA`:
+    for the model and the image size alone (``--image-size``, else `DEFAULT_IMAGE_SIZE`). ``--time-budget``: the
+    steps that the estimated step time fits. `progress`: lines.
     """
     plan_config(cfg, mfu)   # what it cannot simulate, refused; the image size is the data's (`planned_data`)
     say = progress.stage if progress is not None else (lambda text: None)
-    if images is None or cfg.image_size is None:
+    size_given = cfg.image_size is not None
+    if cfg.data == NO_DATA:
+        cfg = plan_config(cfg, mfu)
+    elif images is None or cfg.image_size is None:
         say(f"checking --data {cfg.data}")
         cfg, images = planned_data(cfg)
     world, local = cfg.distributed.world_size, cfg.batch_size // cfg.distributed.world_size
@@ -342,7 +228,9 @@ def plan(cfg: TrainConfig, gpu: GPU, mfu: float = DEFAULT_MFU, progress: PlanPro
                           f"{' '.join(str(exc).split())[:300]} (at {_where(exc)})") from None
     per_image = (other.peak - step.peak) / step.local_batch
     say("the GPU code path on fake CUDA tensors")
-    return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg, images), images, extrapolated)
+    budget = parse_duration(cfg.time_budget) if cfg.time_budget is not None else None
+    return PlanReport(cfg, gpu, step, per_image, mfu, cuda_check(cfg, images), images, extrapolated, budget,
+                      size_given or cfg.data != NO_DATA)
 
 
 def planned_data(cfg: TrainConfig) -> tuple[TrainConfig, int]:
@@ -357,7 +245,7 @@ def planned_data(cfg: TrainConfig) -> tuple[TrainConfig, int]:
     return plan.cfg, planned_images(plan.spec, plan.catalogs[0])
 
 
-def _simulate_step(cfg: TrainConfig, images: int, say: Any, what: str) -> tuple[StepFigures, str | None]:
+def _simulate_step(cfg: TrainConfig, images: int | None, say: Any, what: str) -> tuple[StepFigures, str | None]:
     """One step of `cfg` with all its ``grad_sync_every`` micro-batches; above `SIMULATED_MICRO_BATCHES`, the
     step at half that and at that many, extrapolated linearly in K (activations, the peak and the FLOPs grow
     linearly with the micro-batches; parameters, gradients, optimizer state and collectives do not)."""

@@ -40,6 +40,7 @@ GPUS: dict[str, GPU] = {
     "4090": GPU("RTX 4090 24GB", 23.6, 165.2, 32.0, "PCIe 4.0 x16"),
 }
 ALIASES = {"h100-80": "h100", "h100-sxm": "h100", "a100": "a100-80", "rtx4090": "4090", "h200-141": "h200"}
+MIN_GIB = 1.0      # below it no GPU runs a training step: the CUDA context alone takes about 0.5 GiB
 MAX_GIB = 4096.0
 
 
@@ -54,7 +55,8 @@ def resolve_gpu(spec: str) -> GPU:
     except ValueError:
         names = ", ".join(sorted(GPUS))
         raise ConfigError(f"--gpu {spec!r} is unknown; use one of {names}, or a memory size in GiB (e.g. 24)") from None
-    if not 0 < gib <= MAX_GIB:
-        raise ConfigError(f"--gpu {spec!r}: the memory must be in (0, {MAX_GIB:g}] GiB")
+    if not MIN_GIB <= gib <= MAX_GIB:   # nan too
+        raise ConfigError(f"--gpu {spec!r}: {gib:g} GiB is no GPU's memory; the memory must be in [{MIN_GIB:g}, "
+                          f"{MAX_GIB:g}] GiB (a number is GiB, e.g. --gpu 24), or name a GPU: {', '.join(sorted(GPUS))}")
     h100 = GPUS["h100"]
     return GPU(f"{gib:g} GiB GPU (H100 speed)", gib, h100.bf16_tflops, h100.interconnect_gb_s, h100.interconnect)

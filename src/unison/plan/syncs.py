@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 from .fake import HostSync
 
-__all__ = ["KNOWN_SYNCS", "KnownSync", "explain", "explained_lines", "unexplained"]
+__all__ = ["KNOWN_SYNCS", "KnownSync", "explain", "explained_lines", "known", "unexplained"]
 
 
 @dataclass(frozen=True)
 class KnownSync:
     where: str     # "file (function)" of the step's code, "" for any
     inside: str    # a part of torch's frame below it, "" for none (the step's own code reads the value)
+    name: str      # what makes it, as a user knows it (a torch class, a method's schedule): the report's words
     reason: str
 
     def matches(self, sync: HostSync) -> bool:
@@ -34,25 +35,37 @@ class KnownSync:
 
 
 KNOWN_SYNCS: tuple[KnownSync, ...] = (
-    KnownSync("src/unison/training/step.py (_loss)", "",
-              "the finite-loss check: a NaN step must fail before its backward, leaving the last checkpoint good"),
-    KnownSync("", "torch/optim/optimizer.py",
-              "torch's optimizer reads its step counter, a CPU tensor on GPUs too: a host read, no device sync"),
-    KnownSync("src/unison/training/step.py (optimizer_step)", "grad_scaler.py",
-              "fp16's GradScaler reads found_inf before stepping (torch's design: one device sync per step)"),
-    KnownSync("", "torch/nn/modules/_functions.py",
-              "torch.nn.SyncBatchNorm drops empty ranks with a boolean mask (torch's design, per BN layer)"),
-    KnownSync("src/unison/methods/dino.py (forward)", "", "the teacher temperature is scheduled by the step counter"),
-    KnownSync("src/unison/methods/ibot.py (forward)", "", "the teacher temperature is scheduled by the step counter"),
-    KnownSync("src/unison/methods/lejepa.py (forward)", "", "the step's random directions are seeded by its counter"),
-    KnownSync("src/unison/methods/swav.py (forward)", "", "the prototypes are frozen for the first steps (step counter)"),
-    KnownSync("src/unison/methods/moco.py (_enqueue)", "", "the queue pointer (where this step's keys go)"),
+    KnownSync("src/unison/training/step.py (_loss)", "", "unison's finite-loss check",
+              "a NaN step must fail before its backward, leaving the last checkpoint good"),
+    KnownSync("", "torch/optim/optimizer.py", "torch.optim's step counter",
+              "a CPU tensor on GPUs too: a host read, no device sync"),
+    KnownSync("src/unison/training/step.py (optimizer_step)", "grad_scaler.py", "torch.amp.GradScaler (fp16)",
+              "reads found_inf before stepping (torch's design: one device sync per step)"),
+    KnownSync("", "torch/nn/modules/_functions.py", "torch.nn.SyncBatchNorm",
+              "drops empty ranks with a boolean mask (torch's design, per BN layer)"),
+    KnownSync("src/unison/methods/dino.py (forward)", "", "DINO's teacher temperature",
+              "scheduled by the step counter"),
+    KnownSync("src/unison/methods/ibot.py (forward)", "", "iBOT's teacher temperature",
+              "scheduled by the step counter"),
+    KnownSync("src/unison/methods/lejepa.py (forward)", "", "LeJEPA's random directions",
+              "seeded by the step counter"),
+    KnownSync("src/unison/methods/swav.py (forward)", "", "SwAV's prototypes",
+              "frozen for the first steps (step counter)"),
+    KnownSync("src/unison/methods/moco.py (_enqueue)", "", "MoCo's queue pointer", "where this step's keys go"),
+    KnownSync("src/unison/methods/nnclr.py (_enqueue)", "", "NNCLR's support set pointer",
+              "where this step's projections go"),
 )
+
+
+def known(sync: HostSync) -> KnownSync | None:
+    """The entry that explains `sync`, or None (a defect)."""
+    return next((k for k in KNOWN_SYNCS if k.matches(sync)), None)
 
 
 def explain(sync: HostSync) -> str | None:
     """Why `sync` is there, or None when no entry explains it (a defect)."""
-    return next((known.reason for known in KNOWN_SYNCS if known.matches(sync)), None)
+    entry = known(sync)
+    return f"{entry.name}: {entry.reason}" if entry else None
 
 
 def unexplained(syncs: list[HostSync]) -> list[HostSync]:
@@ -60,12 +73,21 @@ def unexplained(syncs: list[HostSync]) -> list[HostSync]:
 
 
 def explained_lines(syncs: list[HostSync]) -> list[str]:
-    """One line per distinct host sync (counted), each followed by why it is there (`KNOWN_SYNCS`)."""
-    counts: dict[str, list[HostSync]] = {}
+    """One line per cause, counted, in the words a user knows (``162 x torch.nn.SyncBatchNorm: ...``), not torch's
+    file and line; one that no entry explains names the step's own code where it happens, and torch's module."""
+    counts: dict[str, int] = {}
     for h in syncs:
-        counts.setdefault(str(h), []).append(h)
-    lines = []
-    for text, same in counts.items():
-        lines.append(f"  {len(same)} x {text}" if len(same) > 1 else f"  {text}")
-        lines.append(f"      why: {explain(same[0]) or 'NOT EXPLAINED: a defect, please report it'}")
-    return lines
+        entry = known(h)
+        if entry is not None:
+            text = f"{entry.name}: {entry.reason}"
+        else:
+            inside = f", inside {_module(h.inside)}" if h.inside else ""
+            text = f"NOT EXPLAINED, a defect, please report it: {h.op} at {h.where}{inside}"
+        counts[text] = counts.get(text, 0) + 1
+    return [f"  {n:,} x {text}" for text, n in counts.items()]
+
+
+def _module(frame: str) -> str:
+    """``torch/nn/modules/_functions.py:98 (forward)`` as the module a user can look up: torch.nn.modules._functions."""
+    path = frame.split(":", 1)[0]
+    return path.removesuffix(".py").replace("/", ".")

@@ -1,5 +1,5 @@
 """When the label-free signals say the representation collapsed (`collapsed`), and what to say about it; read by
-`unison.training.signals.SignalsHook` after every evaluation. Collapse is judged on
+`unison.training.trainer.Trainer` after every evaluation. Collapse is judged on
 `unison.config.train.MIN_COLLAPSE_IMAGES` held-back images or more."""
 
 from __future__ import annotations

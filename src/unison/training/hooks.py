@@ -48,7 +48,7 @@ class StepEnd:
     last: bool                # the run's last step (the end of the run saves and evaluates anyway)
     saved: bool = False       # a hook wrote this step's checkpoint (`CheckpointHook`; the stop agreement reads it)
     stop: bool = False        # a hook ends the run after this step, through the normal end (every rank must agree:
-                              # `unison.training.signals.SignalsHook` decides from values every rank shares)
+                              # the trainer's label-free signals decide from values every rank shares)
 
     @classmethod
     def of(cls, run: Run, step: int, lr: float, loss: torch.Tensor) -> StepEnd:

@@ -17,11 +17,13 @@ import torch
 import torch.nn as nn
 
 from unison.config import TrainConfig
+from unison.config.distributed import checked_device
 from unison.errors import ConfigError
 from unison.methods.base import SSLMethod
 from unison.models.backbones import resolve_backbone
 from unison.paths import Input
 from unison.training.checkpoint import check_compatible, load_checkpoint
+from unison.training.checkpoint.compat import state_differences
 from unison.training.checkpoint.files import CHECKPOINT_DIR, checkpoint_dir
 
 from .model import build_method
@@ -68,10 +70,14 @@ def load_method(checkpoint: str | Path, device: torch.device | str = "cpu", *,
     """Rebuild the method of a checkpoint as `unison train` built it and load its weights.
 
     Returns ``(method in eval mode, TrainConfig, checkpoint dict)``. Plain batch norm is
-    used (SyncBN has the same state-dict keys). `backbone`: an instance of the user's own backbone class, for a
-    run that trained one (else its class is imported and built without arguments: `own_backbone`).
+    used (SyncBN has the same state-dict keys). `backbone`: a module that becomes the method's backbone with the
+    run's backbone weights: an instance of the user's own backbone class, for a run that trained one (else its class
+    is imported and built without arguments: `own_backbone`); for a run of unison's backbones, any module whose
+    state dict has exactly the keys and shapes of the trained one (`load_trained_backbone`). `device`: checked
+    first (`checked_device`), so a device that is not one, or not here, is said as such.
     Raises `CheckpointError` / `ConfigError`.
     """
+    device = checked_device(device, "device")
     ckpt = load_checkpoint(checkpoint, map_location=device, run=True)   # every field checked, the config too
     return method_of(checkpoint, ckpt, device, backbone=backbone), config_of(ckpt), ckpt
 
@@ -135,4 +141,25 @@ def method_of(checkpoint: str | Path, ckpt: dict[str, Any], device: torch.device
         raise ConfigError(str(e)) from None
     check_compatible(method, ckpt.get("model"), checkpoint)
     method.load_state_dict(ckpt["model"])
+    if backbone is not None and own is None:   # unison's backbone: its trained weights go into the module given
+        method.backbone = load_trained_backbone(backbone, method.backbone, checkpoint, str(cfg.backbone), device)
     return method.eval()
+
+
+def load_trained_backbone(given: Any, trained: nn.Module, checkpoint: str | Path, name: str,
+                          device: torch.device | str) -> nn.Module:
+    """`given` (the caller's module) with the weights of `trained` (the run's backbone `name`) loaded strictly, on
+    `device`: every key and shape must agree (a `ConfigError` naming the differences, in one line, when not), so
+    that a module of another architecture never passes for the run's. Its class is the caller's: what it computes
+    from those weights is its own ``forward``."""
+    if not isinstance(given, nn.Module):
+        raise ConfigError(f"backbone= is {type(given).__name__}; give a torch.nn.Module to load the weights of "
+                          f"{checkpoint}'s backbone {name} into, or leave backbone= out for the run's own")
+    weights = trained.state_dict()
+    differences = state_differences(given, weights, where=f"the run's {name}", into="backbone=")
+    if differences:
+        raise ConfigError(f"backbone= ({type(given).__name__}) does not fit the trained backbone of {checkpoint} "
+                          f"({name}): {'; '.join(differences)}; give a module with the same state_dict keys and "
+                          "shapes (unison export writes them), or leave backbone= out for the run's own")
+    given.load_state_dict(weights)
+    return given.to(device)

@@ -217,8 +217,13 @@ def _continues(cfg: TrainConfig, out: Path) -> bool:
     repeats the command that branched it)."""
     if resumes_after_restart(cfg):
         return True
-    source = resumed_checkpoint(Path(cfg.resume)) if cfg.resume else None
-    return source is not None and is_inside(source, out / CHECKPOINT_DIR)
+    if not cfg.resume:
+        return False
+    if same_file(cfg.resume, out):   # `--resume OUT`: the run in OUT, whatever its latest checkpoint is or points to
+        return True
+    source = resumed_checkpoint(Path(cfg.resume))
+    # the folder the checkpoint lies in, not where a link in it points: a link in OUT/checkpoints is still OUT's
+    return source is not None and is_inside(source.parent, out / CHECKPOINT_DIR)
 
 
 def resumed_checkpoint(resume: Path) -> Path | None:

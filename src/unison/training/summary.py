@@ -44,6 +44,7 @@ class Summary:
     extra: dict[str, Any] = field(default_factory=dict)
     signals: dict[str, Any] = field(default_factory=dict)   # the last label-free signals, the collapse, their cost
     probe_top1: float | None = None    # the online linear probe's last logged accuracy (labelled data only)
+    run_id: str | None = None          # the run's id (config.json's resolved.run_id, in each of its checkpoints)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

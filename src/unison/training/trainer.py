@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -53,7 +54,7 @@ from unison.distributed.signals import install_stop_handlers, restore_default_ha
 from unison.distributed.watchdog import Stuck, Watchdog
 from unison.errors import ConfigError, WatchdogTimeout
 from unison.eval.knn import knn_accuracy
-from unison.paths import same_file, write_text_atomic
+from unison.paths import is_inside, same_file, write_text_atomic
 from unison.training.budget import USED_KEY, BudgetClock, adopt_plan, end_budget, start_budget, used_line
 from unison.training.checkpoint import (
     Checkpointer,
@@ -62,7 +63,7 @@ from unison.training.checkpoint import (
     resume_run,
     save_run_checkpoint,
 )
-from unison.training.checkpoint.files import step_of
+from unison.training.checkpoint.files import CHECKPOINT_DIR, step_of
 from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
 from unison.training.hooks import StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
@@ -216,6 +217,7 @@ class Trainer:
         random-initialisation kNN baseline measured (never of a trained encoder)."""
         run, cfg = self.run, self.cfg
         step, self.history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
+        name_run(run)
         self.runlog.line(start_line(run, C.world_size(), step))
         if "resumed_from_total_steps" in run.resolved:
             self._say(f"the checkpoint's run was planned for {count(run.resolved['resumed_from_total_steps'], 'step')}"
@@ -508,7 +510,8 @@ class Trainer:
         run, cfg, history, train_time = self.run, self.cfg, self.history, self.train_time_s
         summary = Summary(
             method=cfg.method, backbone=run.resolved["backbone"], data=cfg.data, world_size=C.world_size(),
-            steps=step, epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
+            steps=step, run_id=run.resolved["run_id"], epochs=step / run.steps_per_epoch,
+            global_batch=run.global_batch, image_size=run.image_size,
             train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
             final_loss=self.final_loss, knn_top1=history["knn_top1"],
             random_init_knn_top1=history.get("random_init_knn_top1"), train_time_s=train_time,
@@ -619,6 +622,20 @@ def evaluation_cost(run: Run, step: int, baseline: bool) -> str | None:
             f"{embedded:,} images, more than the {trained:,} this run trains on ({count(run.total_steps - step, 'step')}"
             "); --no-knn skips it (a smoke run), --no-random-init-knn only the baseline, --subset/--val-subset make "
             "the sets smaller")
+
+
+def name_run(run: Run) -> None:
+    """``resolved.run_id`` (in every checkpoint, ``config.json`` and ``summary.json``): the resumed checkpoint's when
+    the run continues the run of its own directory (``--resume`` naming ``--out`` or a checkpoint in it, a restart),
+    a new one otherwise (a fresh run; a run branched from another directory's checkpoint is a run of its own).
+    Rank 0 draws it, every rank keeps the same. What tells a run's own checkpoints from one copied in from another
+    run (`unison.training.checkpoint.header.check_placement`)."""
+    cfg = run.cfg
+    resume, out = cfg.resume, Path(cfg.out)
+    continues = resume is not None and (same_file(resume, out) or is_inside(resume, out / CHECKPOINT_DIR))
+    if continues and isinstance(run.resolved.get("run_id"), str):
+        return
+    run.resolved["run_id"] = C.broadcast_object(secrets.token_hex(8) if C.rank() == 0 else None)
 
 
 def consistent_config(cfg: TrainConfig) -> None:

@@ -86,6 +86,37 @@ def test_load_backbone_evaluate_embed_export_take_a_run_path(run, tmp_path, one_
     assert torch.equal(fresh(x), net(x))
 
 
+def test_load_backbone_loads_the_runs_weights_into_the_module_given_or_says_why_not(run, one_torch_thread):
+    from unison.models.backbones import build_backbone
+
+    trained = unison.load_backbone(run)
+    mine, _ = build_backbone("small_cnn")   # the run's architecture, other (random) weights
+    x = torch.rand(2, 3, 16, 16)
+    assert not torch.equal(mine.eval()(x), trained(x))
+    got = unison.load_backbone(run, backbone=mine)
+    assert got is mine and not got.training   # the module given, with the run's weights
+    assert torch.equal(got(x), trained(x))
+    with pytest.raises(ConfigError, match=r"backbone= \(Linear\) does not fit the trained backbone of .*\(small_cnn\): "
+                                          r"2 keys of backbone= missing from the run's small_cnn \(weight, bias\)"):
+        unison.load_backbone(run, backbone=nn.Linear(3, 3))
+    with pytest.raises(ConfigError, match="backbone= is str; give a torch.nn.Module"):
+        unison.load_backbone(run, backbone="resnet18")
+
+
+def test_a_device_that_is_not_one_or_not_here_is_said_as_such_not_blamed_on_the_checkpoint(run):
+    from unison.training.checkpoint import load_checkpoint
+
+    with pytest.raises(ConfigError, match=r"^device='garbage' is not a device; give cpu, cuda or cuda:N \(or auto\)$"):
+        unison.load_backbone(run, device="garbage")
+    with pytest.raises(ConfigError, match="map_location='garbage' is not a device"):
+        load_checkpoint(run, map_location="garbage")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^device='cuda' but no CUDA device is available; use device='cpu'$"):
+            unison.load_backbone(run, device="cuda")
+        with pytest.raises(ConfigError, match=r"^--device cuda but no CUDA device is available; use --device cpu$"):
+            EvalOptions(checkpoint=str(run), device="cuda").validate()   # the CLI's line, from the same check
+
+
 @pytest.fixture(scope="module")
 def own_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("own")

@@ -161,12 +161,12 @@ def _checkout_with_a_fake_venv(tmp_path: Path) -> tuple[Path, Path]:
     return repo, state
 
 
-def _setup(repo: Path, state: Path, **env: str) -> tuple[int, str, list[str]]:
+def _setup(repo: Path, state: Path, *args: str, **env: str) -> tuple[int, str, list[str]]:
     """Run the copy's setup.sh: (exit code, what it printed, the installer commands it ran, 'pip ...' or 'uv ...')."""
     log = state / "pip.log"
     log.unlink(missing_ok=True)
     ours = {k: v for k, v in os.environ.items() if k not in ("HTTPS_PROXY", "HTTP_PROXY", "SSL_CERT_FILE")}
-    proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], capture_output=True, text=True, timeout=60,
                           env={**ours, "FAKE_STATE": str(state), "FAKE_PIP_CONFIG": PIP_CONFIG, **env})
     return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines() if log.exists() else []
 
@@ -201,6 +201,23 @@ def test_setup_shows_progress_and_installs_again_only_when_pyproject_changes(tmp
     code, shown, runs = _setup(repo, state, **no_uv)   # so the next run installs again
     assert code == 0 and [r.split()[-1] for r in runs if not r.endswith(" uv")] == [".[test]"], shown
     assert _setup(repo, state, **no_uv)[2] == []
+
+
+def test_the_main_jobs_setup_installs_what_it_needs_and_the_tests_add_the_rest(tmp_path):
+    """./run.sh's set-up (`setup.sh main`) installs unison and its runtime dependencies, not the test toolchain;
+    the tests' (`setup.sh`) adds it once; each is idempotent, and a checkout set up for the tests is set up for the
+    main job."""
+    repo, state = _checkout_with_a_fake_venv(tmp_path)
+    code, shown, runs = _setup(repo, state, "main")
+    assert code == 0 and [r.split()[-1] for r in runs[1:]] == ["torchvision==0.29.1", "."], shown
+    assert "with the test toolchain" not in shown
+    code, shown, runs = _setup(repo, state, "main")
+    assert code == 0 and runs == [] and "up to date" in shown, shown
+    code, shown, runs = _setup(repo, state)   # scripts/test.sh's: the test extra, once
+    assert code == 0 and [r.split()[-1] for r in runs] == [".[test]"] and "with the test toolchain" in shown, shown
+    assert _setup(repo, state)[2] == [] and _setup(repo, state, "main")[2] == []
+    code, shown, _ = _setup(repo, state, "everything")
+    assert code == 2 and "unknown set-up 'everything'" in shown, shown
 
 
 def test_setup_installs_with_pip_where_uv_fails(tmp_path):

@@ -56,6 +56,9 @@ CASES: dict[str, tuple[str, dict, bool]] = {
     # a seeded random-init small-CNN teacher; the queue (24) wraps within the 3 steps of 16 images
     "distill": ("distill", dict(queue_size=24), True),
     "distill_mse": ("distill", dict(loss="mse"), True),
+    # the support set (32) wraps within the 3 steps of 16 images; TiCo's covariance runs over the 3 steps
+    "nnclr": ("nnclr", dict(proj_hidden_dim=16, proj_dim=8, pred_hidden_dim=16, queue_size=32), True),
+    "tico": ("tico", dict(proj_hidden_dim=16, proj_dim=8, momentum_base=0.9), True),
 }
 
 
@@ -201,11 +204,14 @@ def test_shared_queue_state_is_exercised(runs):
     assert int(moco["queue_ptr"]) == (STEPS * 2 * LOCAL_BATCH * WORLD) % 64 != 0     # wrapped around
     swav = single["swav"]["states"][-1]
     assert int(swav["queue_filled"]) == 16 and swav["queue"].abs().sum() > 0
-    for case in ("moco", "swav"):
+    nnclr = single["nnclr"]["states"][-1]
+    assert int(nnclr["queue_ptr"]) == (STEPS * LOCAL_BATCH * WORLD) % 32 != 0     # wrapped around
+    for case in ("moco", "swav", "nnclr"):
         torch.testing.assert_close(multi[0][case]["states"][-1]["queue"], multi[1][case]["states"][-1]["queue"],
                                    rtol=0, atol=0)
     centre = single["dino"]["states"][-1]["loss_fn.center"]
     assert centre.abs().sum() > 0
+    assert single["tico"]["states"][-1]["loss_fn.covariance"].abs().sum() > 0
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ The worker reads the full state once. Both kinds carry the same header, ``extra`
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,20 @@ def test_a_resume_reads_the_full_checkpoint_once_and_the_yaml_once(tmp_path, mon
     assert mapped == ["step_00000002.pt", "step_00000002.pt"]   # CLI and pre-flight: header only, weights mapped
     assert yaml_reads == [str(config)]
     assert load_checkpoint(run)["step"] == 4
+
+
+def test_a_damaged_latest_checkpoint_is_said_once_though_two_workers_read_it(tmp_path, capfd):
+    """The fall-back warning comes from whichever read first meets the damage (the options, the pre-flight): the
+    workers of unison's launcher, which read it again, say nothing more."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--max-steps", "2", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    latest = run / "checkpoints" / "step_00000002.pt"
+    latest.write_bytes(latest.read_bytes()[:5000])
+    capfd.readouterr()
+    two_workers = [*TINY[:TINY.index("--world-size")], *TINY[TINY.index("--world-size") + 2:], "--world-size", "2"]
+    with warnings.catch_warnings(record=True) as caught:   # this process's warnings; the workers' reach stderr
+        warnings.simplefilter("always")
+        assert main(["train", *two_workers, "--max-steps", "3", "--resume", "auto", "--out", str(run)]) == 0
+    said = capfd.readouterr().err + "\n".join(str(w.message) for w in caught)
+    assert said.count(f"checkpoint {latest} is truncated or corrupt") == 1, said
+    assert "falling back to step_00000001.pt" in said and load_checkpoint(run)["step"] == 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,10 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_by_itself(reference, tm
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "kill on rank 1 at step 3" in proc.stderr
     assert f"unison: restart 1: resuming from {run / 'checkpoints' / 'step_00000002.pt'}" in proc.stderr
+    # torchrun's SIGTERM to rank 0 of attempt 0, if it lands while rank 0 fails after its peer's death: a true line
+    assert "before training started" not in proc.stderr, proc.stderr[-4000:]
+    for line in re.findall(r"stopped by SIGTERM.*", proc.stderr):
+        assert f"after its training had stopped: the last checkpoint is {run / 'checkpoints'}" in line, line
     assert_same_training_state(load_checkpoint(run), reference)
 
 

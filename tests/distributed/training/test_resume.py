@@ -4,16 +4,27 @@ The checkpoint carries the model (with momentum encoders, queues and centres, wh
 method's state_dict), the optimizer (ZeRO-1 shards consolidated), the step (from which the learning
 rate and the data position are derived) and the RNG state. Runs use float64, so "the same" means
 1e-9 relative. Interruptions come from the testing-only ``UNISON_FAULT_INJECT`` hook.
+
+Which checkpoint a resume continues: the run's own (its run id, its step under its own name, a file, not a link),
+and only on the same walk through the data; everything else is refused in one line before anything moves.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import fault_injection
 import pytest
+import torch
+from fault_helpers import error_line, run_cli
 
 from unison.cli import main
 from unison.equivalence import assert_states_close
 from unison.training.checkpoint import load_checkpoint
+from unison.training.owner import LOCK_NAME
 
 FAULT = "UNISON_FAULT_INJECT"
 
@@ -66,3 +77,116 @@ def test_sharded_optimizer_state_resumes_at_another_world_size(tmp_path):
     assert resumed["step"] == full["step"] == 4 and resumed["world_size"] == 1 and full["world_size"] == 2
     assert_states_close(resumed["model"], full["model"], where="model")
     assert_states_close(resumed["optimizer"], full["optimizer"], where="optimizer")
+
+
+# ------------------------------------------------------------------ which checkpoint a resume continues
+SHORT = ["train", *TINY, "--world-size", "1", "--max-steps", "2", "--checkpoint-every", "1", "--signal-images", "0",
+         "--no-random-init-knn", "--no-knn"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> dict[str, Path]:
+    """Two 2-step runs, a checkpoint at every step: seed 0 and seed 1."""
+    root = tmp_path_factory.mktemp("two_runs")
+    for name, seed in (("a", "0"), ("b", "1")):
+        assert main([*SHORT, "--seed", seed, "--out", str(root / name)]) == 0
+    return {"a": root / "a", "b": root / "b"}
+
+
+def _copy_run(source: Path, to: Path) -> Path:
+    shutil.copytree(source, to)
+    (to / LOCK_NAME).unlink(missing_ok=True)
+    return to
+
+
+def _run_id(run: Path) -> str:
+    return json.loads((run / "config.json").read_text())["resolved"]["run_id"]
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p).encode()
+            for p in sorted(run.rglob("*")) if p.name not in ("train.log", LOCK_NAME) and not p.is_dir()}
+
+
+def test_a_run_keeps_its_id_when_it_continues_and_a_branch_gets_its_own(two_runs, tmp_path):
+    run = _copy_run(two_runs["a"], tmp_path / "run")
+    first = _run_id(run)
+    assert first != _run_id(two_runs["b"]) and first.isalnum()
+    assert load_checkpoint(run)["resolved"]["run_id"] == first
+    assert json.loads((run / "summary.json").read_text())["run_id"] == first
+    assert main([*SHORT, "--max-steps", "3", "--resume", "auto", "--out", str(run)]) == 0
+    assert _run_id(run) == first and load_checkpoint(run)["resolved"]["run_id"] == first
+    branch = tmp_path / "branch"
+    assert main([*SHORT, "--max-steps", "3", "--resume", str(run / "checkpoints" / "step_00000002.pt"),
+                 "--out", str(branch)]) == 0
+    assert _run_id(branch) not in (first, None) and load_checkpoint(branch)["resolved"]["run_id"] == _run_id(branch)
+
+
+def test_another_runs_checkpoint_copied_in_as_the_latest_is_refused_and_nothing_moves(two_runs, tmp_path, capfd):
+    run = _copy_run(two_runs["a"], tmp_path / "run")
+    shutil.copy(two_runs["b"] / "checkpoints" / "step_00000002.pt", run / "checkpoints" / "step_00000002.pt")
+    before = _files(run)
+    code, err = run_cli([*SHORT, "--max-steps", "3", "--resume", "auto", "--out", str(run)], capfd)
+    assert code == 4, err
+    line = error_line(err)
+    assert (f"checkpoint {run / 'checkpoints' / 'step_00000002.pt'} is of another run (run id "
+            f"{_run_id(two_runs['b'])}, seed 1) than the run in {run} (run id {_run_id(run)}, seed 0, its "
+            f"config.json): it was copied in; move it out of {run / 'checkpoints'}") in line, line
+    assert _files(run) == before and not (run / "earlier-runs").exists()
+
+
+def test_checkpoints_from_before_run_ids_still_resume(two_runs, tmp_path):
+    run = _copy_run(two_runs["a"], tmp_path / "run")
+    for path in (run / "checkpoints").glob("step_*.pt"):   # as written before run ids were recorded
+        ckpt = torch.load(path, weights_only=True)
+        del ckpt["resolved"]["run_id"], ckpt["unison_version"]
+        torch.save(ckpt, path)
+    config = json.loads((run / "config.json").read_text())
+    del config["resolved"]["run_id"]
+    (run / "config.json").write_text(json.dumps(config))
+    assert main([*SHORT, "--max-steps", "3", "--resume", "auto", "--out", str(run)]) == 0
+    assert load_checkpoint(run)["step"] == 3 and load_checkpoint(run)["resolved"]["run_id"] == _run_id(run)
+
+
+def test_a_checkpoint_named_for_another_step_is_refused(two_runs, tmp_path, capfd):
+    run = _copy_run(two_runs["a"], tmp_path / "run")
+    ckpts = run / "checkpoints"
+    (ckpts / "step_00000001.pt").rename(ckpts / "step_00000005.pt")   # step 1 under a later step's name
+    (ckpts / "latest").write_text("step_00000005.pt\n")
+    for resume in ("auto", str(ckpts / "step_00000005.pt")):
+        code, err = run_cli([*SHORT, "--max-steps", "6", "--resume", resume, "--out", str(run)], capfd)
+        assert code == 4, err
+        assert (f"checkpoint {ckpts / 'step_00000005.pt'} is named step 5 but holds step 1 (its header): it was "
+                "renamed, or copied in from another run; name it step_00000001.pt, or move it out of") in err, err
+    assert not (run / "earlier-runs").exists()
+
+
+@pytest.mark.parametrize("target", ["another-run", "this-run"])
+def test_a_link_as_the_latest_checkpoint_is_refused_and_the_run_stays(two_runs, target, tmp_path, capfd):
+    run = _copy_run(two_runs["a"], tmp_path / "run")
+    ckpts = run / "checkpoints"
+    pointed = two_runs["b"] / "checkpoints" / "step_00000002.pt" if target == "another-run" else Path("step_00000002.pt")
+    (ckpts / "step_00000009.pt").symlink_to(pointed)
+    (ckpts / "latest").write_text("step_00000009.pt\n")
+    before = _files(run)
+    for _ in range(2):   # the same command again: the same line, never a fresh run
+        code, err = run_cli([*SHORT, "--max-steps", "10", "--resume", "auto", "--out", str(run)], capfd)
+        assert code == 4, err
+        assert (f"unison: error: {ckpts / 'step_00000009.pt'} is a symbolic link (to {pointed}); a run's checkpoints "
+                "are its own files") in err, err
+        assert _files(run) == before and not (run / "earlier-runs").exists()
+
+
+@pytest.mark.parametrize("flag, value, saved", [("--batch-size", "32", "64"), ("--seed", "3", "0"),
+                                                ("--grad-sync-every", "2", "1"), ("--subset", "128", "256")])
+def test_a_resume_that_would_walk_the_data_otherwise_is_refused(two_runs, flag, value, saved, tmp_path, capfd):
+    """Another global batch, accumulation, seed or subset would go on from the same step on another walk through the
+    data (images of the epoch skipped, the learning rate scaled to the new batch): refused, like another
+    --time-budget; the same value resumes."""
+    run = _copy_run(two_runs["a"], tmp_path / "run")
+    before = _files(run)
+    code, err = run_cli([*SHORT, "--max-steps", "3", "--resume", "auto", flag, value, "--out", str(run)], capfd)
+    assert code == 4, err
+    assert (f"was trained with {flag} {saved}, this run has {flag} {value}: a resumed run keeps the images of each "
+            f"step and their order") in error_line(err), err
+    assert f"resume with {flag} {saved}" in err and _files(run) == before

@@ -183,3 +183,33 @@ def test_matmul_rate_counts_two_n_cubed_flops_per_product(monkeypatch):
     ticks = itertools.count()
     monkeypatch.setattr("time.perf_counter", lambda: float(next(ticks)))
     assert flops.matmul_rate(1, sizes=(1024,), repeats=2) == pytest.approx(2 * 1024**3)
+
+
+BENCH = "bench"
+TRAIN_ARGS_PARTS = ("table", "scaling", "lightly", "race", "all")   # every part whose runs take --train-args
+
+
+@pytest.mark.parametrize("part", TRAIN_ARGS_PARTS)
+@pytest.mark.parametrize("train_args, expected", [
+    ('"', "bench: --train-args '\"' is not a command line (No closing quotation); give unison train's flags as one "
+          "quoted string"),
+    ("--lrr 1", "--train-args '--lrr 1': unrecognized arguments: --lrr 1 (did you mean --lr?)"),
+    ("--lr abc", "--train-args '--lr abc': argument --lr: invalid float value: 'abc'"),
+    ("--epochs 0", "--train-args '--epochs 0': epochs=0 must be an integer >= 1"),
+])
+def test_train_args_are_read_as_unison_train_reads_them_before_any_work(part, train_args, expected, tmp_path, capfd):
+    """The dry run too: one line, exit 2, nothing printed or written before it."""
+    from unison.cli import main
+
+    out = tmp_path / "bench"
+    code = main([BENCH, part, "--train-args", train_args, "--dry-run", "--out", str(out)])
+    captured = capfd.readouterr()
+    assert code == 2 and not captured.out and not out.exists(), captured
+    assert captured.err.count("\n") == 1 and captured.err.startswith("unison: error: ") and expected in captured.err
+
+
+def test_train_args_that_unison_train_takes_pass_the_check(capfd):
+    from unison.cli import main
+
+    assert main([BENCH, "race", "--train-args", "--amp bf16 --param temperature=0.2", "--dry-run"]) == 0
+    assert "--amp bf16 --param temperature=0.2" in capfd.readouterr().out

@@ -32,7 +32,8 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
     r = json.loads((tmp_path / "side.json").read_text())
     assert r["steps"] == len(r["step_end_s"]) == 2, method
     assert math.isfinite(r["final_loss"]) and 0 <= r["knn_top1"] <= 1 and r["peak_memory_mib"] > 0, (method, r)
-    assert r["recipe"].startswith({"swav": "adam ", "mae": "adamw ", "vicreg": "lars "}.get(method, "sgd "))
+    optimizer = {"swav": "adam ", "mae": "adamw ", "vicreg": "lars ", "tico": "lars "}.get(method, "sgd ")
+    assert r["recipe"].startswith(optimizer), (method, r["recipe"])
 
 
 def test_lightly_sides_are_lightlys_modules():

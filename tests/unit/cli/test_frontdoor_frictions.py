@@ -138,16 +138,22 @@ def test_plot_of_short_runs_is_by_steps_and_of_long_runs_by_epochs(tmp_path, cap
 
 
 def test_plot_out_is_never_silently_overwritten(tmp_path, capsys):
+    """An existing page, its own earlier one too, is replaced only with --overwrite; --replace, the flag's earlier
+    name, still works and says so in one line."""
     run, out = _short_run(tmp_path), tmp_path / "page.png"
     _plot([str(run), "--out", str(out)], capsys)
     first = out.read_bytes()
     err = _plot([str(run), "--out", str(out)], capsys, code=2)
-    assert "already exists" in err and "--replace" in err and out.read_bytes() == first
-    _plot([str(run), "--out", str(out), "--replace"], capsys)   # its own earlier page, when asked
+    assert "already exists (a plot written by unison plot)" in err and "pass --overwrite" in err
+    assert out.read_bytes() == first
+    _plot([str(run), "--out", str(out), "--overwrite"], capsys)
     other = tmp_path / "photo.png"
     other.write_bytes(b"\x89PNG someone else's")
-    assert "already exists" in _plot([str(run), "--out", str(other), "--replace"], capsys, code=2)
+    assert "already exists; it is left as it is" in _plot([str(run), "--out", str(other)], capsys, code=2)
     assert other.read_bytes() == b"\x89PNG someone else's"
+    with pytest.warns(FutureWarning, match=r"^--replace is deprecated: use --overwrite"):
+        _plot([str(run), "--out", str(other), "--replace"], capsys)
+    assert other.read_bytes().startswith(b"\x89PNG") and other.read_bytes() != b"\x89PNG someone else's"
 
 
 def test_plot_reads_odd_but_valid_files_and_names_a_bad_one(tmp_path, capsys):

@@ -142,8 +142,8 @@ YAML_CASES = [
     ("fifo", ["--config", "{t}/fifo.yaml"], "fifo.yaml is not a regular file"),
     ("over-1-MiB", ["--config", "{t}/huge.yaml"], "past the 1024 KiB a config file may have"),
     ("empty-path", ["--config", ""], "--config is empty; give a YAML file"),
-    ("empty-value", ["--config", "{t}/epochs_null.yaml"], "epochs=None must be an int"),
-    ("null-method-params", ["--config", "{t}/params_null.yaml"], "method_params=None must be a dict"),
+    ("empty-value", ["--config", "{t}/epochs_null.yaml"], "line 1: epochs is empty; give a value or leave it out"),
+    ("null-method-params", ["--config", "{t}/params_null.yaml"], "line 1: method_params is empty; give a value or leave it out"),
 ]
 
 NUMBER_CASES = [

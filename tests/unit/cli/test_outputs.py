@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.cli import main
+from unison.cli import main, make_parser
 from unison.config import TrainConfig
 from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
@@ -66,9 +66,11 @@ EXPORT_CASES = [
     ("export-out-in-the-checkpoint-folder", "{run}", "{run}/checkpoints/step_00000099.pt", [],
      "lies inside {run}/checkpoints (the checkpoints of --checkpoint)"),
     ("export-sidecar-is-the-run-config", "{run}", "{run}/config.pt", [],
-     "the sidecar {run}/config.json of --out {run}/config.pt already exists and is not an earlier export"),
+     "the sidecar {run}/config.json of --out {run}/config.pt already exists; it is left as it is: pass --overwrite"),
     ("export-out-is-another-file", "{run}", "{tmp}/notes.pt", [],
-     "--out {tmp}/notes.pt already exists and is not an earlier export"),
+     "--out {tmp}/notes.pt already exists; it is left as it is: pass --overwrite to replace it, or choose another"),
+    ("export-out-is-the-checkpoint-even-with-overwrite", "{run}/" + CKPT1, "{run}/" + CKPT1, ["--overwrite"],
+     "(--checkpoint), which this command reads"),
     ("export-out-is-a-directory", "{run}", "{tmp}", [], "is a directory; give a file name such as"),
 ]
 
@@ -85,12 +87,18 @@ def test_export_never_replaces_what_is_not_its_own(case_id, checkpoint, out, ext
     assert not (tmp_path / "backbone.json").exists()
 
 
-def test_export_replaces_its_own_earlier_export(run, tmp_path, capfd):
+def test_export_replaces_an_earlier_export_only_with_overwrite(run, tmp_path, capfd):
+    """An earlier export is no exception: it may be another run's (the command cannot know)."""
     out = tmp_path / "bb.pt"
     assert _main(["export", "--checkpoint", str(run), "--out", str(out)], capfd)[0] == 0
     sidecar = json.loads((tmp_path / "bb.json").read_text())
     assert sidecar["unison"] == "backbone" and sidecar["file"] == "bb.pt"
-    assert _main(["export", "--checkpoint", f"{run}/{CKPT1}", "--out", str(out)], capfd)[0] == 0
+    before = _snapshot(out, tmp_path / "bb.json")
+    code, line = _main(["export", "--checkpoint", f"{run}/{CKPT1}", "--out", str(out)], capfd)
+    assert code == 2 and line == (f"unison: error: --out {out} already exists (an earlier unison export); it is left "
+                                  "as it is: pass --overwrite to replace it, or choose another --out")
+    assert _snapshot(*before) == before
+    assert _main(["export", "--checkpoint", f"{run}/{CKPT1}", "--out", str(out), "--overwrite"], capfd)[0] == 0
     assert json.loads((tmp_path / "bb.json").read_text())["step"] == 1   # step 2's export replaced by step 1's
     assert torch.load(out, weights_only=True)   # a state dict of tensors
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -100,9 +108,11 @@ EVAL_CASES = [
     ("eval-json-is-a-directory", "{tmp}", "--json {tmp} is a directory; give a file name, e.g. {tmp}/result.json"),
     ("eval-json-is-the-checkpoint", "{run}/" + CKPT1, "(--checkpoint), which this command reads"),
     ("eval-json-is-the-run-config", "{run}/config.json",
-     "--json {run}/config.json already exists and is not an earlier unison eval result"),
+     "--json {run}/config.json already exists; it is left as it is: pass --overwrite to replace it"),
     ("eval-json-is-another-file", "{tmp}/notes.json",
-     "--json {tmp}/notes.json already exists and is not an earlier unison eval result"),
+     "--json {tmp}/notes.json already exists; it is left as it is: pass --overwrite to replace it"),
+    ("eval-json-is-an-earlier-result", "{tmp}/earlier.json",
+     "--json {tmp}/earlier.json already exists (an earlier unison eval result); it is left as it is: pass --overwrite"),
 ]
 
 
@@ -110,11 +120,45 @@ EVAL_CASES = [
 def test_eval_json_is_refused_before_any_work(case_id, target, fragment, run, tmp_path, capfd):
     fill = {"run": str(run), "tmp": str(tmp_path)}
     (tmp_path / "notes.json").write_text('{"mine": 1}\n')
+    (tmp_path / "earlier.json").write_text('{"unison": "eval", "knn_top1": 0.5}\n')
     checkpoint = f"{run}/{CKPT1}" if case_id == "eval-json-is-the-checkpoint" else str(run)
-    before = _snapshot(*run.rglob("*"), tmp_path / "notes.json")
+    before = _snapshot(*run.rglob("*"), tmp_path / "notes.json", tmp_path / "earlier.json")
     code, line = _main(["eval", "--checkpoint", checkpoint, "--json", target.format(**fill)], capfd)
     assert code == 2 and fragment.format(**fill) in line, line
     assert _snapshot(*before) == before
+
+
+WRITES = "writes"   # the commands below, each reached through a variable: none starts a process (refused first)
+WRITERS = [   # every command that writes a file the user names, and what it is given
+    ("export", ["export", "--checkpoint", "{run}", "--out", "{file}"]),
+    ("eval", ["eval", "--checkpoint", "{run}", "--json", "{file}"]),
+    ("embed", ["embed", "--checkpoint", "{run}", "--data", "{tmp}/images", "--out", "{file}"]),
+    ("plot", ["plot", "{tmp}/metrics.csv", "--out", "{file}"]),
+    ("bench", ["bench", "comm", "--out", "{tmp}", "--workers", "2"]),
+]
+WRITTEN = {"export": "out.pt", "eval": "out.json", "embed": "out.npy", "plot": "out.png", "bench": "comm.md"}
+
+
+@pytest.mark.parametrize("command, argv", WRITERS, ids=[w[0] for w in WRITERS])
+def test_every_command_replaces_an_existing_file_only_with_overwrite(command, argv, run, tmp_path, capfd,
+                                                                     monkeypatch):
+    """One convention: an existing output is refused in one line naming --overwrite, before any work, whoever
+    wrote it; every command that writes takes --overwrite."""
+    import multiprocessing.process
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the existing output was not refused: a process started")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    (tmp_path / "metrics.csv").write_text("step,epoch,loss,lr\n1,0.1,3.0,0.1\n")
+    target = tmp_path / WRITTEN[command]
+    target.write_bytes(b"mine")
+    words = [w.format(run=run, tmp=tmp_path, file=target) for w in argv]
+    code, line = _main(words, capfd)
+    assert code == 2 and " left as " in line and ": pass --overwrite to replace " in line, line
+    assert target.read_bytes() == b"mine"
+    assert make_parser(command).parse_args([*words, "--overwrite"]).overwrite is True
 
 
 # ------------------------------------------------------------------ the run directory a resume writes into

@@ -43,3 +43,29 @@ def test_the_handlers_are_restored_after_the_block():
             os.kill(os.getpid(), signal.SIGUSR1)
             _wait_for_the_signal()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_after_the_training_loop_gave_the_signals_back_names_the_last_checkpoint(tmp_path):
+    """The loop restores the handler of the block around it when it ends, also while it fails (an elastic agent: a
+    collective failed because a peer was killed, and the elastic agent's SIGTERM to the survivors follows at once).
+    That stop must not say that training never started, after steps and checkpoints."""
+    from unison.cli import _stop_before_training
+    from unison.distributed.signals import install_stop_handlers, restore_default_handlers
+    from unison.errors import Preempted
+    from unison.training.checkpoint import save_checkpoint
+
+    out = tmp_path / "run"
+    last = save_checkpoint(out, {"method": "simclr", "config": {}}, step=6)
+    with pytest.raises(Preempted) as before:
+        with _stop_before_training(str(out)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for_the_signal()
+    assert str(before.value) == "stopped by SIGTERM before training started: nothing to save; run the same command again"
+    with pytest.raises(Preempted) as after:
+        with _stop_before_training(str(out)):
+            install_stop_handlers()   # the training loop takes the signals over ...
+            restore_default_handlers()   # ... and gives them back as it ends
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for_the_signal()
+    assert str(after.value) == (f"stopped by SIGTERM after its training had stopped: the last checkpoint is {last}; "
+                                f"continue with --resume auto --out {out}")

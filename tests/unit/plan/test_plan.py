@@ -79,7 +79,7 @@ def test_an_unexplained_host_sync_is_found_and_printed(monkeypatch, capfd):
     code, out, err = _run(["--method", "simclr", "--backbone", "small_cnn", "--image-size", "16", "--batch-size",
                            "4", "--world-size", "2", "--backend", "nccl"], capfd)
     assert code == 0, err
-    assert "NOT EXPLAINED" in out and "test_plan.py" in out and "why: the finite-loss check" in out
+    assert "NOT EXPLAINED" in out and "test_plan.py" in out and "1 x unison's finite-loss check: a NaN step" in out
 
 
 @pytest.mark.parametrize("method, shard, amp", [("simclr", "none", "bf16"), ("moco", "optimizer", "bf16"),
@@ -176,13 +176,17 @@ TINY = ["--method", "simclr", "--backbone", "small_cnn", "--image-size", "16", "
 
 
 def test_json_reports_every_figure(capfd):
-    code, out, err = _run([*TINY, "--json", "--gpu", "a100-40"], capfd)
+    """--time-budget: the steps the estimated step time fits, and the epochs of the data they make."""
+    code, out, err = _run([*TINY, "--json", "--gpu", "a100-40", "--data", "digits", "--time-budget", "10m"], capfd)
     assert code == 0, err
     report = json.loads(out)
     for key in ("parameters_mib", "gradients_mib", "optimizer_state_mib", "activations_at_peak_mib", "peak_mib",
                 "gpu_memory_mib", "max_local_batch", "matrix_flops_per_step", "collective_bytes_per_step",
                 "estimate_step_s", "estimate_images_per_s", "host_syncs"):
         assert key in report
+    steps = report["estimate_steps_in_budget"]
+    assert report["time_budget_s"] == 600 and steps == int(600 // report["estimate_step_s"]) and steps > 0
+    assert report["estimate_epochs_in_budget"] == pytest.approx(steps * 4 / 1438) and report["train_images"] == 1438
     assert all(h.startswith("item()/bool()/float()") for h in report["host_syncs"])
     assert report["fits"] and report["max_local_batch"] > 2 and report["world_size"] == 2
     assert report["gpu"].startswith("A100") and report["gpu_memory_mib"] == round(39.4 * 1024)
@@ -192,6 +196,7 @@ def test_json_reports_every_figure(capfd):
     (["--gpu", "h900"], "--gpu 'h900' is unknown"),
     (["--gpu", "0"], "the memory must be in"),
     (["--gpu", "nan"], "the memory must be in"),
+    (["--gpu", "0.001"], "--gpu '0.001': 0.001 GiB is no GPU's memory; the memory must be in [1, 4096] GiB"),
     (["--mfu", "0"], "--mfu 0.0 must be in (0, 1]"),
     (["--world-size", "2", "--batch-size", "3"], "cannot be split evenly"),
     (["--grad-compression", "fp16", "--world-size", "2", "--backend", "nccl"], "--grad-compression"),
@@ -212,7 +217,7 @@ def test_a_missing_data_folder_is_refused_in_one_line(capfd, tmp_path):
 
 def test_the_plan_is_at_the_datas_image_size(capfd):
     """The digits train at 16 px (`unison train`'s resolution), not at a planner's own 224."""
-    code, out, err = _run(["--backbone", "small_cnn", "--batch-size", "8", "--json"], capfd)
+    code, out, err = _run(["--data", "digits", "--backbone", "small_cnn", "--batch-size", "8", "--json"], capfd)
     assert code == 0, err
     report = json.loads(out)
     assert report["image_size"] == 16 and report["train_images"] == 1438
@@ -221,13 +226,14 @@ def test_the_plan_is_at_the_datas_image_size(capfd):
 def test_the_plan_runs_every_micro_batch_of_a_step(capfd):
     """--grad-sync-every 4: four micro-batches per step (FLOPs x 4, one gradient all-reduce); a step beyond the
     data (K = 10**6: never finishes) is refused as training refuses it."""
-    one, four = (json.loads(_run(["--backbone", "small_cnn", "--batch-size", "8", "--accumulation", "independent",
+    one, four = (json.loads(_run(["--data", "digits", "--backbone", "small_cnn", "--batch-size", "8", "--accumulation",
+                                  "independent",
                                   "--grad-sync-every", k, "--json"], capfd)[1]) for k in ("1", "4"))
     assert four["grad_sync_every"] == 4 and four["images_per_step"] == 32
     assert abs(four["matrix_flops_per_step"] / one["matrix_flops_per_step"] - 4) < 0.01
     grown = four["collective_bytes_by_kind"]["all_reduce"] - one["collective_bytes_by_kind"]["all_reduce"]
     assert 0 < grown < one["gradients_mib"] * 2**20 / 4   # batch norm's per micro-batch; the gradients' once
-    code, out, err = _run(["--backbone", "small_cnn", "--grad-sync-every", "1000000"], capfd)
+    code, out, err = _run(["--data", "digits", "--backbone", "small_cnn", "--grad-sync-every", "1000000"], capfd)
     lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
     assert code != 0 and not out and len(lines) == 1 and "--grad-sync-every at most 5" in lines[0], err
 
@@ -255,7 +261,7 @@ def test_a_batch_beyond_the_data_allocates_nothing(capfd):
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    code, out, err = _run(["--batch-size", str(2**24)], capfd)
+    code, out, err = _run(["--data", "digits", "--batch-size", str(2**24)], capfd)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
     assert code != 0 and len(lines) == 1 and "fewer than one global batch (16777216)" in lines[0], err
@@ -264,7 +270,7 @@ def test_a_batch_beyond_the_data_allocates_nothing(capfd):
 
 def test_a_world_beyond_the_data_is_refused_at_once(capfd):
     """--world-size 65536 (a batch of 65536) was silent for over 200 s: now one line (the data holds fewer)."""
-    code, out, err = _run(["--world-size", "65536", "--batch-size", "65536"], capfd)
+    code, out, err = _run(["--data", "digits", "--world-size", "65536", "--batch-size", "65536"], capfd)
     lines = [ln for ln in err.splitlines() if ln.startswith("unison: error:")]
     assert code != 0 and len(lines) == 1 and "fewer than one global batch (65536)" in lines[0], err
 
@@ -276,6 +282,39 @@ def test_progress_lines_while_it_works_and_the_rows_are_aligned(capfd):
     assert any("simulating one step" in ln for ln in stages) and any("GPU code path" in ln for ln in stages), err
     rows = out.split("per rank:\n")[1].split("\n  fits")[0].splitlines()
     assert len(rows) == 8 and len({row.index("MiB") for row in rows}) == 1, rows
+
+
+def test_without_data_it_plans_the_model_and_image_size_alone_in_the_words_a_user_knows(monkeypatch, capfd):
+    """No --data: not the default digits (their 16 px and 1,438 images) but the model at 224 px, said so, the data
+    never read; the host syncs named by what makes them (torch.nn.SyncBatchNorm), no file of torch's; the first
+    progress line comes before torch is imported, and the budget is planned for."""
+    import unison.plan
+
+    monkeypatch.setattr(unison.plan, "planned_data", lambda cfg: pytest.fail("the data was read"))
+    code, out, err = _run(["--backbone", "small_cnn", "--batch-size", "4", "--world-size", "2", "--backend", "nccl",
+                           "--amp", "bf16", "--time-budget", "1h"], capfd)
+    assert code == 0, err
+    assert err.splitlines()[0] == "unison plan: [0 s] importing torch; reading the options", err
+    head = out.splitlines()[0]
+    assert " at 224 px, " in head and head.endswith("no --data: planned for the model and the image size alone (no "
+                                                    "--image-size: 224 px); give --data to check it and count the "
+                                                    "steps per epoch"), head
+    assert "1,438" not in out and "torch/" not in out and ".py:" not in out, out
+    assert "x torch.nn.SyncBatchNorm: drops empty ranks with a boolean mask" in out, out
+    assert "  estimate for --time-budget 1h: " in out and " steps at that step time" in out, out
+
+
+def test_a_run_that_does_not_fit_is_exit_1_with_its_report(monkeypatch, capfd):
+    """A GPU of 64 KiB (below --gpu's range, so handed in here: a real one that small does not exist) holds not even
+    the tiny CNN: the verdict is exit 1, after the whole report."""
+    import unison.plan
+    from unison.plan.gpus import GPU
+
+    monkeypatch.setattr(unison.plan, "resolve_gpu", lambda spec: GPU("a 64 KiB GPU", 2**-14, 989.4, 450.0, "NVLink 4"))
+    code, out, err = _run(TINY, capfd)
+    assert code == 1 and "  does NOT fit in 0 MiB" in out, out + err
+    assert out.splitlines()[-1] == ("unison plan: this run does NOT fit a 64 KiB GPU: not one image per rank fits: try "
+                                    "--shard full, --amp bf16 or --activation-checkpointing (exit code 1)"), out
 
 
 def test_progress_says_still_while_a_stage_runs():

@@ -1,6 +1,7 @@
 """A run directory whose latest checkpoint is damaged: every command that reads a run falls back to the previous
-checkpoint with one warning, whatever the damage (here: truncated to 5 kB, where torch's zip reader fails with
-``OSError: Invalid argument`` instead of a zip error). World size 1: everything runs in this process."""
+checkpoint with one warning (one per command, though it reads the checkpoint several times), whatever the damage
+(here: truncated to 5 kB, where torch's zip reader fails with ``OSError: Invalid argument`` instead of a zip
+error). World size 1: everything runs in this process."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def test_a_small_truncated_latest_checkpoint_falls_back_to_the_previous(two_chec
     assert "Traceback" not in err and "unison: error" not in err, err
     said = err + "\n".join(str(w.message) for w in caught)
     assert f"checkpoint {latest} is truncated or corrupt" in said and "falling back to step_00000001.pt" in said, said
+    assert said.count("falling back to") == 1, said   # once per command: not per read (options, pre-flight, worker)
     if command == "teacher":   # the run is pinned to the checkpoint it read
         assert json.loads((tmp_path / "t" / "config.json").read_text())["teacher"].endswith("step_00000001.pt")
     if command == "export":

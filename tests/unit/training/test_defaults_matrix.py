@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from unison.config import DistributedConfig, TrainConfig
+from unison.data.presets import PRESETS
 from unison.distributed.env import init_distributed, shutdown_distributed
 from unison.methods import METHODS
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
@@ -84,7 +85,8 @@ def test_every_method_trains_at_its_defaults(method, size, folders, tmp_path, on
     if backbone in VIT_BACKBONES:
         patch = vit_patch_size(backbone)
         assert all(v % patch == 0 for v in views), f"{cell}: views {views} with {patch} px patches of {backbone}"
-    if len(views) > 2:   # multi-crop: local crops about 3/7 of the image (96 px at 224), at least 8 px
+    # multi-crop (views past the global ones; FastSiam has 4 global): local crops about 3/7 of the image, >= 8 px
+    if len(views) > PRESETS[resolved["augmentation"]]["n_global"]:
         assert 8 <= views[-1] <= views[0] // 2, f"{cell}: local crops of {views[-1]} px at {views[0]} px"
 
 

@@ -113,7 +113,7 @@ def test_unison_plot_overlays_two_runs(two_runs, capsys):
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
     assert "wrote" in capsys.readouterr().out
     assert main(["plot", str(two_runs / "probe"), "--out", str(out)]) == 2   # never silently replaced
-    assert main(["plot", str(two_runs / "probe"), "--out", str(out), "--replace"]) == 0   # its own, when asked
+    assert main(["plot", str(two_runs / "probe"), "--out", str(out), "--overwrite"]) == 0   # when asked
 
 
 def _refused(argv: list[str], capsys, code: int, fragment: str) -> None:

@@ -21,9 +21,9 @@ def _key(k: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _few(keys: list[str], what: str) -> str:
+def _few(keys: list[str], what: str, plural: str | None = None) -> str:
     shown = ", ".join(_key(k) for k in keys[:3]) + (f", ... ({len(keys) - 3} more)" if len(keys) > 3 else "")
-    return f"{len(keys)} {what}{'s' if len(keys) != 1 else ''} ({shown})"
+    return f"{len(keys)} {what if len(keys) == 1 else plural or what + 's'} ({shown})"
 
 
 def check_compatible(model: torch.nn.Module, model_state: dict | None, path: object = None) -> None:
@@ -38,44 +38,57 @@ def check_compatible(model: torch.nn.Module, model_state: dict | None, path: obj
     if not isinstance(model_state, dict):
         where = f"checkpoint {path} " if path else ""
         raise CheckpointError(f"{where}model state must be a dict (a state_dict), got {type(model_state).__name__}")
-    expected = model.state_dict()
     not_tensors = [k for k, v in model_state.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
         k = not_tensors[0]
         where = f"checkpoint {path}" if path else "checkpoint"
         raise CheckpointError(f"{where} model state {_key(k)} is a {type(model_state[k]).__name__}, not a tensor; "
                               "the file is damaged or not unison's")
+    differences = state_differences(model, model_state)
+    if not differences:
+        _check_finite(model_state, path)
+        return
+    hint = ""
+    expected = model.state_dict()
+    if any(k not in expected for k in model_state) and all(str(k).startswith("module.") for k in model_state):
+        hint = "; the checkpoint keys start with 'module.' (a DDP wrapper): save model.module.state_dict()"
+    raise CheckpointError("checkpoint does not match the model: " + "; ".join(differences) + hint)
+
+
+def state_differences(model: torch.nn.Module, state: dict, where: str = "the checkpoint",
+                      into: str = "the model") -> list[str]:
+    """How tensor state dict `state` differs from `model`'s (missing and unexpected keys, other shapes, another kind
+    of dtype), as a few short phrases; [] when it loads strictly. `where`/`into`: what the two are called (keys
+    missing from `where`, unexpected in `into`)."""
+    expected = model.state_dict()
     params = {name for name, _ in model.named_parameters()}
-    missing = [k for k in expected if k not in model_state]
-    unexpected = [k for k in model_state if k not in expected]
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
     mismatched = [
-        f"{'parameter' if k in params else 'buffer'} {_key(k)} has shape {_fmt_shape(v.shape)} in the checkpoint "
-        f"but {_fmt_shape(expected[k].shape)} in the model"
-        for k, v in model_state.items()
+        f"{'parameter' if k in params else 'buffer'} {_key(k)} has shape {_fmt_shape(v.shape)} in {where} "
+        f"but {_fmt_shape(expected[k].shape)} in {into}"
+        for k, v in state.items()
         if k in expected and isinstance(expected[k], torch.Tensor) and v.shape != expected[k].shape
     ]
     mismatched += [
-        f"{_key(k)} has dtype {v.dtype} in the checkpoint but {expected[k].dtype} in the model"
-        for k, v in model_state.items()
+        f"{_key(k)} has dtype {v.dtype} in {where} but {expected[k].dtype} in {into}"
+        for k, v in state.items()
         if k in expected and isinstance(expected[k], torch.Tensor)
         and (v.is_floating_point(), v.is_complex(), v.dtype == torch.bool)
         != (expected[k].is_floating_point(), expected[k].is_complex(), expected[k].dtype == torch.bool)
     ]   # float32 <-> float64 is a precision change load_state_dict makes; int weights in a float layer are damage
-    if not (missing or unexpected or mismatched):
-        _check_finite(model_state, path)
-        return
     parts = []
+    named = (where, into) != ("the checkpoint", "the model")
     if missing:
-        parts.append(_few(missing, "missing key"))
+        parts.append(_few(missing, f"key of {into} missing from {where}", f"keys of {into} missing from {where}")
+                     if named else _few(missing, "missing key"))
     if unexpected:
-        parts.append(_few(unexpected, "unexpected key"))
+        parts.append(_few(unexpected, f"key of {where} unknown to {into}", f"keys of {where} unknown to {into}")
+                     if named else _few(unexpected, "unexpected key"))
     parts += mismatched[:3]
     if len(mismatched) > 3:
         parts.append(f"{len(mismatched) - 3} more shape mismatches")
-    hint = ""
-    if unexpected and all(str(k).startswith("module.") for k in model_state):
-        hint = "; the checkpoint keys start with 'module.' (a DDP wrapper): save model.module.state_dict()"
-    raise CheckpointError("checkpoint does not match the model: " + "; ".join(parts) + hint)
+    return parts
 
 
 def _check_finite(model_state: dict, path: object) -> None:

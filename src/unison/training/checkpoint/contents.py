@@ -9,7 +9,8 @@ the pre-flight's header read (`read_header`, in the launching process), the work
 `check_optimizer_state` compares saved optimizer state with the optimizer it is about to be loaded into.
 
 Every failure is one `CheckpointError` line naming the checkpoint and the field; strings from the file are
-shown bounded (`shown`).
+shown bounded (`shown`). Options this version does not know (a checkpoint of another version of unison) are not
+damage: `drop_unknown_options` leaves them out with one warning that names them, and the rest is read.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from unison.config.fields import article, count, type_error
 from unison.config.train import LOGGERS
 from unison.errors import CheckpointError, ConfigError
 from unison.training.pieces import OWN
+from unison.version import __version__
 
 from .extra_state import extra_problem
+from .files import warn_once
 from .rng_state import rng_problem
 
 MAX_STEP = 10**12        # optimiser steps: a million steps a day for 2700 years; past it a step count is damage
@@ -99,6 +102,7 @@ def check_fields(ckpt: dict[str, Any], path: Path) -> None:
 # ------------------------------------------------------------------ a training run's checkpoint
 def check_run_fields(ckpt: dict[str, Any], path: Path) -> None:
     """What a training run's checkpoint adds to the header, checked as the run that reads it will use it."""
+    drop_unknown_options(ckpt, path)
     _check_config(ckpt["config"], path)
     world = ckpt.get("world_size", 1)
     if not _is_int(world, 1, MAX_WORLD):
@@ -116,6 +120,45 @@ def check_run_fields(ckpt: dict[str, Any], path: Path) -> None:
     problem = extra_problem(ckpt.get("extra"))
     if problem:
         raise _bad(path, "extra state", problem)
+
+
+def drop_unknown_options(ckpt: dict[str, Any], path: Path) -> None:
+    """Options of the checkpoint's config that this version does not know (top level, ``distributed``, the method's
+    parameters), left out of ``ckpt["config"]`` with one warning naming them: another version of unison wrote it
+    (it records which, ``unison_version``, since this one), and every reader (a resume, ``unison eval``, ``export``)
+    reads what this version knows of it. A config without ``method`` and ``distributed``, which every version's
+    runs write, is no run's: it is left as it is (and refused as a run's by `_check_config`)."""
+    from unison.methods import METHODS  # the registry: imported when a run is read
+
+    config = dict(ckpt["config"])
+    if "method" not in config or type(config.get("distributed")) not in _DICTS:   # not a run's config: not a version's
+        return
+    unknown = [str(k) for k in config if k not in _TRAIN_FIELDS]
+    for k in unknown:
+        del config[k]
+    dist = config["distributed"]
+    unknown += [f"distributed.{k}" for k in dist if k not in _DIST_FIELDS]
+    config["distributed"] = {k: v for k, v in dist.items() if k in _DIST_FIELDS}
+    params: Any = config.get("method_params")
+    method = config.get("method")
+    if type(params) in _DICTS and isinstance(method, str) and method in METHODS:
+        names = {f.name for f in dataclasses.fields(METHODS[method].Params)}
+        unknown += [f"method_params.{k}" for k in params if k not in names]
+        config["method_params"] = {k: v for k, v in params.items() if k in names}
+    if not unknown:
+        return
+    ckpt["config"] = config
+    written = ckpt.get("unison_version")
+    by = (f"unison {shown(written, 40).strip(chr(39))}" if isinstance(written, str) and written != __version__
+          else "another version of unison")
+    listed = ", ".join(shown(k, 60).strip("'") for k in unknown[:5]) + (f", ... ({len(unknown)} in all)"
+                                                                        if len(unknown) > 5 else "")
+    warn_once(f"checkpoint {path} was written by {by} (this is unison {__version__}), with option(s) this version "
+              f"does not know: {listed}; they are left out and the rest of the checkpoint is read")
+
+
+_TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+_DIST_FIELDS = frozenset(f.name for f in dataclasses.fields(DistributedConfig))
 
 
 def _check_config(config: dict[str, Any], path: Path) -> None:
@@ -173,6 +216,10 @@ def _check_resolved(resolved: Any, step: int, path: Path) -> None:
                                                   and all(_is_number(x) and abs(x) <= 1e6 for x in v)
                                                   and (name == "mean" or all(x > 0 for x in v))):
             problem = f"{name} is not a list of 1 to 4 numbers in [-1e6, 1e6]" + (", > 0" if name == "std" else "")
+    run_id = resolved.get("run_id")
+    if not problem and run_id is not None and not (isinstance(run_id, str) and 0 < len(run_id) <= MAX_NAME
+                                                   and run_id.isalnum() and run_id.isascii()):
+        problem = f"run_id {shown(run_id)} is not a run id (letters and digits)"
     total = resolved.get("total_steps")
     if not problem and total is not None and not _is_int(total, 0, MAX_STEP):
         problem = f"total_steps {shown(total)} is not an integer from 0 to {MAX_STEP}"

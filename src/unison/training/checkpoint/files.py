@@ -10,11 +10,19 @@ Both kinds share this module so that they are found, pointed to by ``latest``, p
 written the same way: a temporary sibling, fsync, `os.replace` onto the final name, fsync of
 the directory. A kill at any instant leaves the previous checkpoint and ``latest`` intact;
 temporaries of a killed save are ignored by the listing and removed by the next save.
+
+unison writes no links there, so a symbolic link among a run's checkpoints was put there by hand (to another
+run's checkpoint, or to one of this run's under a later step's name): reading the run directory refuses it in
+one line (`first_loadable`), before anything else happens to the run.
+
+`warn_once`: a warning about what a command reads (a damaged latest checkpoint passed over) is shown once per
+command, though the command, its pre-flight checks and its workers each read the same files.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -24,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from unison.errors import CheckpointError, CorruptCheckpointError
+from unison.distributed.launch_env import detect_launch_env
+from unison.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -37,6 +46,28 @@ T = TypeVar("T")
 # resume, eval, embed, export, --init and --teacher all read through `first_loadable`: no command's own word ("resume")
 NO_CHECKPOINT_HINT = "give the run directory of a unison train run that wrote checkpoints, or a checkpoint file"
 _TMP_RE = re.compile(r"\.(?:step_\d{8,}\.pt|latest)\.\d+\.[0-9a-f]+\.tmp")
+ANNOUNCED_ENV = "UNISON_ANNOUNCED"   # digests of the warnings `warn_once` has shown, for the processes started later
+_ANNOUNCED_MAX = 64
+
+
+def warn_once(message: str) -> None:
+    """Warn `message` (a `RuntimeWarning`) once per command: a command reads a checkpoint in its own process (the
+    options, the pre-flight checks) and again in every worker, and each read would say the same.
+
+    Not again in this process, nor in the workers it starts (unison's launcher gives them its environment, where
+    the message's digest is kept), nor in a process that a launcher started as a rank other than 0 (torchrun, srun
+    and mpirun start every rank as a command of its own, which reads the same files)."""
+    digest = hashlib.sha256(message.encode("utf-8", "replace")).hexdigest()[:16]
+    said = os.environ.get(ANNOUNCED_ENV, "").split()
+    if digest in said:
+        return
+    os.environ[ANNOUNCED_ENV] = " ".join([*said[-(_ANNOUNCED_MAX - 1):], digest])
+    try:
+        launched = detect_launch_env()
+    except ConfigError:   # malformed launcher variables: the command itself says so
+        launched = None
+    if launched is None or launched.rank == 0:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------ discovery
@@ -112,22 +143,40 @@ def resume_candidates(run_dir: Path) -> list[Path]:
 
 
 def first_loadable(run_dir: Path, read: Callable[[Path], T]) -> T:
-    """`read(candidate)` of the run directory's latest checkpoint, falling back (with a warning) past corrupt ones.
+    """`read(candidate)` of the run directory's latest checkpoint, falling back (with a warning, `warn_once`) past
+    corrupt ones.
 
-    Only `CorruptCheckpointError` falls back; any other error (another method, an unsafe file) is raised."""
+    Only `CorruptCheckpointError` falls back; any other error (another method, an unsafe file, a link) is raised."""
     candidates = resume_candidates(run_dir)
     if not candidates:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; {NO_CHECKPOINT_HINT}")
     first_error: CheckpointError | None = None
     for i, candidate in enumerate(candidates):
+        refuse_link(candidate)
         try:
             return read(candidate)
         except CorruptCheckpointError as e:
             first_error = first_error or e
             if i + 1 < len(candidates):
-                warnings.warn(f"{e}; falling back to {candidates[i + 1].name}", RuntimeWarning, stacklevel=3)
+                warn_once(f"{e}; falling back to {candidates[i + 1].name}")
     assert first_error is not None
     raise first_error
+
+
+def refuse_link(candidate: Path) -> None:
+    """A symbolic link among a run directory's checkpoints: `CheckpointError` (one line) naming it and its target.
+
+    unison never writes one, so it was made by hand; read as the run's latest it would continue another run's
+    checkpoint, or this run's under a later step's name, in this directory."""
+    if not candidate.is_symlink():
+        return
+    try:
+        target = os.readlink(candidate)
+    except OSError:
+        target = "?"
+    raise CheckpointError(f"{candidate} is a symbolic link (to {target[:200]}); a run's checkpoints are its own "
+                          f"files, which unison never writes as links: remove the link from {candidate.parent} "
+                          "(to continue the run it points to, --resume that file with a new --out)")
 
 
 # ------------------------------------------------------------------ writing

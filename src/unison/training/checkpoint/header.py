@@ -4,9 +4,13 @@ A ``.pt`` checkpoint is a dict whose first entries are the header; a ``.dcp`` di
 same dict (without the sharded tensors) in ``unison.pt``::
 
     {"format": "unison-checkpoint", "version": 1, "method": str, "step": int, "config": dict,
-     "extra": dict, ...}
+     "extra": dict, "unison_version": "0.1.0", ...}
 
-Both kinds are built by `make_header` and checked by `check_header`, so they cannot drift apart.
+Both kinds are built by `make_header` and checked by `check_header`, so they cannot drift apart. A checkpoint's
+place is checked with its header (`check_placement`): a file named ``step_N`` holds step N, and a training run's
+checkpoint in ``RUN/checkpoints/`` is one of the run in RUN (the run id its ``config.json`` records, since run ids
+were recorded): a file renamed or copied in from another run would otherwise be continued as this run's, mixing the
+two in one directory, and the next save of that step would replace it.
 Files are always read with ``torch.load(weights_only=True)``: a checkpoint holds only tensors,
 numbers, strings, bools, None, lists, tuples and dicts, and a file that would run code when
 unpickled is refused, never executed.
@@ -19,6 +23,7 @@ is built, no shard is touched).
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,12 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unison.data.files import read_regular
 from unison.distributed import collectives as C
 from unison.errors import CheckpointError
 from unison.training.pieces import OWN
+from unison.version import __version__
 
 from .contents import MAX_STEP, check_fields, check_run_fields, shown
-from .files import DCP_HEADER, first_loadable, is_checkpoint_name, named_checkpoint
+from .files import CHECKPOINT_DIR, DCP_HEADER, first_loadable, is_checkpoint_name, named_checkpoint, step_of
 from .files import NO_CHECKPOINT_HINT as NO_CHECKPOINT_HINT  # re-exported: callers import it from here
 from .safe_load import load_file, read_metadata_safely
 
@@ -42,7 +49,15 @@ if TYPE_CHECKING:
 # What a checkpoint's tensors are the tensors of, beside its method: the configuration fields that name and shape
 # them, with the option that sets each. A resume with another value would load nothing that fits.
 STRUCTURE = {"backbone": "--backbone", "backbone_args": "--backbone-arg"}
+# What decides the images of each step and their order (``distributed.`` fields under that key of the config): a
+# resumed run keeps them. Another global batch, accumulation, seed or subset would continue from the same step
+# number on another walk through the data (the rest of the epoch skipped or seen twice, the learning rate scaled to
+# the new batch, the steps per epoch changed): refused, as another --time-budget is; a new run starts from the
+# checkpoint's weights with --init.
+KEPT = {"batch_size": "--batch-size", "distributed.grad_sync_every": "--grad-sync-every", "seed": "--seed",
+        "subset": "--subset"}
 Expected = str | Mapping[str, Any] | None   # a method name, or `structure(cfg)`
+_MISSING = object()
 
 FORMAT = "unison-checkpoint"
 VERSION = 1
@@ -51,11 +66,12 @@ _ALLOWED = "tensors, numbers, strings, bools, None, lists, tuples and dicts"
 
 # ------------------------------------------------------------------ building and validating
 def make_header(state: dict[str, Any], step: int) -> dict[str, Any]:
-    """`state` with the header first (it reads first in a debugger): format, version, method, step, config, extra.
+    """`state` with the header first (it reads first in a debugger): format, version, method, step, config, extra,
+    the version of unison that wrote it.
 
     The caller's "format"/"version" are overridden; "extra" (`ExtraState.collect()`) is {} when absent."""
     header = {"format": FORMAT, "version": VERSION, "method": state["method"], "step": step,
-              "config": state["config"], "extra": state.get("extra") or {}}
+              "config": state["config"], "extra": state.get("extra") or {}, "unison_version": __version__}
     header.update((k, v) for k, v in state.items() if k not in header)
     return header
 
@@ -112,8 +128,18 @@ def validate_state(state: Any, step: Any, keep: Any) -> None:
 
 def structure(cfg: Any) -> dict[str, Any]:
     """What a checkpoint of a run with (validated) configuration `cfg` must agree on to be resumed by it: its
-    method and `STRUCTURE` (``expect_method=structure(cfg)``)."""
-    return {"method": cfg.method, **{name: getattr(cfg, name) for name in STRUCTURE}}
+    method, `STRUCTURE` and `KEPT` (``expect_method=structure(cfg)``)."""
+    kept = {name: _field(cfg.to_dict(), name) for name in KEPT}
+    return {"method": cfg.method, **{name: getattr(cfg, name) for name in STRUCTURE}, **kept}
+
+
+def _field(config: Mapping[str, Any], name: str) -> Any:
+    """`config`'s value of `name` (``distributed.grad_sync_every``: under ``distributed``); `_MISSING` if none."""
+    for part in name.split("."):
+        if not isinstance(config, Mapping) or part not in config:
+            return _MISSING
+        config = config[part]
+    return config
 
 
 def _check_expected(ckpt: dict[str, Any], path: Path, expect: Expected) -> None:
@@ -126,6 +152,9 @@ def _check_expected(ckpt: dict[str, Any], path: Path, expect: Expected) -> None:
                               f"use method {was} or a new run directory")
     config = ckpt.get("config") or {}
     for name, value in expected.items():
+        if name in KEPT:
+            _check_kept(config, path, name, value)
+            continue
         if value is not None and config.get(name) is not None and config[name] != value:   # None: the recipe's
             flag = STRUCTURE.get(name, name)
             was, now = _as_options(flag, config[name]), _as_options(flag, value)
@@ -137,8 +166,24 @@ def _check_expected(ckpt: dict[str, Any], path: Path, expect: Expected) -> None:
                                   "resume it, or a new --out (without --resume) to train anew")
 
 
+def _check_kept(config: Mapping[str, Any], path: Path, name: str, value: Any) -> None:
+    """`KEPT` option `name`: the run's `value` must be the checkpoint's (one the checkpoint does not record: not
+    compared)."""
+    saved = _field(config, name)
+    if saved is _MISSING or value is _MISSING or saved == value:
+        return
+    flag = KEPT[name]
+    was, now = _as_options(flag, saved), _as_options(flag, value)
+    raise CheckpointError(f"checkpoint {path} was trained with {was}, this run has {now}: a resumed run keeps the "
+                          "images of each step and their order (the learning rate, the steps per epoch and the place "
+                          f"in the epoch follow from them); resume with {was} (another --world-size splits the same "
+                          f"batch), or start a new run from its weights: --init {path} --out NEW")
+
+
 def _as_options(flag: str, value: Any) -> str:
     """`value` as the command line gives it (``--backbone small_cnn``, ``--backbone-arg depth=2``), bounded."""
+    if value is None:
+        return f"no {flag}"
     if isinstance(value, dict):
         items = [f"{flag} {shown(str(k), 40).strip(chr(39))}={shown(v, 40)}" for k, v in list(value.items())[:4]]
         return " ".join(items) + (" ..." if len(value) > 4 else "") if items else f"no {flag}"
@@ -167,9 +212,46 @@ def check_header(ckpt: Any, path: Path, expect_method: Expected, run: bool = Fal
         raise CheckpointError(
             f"checkpoint {path} has format version {shown(version)}, this unison reads up to {VERSION}; upgrade unison")
     check_fields(ckpt, path)
-    _check_expected(ckpt, path, expect_method)
     if run:
         check_run_fields(ckpt, path)
+    check_placement(ckpt, path, run)
+    _check_expected(ckpt, path, expect_method)
+
+
+def check_placement(ckpt: dict[str, Any], path: Path, run: bool) -> None:
+    """Raise `CheckpointError` unless `ckpt` (its header checked) belongs where it lies: a ``step_N`` name is its
+    step, and (`run`: a training run's checkpoint) one in ``RUN/checkpoints/`` is of the run in RUN, whose
+    ``config.json`` records its run id (a run or a checkpoint from before run ids: not compared)."""
+    step = ckpt["step"]
+    if is_checkpoint_name(path) and step_of(path) != step:
+        where = f", or move it out of {path.parent}" if path.parent.name == CHECKPOINT_DIR else ""
+        raise CheckpointError(f"checkpoint {path} is named step {step_of(path)} but holds step {step} (its header): "
+                              f"it was renamed, or copied in from another run; name it "
+                              f"step_{step:08d}{path.suffix}{where}")
+    if not run or path.parent.name != CHECKPOINT_DIR:
+        return
+    mine = (ckpt.get("resolved") or {}).get("run_id")
+    run_dir = path.parent.parent
+    recorded = _recorded_run(run_dir)
+    theirs = recorded.get("run_id")
+    if not isinstance(mine, str) or not isinstance(theirs, str) or mine == theirs:
+        return
+    seeds = (ckpt["config"].get("seed"), recorded.get("seed"))
+    seed = (f", seed {shown(seeds[0])}", f", seed {shown(seeds[1])}") if seeds[0] != seeds[1] else ("", "")
+    raise CheckpointError(f"checkpoint {path} is of another run (run id {mine}{seed[0]}) than the run in {run_dir} "
+                          f"(run id {shown(theirs, 40).strip(chr(39))}{seed[1]}, its config.json): it was copied in; "
+                          f"move it out of {path.parent} (to continue that run, --resume the file with a new --out)")
+
+
+def _recorded_run(run_dir: Path) -> dict[str, Any]:
+    """The run id and seed that ``RUN/config.json`` records ({} when it is missing, unreadable or not a run's)."""
+    try:
+        config = json.loads(read_regular(str(run_dir / "config.json"), limit=1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(config, dict) or not isinstance(config.get("resolved"), dict):
+        return {}
+    return {"run_id": config["resolved"].get("run_id"), "seed": config.get("seed")}
 
 
 # ------------------------------------------------------------------ header-only read

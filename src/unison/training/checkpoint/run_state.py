@@ -94,6 +94,8 @@ def _restore_rest(run: Run, ckpt: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     saved = ckpt.get("resolved") or {}
     if "init" in saved and "init" not in run.resolved:   # --init: the weights it started from, recorded on
         run.resolved["init"] = saved["init"]
+    if isinstance(saved.get("run_id"), str):   # the run it continues (the loop gives a branch an id of its own)
+        run.resolved["run_id"] = saved["run_id"]
     planned = saved.get("total_steps")
     if isinstance(planned, int) and planned != run.total_steps:   # the loop says so: the schedules follow this run
         run.resolved["resumed_from_total_steps"] = planned

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from unison.config.distributed import checked_device
 from unison.errors import CheckpointError, CorruptCheckpointError
 
 from .files import METADATA
@@ -55,7 +56,13 @@ def _starts_with(path: Path, prefix: bytes) -> bool:
 
 def load_file(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` with one-line errors. `mmap`: tensors are mapped, not read
-    (what a header read wants); only for zip files (what torch.save writes), others are read normally."""
+    (what a header read wants); only for zip files (what torch.save writes), others are read normally.
+
+    A `map_location` that names a device is checked first (`checked_device`): torch's error for a device that is
+    not one, or not here, comes from inside the read and would otherwise be taken for damage to the file; so would
+    running out of memory while the tensors are placed."""
+    if isinstance(map_location, (str, torch.device, int)):
+        checked_device(map_location, "map_location")
     try:
         info = path.stat()
         if not stat.S_ISREG(info.st_mode):   # a FIFO would block the read, a device never end it
@@ -82,6 +89,10 @@ def load_file(path: Path, map_location: Any = "cpu", *, mmap: bool = False) -> A
         if e.errno == errno.EINVAL:   # torch's zip reader seeking before the start of a short (truncated) file
             raise corrupt(path, e) from None
         raise CheckpointError(f"could not read checkpoint {path} ({e.strerror or e})") from e
+    except (MemoryError, torch.OutOfMemoryError) as e:   # the machine's limit, not the file's fault
+        where = f" onto {map_location}" if isinstance(map_location, (str, torch.device)) else ""
+        raise CheckpointError(f"not enough memory to read checkpoint {path}{where} ({short_reason(e)}); free memory "
+                              "or read it onto another device") from None
     except Exception as e:  # RuntimeError (zip), EOFError, KeyError, ... from a damaged file
         raise corrupt(path, e) from None
 
