@@ -251,7 +251,8 @@ def describe_init(run: Run) -> None:
 
 def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, Any]]:
     """(steps done, history): from ``--resume`` or the run directory after a restart, else (0, {}) and the
-    random-initialisation kNN baseline (never of a trained encoder)."""
+    random-initialisation kNN baseline (never of a trained encoder: with ``--init``, of the encoder the run would
+    have started from without it, and the starting weights' kNN beside it, ``init_knn_top1``)."""
     cfg = run.cfg
     step, history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
     name_run(run)
@@ -269,11 +270,16 @@ def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, 
         runlog.line(note)
     if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:
         with watch.phase("eval", step):
+            if run.random_backbone is not None:   # --init: the starting point, and the encoder it replaced
+                history["init_knn_top1"] = knn_top1(run)
             started = time.perf_counter()
-            history["random_init_knn_top1"] = knn_top1(run)
+            history["random_init_knn_top1"] = knn_top1(run, run.random_backbone)
             history["random_init_knn_s"] = time.perf_counter() - started   # what a --time-budget plans the end with
         if history["random_init_knn_top1"] is not None:
             runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
+        if history.get("init_knn_top1") is not None:
+            runlog.line(f"--init weights kNN top-1 {history['init_knn_top1']:.4f} ({cfg.init})")
+    run.random_backbone = None   # measured (or not asked for): its memory is the run's again
     return step, history
 
 
@@ -301,7 +307,8 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         epochs=step / run.steps_per_epoch, global_batch=run.global_batch, image_size=run.image_size,
         train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
         final_loss=log.final_loss, knn_top1=history["knn_top1"],
-        random_init_knn_top1=history.get("random_init_knn_top1"), train_time_s=train_time,
+        random_init_knn_top1=history.get("random_init_knn_top1"), init_knn_top1=history.get("init_knn_top1"),
+        train_time_s=train_time,
         data_wait_fraction=log.wait_s / max(train_time, 1e-9),
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(Path(cfg.out)),
@@ -314,7 +321,8 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
     if C.rank() == 0:
         write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n",
                           error=lambda path, e: run_file_error(path, e, cfg.out))
-        logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
+        logger.close(random_init_knn_top1=history.get("random_init_knn_top1"),
+                     init_knn_top1=history.get("init_knn_top1"))
     return summary
 
 

@@ -16,9 +16,10 @@ extra hooks after them.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -142,30 +143,52 @@ def knn_batch(run: Run) -> int:
     return max(64, min(512, run.global_batch // max(1, C.world_size())))
 
 
-def knn_top1(run: Run) -> float | None:
+def knn_top1(run: Run, backbone: torch.nn.Module | None = None) -> float | None:
     """Weighted kNN top-1 of the encoder on the run's kNN sets (training images as reference, held-out
-    images as queries); None when there are none (`run.data.knn_skipped` says why)."""
+    images as queries); None when there are none (`run.data.knn_skipped` says why). `backbone`: embed with this
+    one in the method's place (the method's own embedding of it: a ViT method's mean patch token, ...), e.g. the
+    random-initialisation encoder of a run started from ``--init`` (`Run.random_backbone`)."""
     knn = run.data.knn
     if knn is None:
         return None
-    was_training = run.method.training
-    run.method.eval()
-    with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
-        acc = knn_accuracy(run.method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
-                           run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t, batch_size=knn_batch(run))
-    run.method.train(was_training)
+    method = run.method
+    was_training = method.training
+    method.eval()
+    with contextlib.ExitStack() as stack:
+        if backbone is not None:
+            stack.enter_context(_backbone_swapped(method, backbone.to(run.device).eval()))
+        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
+            acc = knn_accuracy(method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
+                               run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t,
+                               batch_size=knn_batch(run))
+    method.train(was_training)
     return acc
+
+
+@contextlib.contextmanager
+def _backbone_swapped(method: torch.nn.Module, backbone: torch.nn.Module) -> Iterator[None]:
+    """`method.backbone` is `backbone` inside the block, its own again after it (also on an error). Why a swap and
+    not a second method: the method's embedding (class token, mean patch token, dense features) stays the one
+    place that says how the method embeds, and nothing of the method is copied."""
+    own = method.backbone
+    method.backbone = backbone
+    try:
+        yield
+    finally:
+        method.backbone = own
 
 
 def evaluation_cost(run: Run, step: int, baseline: bool) -> str | None:
     """A line saying what the kNN evaluation will cost when it embeds more images than the run trains on from
     `step` (a smoke run of a few steps on real data: minutes of evaluation), with the flags that skip or bound it;
-    None otherwise. `baseline`: the random-initialisation kNN runs too."""
+    None otherwise. `baseline`: the random-initialisation kNN runs too (and, with ``--init``, the kNN of the
+    starting weights)."""
     knn, per_epoch, every = run.data.knn, run.steps_per_epoch, run.cfg.eval_every
     if knn is None:
         return None
     during = ((run.total_steps - 1) // per_epoch) // every - (step // per_epoch) // every if every else 0
-    times = int(baseline) + max(0, during) + 1
+    baselines = (2 if run.random_backbone is not None else 1) if baseline else 0
+    times = baselines + max(0, during) + 1
     reference, queries = len(knn.reference_labels), len(knn.query_labels)
     embedded = times * (reference + queries)
     trained = (run.total_steps - step) * run.global_batch * run.accumulate

@@ -113,3 +113,34 @@ def test_a_resumed_run_takes_the_checkpoint_not_init(trained, capfd):
     assert f"--init {trained['tmp'] / 'gone.pt'} not read: the run resumes from" in err and "Traceback" not in err
     first = json.loads((trained["run"] / "config.json").read_text())["resolved"]["init"]
     assert json.loads((out / "config.json").read_text())["resolved"]["init"] == first
+
+
+def test_the_random_init_baseline_of_an_init_run_is_random_and_the_start_is_scored_by_its_own_name(trained, capfd):
+    """A run started from --init weights scores two baselines before training: a random encoder at the run's seed
+    (the one it would have started from without --init: the same kNN as a run without --init) and the --init weights
+    themselves. Before, the "random init" baseline was measured after the weights were loaded, so it was their kNN.
+    The digits in full (no --subset): the kNN sets do not depend on the seed, only the encoders do."""
+    from unison.models.backbones import build_backbone as build
+    from unison.training.model import seed_everything
+
+    seed_everything(1, False)   # the encoder a --seed 1 run starts from: --init of a --seed 0 run
+    net, _ = build("small_cnn")
+    torch.save(net.state_dict(), trained["tmp"] / "seed1.pt")
+    scored = ["--world-size", "1", "--max-steps", "1", "--no-progress", "--batch-size", "16", "--knn-k", "5",
+              "--signal-images", "0", "--no-online-probe"]
+    summaries = {}
+    for name, extra in (("seed0", ["--seed", "0"]), ("seed1", ["--seed", "1"]),
+                        ("init", ["--seed", "0", "--init", str(trained["tmp"] / "seed1.pt")])):
+        code, err = _run([*scored, *extra, "--out", str(trained["tmp"] / f"baseline-{name}")], capfd)
+        assert code == 0, err
+        summaries[name] = json.loads((trained["tmp"] / f"baseline-{name}" / "summary.json").read_text())
+    init = summaries["init"]
+    assert summaries["seed0"]["random_init_knn_top1"] != summaries["seed1"]["random_init_knn_top1"]   # can tell apart
+    assert init["random_init_knn_top1"] == summaries["seed0"]["random_init_knn_top1"]
+    assert init["init_knn_top1"] == summaries["seed1"]["random_init_knn_top1"]
+    assert summaries["seed0"]["init_knn_top1"] is None   # no --init: one baseline
+    run = trained["tmp"] / "baseline-init"
+    line = (run / "train.log").read_text().strip().splitlines()[-1]
+    assert (f"vs random init {init['random_init_knn_top1']:.4f}, vs --init weights {init['init_knn_top1']:.4f}"
+            in line), line
+    assert f"--init weights kNN top-1 {init['init_knn_top1']:.4f}" in (run / "train.log").read_text()
