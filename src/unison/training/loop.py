@@ -353,8 +353,11 @@ def consistent_config(cfg: TrainConfig) -> None:
 
 
 def describe_data(run: Run) -> None:
-    """One line on rank 0 for what is not the in-memory default: streamed data, and a skipped kNN."""
+    """One line on rank 0 for what is not the in-memory default: images of several sizes (the view size chosen),
+    streamed data, and a skipped kNN."""
     d = run.data
+    if d.size_note:
+        print(f"unison: {d.size_note}", file=sys.stderr, flush=True)
     if d.mode == "stream":
         src: Any = d.source   # StreamingBatches
         print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "

@@ -58,7 +58,7 @@ def _no_image_cache(monkeypatch):
     ("images-beside-subfolder", ["--data", "{tmp}/mixed"],
      "holds both images (0.png, 1.png, 2.png and 1 more) and subfolders (thumbs)"),
     ("list-label-1e7", ["--data", "{tmp}/labels.txt"], "line 4: label 10000000 is past the largest class index"),
-    ("strip-images-memory", ["--data", "{tmp}/strips"], "are 4000x1 px (the first one read), too small a side for a "
+    ("strip-images-memory", ["--data", "{tmp}/strips"], "are 4000x1 px (the 8 images read), too small a side for a "
                                                          "default view size; give --image-size N (at least 8)"),
     ("val-is-the-data", ["--data", "{tmp}/mixed/thumbs", "--val", "{tmp}/mixed/thumbs"],
      "is the training data (--data"),
