@@ -54,10 +54,11 @@ _CACHE_VERSION = 2   # 2: EXIF orientation applied, PIL decodes every format
 
 
 def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: int,
-                 size: tuple[int, int] | None = None) -> ImageTensorDataset:
+                 size: tuple[int, int] | None = None, warn_unreadable: bool = True) -> ImageTensorDataset:
     """Every image of `catalog` (or a class-balanced `subset`) decoded into memory; see the module docstring.
     `size`: the (H, W) every image is held at (`unison.data.source.stored_size`, a training run's); None: the
-    first readable image's."""
+    first readable image's. The unreadable images left out are in the dataset's ``unreadable``; `warn_unreadable`
+    False: no warning of them here (a training run reports them itself, once over its workers)."""
     labels = torch.from_numpy(catalog.labels)
     n = len(catalog)
     stats = catalog.file_stats()
@@ -90,8 +91,9 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
                             "on_corrupt='skip'")
         shown = ", ".join(catalog.describe(i) for i, _ in errors[:3])
         more = f" and {len(errors) - 3} more" if len(errors) > 3 else ""
-        warnings.warn(f"skipped {len(errors)} unreadable image(s): {shown}{more}", stacklevel=3)
-    if resized:
+        if warn_unreadable and rank() == 0:   # every worker decodes the same images: one warning, not one each
+            warnings.warn(f"skipped {len(errors)} unreadable image(s): {shown}{more}", stacklevel=3)
+    if resized and rank() == 0:
         h, w = images.shape[-2:]
         warnings.warn(f"{catalog.location}: resized {resized} image(s) to {h}x{w}, the size the images are held at "
                       "in memory (--data-mode stream keeps each its own)", stacklevel=3)
@@ -109,7 +111,8 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
     if not resized:   # each row is the image as decoded, which is what the kNN sets decode at this size
         held = torch.full((n,), -1, dtype=torch.int64)
         held[sel[keep]] = torch.arange(out.shape[0])
-    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name, held)
+    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name, held,
+                              unreadable={catalog.describe(i): msg for i, msg in errors})
 
 
 def physical_memory() -> int | None:

@@ -111,6 +111,13 @@ class TrainData:
     own: Any = None                            # the user's dataset (`unison.data.own.OwnImages`): mode "own"
     size_note: str | None = None               # images of several sizes: the view size chosen, and why
 
+    def unreadable(self) -> dict[str, str]:
+        """The training images this rank found unreadable so far and skipped (``--on-corrupt skip``): name -> why.
+        In memory every rank decoded all of them (the same on every rank); streamed, each rank its own slices."""
+        if self.train_set is not None:
+            return self.train_set.unreadable
+        return dict(getattr(self.source, "skipped", {}))
+
     @property
     def random_access(self) -> bool:
         """Whether `images_at` can read any training image (not so for the user's iterable dataset)."""
@@ -252,7 +259,7 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
                                      seed=spec.seed)
         else:
             train_set = load_catalog(catalog, spec.subset, spec.on_corrupt, spec.seed,
-                                     size=stored_size(sampled_sizes(catalog)))
+                                     size=stored_size(sampled_sizes(catalog)), warn_unreadable=False)
         train_set = train_set.to(device)
     height, width = train_set.images.shape[-2:]
     chosen = default_view_size(catalog, spec.data) if catalog is not None and spec.image_size is None else None

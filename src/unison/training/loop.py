@@ -62,6 +62,7 @@ from unison.training.loop_hooks import (
     KnnEvalHook,
     LogHook,
     StopHook,
+    UnreadableImagesHook,
     evaluation_cost,
     knn_top1,
 )
@@ -162,6 +163,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     # ---- the hooks, in the order they run after every step
     signals = SignalsHook(run, watch, logger, runlog)
     log = LogHook(run, logger, runlog, step, probe=probe, signals=signals)
+    unreadable = UnreadableImagesHook(run, runlog)
     knn = KnnEvalHook(run, watch, logger, runlog)
     saver = CheckpointHook(run, checkpointer, watch, history)
     stop = StopHook(run, checkpointer, watch, history, budget.out_of_time if budget else lambda: False)
@@ -170,7 +172,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     spent = [BudgetHook(budget, history), ReplanHook(budget, lambda line: _say(line, runlog), lambda: _write_config(run),
                                                      untimed=profile[0].records if profile else lambda step: False)
              ] if budget else []
-    hooks = Hooks([*profile, probe, log, knn, signals, *spent, saver, stop, *extra.hooks])
+    hooks = Hooks([*profile, probe, log, unreadable, knn, signals, *spent, saver, stop, *extra.hooks])
 
     # ---- the loop
     run.method.train()
@@ -193,6 +195,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     hooks.close()
 
     # ---- the end: evaluation, last checkpoint, summary
+    unreadable.final()
     knn.final(step, history)
     signals.final(step)
     if budget is not None:   # the final kNN counted in the last checkpoint: a resumed run goes on from here
@@ -204,7 +207,7 @@ def _train(cfg: TrainConfig, device: torch.device, watch: Watchdog, extra: Hooks
     history["time_budget"] = used = end_budget(run, budget, step)
     if budget is not None and used is not None:
         _say(used_line(str(cfg.time_budget), used, budget.spent_on_resume), runlog)
-    return _summary(run, step, history, log, checkpointer, logger, probe.train_s)
+    return _summary(run, step, history, log, checkpointer, logger, probe.train_s, unreadable.total)
 
 
 def _write_config(run: Run) -> None:
@@ -298,7 +301,7 @@ def name_run(run: Run) -> None:
 
 
 def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpointer: Checkpointer,
-             logger: MetricsLogger, probe_s: float = 0.0) -> Summary:
+             logger: MetricsLogger, probe_s: float = 0.0, unreadable_images: int = 0) -> Summary:
     """The run's `Summary` (the same on every rank); rank 0 writes ``summary.json`` and closes the metrics."""
     cfg, device, train_time = run.cfg, run.device, log.train_time_s
     summary = Summary(
@@ -313,7 +316,7 @@ def _summary(run: Run, step: int, history: dict[str, Any], log: LogHook, checkpo
         peak_memory_mib=C.all_gather_object(round(peak_memory_mib(device), 1)),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "peak_rss", out=str(Path(cfg.out)),
         loss_curve=log.curve, log_times_s=log.log_times, mean=run.resolved["mean"], std=run.resolved["std"],
-        signals=history.get("signals", {}), probe_top1=log.probe_top1,
+        signals=history.get("signals", {}), probe_top1=log.probe_top1, unreadable_images=unreadable_images,
         extra={"checkpoint_wait_s": [round(t, 4) for t in checkpointer.wait_s],   # per save, the final one last
                "probe_s": round(probe_s, 3),   # the online probe's time (in the step loop)
                **({"time_budget": history["time_budget"]} if history.get("time_budget") else {}),

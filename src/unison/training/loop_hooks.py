@@ -3,6 +3,7 @@
 * `LogHook`: metrics (the loss averaged over ranks, learning rate, images/s, data-wait share) every
   ``--log-every`` steps, at the end of every epoch and on the first and last step of an attempt, to
   the metrics logger, ``train.log`` and the progress bar; `DataWaitWarning` when the step starves.
+* `UnreadableImagesHook`: training images skipped as unreadable, reported once over the ranks.
 * `KnnEvalHook`: kNN top-1 every ``--eval-every`` epochs (the last step excepted), and at the end
   of the run (`KnnEvalHook.final`).
 * `CheckpointHook`: when to save (every ``--checkpoint-every`` steps or seconds, else every epoch; the last
@@ -200,6 +201,73 @@ def evaluation_cost(run: Run, step: int, baseline: bool) -> str | None:
             f"{embedded:,} images, more than the {trained:,} this run trains on ({count(run.total_steps - step, 'step')}); "
             "--no-knn skips it (a smoke run), --no-random-init-knn only the baseline, --subset/--val-subset make the "
             "sets smaller")
+
+
+class UnreadableImagesHook(TrainHook):
+    """Training images skipped as unreadable (``--on-corrupt skip``), reported once over all ranks.
+
+    In memory every rank decodes all the images, and streamed each rank meets a file in whichever epoch its slice
+    holds it: a warning per rank named the same file once per worker, and nothing recorded it. Here the ranks add
+    up how many they found (one integer all-reduced, at every logged step, the end of each epoch and the start);
+    when that changed, they exchange the new names, and rank 0 names the first `NAMED` files (then a count every
+    100 more) on standard error and in ``train.log``. At the end: one line with the total, in both, and the count
+    for ``summary.json`` (`total`)."""
+
+    NAMED = 3
+
+    def __init__(self, run: Run, runlog: RunLog) -> None:
+        self.run, self.runlog = run, runlog
+        self.found: dict[str, str] = {}   # over all ranks (on every rank alike): name -> why, in the order found
+        self.shared: set[str] = set()     # this rank's names already exchanged
+        self.counted = 0                  # the ranks' summed counts at the last exchange
+
+    @property
+    def total(self) -> int:
+        return len(self.found)
+
+    def start(self, run: Run, step: int) -> None:
+        self.exchange()
+
+    def after_step(self, run: Run, end: StepEnd) -> None:
+        if end.step % run.cfg.log_every == 0 or end.epoch_done or end.last:
+            self.exchange()
+
+    def exchange(self) -> None:
+        """Every rank: learn the files the ranks found since the last exchange; rank 0 reports them."""
+        mine = self.run.data.unreadable()
+        counted = int(C.all_reduce_no_grad(torch.tensor([len(mine)], dtype=torch.int64, device=self.run.device)))
+        if counted == self.counted:
+            return
+        self.counted = counted
+        new = [(name, why) for name, why in mine.items() if name not in self.shared]
+        self.shared.update(name for name, _ in new)
+        for name, why in (item for found in C.all_gather_object(new) for item in found):
+            if name not in self.found:
+                self.found[name] = why
+                self._said(self.total, name, why)
+
+    def _said(self, k: int, name: str, why: str) -> None:
+        if k <= self.NAMED:
+            self._line(f"warning: skipped unreadable training image {name} ({why}); its views come from the next "
+                       "readable image (--on-corrupt skip)" if self.run.data.mode == "stream" else
+                       f"warning: skipped unreadable training image {name} ({why}); it is left out (--on-corrupt skip)")
+        elif k == self.NAMED + 1 or k % 100 == self.NAMED + 1:
+            self._line(f"warning: {k} unreadable training images skipped so far")
+
+    def final(self) -> None:
+        """The end of the run: the last exchange, and one line with the total over all ranks when there are any."""
+        self.exchange()
+        if self.found:
+            names = list(self.found)
+            shown = ", ".join(names[:self.NAMED]) + (f" and {len(names) - self.NAMED} more" if len(names) > self.NAMED
+                                                      else "")
+            self._line(f"{count(self.total, 'unreadable training image')} skipped in this run (--on-corrupt skip, "
+                       f"over {count(C.world_size(), 'worker')}): {shown}")
+
+    def _line(self, text: str) -> None:
+        if C.rank() == 0:
+            print(f"unison: {text}", file=sys.stderr, flush=True)
+            self.runlog.line(text)
 
 
 class KnnEvalHook(TrainHook):

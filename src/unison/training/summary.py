@@ -45,6 +45,7 @@ class Summary:
     signals: dict[str, Any] = field(default_factory=dict)   # the last label-free signals, the collapse, their cost
     probe_top1: float | None = None    # the online linear probe's last logged accuracy (labelled data only)
     run_id: str | None = None          # the run's id (config.json's resolved.run_id, in each of its checkpoints)
+    unreadable_images: int = 0         # training images skipped as unreadable (--on-corrupt skip), over all ranks
     init_knn_top1: float | None = None   # --init: the kNN of the starting weights (random_init_knn_top1: a random
                                          # encoder's, at the same seed)
 
