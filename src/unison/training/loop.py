@@ -54,6 +54,7 @@ from unison.paths import is_inside, same_file, write_text_atomic
 from unison.training.budget import USED_KEY, BudgetClock, BudgetHook, adopt_plan, end_budget, start_budget, used_line
 from unison.training.checkpoint import Checkpointer, latest_checkpoint, read_header, resume_run
 from unison.training.checkpoint.files import CHECKPOINT_DIR, step_of
+from unison.training.describe import describe_backbone, describe_data, describe_init
 from unison.training.hooks import Hooks, StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
 from unison.training.loop_hooks import (
@@ -231,6 +232,7 @@ def _build(cfg: TrainConfig, device: torch.device, own: OwnPieces | None = None)
     if C.rank() == 0:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         describe_data(run)
+        describe_backbone(run)
         describe_init(run)
     return run
 
@@ -240,16 +242,6 @@ def _say(line: str | None, runlog: RunLog) -> None:
     if line is not None and C.rank() == 0:
         print(f"unison: {line}", file=sys.stderr, flush=True)
         runlog.line(line)
-
-
-def describe_init(run: Run) -> None:
-    """One line on rank 0 for ``--init``: what was loaded, or that the resumed checkpoint's weights stand."""
-    cfg, init = run.cfg, run.resolved.get("init")
-    if isinstance(init, dict) and "report" in init and not cfg.resume:
-        print(f"unison: --init: {init['report']}", file=sys.stderr, flush=True)
-    elif cfg.init and cfg.resume:
-        print(f"unison: --init {cfg.init} not read: the run resumes from {cfg.resume}, whose checkpoint holds the "
-              "weights", file=sys.stderr, flush=True)
 
 
 def _restore(run: Run, watch: Watchdog, runlog: RunLog) -> tuple[int, dict[str, Any]]:
@@ -353,29 +345,6 @@ def consistent_config(cfg: TrainConfig) -> None:
             if ref.get(k) != other.get(k)]
     raise ConfigError(f"rank {bad}'s configuration differs from rank 0's ({'; '.join(diff[:3]) or 'digest'}); "
                       "start every worker with the same options")
-
-
-def describe_data(run: Run) -> None:
-    """One line on rank 0 for what is not the in-memory default: images of several sizes (the view size chosen),
-    streamed data, and a skipped kNN."""
-    d = run.data
-    if d.size_note:
-        print(f"unison: {d.size_note}", file=sys.stderr, flush=True)
-    if d.mode == "stream":
-        src: Any = d.source   # StreamingBatches
-        print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "
-              f"{src.loader_workers} loader process(es) per worker, decode on {src.decode_on}", file=sys.stderr,
-              flush=True)
-    if d.mode == "own":
-        transform = d.own.transform
-        views = (f"views by your transform {getattr(transform, '__name__', type(transform).__name__)}"
-                 if transform is not None else f"unison's {d.augment.preset} augmentation")
-        print(f"unison: training on your dataset {d.own.name} ({d.num_images} images) at {d.image_size} px, {views}",
-              file=sys.stderr, flush=True)
-    if d.knn_skipped:
-        print(f"unison: kNN evaluation skipped: {d.knn_skipped}", file=sys.stderr, flush=True)
-
-
 
 
 def _resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
