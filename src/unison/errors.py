@@ -141,6 +141,12 @@ class Preempted(UnisonError):
         return not self.regroup
 
 
+def error_prefix(exc: BaseException) -> str:
+    """``error: `` before the line of a failure; nothing for what ends a command without one (torchrun stopping its
+    workers to re-form the group with a node that joined: `Preempted.is_error`)."""
+    return "" if getattr(exc, "is_error", True) is False else "error: "
+
+
 INTERRUPTED_EXIT_CODE = 130
 BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE: what `yes | head -0` reports for `yes`
 

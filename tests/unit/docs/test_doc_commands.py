@@ -74,12 +74,13 @@ def _shared(a: list[str], b: list[str]) -> float:
 def test_no_page_says_a_paragraph_twice(page):
     """The methods guide printed its opening paragraph twice, the second a reworded copy (on the site as well: the
     hooks add nothing to a page's prose). Pairs of paragraphs that share most of their word pairs are the same
-    paragraph; the README and every page, as MkDocs renders them from these files."""
+    paragraph (more than 0.85 of them: two tables' shared one-line introductions stay below); the README and every
+    page, as MkDocs renders them from these files."""
     import itertools
 
     paragraphs = _prose_paragraphs(page.read_text())
     twice = [(" ".join(a[:12]), round(_shared(a, b), 2)) for a, b in itertools.combinations(paragraphs, 2)
-             if _shared(a, b) > 0.6]
+             if _shared(a, b) > 0.85]
     assert not twice, twice
 
 
@@ -91,7 +92,7 @@ def test_a_reworded_repeat_of_a_paragraph_is_caught():
     other = ("Multi-crop local crops default to 3/7 of the image size, with a ViT rounded to a multiple of its patch "
              "size, so every method trains at its defaults.")
     a, b, c = _prose_paragraphs("\n\n".join([first, again, other]))
-    assert _shared(a, b) > 0.6 > max(_shared(a, c), _shared(b, c))
+    assert _shared(a, b) > 0.85 > 0.6 > max(_shared(a, c), _shared(b, c))
 
 
 def test_every_page_that_promises_the_same_mathematics_says_what_float32_gives():

@@ -8,8 +8,7 @@ import signal
 
 import pytest
 
-from unison.cli import _kind
-from unison.errors import Preempted
+from unison.errors import Preempted, error_prefix
 from unison.training import preemption
 from unison.training.preemption import StopDecision, preempted
 
@@ -26,7 +25,7 @@ def test_a_node_joining_is_said_as_such_and_a_preemption_keeps_its_wording(monke
         assert str(stop).startswith(f"stopped by SIGTERM after step 3 of 8 for {nodes} joining: ")
         assert str(stop).endswith(" re-forms the group with more workers, which resume from there (checkpoint "
                                   "run/checkpoints/step_00000003.pt written)")
-        assert _kind(stop) == ""   # the CLI's line and train.log's: "unison: stopped by ...", no "error"
+        assert error_prefix(stop) == ""   # the CLI's line and train.log's: "unison: stopped by ...", no "error"
     else:
         assert str(stop).startswith(f"preempted by {signal.Signals(signum).name} (received by rank 0) after step 3")
-        assert "continue with --resume auto and the same --out" in str(stop) and _kind(stop) == "error: "
+        assert "continue with --resume auto and the same --out" in str(stop) and error_prefix(stop) == "error: "
