@@ -3,7 +3,7 @@
     import unison
     from unison.config import TrainConfig
 
-    summary = unison.train(TrainConfig(method="byol", epochs=10))        # -> Summary (rank 0's)
+    summary = unison.train(TrainConfig(method="moco", epochs=10))        # -> Summary (rank 0's)
     backbone = unison.load_backbone("runs/default")                      # -> nn.Module, trained weights, eval mode
     scores = unison.evaluate("runs/default", knn_k=20, linear=False)     # -> dict: knn_top1, linear_top1, ...
     unison.embed("runs/default", "photos/", "photos.npy")                # features of every image, in input order

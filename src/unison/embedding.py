@@ -117,7 +117,7 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     ``payload["parts"]``; returns the rows written, the feature dimension and the unreadable images."""
     from unison.data.augment import eval_transform
     from unison.data.evalsets import LazyImages
-    from unison.data.source import default_image_size, first_size, open_checked, stream_stats
+    from unison.data.source import default_view_size, open_checked, stream_stats
     from unison.data.spec import DataSpec
     from unison.distributed.collectives import contiguous_share
     from unison.distributed.signals import stop_requests
@@ -136,7 +136,7 @@ def embed_worker(payload: dict[str, Any]) -> dict[str, Any]:
     catalog = open_checked(DataSpec(data=str(opts.data), batch_size=1))
     assert catalog is not None   # check_outputs refused the built-in sets
     recorded = preprocessing(cfg, ckpt)
-    size = recorded["image_size"] or default_image_size(*first_size(catalog), str(opts.data))
+    size = recorded["image_size"] or default_view_size(catalog, str(opts.data)).size
     mean, std = ((recorded["mean"], recorded["std"]) if recorded["mean"]
                  else stream_stats(catalog, np.arange(len(catalog)), size))
     dtype = getattr(torch, cfg.precision)

@@ -129,9 +129,22 @@ class Preempted(UnisonError):
     exit_code = PREEMPTED_EXIT_CODE
     mid_step = False   # True: it stopped in the middle of a step of many micro-batches, without a checkpoint of it
 
-    def __init__(self, message: str, *, signal_name: str = "") -> None:
+    def __init__(self, message: str, *, signal_name: str = "", regroup: bool = False) -> None:
         super().__init__(message)
         self.signal_name = signal_name   # the stop signal ("SIGTERM"); "" where none is known
+        # torchrun stopped the workers to re-form the group with nodes that joined: the run goes on, not an error
+        # (the CLI's line says what happened without "error", `is_error`)
+        self.regroup = regroup
+
+    @property
+    def is_error(self) -> bool:
+        return not self.regroup
+
+
+def error_prefix(exc: BaseException) -> str:
+    """``error: `` before the line of a failure; nothing for what ends a command without one (torchrun stopping its
+    workers to re-form the group with a node that joined: `Preempted.is_error`)."""
+    return "" if getattr(exc, "is_error", True) is False else "error: "
 
 
 INTERRUPTED_EXIT_CODE = 130

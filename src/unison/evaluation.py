@@ -172,7 +172,7 @@ def _eval_data(spec: DataSpec, cfg: TrainConfig, ckpt: dict[str, Any], device: t
     with the run's image size and normalisation (recorded in the checkpoint; else training's rule)."""
     from unison.data.datasets import load_dataset
     from unison.data.evalsets import knn_sets
-    from unison.data.source import default_image_size, first_size, open_checked, stream_stats, subset_positions
+    from unison.data.source import default_image_size, default_view_size, open_checked, stream_stats, subset_positions
     from unison.training.load import preprocessing
 
     catalog, val_catalog = open_checked(spec, "data"), open_checked(spec, "val")
@@ -183,7 +183,7 @@ def _eval_data(spec: DataSpec, cfg: TrainConfig, ckpt: dict[str, Any], device: t
         _require_labels(val_catalog.classes, "--val", str(spec.val))
     if catalog is not None:
         pick = subset_positions(catalog, spec.subset, spec.seed)
-        size = recorded["image_size"] or default_image_size(*first_size(catalog), spec.data)
+        size = recorded["image_size"] or default_view_size(catalog, spec.data).size
         sets, why = knn_sets(spec, size, device, catalog=catalog, pick=pick, val_catalog=val_catalog)
         stats = (recorded["mean"], recorded["std"]) if recorded["mean"] else stream_stats(catalog, pick, size)
     else:

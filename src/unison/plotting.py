@@ -105,16 +105,18 @@ def read_metrics(path: Path) -> list[dict[str, float | None]]:
     return rows_by_step(rows)
 
 
-def _baseline(run_dir: Path) -> float | None:
-    """The random-initialisation kNN of ``summary.json``, if the run wrote one (a bad file is a DataError)."""
+def _baselines(run_dir: Path) -> dict[str, float]:
+    """The baselines of ``summary.json``, if the run wrote one (a bad file is a DataError): the random-initialisation
+    kNN, and a run started from ``--init`` its weights' kNN."""
     path = run_dir / "summary.json"
     if not path.exists():
-        return None
+        return {}
     try:
-        value = json.loads(_read_bounded(path, "summary file", MAX_SUMMARY_BYTES)).get("random_init_knn_top1")
+        summary = json.loads(_read_bounded(path, "summary file", MAX_SUMMARY_BYTES))
+        values = {"random init": summary.get("random_init_knn_top1"), "--init weights": summary.get("init_knn_top1")}
     except (ValueError, AttributeError):
         raise DataError(f"summary file {path} is not a JSON object; is it a unison summary.json?") from None
-    return float(value) if isinstance(value, (int, float)) and 0 <= value <= 1 else None
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and 0 <= v <= 1}
 
 
 def run_metrics(run: str) -> tuple[Path, Path | None]:
@@ -155,7 +157,7 @@ def plot_runs(runs: list[str], out: str, *, overwrite: bool = False, x_axis: str
     inputs = [Input(f"run {r}", d if d is not None else m, tree=d is not None) for r, (m, d) in zip(runs, found)]
     target = check_output(out, "--out", inputs=inputs, overwrite=overwrite, own=_own_plot,
                           own_text="a plot written by unison plot")
-    page = [((r[-MAX_LABEL_CHARS:] if len(runs) > 1 else None), read_metrics(m), _baseline(d) if d else None)
+    page = [((r[-MAX_LABEL_CHARS:] if len(runs) > 1 else None), read_metrics(m), _baselines(d) if d else {})
             for r, (m, d) in zip(runs, found)]
     _save(runs_figure(page, collapse_std=COLLAPSE_STD_LINE, x_axis=x_axis), target)
     return target

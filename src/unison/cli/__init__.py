@@ -29,6 +29,8 @@ from unison.errors import (
     RunDirRefused,
     UnisonError,
     WatchdogTimeout,
+    error_prefix,
+    exit_code_of,
     one_line_warnings,
 )
 from unison.training.runlog import append_run_log
@@ -98,7 +100,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         raise   # not this run's directory (another run's, the data): not even a line of its train.log
     except UnisonError as exc:
         if launch_env is None or launch_env.rank == 0:
-            append_run_log(cfg.out, f"unison: error: {' '.join(str(exc).split())}")
+            append_run_log(cfg.out, f"unison: {error_prefix(exc)}{' '.join(str(exc).split())}")
         raise
     if launch_env is None or launch_env.rank == 0:   # under torchrun/srun/mpirun: rank 0 prints the result
         line = summary.result_line(time.perf_counter() - started)
@@ -385,14 +387,12 @@ def _run(ns: argparse.Namespace) -> int:
         lines = exc.lines() if isinstance(exc, ConfigProblems) else [str(exc)]   # several: one line each
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
         text = " ".join(lines[0].split()) or type(exc).__name__
-        print(f"unison: error: {where}{text}", *lines[1:], sep="\n", file=sys.stderr)   # every worker is a main()
+        print(f"unison: {error_prefix(exc)}{where}{text}", *lines[1:], sep="\n", file=sys.stderr)   # every worker is a main()
         return code
 
 
 def _exit_code(exc: BaseException) -> int | None:
     """The exit code of a failure the user can act on (`unison.errors`); None for a bug."""
-    from unison.errors import exit_code_of
-
     if "RANK" in os.environ and isinstance(exc, RuntimeError):
         from unison.distributed.launch import is_comm_error  # torch: only for a worker's own failure
 

@@ -107,6 +107,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
                         "an ImageFolder keeps images only in class subfolders, a flat folder has no subfolders: "
                         "move one or the other, or give a file list")
     if folders:
+        _check_not_splits(spec, folders, what)
         return _open_image_folder(path)
     if any(e.name.endswith(SHARD_SUFFIXES) for e in entries):
         return open_shards(shard_paths(str(path)))
@@ -116,6 +117,37 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
     for entry in entries:
         _check_image_entry(entry)
     return Catalog("flat", path, path, PackedStrings(images), np.full(len(images), -1, np.int64), [])
+
+
+TRAIN_SPLITS = ("train", "training")
+HELD_OUT_SPLITS = ("val", "valid", "validation", "test", "testing", "eval")
+
+
+def _check_not_splits(spec: str, folders: list[str], what: str) -> None:
+    """A folder whose subfolders are all named like data splits (``train/``, ``val/``, ``test/``) is the parent of
+    the splits, not an ImageFolder of classes: read as one, it trains a 2-class "train"/"val" set with the held-out
+    images inside the training data. Refused in one line that names the folders to give instead. A split name
+    among other class names is only warned of (a class may be called "test")."""
+    splits = [f for f in folders if f.lower() in TRAIN_SPLITS + HELD_OUT_SPLITS]
+    if not splits:
+        return
+    shown = " and ".join(f"{f}/" for f in splits) if len(splits) <= 3 else f"{', '.join(splits)}/"
+    if len(splits) < len(folders):
+        warnings.warn(f"{what} {spec}: class folder(s) named like data splits ({shown}) beside "
+                      f"{len(folders) - len(splits)} other(s); if {spec} holds the splits, give the training split's "
+                      "folder", stacklevel=3)
+        return
+    train = next((f for f in splits if f.lower() in TRAIN_SPLITS), None)
+    held = next((f for f in splits if f.lower() in HELD_OUT_SPLITS[:3]), None) or next(
+        (f for f in splits if f.lower() in HELD_OUT_SPLITS), None)
+    base = spec.rstrip("/") or "/"
+    if what == "--val":
+        instead = f"give --val {os.path.join(base, held or splits[0])}"
+    elif train is not None:
+        instead = f"give --data {os.path.join(base, train)}" + (f" --val {os.path.join(base, held)}" if held else "")
+    else:
+        instead = f"give --data the training split's folder and --val {os.path.join(base, held or splits[0])}"
+    raise DataError(f"{what} {spec} holds the splits {shown}, not class folders: {instead}")
 
 
 def _some(names: list[str]) -> str:

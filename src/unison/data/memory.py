@@ -8,8 +8,9 @@ The in-memory path for data that fits (CIFAR-scale): every image decoded once in
   torchvision's decoders are not used: its PNG decoder crashed the process (SIGSEGV) on a corrupt
   PNG after printing ``libpng error:`` lines, and libjpeg's warnings went straight to stderr.
 * All images must share one size: images of another size are resized (bilinear,
-  antialiased) to the size of the first image in sample order, with one warning.
-  Data of many sizes belongs on the streaming path (``--data-mode stream``).
+  antialiased) to one (a training run's: `unison.data.source.stored_size`, the sampled image of median shorter
+  side; else the first image's in sample order), with one warning.
+  Data of many sizes belongs on the streaming path (``--data-mode stream``, what ``auto`` picks for it).
 * Unreadable images: ``on_corrupt="skip"`` drops them with one warning (count and
   first paths); ``on_corrupt="error"`` raises `DataError` naming the file.
 * Full loads are cached as a tensor file under ``$UNISON_CACHE_DIR`` (default
@@ -52,18 +53,24 @@ __all__ = ["decode_all", "decode_bytes", "free_device_memory", "load_catalog", "
 _CACHE_VERSION = 2   # 2: EXIF orientation applied, PIL decodes every format
 
 
-def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: int) -> ImageTensorDataset:
-    """Every image of `catalog` (or a class-balanced `subset`) decoded into memory; see the module docstring."""
+def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: int,
+                 size: tuple[int, int] | None = None, warn_unreadable: bool = True) -> ImageTensorDataset:
+    """Every image of `catalog` (or a class-balanced `subset`) decoded into memory; see the module docstring.
+    `size`: the (H, W) every image is held at (`unison.data.source.stored_size`, a training run's); None: the
+    first readable image's. The unreadable images left out are in the dataset's ``unreadable``; `warn_unreadable`
+    False: no warning of them here (a training run reports them itself, once over its workers)."""
     labels = torch.from_numpy(catalog.labels)
     n = len(catalog)
     stats = catalog.file_stats()
     cache_path = _cache_file(catalog, stats)
     sel = balanced_subset(labels, subset, seed) if subset is not None else None
     cached = _read_cache(cache_path)
+    if cached is not None and size is not None and tuple(cached["images"].shape[-2:]) != tuple(size):
+        cached = None   # held at another size (images of several sizes, decoded before at the first one's)
     if cached is not None:
         images, rows, errors, resized = cached["images"], cached["rows"], cached["errors"], cached["resized"]
     else:
-        size = _reference_size(catalog)
+        size = size or _reference_size(catalog)
         todo = list(range(n)) if sel is None else sel.tolist()
         images, rows, errors, resized = decode_all(catalog, todo, size)
         if sel is None:
@@ -84,11 +91,12 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
                             "on_corrupt='skip'")
         shown = ", ".join(catalog.describe(i) for i, _ in errors[:3])
         more = f" and {len(errors) - 3} more" if len(errors) > 3 else ""
-        warnings.warn(f"skipped {len(errors)} unreadable image(s): {shown}{more}", stacklevel=3)
-    if resized:
+        if warn_unreadable and rank() == 0:   # every worker decodes the same images: one warning, not one each
+            warnings.warn(f"skipped {len(errors)} unreadable image(s): {shown}{more}", stacklevel=3)
+    if resized and rank() == 0:
         h, w = images.shape[-2:]
-        warnings.warn(f"{catalog.location}: resized {resized} image(s) to {h}x{w}, the size of the first image",
-                      stacklevel=3)
+        warnings.warn(f"{catalog.location}: resized {resized} image(s) to {h}x{w}, the size the images are held at "
+                      "in memory (--data-mode stream keeps each its own)", stacklevel=3)
     r = rows[sel]
     keep = r >= 0
     if not bool(keep.any()):
@@ -103,7 +111,8 @@ def load_catalog(catalog: Catalog, subset: int | None, on_corrupt: str, seed: in
     if not resized:   # each row is the image as decoded, which is what the kNN sets decode at this size
         held = torch.full((n,), -1, dtype=torch.int64)
         held[sel[keep]] = torch.arange(out.shape[0])
-    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name, held)
+    return ImageTensorDataset(out, labels[sel][keep], list(catalog.classes), mean, std, catalog.display_name, held,
+                              unreadable={catalog.describe(i): msg for i, msg in errors})
 
 
 def physical_memory() -> int | None:

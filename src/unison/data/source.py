@@ -12,8 +12,8 @@ with `unison.training.step.data_spec`. ``--data-mode`` (``DataSpec.data_mode``):
   (`StreamingBatches`). Costs CPU per step instead of memory: per rank, the packed index (about
   8 bytes + the path per image) and the decoded jobs in flight; nothing grows with the data.
 * ``auto`` (default): ``memory`` when the decoded training set fits `MEMORY_BUDGET` (2 GiB per
-  rank, counted at the first image's size, the size the memory path stores every image at) and
-  `SIZE_PROBES` evenly spaced images all have that size (the memory path would resize the others
+  rank, counted at the size the memory path stores every image at, `stored_size`) and
+  `SIZE_PROBES` evenly spaced images all have one size (the memory path would resize the others
   to it, distorting them), else ``stream``. ``digits`` and ``cifar10`` are always in memory;
   ``--decode gpu`` streams (its combination with ``memory`` is refused by `TrainConfig.validate`).
 
@@ -26,9 +26,12 @@ Before anything is decoded, `open_checked` lists the data and applies the size r
 `unison.data.spec` (``--subset`` within the data, one global batch within the images used): the
 pre-flight (`unison.training.preflight`) calls it before any worker starts, and every build here.
 
-Image size: ``--image-size``, else the data's size (memory), else the first image's shorter
-side, at most 224 (stream). Normalisation: the memory path's per-channel statistics of all
-images; streamed: of `STATS_IMAGES` evenly spaced images at the training size.
+Image size: ``--image-size``, else, for folders, lists and shards in both data modes, the median shorter side of
+`SIZE_PROBES` evenly spaced images (their headers), at most 224 (`unison.data.view_size`: one rule, decided once, for
+the pre-flight, both data paths, ``unison eval`` and ``unison embed``); when those images differ in size, one
+line (`TrainData.size_note`) says what was chosen and why. Given or built-in sets: their size. Normalisation: the
+memory path's per-channel statistics of all images; streamed: of `STATS_IMAGES` evenly spaced images at the
+training size.
 
 kNN evaluation needs labelled held-out data, and never scores training images:
 
@@ -59,7 +62,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from unison.config.limits import MIN_IMAGE_SIZE
 from unison.errors import ConfigError, DataError
 from unison.paths import is_inside, same_file
 
@@ -68,21 +70,25 @@ from .batches import BatchSource, InMemoryBatches
 from .catalog import open_catalog
 from .datasets import load_dataset
 from .evalsets import KNN_QUERIES, KNN_REFERENCE, KnnSets, LazyImages, knn_sets, map_labels
-from .files import open_image, upright_size
 from .memory import free_device_memory, load_catalog, physical_memory
 from .samples import Catalog
 from .spec import BUILTIN, BUILTIN_IMAGES, BUILTIN_SIZES, DataSpec, check_batch, check_step, check_subset
 from .subsets import balanced_subset, channel_stats
 from .tensor_dataset import ImageTensorDataset
+from .view_size import (
+    ViewSize,
+    default_image_size,
+    default_view_size,
+    sampled_sizes,
+    stored_size,
+)
 
-__all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData",
-           "build_batch_source", "check_label_spaces", "choose_mode", "data_mode_of", "open_checked",
-           "planned_image_size", "planned_images", "stream_stats", "subset_positions"]
+__all__ = ["KNN_QUERIES", "KNN_REFERENCE", "MEMORY_BUDGET", "KnnSets", "LazyImages", "TrainData", "ViewSize",
+           "build_batch_source", "check_label_spaces", "choose_mode", "data_mode_of", "default_view_size",
+           "open_checked", "planned_image_size", "planned_images", "stream_stats", "subset_positions"]
 
 MEMORY_BUDGET = 2 * 2**30
 STATS_IMAGES = 256
-SIZE_PROBES = 16
-STREAM_MAX_DEFAULT_SIZE = 224
 
 
 @dataclass
@@ -104,6 +110,14 @@ class TrainData:
     positions: np.ndarray | None = None        # in it (None: all of them)
     on_corrupt: str = "skip"
     own: Any = None                            # the user's dataset (`unison.data.own.OwnImages`): mode "own"
+    size_note: str | None = None               # images of several sizes: the view size chosen, and why
+
+    def unreadable(self) -> dict[str, str]:
+        """The training images this rank found unreadable so far and skipped (``--on-corrupt skip``): name -> why.
+        In memory every rank decoded all of them (the same on every rank); streamed, each rank its own slices."""
+        if self.train_set is not None:
+            return self.train_set.unreadable
+        return dict(getattr(self.source, "skipped", {}))
 
     @property
     def random_access(self) -> bool:
@@ -197,18 +211,19 @@ def choose_mode(spec: DataSpec, catalog: Catalog | None, n: int, device_free: in
         _check_fits_in_memory(catalog, n, device_free)
     if spec.data_mode != "auto":
         return spec.data_mode
-    h, w = first_size(catalog)
+    sizes = sampled_sizes(catalog)
+    h, w = stored_size(sizes)
     if n * 3 * h * w > MEMORY_BUDGET:
         return "stream"
-    probes = np.linspace(0, len(catalog) - 1, min(len(catalog), SIZE_PROBES)).round().astype(np.int64)
-    return "memory" if all(_size_or_none(catalog, int(i)) in ((h, w), None) for i in probes) else "stream"
+    return "memory" if len(set(sizes)) == 1 else "stream"
 
 
 def _check_fits_in_memory(catalog: Catalog, n: int, device_free: int | None = None) -> None:
-    """``--data-mode memory`` holds every training image decoded, 3 x H x W bytes at the first image's size, in
-    each worker: refuse data whose one copy exceeds this machine's RAM (each worker would start decoding it all),
-    or the GPU's free memory it would be copied to (`device_free`; CUDA's out-of-memory after the decode)."""
-    h, w = first_size(catalog)
+    """``--data-mode memory`` holds every training image decoded, 3 x H x W bytes at the size it stores them at
+    (`stored_size`), in each worker: refuse data whose one copy exceeds this machine's RAM (each worker would start
+    decoding it all), or the GPU's free memory it would be copied to (`device_free`; CUDA's out-of-memory after the
+    decode)."""
+    h, w = stored_size(sampled_sizes(catalog))
     need = n * 3 * h * w
     held = f"--data-mode memory would hold {n:,} images decoded at {h}x{w} px ({need / 2**30:,.1f} GiB"
     instead = "use --data-mode stream (or auto), or fewer images (--subset)"
@@ -247,10 +262,12 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
             train_set = load_dataset(spec.data, "train", subset=spec.subset, on_corrupt=spec.on_corrupt,
                                      seed=spec.seed)
         else:
-            train_set = load_catalog(catalog, spec.subset, spec.on_corrupt, spec.seed)
+            train_set = load_catalog(catalog, spec.subset, spec.on_corrupt, spec.seed,
+                                     size=stored_size(sampled_sizes(catalog)), warn_unreadable=False)
         train_set = train_set.to(device)
     height, width = train_set.images.shape[-2:]
-    image_size = spec.image_size or default_image_size(height, width, spec.data)
+    chosen = default_view_size(catalog, spec.data) if catalog is not None and spec.image_size is None else None
+    image_size = spec.image_size or (chosen.size if chosen else default_image_size(height, width, spec.data))
     augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std, **spec.augment_overrides())
     source = InMemoryBatches(train_set, augment, spec.batch_size, spec.seed)   # checks one batch fits
     knn: KnnSets | None
@@ -269,7 +286,7 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
             if isinstance(images, LazyImages):
                 images.keep_share(what)
     return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
-                     train_set, val_set, knn, knn_skipped)
+                     train_set, val_set, knn, knn_skipped, size_note=chosen.note if chosen else None)
 
 
 def _val_catalog(spec: DataSpec) -> Catalog | None:
@@ -314,7 +331,8 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
 
     positions = None if spec.subset is None else subset_positions(catalog, spec.subset, spec.seed)
     pick = positions if positions is not None else np.arange(len(catalog))
-    image_size = spec.image_size or default_image_size(*first_size(catalog), spec.data)
+    chosen = default_view_size(catalog, spec.data) if spec.image_size is None else None
+    image_size = spec.image_size or chosen.size   # type: ignore[union-attr]
     mean, std = stream_stats(catalog, pick, image_size)
     augment = ViewAugmenter(augmentation, image_size, mean, std, **spec.augment_overrides())
     workers = spec.loader_workers if spec.loader_workers is not None else default_loader_workers(
@@ -323,49 +341,22 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
                               on_corrupt=spec.on_corrupt, positions=positions, decode=spec.decode)
     knn, knn_skipped = knn_sets(spec, image_size, device, catalog=catalog, pick=pick, val_catalog=val_catalog)
     return TrainData(source, augment, "stream", image_size, mean, std, len(pick), None, None, knn, knn_skipped,
-                     catalog=catalog, positions=positions, on_corrupt=spec.on_corrupt)
-
-
-def _size_or_none(catalog: Catalog, i: int) -> tuple[int, int] | None:
-    """(H, W) of sample i from its header, None if unreadable."""
-    try:
-        w, h = upright_size(open_image(catalog.read(i)))   # as shown (EXIF orientation)
-        return h, w
-    except Exception:
-        return None
-
-
-def default_image_size(height: int, width: int, where: str) -> int:
-    """The view size when ``--image-size`` is not given, in both data modes: the data's shorter side (its first
-    readable image's), at most 224. A side below 8 px (a 4000 x 1 strip) is refused: the longer side used to be
-    taken, and 4000 x 4000 views of a batch asked for 32 GB."""
-    size = min(STREAM_MAX_DEFAULT_SIZE, int(height), int(width))
-    if size < MIN_IMAGE_SIZE:
-        raise DataError(f"the images of {where} are {int(width)}x{int(height)} px (the first one read), too small a "
-                        f"side for a default view size; give --image-size N (at least {MIN_IMAGE_SIZE}): views are "
-                        "resized to N x N")
-    return size
+                     catalog=catalog, positions=positions, on_corrupt=spec.on_corrupt,
+                     size_note=chosen.note if chosen else None)
 
 
 def planned_image_size(spec: DataSpec, catalog: Catalog | None,
                        train_set: ImageTensorDataset | None = None) -> int | None:
     """The size of the global views, as the build takes it (`catalog`: `open_checked`'s): ``--image-size``, else
-    the data's default (the images given in memory, the first readable image's, or a built-in set's size); None
-    when unknown (the user's own dataset)."""
+    the data's default (the images given in memory, `default_view_size` of listed data, or a built-in set's size);
+    None when unknown (the user's own dataset)."""
     if spec.image_size is not None:
         return spec.image_size
     if train_set is not None:
         height, width = train_set.images.shape[-2:]
         return default_image_size(height, width, spec.data)
     if catalog is not None:
-        return default_image_size(*first_size(catalog), spec.data)
+        return default_view_size(catalog, spec.data).size
     return BUILTIN_SIZES.get(spec.data)
 
 
-def first_size(catalog: Catalog) -> tuple[int, int]:
-    """(H, W) of the first sample whose header reads."""
-    for i in range(min(len(catalog), 100)):
-        size = _size_or_none(catalog, i)
-        if size is not None:
-            return size
-    raise DataError(f"no readable images in {catalog.location} (the first {min(len(catalog), 100)} failed to open)")

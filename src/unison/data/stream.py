@@ -60,9 +60,6 @@ from .samples import Catalog
 
 __all__ = ["StreamingBatches", "default_loader_workers", "job_loader", "raise_failed"]
 
-_SKIP_REPORTS = 3  # unreadable files named individually; after that, a count now and then
-
-
 def default_loader_workers(world_size_on_node: int) -> int:
     """Loader processes per rank when not given: the cores left per rank after the rank itself, 1 to 8."""
     import os
@@ -178,14 +175,8 @@ class StreamingBatches:
             yield epoch, indices, self.augment.finish(crops, indices, epoch, self.seed)
 
     def _report(self, skipped: list[tuple[str, str]]) -> None:
-        """Name the first few unreadable files (each once); then a count every 100 more."""
+        """Record the unreadable files (each once, with why): the training loop reports them, once over the ranks
+        (`unison.training.describe.UnreadableImages`), where each rank printing its own named the same file
+        once per rank that met it."""
         for where, why in skipped:
-            if where in self.skipped:
-                continue
-            self.skipped[where] = why
-            k = len(self.skipped)
-            if k <= _SKIP_REPORTS:
-                print(f"unison: warning: skipped unreadable image {where} ({why}); its views come from the next "
-                      "readable image (--on-corrupt skip)", file=sys.stderr, flush=True)
-            elif k % 100 == _SKIP_REPORTS + 1 or k == _SKIP_REPORTS + 1:
-                print(f"unison: warning: {k} unreadable images skipped so far", file=sys.stderr, flush=True)
+            self.skipped.setdefault(where, why)

@@ -34,6 +34,8 @@ class ImageTensorDataset:
     # `images` (-1: not held); the kNN reference set of the same catalog is then taken from here, not decoded again
     # (`unison.data.evalsets.held_rows`)
     catalog_rows: torch.Tensor | None = None
+    # images of the catalog that could not be read and were left out (``on_corrupt="skip"``): name -> why
+    unreadable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[1] != 3:

@@ -18,6 +18,10 @@ directory holds the record of its own job id, unfinished, is a re-formed group o
 and resumes from the run directory's last checkpoint like a restarted one. Give every job its own
 ``--rdzv-id``: torchrun's default, ``none``, is the same for all, so a new job started with it in the run
 directory of an earlier one that did not finish continues that run.
+
+A scale-up reaches the workers as a SIGTERM, as a preemption does. `nodes_waiting` tells them apart: it asks the
+job's rendezvous (c10d, the endpoint and id of the agent's own command line, as torchrun's agent itself asks it
+before it restarts its workers) how many nodes wait to join; while the workers stop for them, they wait.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,3 +130,57 @@ def note_progress(step: int, done: bool = False) -> None:
         _write(fd, job, world, step, done)
     except OSError:   # a full or gone disk: the checkpoints fail too, and say so
         _record = None
+
+
+NODES_WAITING_TIMEOUT_S = 5   # bound on reaching the rendezvous store (a lost endpoint: unknown, not a hang)
+
+
+def nodes_waiting(timeout_s: int = NODES_WAITING_TIMEOUT_S) -> int | None:
+    """Under torchrun with an elastic node range (``--nnodes MIN:MAX``, the c10d rendezvous): how many nodes wait to
+    join this job's group now. More than 0 while the workers are stopped: the agents are restarting them to re-form
+    the group with those nodes (a scale-up), not preempting the job. None where it cannot be known (not torchrun,
+    a fixed node count, another rendezvous backend, the endpoint not reached within `timeout_s`)."""
+    if torchrun_job() is None:
+        return None
+    args = agent_args()
+    if args is None or getattr(args, "rdzv_backend", None) != "c10d" or not getattr(args, "rdzv_endpoint", None):
+        return None
+    try:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+        from torch.distributed.run import parse_min_max_nnodes
+
+        low, high = parse_min_max_nnodes(str(args.nnodes))
+        if low == high:
+            return None
+        conf = dict(item.split("=", 1) for item in str(args.rdzv_conf or "").split(",") if "=" in item)
+        params = RendezvousParameters(backend="c10d", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
+                                      min_nodes=low, max_nodes=high,
+                                      **{**conf, "is_host": "false", "read_timeout": str(timeout_s)})
+        return int(get_rendezvous_handler(params).num_nodes_waiting())
+    except Exception:   # unreachable, refused, another torch's layout: the wording of a preemption stands
+        return None
+
+
+def agent_args(cmdline: list[str] | None = None) -> Any:
+    """torchrun's parsed options (its own parser, `PET_*` defaults from the environment the workers inherit) from
+    the command line of this worker's parent, torchrun's agent (`cmdline`: given, for tests); None if the parent
+    is not torchrun."""
+    if cmdline is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                cmdline = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+        except OSError:   # not Linux, or the agent is gone
+            return None
+    start = next((i + 1 for i, a in enumerate(cmdline) if os.path.basename(a) == "torchrun"), None)
+    if start is None:
+        start = next((i + 2 for i, a in enumerate(cmdline[:-1])
+                      if a == "-m" and cmdline[i + 1] in ("torch.distributed.run", "torch.distributed.launch")), None)
+    if start is None:
+        return None
+    from torch.distributed.run import get_args_parser
+
+    try:
+        return get_args_parser().parse_known_args(cmdline[start:])[0]
+    except SystemExit:   # a command line torchrun's parser refuses: not the agent's
+        return None

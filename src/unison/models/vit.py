@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from unison.config.fields import count
 from unison.errors import ConfigError
 
 VIT_SIZES: dict[str, tuple[int, int, int]] = {    # embed_dim, depth, num_heads
@@ -179,6 +180,28 @@ def pin_vit(name: str, image_size: int | None) -> str:
     patch = auto_patch_size(image_size or AUTO_NO_SIZE)
     suffix = next(s for s, (p, _) in _PATCHES.items() if p == patch)
     return name[: -len("_auto")] + suffix
+
+
+def coarse_grid(backbone: str, patch: int | None, image_size: int) -> str | None:
+    """Why `backbone` (as the user named it) is a poor fit at `image_size`, or None: its `patch` px patches leave
+    fewer than `AUTO_MIN_GRID` per side, the grid the recipes were set for (masking, multi-crop, I-JEPA's blocks;
+    ``vit_tiny`` at 32 px: 2 x 2, four tokens), with the backbone or patch size that gives them. A warning, not a
+    refusal: the name was chosen, and it trains."""
+    if not patch or image_size // patch >= AUTO_MIN_GRID:
+        return None
+    grid = image_size // patch
+    auto = auto_patch_size(image_size) if image_size % 2 == 0 else None
+    fix = "a larger --image-size"
+    if auto is not None and image_size // auto > grid:   # a smaller patch gives a finer grid at this size
+        finer = f"{image_size // auto} x {image_size // auto}"
+        if backbone.startswith("timm:"):
+            fix = f"--backbone-arg patch_size={auto} ({finer}) or {fix}"
+        elif backbone in VIT_BACKBONES:
+            named = f"vit_{backbone[len('vit_'):].partition('_')[0]}_auto"
+            fix = f"--backbone {named} ({pin_vit(named, image_size)} at {image_size} px: {finer}) or {fix}"
+    tokens = count(grid * grid, "token")
+    return (f"--backbone {backbone} at {image_size} px: its {patch} px patches make a {grid} x {grid} grid ({tokens}), "
+            f"below the {AUTO_MIN_GRID} x {AUTO_MIN_GRID} the recipes are set for; give {fix}")
 
 
 def vit_patch_size(name: str) -> int:

@@ -49,6 +49,7 @@ from unison.config.train import checkpoint_cadence
 from unison.distributed import collectives as C
 from unison.distributed.signals import stop_requests
 from unison.errors import ConfigError, Preempted
+from unison.training.budget_advice import short_budget, too_short
 from unison.training.budget_plan import MARGIN_SHARE, BudgetCosts, Cadence, costs_at, final_s, plan_steps, reserve_of
 from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
@@ -247,8 +248,8 @@ def plan_budget(run: Run, budget: BudgetClock, knn_s: float | None = None) -> di
     plan = describe_plan(budget.budget_s, costs, cadence_of(run), cfg, timed) if C.rank() == 0 else None
     plan = C.broadcast_object(plan)
     if plan["steps"] < 1:
-        raise ConfigError(f"--time-budget {cfg.time_budget} leaves no time to train: {plan['why']}; give a longer "
-                          "budget")
+        raise ConfigError(f"--time-budget {cfg.time_budget} leaves no time to train: {plan['why']}; "
+                          f"{too_short(*_fixed(plan, cadence_of(run)), MARGIN_SHARE)}")
     cfg.time_budget_plan = plan
     apply_plan(run)
     budget.reserve_s = plan["reserve_s"]
@@ -268,6 +269,13 @@ def describe_plan(budget_s: float, costs: BudgetCosts, cadence: Cadence, cfg: An
             "warmup_steps": budget_warmup(steps, cfg.warmup_epochs, cadence.steps_per_epoch),
             "reserve_s": reserve_of(costs, cadence), "why": why, "world_size": C.world_size(),
             "measured": {k: round(v, 6) for k, v in asdict(costs).items()}}
+
+
+def _fixed(plan: dict[str, Any], cadence: Cadence) -> tuple[float, float, float]:
+    """(start, end, step) seconds of rank 0's measured costs in `plan`: what `unison.training.budget_advice` says
+    a short budget goes to."""
+    costs = BudgetCosts(**plan["measured"])
+    return costs.spent_s, final_s(costs, cadence), costs.step_s
 
 
 def adopt_plan(cfg: Any) -> None:
@@ -293,7 +301,9 @@ def start_budget(run: Run, budget: BudgetClock | None, step: int, history: dict[
             raise ConfigError("--time-budget was not given when this run started, so it has no plan to resume; "
                               "resume without --time-budget (or start a new run directory with it)")
         plan = plan_budget(run, budget, history.get("random_init_knn_s"))
-        return f"time budget {run.cfg.time_budget}: planned {plan['steps']} steps: {plan['why']}"
+        short = short_budget(plan["budget_s"], *_fixed(plan, cadence_of(run)), plan["steps"], MARGIN_SHARE)
+        return (f"time budget {run.cfg.time_budget}: planned {plan['steps']} steps: {plan['why']}"
+                + (f"; warning: {short}" if short else ""))
     budget.spent_before_s = float(history.get(USED_KEY, 0.0))
     notes = []
     if "measured" in plan:   # the end's reserve as this attempt will spend it (its world size)

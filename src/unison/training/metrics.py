@@ -132,7 +132,7 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.close()
 
-    def close(self, random_init_knn_top1: float | None = None) -> None:
+    def close(self, random_init_knn_top1: float | None = None, init_knn_top1: float | None = None) -> None:
         if not self.enabled:
             return
         with self._writing(self.path):
@@ -142,21 +142,24 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         with self._writing(self.run_dir / "plot.png"):
-            plot_metrics(rows_by_step(self.rows), self.run_dir / "plot.png", random_init_knn_top1)
+            plot_metrics(rows_by_step(self.rows), self.run_dir / "plot.png", random_init_knn_top1, init_knn_top1)
 
 
-def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None) -> Any:
+def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None,
+                   init_knn_top1: float | None = None) -> Any:
     """The figure of ``plot.png`` (`unison.training.plots`): loss, learning rate, accuracy (the random-init kNN
-    dashed), and the label-free signals, against epochs."""
+    dashed, ``--init``'s weights' kNN dash-dotted), and the label-free signals, against epochs."""
     from unison.training.plots import runs_figure
 
-    return runs_figure([(None, rows, random_init_knn_top1)], collapse_std=COLLAPSE_STD_LINE)
+    baselines = {"random init": random_init_knn_top1, "--init weights": init_knn_top1}
+    return runs_figure([(None, rows, baselines)], collapse_std=COLLAPSE_STD_LINE)
 
 
 COLLAPSE_STD_LINE = 0.05   # `unison.training.collapse.COLLAPSE_STD` (which imports this module), drawn on the plot
 
 
-def plot_metrics(rows: list[dict[str, Any]], path: str | Path, random_init_knn_top1: float | None = None) -> Path:
+def plot_metrics(rows: list[dict[str, Any]], path: str | Path, random_init_knn_top1: float | None = None,
+                 init_knn_top1: float | None = None) -> Path:
     from unison.training.plots import save_figure
 
-    return save_figure(metrics_figure(rows, random_init_knn_top1), path)
+    return save_figure(metrics_figure(rows, random_init_knn_top1, init_knn_top1), path)

@@ -122,14 +122,17 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
                  image_size: int | None = None, backbone: str | None = None,
                  view_sizes: Sequence[int] = (), setup: dict[str, Any] | None = None,
                  init: InitWeights | None = None, teacher_weights: bool | None = None,
-                 data_size: int | None = None, own: tuple[nn.Module, int] | None = None) -> SSLMethod:
+                 data_size: int | None = None, own: tuple[nn.Module, int] | None = None,
+                 kept: dict[str, nn.Module] | None = None) -> SSLMethod:
     """backbone -> method with its hyper-parameters, seeded identically on every rank. `image_size` (the
     training crop size) picks the ResNet stem of ``resnet18``/``resnet50`` and sizes timm models that take one;
     `view_sizes` (the augmenter's) are checked against a ViT's patches and make a timm ViT take them all.
     `own`: the user's (backbone, feature_dim), built around a copy (the object passed stays as it was).
     `setup` (a training run's): `init` (``--init``'s tensors) is loaded into the backbone before the method is built
     around it, ``--freeze``/``--layer-decay`` checked against it (`unison.training.init.prepare_backbone`), and
-    what was done is recorded in `setup`.
+    what was done is recorded in `setup`; with `kept` (a dict) and `init`, ``kept["random"]`` is a copy of the
+    backbone before the load: the encoder this run would start from without ``--init`` (the same seed), whose kNN
+    is the run's random-initialisation baseline.
     A method with a frozen teacher (distill) gets it built first (`unison.training.teacher`; `teacher_weights`
     False: the architecture only, for a checkpoint that holds it; None: False when the run resumes), then the
     seed is set again: the student starts as it would without a teacher; `data_size` (training images) sizes its
@@ -151,6 +154,8 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
         encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
         name = resolve_backbone(name, size)
     encoder.to(dtype)   # before --init's tensors are read into it: a float64 run keeps float64 weights' digits
+    if kept is not None and init is not None:
+        kept["random"] = copy.deepcopy(encoder)
     if setup is not None:
         setup.update(prepare_backbone(encoder, cfg, name, init))
     try:

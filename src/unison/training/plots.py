@@ -2,7 +2,8 @@
 
 Six panels against steps or epochs (`x_axis`; ``auto``: epochs once a run spans `EPOCH_AXIS_FROM` epochs,
 else steps, so that a short run is not squashed into 0-0.007 of an epoch): the training loss, the learning
-rate, accuracy (kNN dots, the online probe's line, the random-initialisation kNN dashed), RankMe, the embedding
+rate, accuracy (kNN dots, the online probe's line, the baselines as horizontal lines: the random-initialisation
+kNN dashed, a run started from ``--init`` weights their kNN dash-dotted), RankMe, the embedding
 std x sqrt(d) (1: spread uniformly over the sphere; the collapse threshold dashed) and alignment / uniformity.
 Readable at any length: up to `FEW_POINTS` points each is a dot; a longer series is thinned to at most
 `MAX_POINTS` bucket means, and a noisy one (the loss, the probe) is drawn faint with a moving average over it.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,16 @@ EPOCH_AXIS_FROM = 1.0   # x_axis "auto": epochs when the longest run reaches thi
 X_AXES = ("auto", "step", "epoch")
 
 Series = tuple[list[float], list[float]]
+# A run's baselines, by name: "random init" (the random-initialisation kNN), "--init weights" (the kNN of the
+# weights a continued pre-training started from); a bare number is the random-init kNN.
+Baselines = Mapping[str, float | None] | float | None
+BASELINE_STYLES = {"random init": "--", "--init weights": "-."}
+
+
+def baselines_of(given: Baselines) -> dict[str, float]:
+    """The named baselines of `given` (a bare number: the random-initialisation kNN), those measured only."""
+    named = {"random init": given} if isinstance(given, (int, float)) else dict(given or {})
+    return {k: float(v) for k, v in named.items() if v is not None}
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str, x: str) -> Series:
@@ -85,9 +96,9 @@ PANELS = (("loss", "training loss"), ("lr", "learning rate"), ("accuracy", "accu
           ("align_uniform", "alignment (solid), uniformity (dashed)"))
 
 
-def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], float | None]],
+def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], Baselines]],
                 collapse_std: float | None = None, x_axis: str = "auto") -> Any:
-    """The page of one run or several overlaid: `runs` holds (label or None, metrics rows, random-init kNN);
+    """The page of one run or several overlaid: `runs` holds (label or None, metrics rows, its `Baselines`);
     `x_axis`: ``step``, ``epoch`` or ``auto`` (`choose_x_axis`)."""
     import matplotlib
 
@@ -108,10 +119,11 @@ def runs_figure(runs: Sequence[tuple[str | None, Sequence[dict[str, Any]], float
         name = f"{label}: " if label else ""
         _draw(axes["accuracy"], knn, c, f"{name}kNN" if knn[0] else None)
         _draw(axes["accuracy"], probe, c, f"{name}online probe" if probe[0] else None, noisy=True, style=":")
-        if baseline is not None:
-            axes["accuracy"].axhline(baseline, color=c, linestyle="--", alpha=0.7,
-                                     label=f"{name}random init ({baseline:.3f})")
-        acc_values += knn[1] + probe[1] + ([baseline] if baseline is not None else [])
+        named = baselines_of(baseline)
+        for what, value in named.items():
+            axes["accuracy"].axhline(value, color=c, linestyle=BASELINE_STYLES.get(what, ":"), alpha=0.7,
+                                     label=f"{name}{what} ({value:.3f})")
+        acc_values += knn[1] + probe[1] + list(named.values())
         _draw(axes["rankme"], _series(rows, "rankme", x), c, label)
         _draw(axes["emb_std"], _series(rows, "emb_std", x), c, label)
         _draw(axes["align_uniform"], _series(rows, "align", x), c, label)

@@ -38,7 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unison.config.fields import count
 from unison.distributed import collectives as C
+from unison.distributed.elastic import nodes_waiting
 from unison.distributed.signals import StopRequests, stop_requests
 from unison.errors import CheckpointError, Preempted
 from unison.training.checkpoint import latest_checkpoint
@@ -110,8 +112,16 @@ def save_failed_elsewhere() -> CheckpointError:
 
 
 def preempted(decision: StopDecision, step: int, total_steps: int, checkpoint: str | None) -> Preempted:
-    """The error every rank raises after the preemption checkpoint is complete."""
+    """What every rank raises after the preemption checkpoint is complete (collective: rank 0 asks torchrun's
+    rendezvous whether nodes wait to join, `unison.distributed.elastic.nodes_waiting`, and tells the others). A
+    SIGTERM while nodes wait is torchrun re-forming the group with them: said as such, not as an error."""
     where = (f"checkpoint {checkpoint} written" if checkpoint else "the checkpoint was written by rank 0")
+    joining = nodes_waiting() if decision.signal_name() == "SIGTERM" and C.rank() == 0 else None
+    joining = C.broadcast_object(joining) if C.is_distributed() and C.world_size() > 1 else joining
+    if joining:
+        return Preempted(f"stopped by SIGTERM after step {step} of {total_steps} for {count(joining, 'node')} "
+                         f"joining: torchrun re-forms the group with more workers, which resume from there ({where})",
+                         signal_name="SIGTERM", regroup=True)
     return Preempted(f"preempted by {decision.signal_name()} (received by rank {decision.signal_rank}) after step "
                      f"{step} of {total_steps}: {where}; continue with --resume auto and the same --out",
                      signal_name=decision.signal_name())

@@ -108,6 +108,9 @@ class Run:
     data: TrainData                # the data side: source, mode, normalisation, kNN sets (`build_batch_source`)
     exact: bool = False            # exact accumulation of the K micro-batches (`unison.training.accumulate`)
     resolved: dict[str, Any] = field(default_factory=dict)   # the recipe values this run actually uses
+    # with --init: the backbone as built before the weights were loaded (the random-initialisation baseline's
+    # encoder, `unison.training.model.build_method`); dropped once the baseline is measured
+    random_backbone: nn.Module | None = None
     extra_state: ExtraState = field(default_factory=ExtraState)   # checkpointed beyond model/optimizer
 
     @property
@@ -152,9 +155,10 @@ def build_run(plan: RunPlan | TrainConfig, device: torch.device, *, train_set: I
     # ---- model: SyncBN, memory format, DDP
     own_backbone = (own.backbone, int(own.feature_dim or 0)) if own is not None and own.backbone is not None else None
     setup: dict[str, Any] = {}   # --init / --freeze: recorded in `resolved`
+    kept: dict[str, nn.Module] | None = {} if cfg.random_init_knn and cfg.knn else None   # --init: the random backbone too
     method = build_method(cfg, schedule.length, dtype, device, image_size, backbone=recipe.backbone,
                           view_sizes=augment.view_sizes, setup=setup, init=init,
-                          data_size=source.batches_per_epoch * global_batch, own=own_backbone)
+                          data_size=source.batches_per_epoch * global_batch, own=own_backbone, kept=kept)
     # e.g. distill's queue length (from the data) and its teacher head's shape: kept in the run's config
     cfg.method_params = {**cfg.method_params, **method.resolved_params()}
     model: nn.Module = method
@@ -197,7 +201,7 @@ def build_run(plan: RunPlan | TrainConfig, device: torch.device, *, train_set: I
                         **({"feature_dim": method.feature_dim} if own_backbone else {}),
                         **({"transform": own.transform_name()} if own is not None and own.transform else {}),
                         **recorded_paths(cfg), **setup},
-              data=data, exact=exact)
+              data=data, exact=exact, random_backbone=(kept or {}).get("random"))
     register_checkpoint_state(run)
     return run
 

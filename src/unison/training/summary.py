@@ -45,6 +45,9 @@ class Summary:
     signals: dict[str, Any] = field(default_factory=dict)   # the last label-free signals, the collapse, their cost
     probe_top1: float | None = None    # the online linear probe's last logged accuracy (labelled data only)
     run_id: str | None = None          # the run's id (config.json's resolved.run_id, in each of its checkpoints)
+    unreadable_images: int = 0         # training images skipped as unreadable (--on-corrupt skip), over all ranks
+    init_knn_top1: float | None = None   # --init: the kNN of the starting weights (random_init_knn_top1: a random
+                                         # encoder's, at the same seed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,6 +67,8 @@ class Summary:
         took = f", {wall_s:.0f} s" if wall_s is not None else f", {self.train_time_s:.0f} s training"
         knn = "kNN not measured" if self.knn_top1 is None else f"kNN top-1 {self.knn_top1:.4f}"
         base = "" if self.random_init_knn_top1 is None else f" vs random init {self.random_init_knn_top1:.4f}"
+        if self.init_knn_top1 is not None:   # continued pre-training: the number to beat is where it started
+            base += f", vs --init weights {self.init_knn_top1:.4f}"
         rank = (f", RankMe {self.signals['rankme']:.1f} of {self.signals['rankme_max']:.0f}"
                 if "rankme" in self.signals else "")
         collapse = self.signals.get("collapse")

@@ -65,6 +65,7 @@ from unison.training.checkpoint import (
 )
 from unison.training.checkpoint.files import CHECKPOINT_DIR, step_of
 from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
+from unison.training.describe import UnreadableImages, describe_backbone, describe_data, describe_init
 from unison.training.hooks import StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
 from unison.training.metrics import MetricsLogger
@@ -207,6 +208,7 @@ class Trainer:
         if self.master:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
             describe_data(run)
+            describe_backbone(run)
             describe_init(run)
         return run
 
@@ -225,13 +227,19 @@ class Trainer:
                       "(warm-up, cosine) and the method's schedules follow the new length, as if it had been planned "
                       "so")
         self._say(evaluation_cost(run, step, baseline=step == 0 and cfg.random_init_knn))
-        if step == 0 and cfg.random_init_knn and self.history.get("random_init_knn_top1") is None:
+        history = self.history
+        if step == 0 and cfg.random_init_knn and history.get("random_init_knn_top1") is None:
             with self.watch.phase("eval", step):
+                if run.random_backbone is not None:   # --init: the starting point, and the encoder it replaced
+                    history["init_knn_top1"] = knn_top1(run)
                 started = time.perf_counter()
-                self.history["random_init_knn_top1"] = knn_top1(run)
-                self.history["random_init_knn_s"] = time.perf_counter() - started   # a budget plans its end with it
-            if self.history["random_init_knn_top1"] is not None:
-                self.runlog.line(f"random-init kNN top-1 {self.history['random_init_knn_top1']:.4f}")
+                history["random_init_knn_top1"] = knn_top1(run, run.random_backbone)
+                history["random_init_knn_s"] = time.perf_counter() - started   # a budget plans its end with it
+            if history["random_init_knn_top1"] is not None:
+                self.runlog.line(f"random-init kNN top-1 {history['random_init_knn_top1']:.4f}")
+            if history.get("init_knn_top1") is not None:
+                self.runlog.line(f"--init weights kNN top-1 {history['init_knn_top1']:.4f} ({cfg.init})")
+        run.random_backbone = None   # measured (or not asked for): its memory is the run's again
         return step
 
     # ---- 3. the step loop
@@ -255,6 +263,8 @@ class Trainer:
                 self.profile.after_step(run, end)
             self.probe.learn()
             self._log(end)
+            if end.step % self.cfg.log_every == 0 or end.epoch_done or end.last:
+                self.unreadable.exchange()   # images skipped as unreadable, reported once over the ranks
             if self._evaluation_due(end):
                 self._evaluate(end.step, epoch=end.step // run.steps_per_epoch)
             if self.held is not None and not end.last and end.step % self.signals_every == 0:
@@ -318,6 +328,8 @@ class Trainer:
                        if self.budget is not None else None)
         if self.replan is not None:
             self.replan.start(run, step)
+        self.unreadable = UnreadableImages(run, self.runlog)
+        self.unreadable.exchange()
         self.cadence = checkpoint_cadence(cfg.checkpoint_every)
         self.last_save = time.monotonic()
         # logging: the first step of an attempt is logged too, so the loss shows from it on
@@ -478,6 +490,7 @@ class Trainer:
     def _end(self, step: int) -> Summary:
         """The final kNN and signals, the last checkpoint, the budget's account and the run's `Summary`."""
         run, cfg, history = self.run, self.cfg, self.history
+        self.unreadable.final()
         history["knn_top1"] = self._evaluate(step)
         if self.held is not None and self.signals_latest.get("step") != step:
             self._measure_signals(step)
@@ -514,7 +527,8 @@ class Trainer:
             global_batch=run.global_batch, image_size=run.image_size,
             train_images=run.data.num_images, val_images=run.data.knn.queries.shape[0] if run.data.knn else 0,
             final_loss=self.final_loss, knn_top1=history["knn_top1"],
-            random_init_knn_top1=history.get("random_init_knn_top1"), train_time_s=train_time,
+            random_init_knn_top1=history.get("random_init_knn_top1"), init_knn_top1=history.get("init_knn_top1"),
+            train_time_s=train_time, unreadable_images=self.unreadable.total,
             data_wait_fraction=self.wait_s / max(train_time, 1e-9),
             peak_memory_mib=C.all_gather_object(round(peak_memory_mib(self.device), 1)),
             peak_memory_kind="cuda_max_allocated" if self.device.type == "cuda" else "peak_rss", out=str(Path(cfg.out)),
@@ -527,7 +541,8 @@ class Trainer:
         if self.master:
             write_text_atomic(Path(cfg.out) / "summary.json", json.dumps(summary.to_json_dict(), indent=2) + "\n",
                               error=self._file_error)
-            self.logger.close(random_init_knn_top1=history.get("random_init_knn_top1"))
+            self.logger.close(random_init_knn_top1=history.get("random_init_knn_top1"),
+                              init_knn_top1=history.get("init_knn_top1"))
         return summary
 
     # ---- shared
@@ -587,30 +602,52 @@ def knn_batch(run: Run) -> int:
     return max(64, min(512, run.global_batch // max(1, C.world_size())))
 
 
-def knn_top1(run: Run) -> float | None:
+def knn_top1(run: Run, backbone: torch.nn.Module | None = None) -> float | None:
     """Weighted kNN top-1 of the encoder on the run's kNN sets (training images as reference, held-out
-    images as queries); None when there are none (`run.data.knn_skipped` says why)."""
+    images as queries); None when there are none (`run.data.knn_skipped` says why). `backbone`: embed with this
+    one in the method's place (the method's own embedding of it: a ViT method's mean patch token, ...), e.g. the
+    random-initialisation encoder of a run started from ``--init`` (`Run.random_backbone`)."""
     knn = run.data.knn
     if knn is None:
         return None
-    was_training = run.method.training
-    run.method.eval()
-    with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
-        acc = knn_accuracy(run.method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
-                           run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t, batch_size=knn_batch(run))
-    run.method.train(was_training)
+    method = run.method
+    was_training = method.training
+    method.eval()
+    with contextlib.ExitStack() as stack:
+        if backbone is not None:
+            stack.enter_context(_backbone_swapped(method, backbone.to(run.device).eval()))
+        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast_dtype is torch.bfloat16):
+            acc = knn_accuracy(method.embed, knn.reference, knn.reference_labels, knn.queries, knn.query_labels,
+                               run.to_eval, knn.num_classes, k=run.cfg.knn_k, t=run.cfg.knn_t,
+                               batch_size=knn_batch(run))
+    method.train(was_training)
     return acc
+
+
+@contextlib.contextmanager
+def _backbone_swapped(method: torch.nn.Module, backbone: torch.nn.Module) -> Iterator[None]:
+    """`method.backbone` is `backbone` inside the block, its own again after it (also on an error). Why a swap and
+    not a second method: the method's embedding (class token, mean patch token, dense features) stays the one
+    place that says how the method embeds, and nothing of the method is copied."""
+    own = method.backbone
+    method.backbone = backbone
+    try:
+        yield
+    finally:
+        method.backbone = own
 
 
 def evaluation_cost(run: Run, step: int, baseline: bool) -> str | None:
     """A line saying what the kNN evaluation will cost when it embeds more images than the run trains on from
     `step` (a smoke run of a few steps on real data: minutes of evaluation), with the flags that skip or bound it;
-    None otherwise. `baseline`: the random-initialisation kNN runs too."""
+    None otherwise. `baseline`: the random-initialisation kNN runs too (and, with ``--init``, the kNN of the
+    starting weights)."""
     knn, per_epoch, every = run.data.knn, run.steps_per_epoch, run.cfg.eval_every
     if knn is None:
         return None
     during = ((run.total_steps - 1) // per_epoch) // every - (step // per_epoch) // every if every else 0
-    times = int(baseline) + max(0, during) + 1
+    baselines = (2 if run.random_backbone is not None else 1) if baseline else 0
+    times = baselines + max(0, during) + 1
     reference, queries = len(knn.reference_labels), len(knn.query_labels)
     embedded = times * (reference + queries)
     trained = (run.total_steps - step) * run.global_batch * run.accumulate
@@ -685,34 +722,6 @@ def resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
                        f"resuming from {Path(chosen).name}")
         print(message, file=sys.stderr, flush=True)
         RunLog(run_dir).line(message)
-
-
-def describe_data(run: Run) -> None:
-    """One line on rank 0 for what is not the in-memory default: streamed data, and a skipped kNN."""
-    d = run.data
-    if d.mode == "stream":
-        src: Any = d.source   # StreamingBatches
-        print(f"unison: streaming {d.num_images} images from {run.cfg.data} at {d.image_size} px: "
-              f"{src.loader_workers} loader process(es) per worker, decode on {src.decode_on}", file=sys.stderr,
-              flush=True)
-    if d.mode == "own":
-        transform = d.own.transform
-        views = (f"views by your transform {getattr(transform, '__name__', type(transform).__name__)}"
-                 if transform is not None else f"unison's {d.augment.preset} augmentation")
-        print(f"unison: training on your dataset {d.own.name} ({d.num_images} images) at {d.image_size} px, {views}",
-              file=sys.stderr, flush=True)
-    if d.knn_skipped:
-        print(f"unison: kNN evaluation skipped: {d.knn_skipped}", file=sys.stderr, flush=True)
-
-
-def describe_init(run: Run) -> None:
-    """One line on rank 0 for ``--init``: what was loaded, or that the resumed checkpoint's weights stand."""
-    cfg, init = run.cfg, run.resolved.get("init")
-    if isinstance(init, dict) and "report" in init and not cfg.resume:
-        print(f"unison: --init: {init['report']}", file=sys.stderr, flush=True)
-    elif cfg.init and cfg.resume:
-        print(f"unison: --init {cfg.init} not read: the run resumes from {cfg.resume}, whose checkpoint holds the "
-              "weights", file=sys.stderr, flush=True)
 
 
 def start_line(run: Run, world: int, step: int) -> str:

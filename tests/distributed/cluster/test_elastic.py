@@ -207,6 +207,14 @@ def test_scale_up_goes_on_at_two_workers_to_the_uninterrupted_result(two_hosts, 
     assert int(change.group(2)) >= 3   # the stop saved the step it reached
     assert not (run / "earlier-runs").exists()   # the joining group continued the run, it did not set it aside
     _assert_same_as_reference(run, reference, int(change.group(2)), [1, 2])
+    # a node joining is not an error: A's worker says what happened, on stderr and in train.log (it said
+    # "unison: error: preempted by SIGTERM ...; continue with --resume auto")
+    said = re.search(r"unison: rank 0: (stopped by SIGTERM after step \d+ of 8 for 1 node joining: torchrun re-forms "
+                     r"the group with more workers, which resume from there \(checkpoint .*step_\d+\.pt written\))",
+                     err_a)
+    assert said and "preempted" not in err_a and "error" not in said.group(0), err_a[-3000:]
+    log = (run / "train.log").read_text()
+    assert f"unison: {said.group(1)}" in log and "unison: error" not in log, log[-3000:]
 
 
 @pytest.mark.skipif(os.environ.get("UNISON_LONG_TESTS") != "1",

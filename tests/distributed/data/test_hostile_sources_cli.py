@@ -42,6 +42,9 @@ def hostile(tmp_path_factory) -> Path:
         for i in range(4):
             (tmp / "strips" / c).mkdir(parents=True, exist_ok=True)
             Image.new("RGB", (4000, 1), (30 * i, 0, 0)).save(tmp / "strips" / c / f"{i}.png")
+    for split in ("train", "val"):   # the parent of the splits, given as --data
+        for c in ("a", "b"):
+            _png(tmp / "splits" / split / c / "0.png")
     (tmp / "labels.txt").write_text("".join(f"mixed/{i}.png {10_000_000 if i == 3 else 0}\n" for i in range(4)))
     return tmp
 
@@ -58,12 +61,14 @@ def _no_image_cache(monkeypatch):
     ("images-beside-subfolder", ["--data", "{tmp}/mixed"],
      "holds both images (0.png, 1.png, 2.png and 1 more) and subfolders (thumbs)"),
     ("list-label-1e7", ["--data", "{tmp}/labels.txt"], "line 4: label 10000000 is past the largest class index"),
-    ("strip-images-memory", ["--data", "{tmp}/strips"], "are 4000x1 px (the first one read), too small a side for a "
+    ("strip-images-memory", ["--data", "{tmp}/strips"], "are 4000x1 px (the 8 images read), too small a side for a "
                                                          "default view size; give --image-size N (at least 8)"),
     ("val-is-the-data", ["--data", "{tmp}/mixed/thumbs", "--val", "{tmp}/mixed/thumbs"],
      "is the training data (--data"),
     ("val-inside-the-data", ["--data", "{tmp}/strips", "--val", "{tmp}/strips/b"], "overlaps the training data"),
     ("strip-images-stream", ["--data", "{tmp}/strips", "--data-mode", "stream"], "are 4000x1 px"),
+    ("parent-of-the-splits", ["--data", "{tmp}/splits"], "/splits holds the splits train/ and val/, not class "
+                                                         "folders: give --data "),
 ])
 def test_hostile_data_ends_in_one_line_and_exit_3(hostile, tmp_path, capfd, case, argv, fragment):
     argv = [a.replace("{tmp}", str(hostile)) for a in argv]

@@ -113,3 +113,32 @@ def test_a_resumed_run_takes_the_checkpoint_not_init(trained, capfd):
     assert f"--init {trained['tmp'] / 'gone.pt'} not read: the run resumes from" in err and "Traceback" not in err
     first = json.loads((trained["run"] / "config.json").read_text())["resolved"]["init"]
     assert json.loads((out / "config.json").read_text())["resolved"]["init"] == first
+
+
+def test_the_random_init_baseline_of_an_init_run_is_random_and_the_start_is_scored_by_its_own_name(trained, capfd):
+    """A run started from --init weights scores two baselines before training: a random encoder at the run's seed
+    (the one it would have started from without --init: the same kNN as the run without --init) and the --init
+    weights themselves. Before, the "random init" baseline was measured after the weights were loaded, so it was
+    their kNN. The weights here are another seed's random encoder, whose kNN differs from this seed's."""
+    from unison.models.backbones import build_backbone as build
+    from unison.training.model import seed_everything
+
+    seed_everything(1, False)   # the encoder a --seed 1 run starts from: --init of a --seed 0 run
+    net, _ = build("small_cnn")
+    torch.save(net.state_dict(), trained["tmp"] / "seed1.pt")
+    scored = ["--world-size", "1", "--max-steps", "1", "--no-progress", "--batch-size", "16", "--subset", "256",
+              "--val-subset", "64", "--knn-k", "5", "--signal-images", "0", "--no-online-probe", "--seed", "0"]
+    summaries = {}
+    for name, extra in (("plain", []), ("init", ["--init", str(trained["tmp"] / "seed1.pt")])):
+        code, err = _run([*scored, *extra, "--out", str(trained["tmp"] / f"baseline-{name}")], capfd)
+        assert code == 0, err
+        summaries[name] = json.loads((trained["tmp"] / f"baseline-{name}" / "summary.json").read_text())
+    plain, init = summaries["plain"], summaries["init"]
+    assert init["random_init_knn_top1"] == plain["random_init_knn_top1"]   # a random encoder, this seed's
+    assert init["init_knn_top1"] != plain["random_init_knn_top1"]          # the --init weights, scored apart
+    assert plain["init_knn_top1"] is None   # no --init: one baseline
+    run = trained["tmp"] / "baseline-init"
+    line = (run / "train.log").read_text().strip().splitlines()[-1]
+    assert (f"vs random init {init['random_init_knn_top1']:.4f}, vs --init weights {init['init_knn_top1']:.4f}"
+            in line), line
+    assert f"--init weights kNN top-1 {init['init_knn_top1']:.4f}" in (run / "train.log").read_text()

@@ -68,3 +68,38 @@ def test_unison_train_and_check_stay_callable_after_their_packages_are_imported(
     assert first.steps == second.steps == 2 and first.knn_top1 == second.knn_top1
     assert callable(unison.check) and callable(unison.evaluate)
     assert re.search(r", 2 steps, \d+ s training: kNN top-1 0\.\d{4}", first.result_line())   # the library's line
+
+
+@pytest.fixture(scope="module")
+def with_a_corrupt_image(tmp_path_factory):
+    """63 readable 16 px images in 2 classes and one file that is not an image: 64, 4 batches of 16 an epoch."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("corrupt") / "train"
+    rng = np.random.default_rng(0)
+    for i in range(63):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / f"c{i % 2}" / f"{i:02d}.png")
+    (root / "c0" / "bad.png").write_bytes(b"not an image")
+    return root
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_skipped_image_is_reported_once_over_the_workers_in_the_log_and_the_summary(with_a_corrupt_image, tmp_path,
+                                                                                      capfd, mode, monkeypatch):
+    """2 workers: in memory each decodes every image (each met the bad file), streamed each its slices of the
+    batches. Before, each worker warned on its own (twice at W=2), and neither train.log nor summary.json said so."""
+    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(with_a_corrupt_image), "--data-mode", mode, "--batch-size", "16", "--epochs", "2",
+            "--world-size", "2", "--no-progress", "--no-knn", "--no-online-probe", "--logger", "none", *QUIET,
+            "--out", str(out)]
+    capfd.readouterr()
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    bad = str(with_a_corrupt_image / "c0" / "bad.png")
+    assert err.count(f"skipped unreadable training image {bad}") == 1 and err.count(bad) == 2, err
+    total = f"1 unreadable training image skipped in this run (--on-corrupt skip, over 2 workers): {bad}"
+    assert total in err and total in (out / "train.log").read_text()
+    assert json.loads((out / "summary.json").read_text())["unreadable_images"] == 1

@@ -41,6 +41,27 @@ def test_6_plot_of_a_short_run_shows_its_points_and_the_baseline():
     assert 0 <= low < 0.75 and 0.81 < high <= 1
 
 
+def test_the_plot_draws_a_random_and_an_init_baseline_each_by_its_name(tmp_path):
+    """plot.png and `unison plot` of a run started from --init: the random encoder's kNN dashed and the --init
+    weights' kNN dash-dotted, each labelled by what it is (summary.json holds both)."""
+    import json
+
+    from unison.plotting import _baselines
+    from unison.training.metrics import metrics_figure
+
+    rows = [{"step": 2, "epoch": 0.5, "loss": None, "knn_top1": 0.81}]
+    (tmp_path / "summary.json").write_text(json.dumps({"random_init_knn_top1": 0.7577, "init_knn_top1": 0.7354}))
+    baselines = _baselines(tmp_path)
+    assert baselines == {"random init": 0.7577, "--init weights": 0.7354}
+    fig = metrics_figure(rows, random_init_knn_top1=0.7577, init_knn_top1=0.7354)
+    (ax_knn,) = [ax for ax in fig.axes if ax.get_title().startswith("accuracy")]
+    labels = dict(zip(*reversed(ax_knn.get_legend_handles_labels())))
+    assert labels["random init (0.758)"].get_linestyle() == "--"
+    assert labels["--init weights (0.735)"].get_linestyle() == "-."
+    (tmp_path / "summary.json").write_text(json.dumps({"random_init_knn_top1": 0.7577, "init_knn_top1": None}))
+    assert _baselines(tmp_path) == {"random init": 0.7577}
+
+
 def test_10_version(capsys):
     from unison import __version__
 

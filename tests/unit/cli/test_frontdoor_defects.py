@@ -32,6 +32,18 @@ def test_the_methods_guide_names_each_methods_recipe_as_config_json_records_it(t
         assert (recipe.optimizer, recipe.lr, recipe.augmentation) == (optimizer, float(lr), augmentation), name
 
 
+def test_the_methods_guide_files_each_method_under_the_backbone_its_defaults_train():
+    """The guide filed DINO under "A ViT" while `--method dino` at its defaults trains the small CNN: the methods of
+    the "A ViT" bullet have a ViT recipe, and DINO's own bullet names the small CNN, its recipe's backbone."""
+    start = METHODS_GUIDE.read_text().split("## Which one to start with", 1)[1].split("\n## ", 1)[0]
+    bullets = {m.group(1): m.group(2) for m in re.finditer(r"^\* \*\*(.+?)\*\*:?(.*?)(?=^\* |\Z)", start, re.M | re.S)}
+    vit = set(re.findall(r"`(\w+)`", bullets["A ViT"])) & set(METHODS)
+    assert vit and all(resolve_recipe(TrainConfig(method=m, data="/data")).backbone.startswith("vit_") for m in vit)
+    assert "dino" not in vit
+    assert resolve_recipe(TrainConfig(method="dino", data="/data")).backbone == "small_cnn"
+    assert "trains the small CNN at its defaults" in bullets["DINO"]
+
+
 @pytest.fixture
 def gpus(monkeypatch):
     """Simulate a machine with n visible CUDA devices (0: none) for what the configuration and the launch read."""

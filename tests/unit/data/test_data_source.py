@@ -102,6 +102,50 @@ def test_size_rules_say_the_same_before_the_workers_and_in_the_build(folders):
         S.open_checked(DataSpec(val=folders["val"], val_subset=13), "val")
 
 
+def test_mixed_sizes_train_at_their_median_shorter_side_on_both_paths_and_say_so(tmp_path):
+    """A folder of photos of several sizes trained at the shorter side of whichever file sorted first (12 px when a
+    12x40 thumbnail did), without a word on the streamed path. One rule (`default_view_size`) for the pre-flight's
+    plan and both data paths: the median shorter side of a spread sample, at most 224, and one line saying so."""
+    from PIL import Image
+
+    from unison.data.catalog import open_catalog
+
+    for c in ("a", "b"):
+        (tmp_path / "mixed" / c).mkdir(parents=True)
+        for i, (w, h) in enumerate([(60, 40), (48, 64), (90, 30), (80, 100)] * 2):   # 16 images: all read
+            Image.new("RGB", (w, h), (20 * i, 0, 0)).save(tmp_path / "mixed" / c / f"{i:03d}.png")
+    Image.new("RGB", (40, 12), (0, 0, 0)).save(tmp_path / "mixed" / "a" / "000.png")   # sorts first: a thumbnail
+    where = str(tmp_path / "mixed")
+    chosen = S.default_view_size(open_catalog(where), where)
+    assert chosen.size == 48   # shorter sides 40, 48, 30, 80, four times each, one 40 replaced by 12: the median
+    assert chosen.note == (f"the images of {where} differ in size (shorter sides 12 to 80 px in the 16 read): "
+                           "views are 48 px, their median shorter side; --image-size N sets another")
+    spec = DataSpec(data=where, batch_size=4)
+    assert S.planned_image_size(spec, open_catalog(where)) == 48   # what the pre-flight and `unison plan` take
+    for mode in ("stream", "memory"):
+        data = S.build_batch_source(dataclasses.replace(spec, data_mode=mode, loader_workers=0), torch.device("cpu"),
+                                    "simclr")
+        assert (data.mode, data.image_size, data.size_note) == (mode, 48, chosen.note)
+    assert tuple(data.train_set.images.shape[-2:]) == (64, 48)   # held at the median image's size, not 12 x 40
+    assert S.build_batch_source(spec, torch.device("cpu"), "simclr").mode == "stream"   # auto: mixed sizes stream
+    for c in ("a", "b"):   # large photos of two sizes: the median is capped at 224, and the line says so
+        (tmp_path / "large" / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (640, 480 + 40 * (i % 2)), (0, 0, 0)).save(tmp_path / "large" / c / f"{i}.png")
+    large = S.default_view_size(open_catalog(str(tmp_path / "large")), "large")
+    assert large.size == 224 and large.note is not None and "median shorter side, capped at 224" in large.note
+    one_size = S.default_view_size(open_catalog(str(tmp_path / "large" / "a")), "a")   # 640x480 and 640x520
+    assert one_size.size == 224
+    square = tmp_path / "square" / "a"
+    square.mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (20, 20), (0, 0, 0)).save(square / f"{i}.png")
+    assert S.default_view_size(open_catalog(str(tmp_path / "square")), "square") == S.ViewSize(20, None)   # one size
+    given = dataclasses.replace(spec, image_size=32)
+    assert S.planned_image_size(given, open_catalog(where)) == 32 and S.build_batch_source(
+        given, torch.device("cpu"), "simclr").size_note is None   # --image-size: nothing to explain
+
+
 def test_memory_path_of_a_flat_folder_is_unlabelled(folders):
     from unison.data import load_dataset
 

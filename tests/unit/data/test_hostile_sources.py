@@ -87,6 +87,34 @@ def test_flat_folder_with_a_subfolder_is_refused_by_name(tmp_path, extra):
     assert f"subfolders ({folder})" in msg and "give a file list" in msg
 
 
+@pytest.mark.parametrize("splits, role, instead", [
+    (("train", "val"), "--data", "give --data {d}/train --val {d}/val"),
+    (("test", "train"), "--data", "give --data {d}/train --val {d}/test"),
+    (("Training", "Validation"), "--data", "give --data {d}/Training --val {d}/Validation"),
+    (("train",), "--data", "give --data {d}/train"),
+    (("val",), "--data", "give --data the training split's folder and --val {d}/val"),
+    (("train", "val"), "--val", "give --val {d}/val"),
+], ids=["train-val", "train-test", "capitalised", "train-only", "val-only", "as-val"])
+def test_the_parent_of_the_splits_is_refused_naming_the_folders_to_give(tmp_path, splits, role, instead):
+    """`--data cifar10` (holding train/ and val/) trained a 2-class "train"/"val" set, the held-out images inside
+    the training data. Class folders all named like splits are refused before the tree is read."""
+    for split in splits:
+        for c in ("cat", "dog"):
+            _png(tmp_path / "d" / split / c / "0.png")
+    d = str(tmp_path / "d")
+    shown = " and ".join(f"{s}/" for s in splits)
+    message = _refused(f"{role} {d} holds the splits {shown}, not class folders: ", lambda: open_catalog(d, role))
+    assert message.endswith(instead.format(d=d)), message
+
+
+def test_a_class_named_like_a_split_among_others_is_warned_of(tmp_path):
+    for c in ("cat", "dog", "test"):
+        _png(tmp_path / "d" / c / "0.png")
+    with pytest.warns(UserWarning, match=r"class folder\(s\) named like data splits \(test/\) beside 2 other"):
+        catalog = open_catalog(str(tmp_path / "d"), "--data")
+    assert catalog.classes == ["cat", "dog", "test"]
+
+
 def test_symlink_loop_counts_each_image_once(tmp_path):
     root = _folder(tmp_path / "d")
     os.symlink("..", root / "a" / "up")                 # a loop back to the data folder

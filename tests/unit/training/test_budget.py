@@ -282,3 +282,47 @@ def test_a_stop_signal_during_the_measurement_ends_the_run_as_a_preemption(monke
                                         r"measured its step, before its first step: nothing was trained") as caught:
         budget.stop_if_requested(True)
     assert caught.value.exit_code == PREEMPTED_EXIT_CODE and caught.value.signal_name == "SIGTERM"
+
+@pytest.mark.parametrize("spent, refused", [(100.0, False), (200.0, True)], ids=["mostly-start-up", "no-room"])
+def test_a_budget_that_is_mostly_start_up_names_the_smallest_sensible_one_measured_here(tmp_path, local_group,
+                                                                                        monkeypatch, spent, refused):
+    """`--preset speedrun --time-budget 2m` on a CPU spent 78.5 s before its first planned step, without a word.
+    The start of the run is made to have taken `spent` s of a 2-minute budget (its clock started that much
+    earlier): the plan's line warns, or the refusal says, what the start and the end take on this machine and the
+    budget that gives the steps half of it, computed from the run's own measurement."""
+    from unison.training.budget_advice import duration, sensible_budget_s
+
+    now = [0.0]   # a fake clock: the start took `spent` s; the measurement (faked too) takes none
+    monkeypatch.setattr(budget, "clock", lambda: now[0])
+    monkeypatch.setattr(budget, "measure_step_s", lambda run, budget_s: (0.05, 5))
+    monkeypatch.setattr(budget, "measure_checkpoint_s", lambda run, snapshot: (0.01, 0.5))
+    cfg = _cfg(tmp_path, time_budget="2m", method="simclr").validate()
+    init_distributed(cfg.distributed)
+    run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
+    clock = BudgetClock(cfg.time_budget)
+    now[0] = spent
+    if refused:
+        with pytest.raises(ConfigError) as info:
+            budget.start_budget(run, clock, 0, {})
+        message = str(info.value)
+        assert "leaves no time to train" in message and "on this machine the start and the end of a run take" in message
+        assert "(half of it for steps)" in message and "\n" not in message
+        return
+    line = budget.start_budget(run, clock, 0, {})
+    plan = cfg.time_budget_plan
+    measured = plan["measured"]
+    end = final_s(BudgetCosts(**measured), budget.cadence_of(run))
+    smallest = duration(sensible_budget_s(measured["spent_s"] + end + measured["step_s"], MARGIN_SHARE))
+    assert line is not None and f"; warning: only {plan['steps'] * measured['step_s']:.1f} s of the 120 s" in line
+    assert f"the start took {spent:.1f} s" in line and measured["spent_s"] == spent
+    assert line.endswith(f"on this machine --time-budget {smallest} or more gives the steps half of it"), line
+    assert parse_duration(smallest) > 2 * spent   # more than twice what the start alone took
+
+
+def test_sensible_budgets_are_written_as_durations_the_option_takes():
+    from unison.training.budget_advice import duration, sensible_budget_s, short_budget
+
+    assert [duration(s) for s in (1.2, 95, 119.5, 120, 3601, 7300)] == ["2s", "95s", "2m", "2m", "61m", "3h"]
+    assert all(parse_duration(duration(s)) >= s for s in (1.2, 95, 119.5, 120, 3601, 7300))
+    assert sensible_budget_s(48.0, 0.02) == pytest.approx(100.0)
+    assert short_budget(600.0, 40.0, 8.0, 0.5, 1000, 0.02) is None   # 500 s of 600 for steps: nothing to say
