@@ -24,7 +24,7 @@ from unison.config.fields import article, coerce_fields, did_you_mean, shown, ty
 from unison.data.augment import PRESETS, default_local_size
 from unison.distributed.env import restart_reason
 from unison.errors import CheckpointError, ConfigError
-from unison.methods import METHODS, get_method
+from unison.methods import METHODS, Recipe, get_method
 from unison.models.backbones import BACKBONES, check_backbone, patch_size_of, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import RUN_FILE_ROOM, path_too_long, short_path
@@ -47,6 +47,7 @@ class ResolvedRecipe:
     augmentation: str
     local_crop_size: int | None = None
     local_crops: int | None = None   # None: the augmentation's; 0 where the recipe trains 2 views at this size
+    global_views: int | None = None  # None: the augmentation's; the method's parameter where it sets the view count
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -77,7 +78,16 @@ def resolve_recipe(cfg: TrainConfig, image_size: int | None = None) -> ResolvedR
         optimizer=cfg.optimizer or recipe.optimizer,
         lr=cfg.lr if cfg.lr is not None else recipe.base_lr,
         weight_decay=cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
-        augmentation=augmentation, local_crop_size=local, local_crops=crops)
+        augmentation=augmentation, local_crop_size=local, local_crops=crops, global_views=_view_count(cfg, recipe))
+
+
+def _view_count(cfg: TrainConfig, recipe: Recipe) -> int | None:
+    """The number of views the method's parameter `Recipe.views_param` asks for (given, else its default); None
+    for the other methods, and for a value that is not a count yet (`validated_method_params` refuses it)."""
+    if recipe.views_param is None:
+        return None
+    given = cfg.method_params.get(recipe.views_param, getattr(get_method(cfg.method).Params(), recipe.views_param))
+    return given if isinstance(given, int) and not isinstance(given, bool) and given >= 1 else None
 
 
 def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: OwnPieces | None = None) -> TrainConfig:

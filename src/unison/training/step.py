@@ -130,7 +130,8 @@ def data_spec(cfg: TrainConfig, image_size: int | None = None) -> DataSpec:
     return DataSpec(data=cfg.data, batch_size=cfg.batch_size, seed=cfg.seed, val=cfg.val, subset=cfg.subset,
                     val_subset=cfg.val_subset, knn_reference=cfg.knn_reference, on_corrupt=cfg.on_corrupt,
                     data_mode=cfg.data_mode, decode=cfg.decode, loader_workers=cfg.loader_workers,
-                    image_size=cfg.image_size, world_size=cfg.distributed.world_size, local_crops=recipe.local_crops,
+                    image_size=cfg.image_size, world_size=cfg.distributed.world_size, global_views=recipe.global_views,
+                    local_crops=recipe.local_crops,
                     local_crop_size=recipe.local_crop_size, grad_sync_every=cfg.distributed.grad_sync_every)
 
 
