@@ -101,8 +101,8 @@ class WMSE(SSLMethod):
             raise ConfigError(
                 f"batch_size={global_batch}: W-MSE whitens sub-batches of its global batch, and a {params.proj_dim}-"
                 f"wide embedding needs more than {params.proj_dim} images in one (the covariance of m images has rank "
-                f"m - 1); give --batch-size {max(smallest, min(2 * params.w_size, 256))} or more, a smaller "
-                "--param proj_dim=, or --param w_eps=0.1 (shrinkage)")
+                f"m - 1); give --batch-size {smallest} or more (e.g. {2 * params.w_size}: sub-batches of "
+                f"{params.w_size}, the paper's), a smaller --param proj_dim=, or --param w_eps=0.1 (shrinkage)")
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: WMSEParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
