@@ -33,8 +33,9 @@ rate: Lightly's ``EMPSSLLoss`` adds it, which would minimise it).
 
 MAE follows Lightly's MAE example (`unison.bench.lightly_models.MAESide`) on a timm ViT of the shared ViT's
 architecture, with the example's AdamW 1.5e-4 and ``MAETransform``; its comparison runs on a ViT (the method's recipe
-backbone when the bench's is a CNN). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT, I-JEPA, LeJEPA and
-distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare against.
+backbone when the bench's is a CNN). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
+I-JEPA, LeJEPA and distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare
+against.
 
 Example::
 
@@ -51,26 +52,23 @@ import torch
 import torch.nn as nn
 
 from .config import LIGHTLY_METHODS
+from .lightly_batch_models import EMPSSLSide, MMCRSide, SMoGSide, WMSESide
 from .lightly_models import (
     BarlowTwinsSide,
     BYOLSide,
     DCLSide,
     DCLWSide,
     DINOSide,
-    EMPSSLSide,
     FastSiamSide,
     MAESide,
-    MMCRSide,
     MoCoSide,
     NNCLRSide,
     Side,
     SimCLRSide,
     SimSiamSide,
-    SMoGSide,
     SwAVSide,
     TiCoSide,
     VICRegSide,
-    WMSESide,
 )
 
 

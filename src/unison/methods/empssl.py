@@ -29,7 +29,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from unison.losses import EMPSSLLoss
 from unison.models import mlp
 
-from ._common import same_size_views
+from ._common import check_global_views, same_size_views
 from .base import Recipe, SSLMethod
 from .params import check_params, check_trains
 
@@ -62,6 +64,10 @@ class EMPSSL(SSLMethod):
     name = "empssl"
     Params = EMPSSLParams
     recipe = Recipe(optimizer="lars", base_lr=0.3, weight_decay=1e-4, augmentation="patches", views_param="n_patches")
+
+    @classmethod
+    def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:
+        check_global_views("EMP-SSL", view_sizes, exactly=params.n_patches, presets="patches (as many as n_patches)")
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: EMPSSLParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -29,7 +29,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,7 +39,7 @@ import torch.nn as nn
 from unison.losses import MMCRLoss
 from unison.models import mlp
 
-from ._common import same_size_views
+from ._common import check_global_views, same_size_views
 from .base import Recipe, SSLMethod
 from .params import check_params
 
@@ -58,6 +60,10 @@ class MMCR(SSLMethod):
     name = "mmcr"
     Params = MMCRParams
     recipe = Recipe(optimizer="adam", base_lr=1e-3, weight_decay=1e-6, augmentation="simclr", views_param="n_views")
+
+    @classmethod
+    def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:
+        check_global_views("MMCR", view_sizes, exactly=params.n_views, presets="simclr, byol or mocov2 (as many views as n_views)")
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: MMCRParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ from unison.errors import ConfigError
 from unison.losses import SMoGLoss
 from unison.models import mlp
 
-from ._common import broadcast_once, two_views
+from ._common import broadcast_once, check_global_views, two_views
 from .base import Recipe, SSLMethod
 from .params import check_params
 from .teacher import MomentumTeacher
@@ -100,6 +101,10 @@ class SMoG(SSLMethod):
     bank: torch.Tensor          # position, optimiser steps taken
     bank_ptr: torch.Tensor
     step_count: torch.Tensor
+
+    @classmethod
+    def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:
+        check_global_views("SMoG", view_sizes, exactly=2, presets="smog, byol or simclr")
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: SMoGParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

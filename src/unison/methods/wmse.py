@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ from unison.losses import WMSELoss
 from unison.models import mlp
 from unison.rng import combine_key, hash64
 
-from ._common import same_size_views
+from ._common import check_global_views, same_size_views
 from .base import Recipe, SampleKeys, SSLMethod
 from .params import check_params
 
@@ -103,6 +104,10 @@ class WMSE(SSLMethod):
                 f"wide embedding needs more than {params.proj_dim} images in one (the covariance of m images has rank "
                 f"m - 1); give --batch-size {smallest} or more (e.g. {2 * params.w_size}: sub-batches of "
                 f"{params.w_size}, the paper's), a smaller --param proj_dim=, or --param w_eps=0.1 (shrinkage)")
+
+    @classmethod
+    def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:
+        check_global_views("W-MSE", view_sizes, exactly=params.n_views, presets="wmse, simclr or byol (as many views as n_views)")
 
     def __init__(self, backbone: nn.Module, feature_dim: int, params: WMSEParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)

@@ -39,3 +39,11 @@ def test_a_forward_over_the_views_trains_and_a_wrong_number_is_one_line():
     assert all(p.grad is not None for p in model.parameters())
     with pytest.raises(ValueError, match="n_views=3 views per image, got 2"):
         model(views[:2])
+
+
+def test_an_augmentation_with_local_crops_is_refused_before_any_worker_starts():
+    from unison.errors import ConfigError
+
+    MMCR.check_views(MMCRParams(n_views=3), None, [16, 16, 16])
+    with pytest.raises(ConfigError, match="MMCR takes exactly 3 views of one size; the augmentation makes 5"):
+        MMCR.check_views(MMCRParams(n_views=3), None, [16, 16, 16, 8, 8])
