@@ -21,10 +21,21 @@ momentum (``benchmarks/imagenet/resnet50/tico.py``: LARS 0.2 x batch / 256, weig
 and biases; momentum 0.99 to 1 by a cosine over the steps), since the example's plain SGD without momentum is no
 recipe.
 
-MAE follows Lightly's MAE example (`unison.bench.lightly_models.MAESide`) on a timm ViT of the shared ViT's architecture, with the
-example's AdamW 1.5e-4 and ``MAETransform``; its comparison runs on a ViT (the method's recipe backbone when the
-bench's is a CNN). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT, I-JEPA, LeJEPA and
-distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare against.
+MMCR and SMoG follow Lightly's own pipelines: its MMCR example (``examples/pytorch/mmcr.py``: ``MMCRProjectionHead``
+512-128, a momentum network at 0.996 -> 1, 8 views of ``MMCRTransform``, ``MMCRLoss``, plain SGD 0.06) and the SMoG
+model of its CIFAR-10 benchmark (``SMoGPrototypes``, 300 groups, a ``MemoryBankModule`` of 10,000 and
+scikit-learn's ``KMeans`` every 300 steps, SGD 0.01). W-MSE and EMP-SSL have a loss in Lightly but no example: their
+sides are Lightly's loss and transform classes put together as the papers' official code does (W-MSE:
+``WMSETransform``, a 1024-wide head to 64, ``WMSELoss`` with w_size 128, Adam 3e-3 per 512 images; EMP-SSL: 20
+patches of a quarter of the image from ``MultiCropTranform`` with the official colour ops, a 4096-4096-1024 head,
+LARS 0.3 per 100 images, and Lightly's ``tcr_loss`` and ``invariance_loss`` with the paper's sign of the coding
+rate: Lightly's ``EMPSSLLoss`` adds it, which would minimise it).
+
+MAE follows Lightly's MAE example (`unison.bench.lightly_models.MAESide`) on a timm ViT of the shared ViT's
+architecture, with the example's AdamW 1.5e-4 and ``MAETransform``; its comparison runs on a ViT (the method's recipe
+backbone when the bench's is a CNN). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
+I-JEPA, LeJEPA and distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare
+against.
 
 Example::
 
@@ -41,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from .config import LIGHTLY_METHODS
+from .lightly_batch_models import EMPSSLSide, MMCRSide, SMoGSide, WMSESide
 from .lightly_models import (
     BarlowTwinsSide,
     BYOLSide,
@@ -66,6 +78,7 @@ class LightlyRecipe:
     lr: float             # per 128 images (Lightly's lr_factor = batch / 128) unless `scale_lr` is False
     weight_decay: float
     scale_lr: bool = True
+    momentum: float = 0.9  # SGD's (Lightly's MMCR example: plain SGD)
 
     def peak_lr(self, batch_size: int) -> float:
         return self.lr * batch_size / 128 if self.scale_lr else self.lr
@@ -75,7 +88,7 @@ class LightlyRecipe:
         norms and biases out of weight decay (``get_weight_decay_parameters``)."""
         trainable = [q for q in model.parameters() if q.requires_grad]
         if self.optimizer == "sgd":
-            return torch.optim.SGD(trainable, lr=peak_lr, momentum=0.9, weight_decay=self.weight_decay)
+            return torch.optim.SGD(trainable, lr=peak_lr, momentum=self.momentum, weight_decay=self.weight_decay)
         if self.optimizer == "lars":
             from lightly.models.utils import get_weight_decay_parameters
             from lightly.utils.lars import LARS
@@ -101,6 +114,19 @@ class LightlySide:
 def _blur(image_size: int, default: Any) -> Any:
     """Lightly's CIFAR-10 benchmark turns blur off at 32 px; above that the transform's own default."""
     return (0.0 if not isinstance(default, tuple) else (0.0,) * len(default)) if image_size <= 32 else default
+
+
+def _patches(size: int, normalize: dict[str, list[float]]) -> Any:
+    """EMP-SSL's 20 patches (its official CIFAR augmentation) from Lightly's multi-crop and transform classes."""
+    from lightly import transforms as T
+    from lightly.transforms.multi_crop_transform import MultiCropTranform  # sic: Lightly's spelling
+    from lightly.transforms.torchvision_v2_compatibility import torchvision_transforms as TV
+
+    colour = TV.Compose([TV.RandomHorizontalFlip(p=0.5), TV.RandomApply([TV.ColorJitter(0.4, 0.4, 0.4, 0.2)], p=0.8),
+                         TV.RandomGrayscale(p=0.2), T.GaussianBlur(prob=0.1, sigmas=(0.1, 2.0)),
+                         T.RandomSolarization(prob=0.1), TV.ToTensor(), TV.Normalize(**normalize)])
+    return MultiCropTranform(crop_sizes=(size,), crop_counts=(20,), crop_min_scales=(0.25,), crop_max_scales=(0.25,),
+                             transforms=colour)
 
 
 def _transform(method: str, size: int, normalize: dict[str, list[float]]) -> Any:
@@ -133,6 +159,16 @@ def _transform(method: str, size: int, normalize: dict[str, list[float]]) -> Any
                                normalize=normalize)
     if method == "mae":
         return T.MAETransform(input_size=size, normalize=normalize)
+    if method == "mmcr":   # the example's 8 views, blur off at 32 px as it sets it
+        return T.MMCRTransform(k=8, input_size=size, gaussian_blur=_blur(size, 1.0), normalize=normalize)
+    if method == "wmse":
+        return T.WMSETransform(num_samples=2, input_size=size, gaussian_blur=_blur(size, 0.5), normalize=normalize)
+    if method == "smog":   # the benchmark's two crops
+        return T.SMoGTransform(crop_sizes=(size, size), crop_counts=(1, 1), cj_strength=0.5,
+                               gaussian_blur_probs=_blur(size, (0.5, 0.1)), crop_min_scales=(0.2, 0.2),
+                               crop_max_scales=(1.0, 1.0), normalize=normalize)
+    if method == "empssl":
+        return _patches(size, normalize)
     raise ValueError(f"Lightly has no CIFAR-10 side here for {method!r}; use one of {', '.join(LIGHTLY_METHODS)}")
 
 
@@ -145,7 +181,11 @@ _SIDES: dict[str, tuple[type[Side], LightlyRecipe]] = {
     "mae": (MAESide, LightlyRecipe("adamw", 1.5e-4, 0.01, scale_lr=False)),   # the example's AdamW(lr=1.5e-4)
     "nnclr": (NNCLRSide, SGD), "dcl": (DCLSide, SGD), "dclw": (DCLWSide, SGD),
     "tico": (TiCoSide, LightlyRecipe("lars", 0.1, 1.5e-6)),   # its ImageNet benchmark's LARS 0.2 x batch / 256
-    "fastsiam": (FastSiamSide, LightlyRecipe("sgd", 6e-2, 5e-4, scale_lr=False))}   # its SimSiam's, unscaled
+    "fastsiam": (FastSiamSide, LightlyRecipe("sgd", 6e-2, 5e-4, scale_lr=False)),   # its SimSiam's, unscaled
+    "mmcr": (MMCRSide, LightlyRecipe("sgd", 0.06, 0.0, scale_lr=False, momentum=0.0)),   # the example's SGD(lr=0.06)
+    "wmse": (WMSESide, LightlyRecipe("adam", 3e-3 / 4, 1e-6)),   # the paper's Adam 3e-3 for 512 images
+    "smog": (SMoGSide, LightlyRecipe("sgd", 0.01, 1e-6, scale_lr=False)),   # the benchmark's, at every batch size
+    "empssl": (EMPSSLSide, LightlyRecipe("lars", 0.3 * 128 / 100, 1e-4))}   # the official LARS 0.3 for 100 images
 
 
 def build_lightly_side(method: str, backbone: nn.Module, dim: int, image_size: int,

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 
-def _momentum_copy(module: nn.Module) -> nn.Module:
+def lightly_momentum_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` without gradients (Lightly's ``deactivate_requires_grad``): a momentum network."""
     from lightly.models.utils import deactivate_requires_grad
 
     twin = copy.deepcopy(module)
@@ -65,8 +66,8 @@ class MoCoSide(Side):
 
         super().__init__(backbone)
         self.projection_head = MoCoProjectionHead(dim, 512, 128)
-        self.backbone_momentum = _momentum_copy(self.backbone)
-        self.projection_head_momentum = _momentum_copy(self.projection_head)
+        self.backbone_momentum = lightly_momentum_copy(self.backbone)
+        self.projection_head_momentum = lightly_momentum_copy(self.projection_head)
         self.criterion = NTXentLoss(temperature=0.1, memory_bank_size=(4096, 128))
 
     def training_loss(self, views: list[torch.Tensor], step: int, steps: int) -> torch.Tensor:
@@ -127,8 +128,8 @@ class BYOLSide(Side):
         super().__init__(backbone)
         self.projection_head = BYOLProjectionHead(dim, 1024, 256)
         self.prediction_head = BYOLPredictionHead(256, 1024, 256)
-        self.backbone_momentum = _momentum_copy(self.backbone)
-        self.projection_head_momentum = _momentum_copy(self.projection_head)
+        self.backbone_momentum = lightly_momentum_copy(self.backbone)
+        self.projection_head_momentum = lightly_momentum_copy(self.projection_head)
         self.criterion = NegativeCosineSimilarity()
 
     def training_loss(self, views: list[torch.Tensor], step: int, steps: int) -> torch.Tensor:
@@ -179,7 +180,7 @@ class DINOSide(Side):
 
         super().__init__(backbone)
         self.head = self._head(dim)
-        self.teacher_backbone = _momentum_copy(self.backbone)
+        self.teacher_backbone = lightly_momentum_copy(self.backbone)
         self.teacher_head = self._head(dim)   # built anew, as Lightly's (its weight-normed layer cannot be copied)
         deactivate_requires_grad(self.teacher_head)
         self.criterion = DINOLoss(output_dim=2048)
@@ -260,8 +261,8 @@ class TiCoSide(Side):
 
         super().__init__(backbone)
         self.projection_head = TiCoProjectionHead(dim, 1024, 256)
-        self.backbone_momentum = _momentum_copy(self.backbone)
-        self.projection_head_momentum = _momentum_copy(self.projection_head)
+        self.backbone_momentum = lightly_momentum_copy(self.backbone)
+        self.projection_head_momentum = lightly_momentum_copy(self.projection_head)
         self.criterion = TiCoLoss()
 
     def training_loss(self, views: list[torch.Tensor], step: int, steps: int) -> torch.Tensor:

@@ -98,3 +98,20 @@ PRESETS["digits_crop"] = {**PRESETS["digits"], "n_global": 1, "jitter_p": 0.0}
 # 0.5 (brightness/contrast 0.4, saturation 0.2, hue 0.1), grey 0.2; their blur (sigma <= 0.1 px) is left out.
 # On the digits: digits_crop.
 PRESETS["distill"] = {**_COMMON, "n_global": 1, "crop_scale": (0.14, 1.0), "saturation": 0.2, "blur_p": 0.0}
+# W-MSE (Ermolov et al., 2021), its official CIFAR / STL-10 / Tiny ImageNet settings (``cfg.py``): SimCLR's colour
+# jitter, grey 0.1, crops from 20 % of the image, no blur at any size.
+PRESETS["wmse"] = {**_COMMON, "crop_scale": (0.2, 1.0), "grayscale_p": 0.1, "blur_p": 0.0}
+# SMoG (Pang et al., 2022): BYOL's asymmetric views as Lightly's SMoGTransform makes them (the paper has no code):
+# jitter on every view at strength 0.5 (brightness/contrast 0.4, saturation 0.2, hue 0.1), grey 0.2, crops from
+# 20 %, blur 0.5 / 0.1 and solarisation 0 / 0.2 on the two views (blur off at 32 px and below, as Lightly's CIFAR-10
+# benchmark runs it).
+PRESETS["smog"] = {**_COMMON, "crop_scale": (0.2, 1.0), "jitter_p": 1.0, "saturation": 0.2, "blur_p": (0.5, 0.1),
+                   "solarize_p": (0.0, 0.2)}
+# EMP-SSL (Tong et al., 2023), its official CIFAR augmentation (``dataset/aug.py``): many fixed-size patches per image,
+# each a square of a quarter of the image's area (16 px of a 32 px image) resized to the image size, flip, jitter
+# 0.8 (hue 0.2), grey 0.2, blur 0.1 (at 32 px too), solarisation 0.1. Its number of patches is the method's
+# parameter (`unison.methods.empssl`, 20 at CIFAR scale); on the digits: their colour ops and rotation, patches as
+# those of CIFAR.
+PRESETS["patches"] = {**_COMMON, "n_global": 20, "crop_scale": (0.25, 0.25), "crop_ratio": (1.0, 1.0), "hue": 0.2,
+                      "blur_p": 0.1, "blur_off_at_or_below": 0, "solarize_p": 0.1}
+PRESETS["digits_patches"] = {**PRESETS["digits"], "n_global": 20, "crop_scale": (0.25, 0.25), "crop_ratio": (1.0, 1.0)}

@@ -56,13 +56,14 @@ class DataSpec:
     loader_workers: int | None = None  # loader processes per rank; None: from the cores per rank
     image_size: int | None = None      # training crop size; None: from the data
     world_size: int = 1                # ranks sharing this machine's cores (default loader_workers)
+    global_views: int | None = None    # number of global views; None: the augmentation's (a method's view count)
     local_crops: int | None = None     # multi-crop: number of local crops; None: the augmentation's
     local_crop_size: int | None = None  # ... their size; None: the augmentation's (3/7 of image_size)
     grad_sync_every: int = 1           # micro-batches (global batches) per optimiser step
 
     def augment_overrides(self) -> dict[str, int]:
-        """The multi-crop settings given, as `ViewAugmenter` overrides (``n_local``, ``local_size``)."""
-        given = {"n_local": self.local_crops, "local_size": self.local_crop_size}
+        """The view counts and sizes given, as `ViewAugmenter` overrides (``n_global``, ``n_local``, ``local_size``)."""
+        given = {"n_global": self.global_views, "n_local": self.local_crops, "local_size": self.local_crop_size}
         return {k: v for k, v in given.items() if v is not None}
 
 

@@ -55,6 +55,7 @@ class CheckReport:
     tolerance: float
     reference: str = "one process on the global batch"   # what the W-worker run was compared with
     pieces: str = ""   # the user's own pieces checked (``unison.check(..., backbone=..., dataset=...)``), if any
+    batch_note: str = ""   # why the check ran at a larger batch than asked (`fitted_batch`)
 
     @property
     def passed(self) -> bool:
@@ -72,7 +73,8 @@ class CheckReport:
             + " (the training step of unison train)"
             + f"\n  compared with                       : {self.reference}"
             + (f"\n  data: {s.data}, streamed at {s.image_size} px" if s.data else "")
-            + (f"\n  your pieces                         : {self.pieces}" if self.pieces else ""),
+            + (f"\n  your pieces                         : {self.pieces}" if self.pieces else "")
+            + (f"\n  batch                               : {self.batch_note}" if self.batch_note else ""),
             f"  max relative difference, loss       : {self.max_rel_loss:.3e}   ({self.worst.get('loss', '-')})",
             f"  max relative difference, gradients  : {self.max_rel_grad:.3e}   ({self.worst.get('grad', '-')})",
             f"  max relative difference, parameters : {self.max_rel_state:.3e}   ({self.worst.get('state', '-')})",
@@ -249,6 +251,27 @@ def validate_check_specs(specs: list[CheckSpec], cuda_available: bool) -> None:
         raise ConfigError("--device cuda: torch sees no CUDA device here; leave --device at cpu")
 
 
+def fitted_batch(spec: CheckSpec) -> tuple[CheckSpec, str]:
+    """`spec`, with the local batch raised where one forward of the method would see fewer images than its loss is
+    defined on (`SSLMethod.smallest_batch`: W-MSE whitens groups wider than its embedding), and why; else `spec` and
+    "". So ``unison check --method all`` checks every method at the check's small default batch or the least above
+    it that the method takes."""
+    from unison.methods import get_method
+    from unison.training.resolve import validated_method_params
+
+    method = get_method(spec.method)
+    smallest = method.smallest_batch(method.Params(**validated_method_params(spec.method, spec.method_params)))
+    k = spec.grad_sync_every if (spec.grad_sync_every > 1 and spec.accumulation == "exact"
+                                 and method.accumulation == "exact") else 1   # exact: one forward on K micro-batches
+    per_forward = spec.local_batch * spec.world_size * k
+    if per_forward >= smallest:
+        return spec, ""
+    local = -(-smallest // (spec.world_size * k))
+    return (dataclasses.replace(spec, local_batch=local),
+            f"local batch {spec.local_batch} raised to {local}: {spec.method} needs at least {smallest} images in one "
+            f"forward, {per_forward} given")
+
+
 def run_equivalence_all(methods: list[str], world_size: int = 2, *,
                         record: Callable[[dict[str, Any]], dict[str, Any]] = record_steps,
                         own: OwnPieces | None = None, **kw: Any) -> list[CheckReport]:
@@ -265,7 +288,8 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     from unison.training.resolve import plan_run, validate_run
 
     refuse_reentered_main("unison.check")   # a script without the main guard, re-run by a worker
-    specs = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
+    fitted = [fitted_batch(CheckSpec(method=method, world_size=world_size, **kw)) for method in methods]
+    specs = [spec for spec, _ in fitted]
     validate_check_specs(specs, torch.cuda.is_available())
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
         cfg = validate_run(train_config_for(spec, world_size, own), own=own)
@@ -281,10 +305,11 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     multi = run_in_workers(record_each, world_size, args=(spec_dicts, record), backend="gloo", seed=seed,
                            timeout_s=600)[0]
     reports = []
-    for spec, recorded in zip(specs, multi):
+    for (spec, batch_note), recorded in zip(fitted, multi):
         single_spec = reference(spec, recorded)[0]
         single = run_in_workers(record, 1, args=(single_spec,), backend="local", seed=spec.seed)[0]
         reports.append(compare(recorded, single, spec))
+        reports[-1].batch_note = batch_note
     if own is not None:
         cfg = train_config_for(specs[0], world_size, own)
         named = {"backbone": own.backbone is not None and cfg.backbone, "dataset": own.dataset is not None and cfg.data,

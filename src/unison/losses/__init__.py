@@ -31,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "FastSiamLoss": "fastsiam",
     "NNCLRLoss": "nnclr", "nearest_neighbours": "nnclr",
     "TiCoLoss": "tico",
+    "EMPSSLLoss": "empssl", "coding_rate": "empssl",
+    "MMCRLoss": "mmcr",
+    "SMoGLoss": "smog",
+    "WMSELoss": "wmse",
 }
 
 

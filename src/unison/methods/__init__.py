@@ -36,6 +36,10 @@ _MODULES: dict[str, tuple[str, str]] = {
     "dclw": ("dcl", "DCLW"),
     "tico": ("tico", "TiCo"),
     "fastsiam": ("fastsiam", "FastSiam"),
+    "mmcr": ("mmcr", "MMCR"),
+    "wmse": ("wmse", "WMSE"),
+    "smog": ("smog", "SMoG"),
+    "empssl": ("empssl", "EMPSSL"),
 }
 
 

@@ -133,6 +133,17 @@ def check_global_views(method: str, view_sizes: Sequence[int], exactly: int | No
                       "--augmentation and --local-crops out (the method's own)")
 
 
+def same_size_views(views: list[torch.Tensor], method: str, expected: int, param: str) -> int:
+    """Validate `expected` views of one shape (the views of a method whose view count is its parameter `param`);
+    return the local batch size."""
+    if len(views) != expected:
+        raise ValueError(f"{method} takes {param}={expected} views per image, got {len(views)}; the augmentation makes "
+                         f"as many as --param {param} asks (a preset without local crops)")
+    if any(v.shape != views[0].shape for v in views[1:]):
+        raise ValueError(f"{method}: every view must be one shape, got {sorted({tuple(v.shape) for v in views})}")
+    return views[0].shape[0]
+
+
 def check_multicrop(views: list[torch.Tensor], method: str) -> int:
     """Validate 2 global views (+ local crops, each batch the same size); return the local batch size."""
     if len(views) < 2:

@@ -47,6 +47,9 @@ class Recipe:
     # Multi-crop methods: at this image size and below, no local crops unless --local-crops asks (the 2 global
     # views only); 0: the augmentation's local crops at every size
     global_views_up_to: int = 0
+    # The `Params` field that sets how many views of the image size the augmentation makes (its ``n_global``), for
+    # the methods whose view count is a hyper-parameter (MMCR's views, EMP-SSL's patches); None: the preset's
+    views_param: str | None = None
     # Overrides of the fields above for the embedded digits default, a 150-step schedule on which
     # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
     embedded: dict[str, Any] = field(default_factory=dict)
@@ -58,7 +61,7 @@ class Recipe:
         if data != "digits":
             return self
         preset = {"multicrop": "digits_multicrop", "crop": "digits_crop", "distill": "digits_crop",
-                  "fastsiam": "digits_fastsiam"}.get(self.augmentation, "digits")
+                  "fastsiam": "digits_fastsiam", "patches": "digits_patches"}.get(self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 
@@ -93,6 +96,14 @@ class SSLMethod(nn.Module):
         """Raise `ConfigError` for hyper-parameters that do not fit the run's global batch and world size (a queue
         length, ...). The pre-flight calls it (`unison.training.resolve.validated_method_params`) with the numbers
         the workers will see, and the methods' own step-time checks call the same code."""
+
+    @classmethod
+    def smallest_batch(cls, params: Any) -> int:
+        """The smallest global batch one forward of this method is defined on at `params` (under exact accumulation
+        a forward takes the step's K micro-batches): 2, since over one image a contrastive loss is 0 and batch norm
+        fails; more where a batch statistic needs it (W-MSE's whitening). `check_run` refuses a smaller batch with
+        the method's reason; `unison check` and the defaults' tests size their batches by it."""
+        return 2
 
     @classmethod
     def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:

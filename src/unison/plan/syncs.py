@@ -54,6 +54,8 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
     KnownSync("src/unison/methods/moco.py (_enqueue)", "", "MoCo's queue pointer", "where this step's keys go"),
     KnownSync("src/unison/methods/nnclr.py (_enqueue)", "", "NNCLR's support set pointer",
               "where this step's projections go"),
+    KnownSync("src/unison/methods/smog.py (forward)", "", "SMoG's view roles",
+              "the two views swap roles every other step (step counter)"),
 )
 
 

@@ -30,7 +30,7 @@ from unison.data.source import check_label_spaces, data_mode_of, open_checked, p
 from unison.data.spec import DataSpec
 from unison.distributed.env import restart_reason
 from unison.errors import CheckpointError, ConfigError
-from unison.methods import METHODS, get_method
+from unison.methods import METHODS, Recipe, get_method
 from unison.models.backbones import BACKBONES, check_backbone, patch_size_of, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import RUN_FILE_ROOM, path_too_long, short_path
@@ -54,6 +54,7 @@ class ResolvedRecipe:
     augmentation: str
     local_crop_size: int | None = None
     local_crops: int | None = None   # None: the augmentation's; 0 where the recipe trains 2 views at this size
+    global_views: int | None = None  # None: the augmentation's; the method's parameter where it sets the view count
     global_views_up_to: int = dataclasses.field(default=0, repr=False)   # the method's `Recipe`'s
 
     def as_dict(self) -> dict[str, Any]:
@@ -101,6 +102,7 @@ def data_spec(cfg: TrainConfig, recipe: ResolvedRecipe | None = None) -> DataSpe
                     val_subset=cfg.val_subset, knn_reference=cfg.knn_reference, on_corrupt=cfg.on_corrupt,
                     data_mode=cfg.data_mode, decode=cfg.decode, loader_workers=cfg.loader_workers,
                     image_size=cfg.image_size, world_size=cfg.distributed.world_size,
+                    global_views=recipe.global_views if recipe else None,
                     local_crops=recipe.local_crops if recipe else cfg.local_crops,
                     local_crop_size=recipe.local_crop_size if recipe else cfg.local_crop_size,
                     grad_sync_every=cfg.distributed.grad_sync_every)
@@ -145,8 +147,17 @@ def resolve_recipe(cfg: TrainConfig, image_size: int | None = None) -> ResolvedR
         optimizer=cfg.optimizer or recipe.optimizer,
         lr=cfg.lr if cfg.lr is not None else recipe.base_lr,
         weight_decay=cfg.weight_decay if cfg.weight_decay is not None else recipe.weight_decay,
-        augmentation=cfg.augmentation or recipe.augmentation,
+        augmentation=cfg.augmentation or recipe.augmentation, global_views=_view_count(cfg, recipe),
         global_views_up_to=recipe.global_views_up_to).at_size(cfg, image_size)
+
+
+def _view_count(cfg: TrainConfig, recipe: Recipe) -> int | None:
+    """The number of views the method's parameter `Recipe.views_param` asks for (given, else its default); None
+    for the other methods, and for a value that is not a count yet (`validated_method_params` refuses it)."""
+    if recipe.views_param is None:
+        return None
+    given = cfg.method_params.get(recipe.views_param, getattr(get_method(cfg.method).Params(), recipe.views_param))
+    return given if isinstance(given, int) and not isinstance(given, bool) and given >= 1 else None
 
 
 def validate_run(cfg: TrainConfig, cuda_available: bool | None = None, *, own: OwnPieces | None = None) -> TrainConfig:
@@ -184,7 +195,8 @@ def _validated(cfg: TrainConfig, cuda_available: bool | None, own: OwnPieces | N
     cfg.method_params = validated_method_params(
         cfg.method, cfg.method_params, global_batch=per_forward, world_size=cfg.distributed.world_size,
         shared_queue=cfg.distributed.shared_queue)
-    return recipe
+    # the view count of a method whose parameter sets it, from the parameters as validated
+    return dataclasses.replace(recipe, global_views=_view_count(cfg, get_method(cfg.method).recipe))
 
 
 def exact_accumulation(cfg: TrainConfig) -> bool:

@@ -21,9 +21,10 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
     from unison.bench.lightly_compare import _lightly_child
 
     backbone = "vit_nano_auto" if method == "mae" else "small_cnn"   # MAE: a ViT (`for_method`), tiny here
-    payload = {"method": method, "data": "digits", "val": None, "subset": 40, "val_subset": 20, "seed": 0,
-               "batch_size": 8, "steps": 2, "backbone": backbone, "loader_workers": 0, "threads": 1, "knn_k": 5,
-               "device": "cpu", "amp": "none"}
+    batch = 128 if method == "wmse" else 8   # Lightly's WMSELoss needs a batch of its w_size
+    payload = {"method": method, "data": "digits", "val": None, "subset": max(40, 2 * batch), "val_subset": 20,
+               "seed": 0, "batch_size": batch, "steps": 2, "backbone": backbone, "loader_workers": 0, "threads": 1,
+               "knn_k": 5, "device": "cpu", "amp": "none"}
     threads = torch.get_num_threads()
     try:
         _lightly_child(payload, str(tmp_path / "side.json"))
@@ -32,7 +33,8 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
     r = json.loads((tmp_path / "side.json").read_text())
     assert r["steps"] == len(r["step_end_s"]) == 2, method
     assert math.isfinite(r["final_loss"]) and 0 <= r["knn_top1"] <= 1 and r["peak_memory_mib"] > 0, (method, r)
-    optimizer = {"swav": "adam ", "mae": "adamw ", "vicreg": "lars ", "tico": "lars "}.get(method, "sgd ")
+    optimizer = {"swav": "adam ", "mae": "adamw ", "vicreg": "lars ", "tico": "lars ", "wmse": "adam ",
+                 "empssl": "lars "}.get(method, "sgd ")
     assert r["recipe"].startswith(optimizer), (method, r["recipe"])
 
 

@@ -30,7 +30,9 @@ def _known(h) -> bool:
 def _cfg(method: str, shard: str = "full", amp: str = "bf16", world: int = 8, local: int = 2,
          vit: str = "vit_nano_p4") -> TrainConfig:
     """`method`'s run on `world` simulated GPUs; the methods that need patch tokens on ViT `vit`, I-JEPA at 32 px
-    (room for its context block: 8 x 8 patches)."""
+    (room for its context block: 8 x 8 patches); `local` images per rank, or as many as the method's smallest batch
+    needs (W-MSE's whitening)."""
+    local = max(local, -(-METHODS[method].smallest_batch(METHODS[method].Params()) // world))
     cfg = TrainConfig(method=method, data="synthetic", backbone=vit if method in VIT_ONLY else "small_cnn",
                       batch_size=local * world, image_size=32 if method == "ijepa" else 16, amp=amp, progress=False,
                       teacher="random" if method == "distill" else None,
