@@ -1,6 +1,7 @@
 """Write ``examples/configs/<method>_<dataset>.yaml``: every method's recipe at CIFAR-10 size and at ImageNet size.
 
-    python scripts/write_configs.py            # (re)write every file (a new method gets its two files)
+    python scripts/write_configs.py            # (re)write every file (a new method gets its two files, and its
+                                               # row in docs/guides/methods.md's table of them)
     python scripts/write_configs.py --check    # exit 1 naming each file that is missing or differs
 
 Each file is what ``unison train`` resolves for the method when nothing but the data set's setting is given,
@@ -26,6 +27,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "examples" / "configs"
+GUIDE = ROOT / "docs" / "guides" / "methods.md"   # its table of the files, between these two lines
+TABLE_START, TABLE_END = "<!-- config files: written by scripts/write_configs.py -->", "<!-- end of config files -->"
 
 
 @dataclass(frozen=True)
@@ -196,12 +199,31 @@ def render(method: str, dataset: str) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def expected_files() -> dict[Path, str]:
-    """Every file this script writes, with its text: two per method in `unison.methods.METHODS`."""
+def guide_table(guide: str) -> str:
+    """`guide` (the methods guide's text) with its table of the files, between `TABLE_START` and `TABLE_END`, as
+    this script writes it: one row per method, a link to each of its files."""
     from unison.methods import METHODS
 
-    return {CONFIG_DIR / f"{method}_{dataset}.yaml": render(method, dataset)
-            for method in sorted(METHODS) for dataset in SETTINGS}
+    if TABLE_START not in guide or TABLE_END not in guide:
+        raise SystemExit(f"write_configs: {GUIDE.relative_to(ROOT)} lost its lines {TABLE_START} and {TABLE_END}")
+    link = f"../../{CONFIG_DIR.relative_to(ROOT).as_posix()}"
+    rows = ["| `--method` | " + " | ".join(s.title for s in SETTINGS.values()) + " |",
+            "|---|" + "---|" * len(SETTINGS)]
+    rows += [f"| `{m}` | " + " | ".join(f"[`{m}_{d}.yaml`]({link}/{m}_{d}.yaml)" for d in SETTINGS) + " |"
+             for m in sorted(METHODS)]
+    before, rest = guide.split(TABLE_START, 1)
+    return before + TABLE_START + "\n" + "\n".join(rows) + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1]
+
+
+def expected_files() -> dict[Path, str]:
+    """Every file this script writes, with its text: two per method in `unison.methods.METHODS`, and the methods
+    guide with its table of them."""
+    from unison.methods import METHODS
+
+    files = {CONFIG_DIR / f"{method}_{dataset}.yaml": render(method, dataset)
+             for method in sorted(METHODS) for dataset in SETTINGS}
+    files[GUIDE] = guide_table(GUIDE.read_text())
+    return files
 
 
 def stale_files() -> list[str]:
@@ -229,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             written += 1
     known = set(files)
-    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):  # a method that went: its files are left for a person to delete
         if path not in known:
             print(f"write_configs: {path.relative_to(ROOT)} is no method's file any more: delete it if so",
                   file=sys.stderr)
-    print(f"write_configs: {written} of {len(files)} files written in {CONFIG_DIR.relative_to(ROOT)}")
+    print(f"write_configs: {written} of {len(files)} files written ({CONFIG_DIR.relative_to(ROOT)}, "
+          f"{GUIDE.relative_to(ROOT)})")
     return 0
 
 

@@ -75,23 +75,31 @@ def test_files_are_what_the_script_writes():
     script = _script()
     stale = script.stale_files()
     assert not stale, f"{', '.join(stale)} missing or out of date: {FIX}"
-    extra = sorted(p.name for p in FILES if p not in script.expected_files())
+    extra = sorted(p.name for p in FILES if p not in script.expected_files())   # a method that went
     assert not extra, f"examples/configs/ holds {', '.join(extra)}, which is no method's: delete it"
 
 
 def test_the_script_check_mode_names_a_stale_file(tmp_path, monkeypatch, capsys):
     """``--check`` is the gate that fails: a file edited by hand is named, and exit 1."""
     script = _script()
-    copy = tmp_path / "configs"
-    copy.mkdir()
+    copy = tmp_path / "examples" / "configs"
+    copy.mkdir(parents=True)
     for path, text in script.expected_files().items():
-        (copy / path.name).write_text(text)
+        if path.suffix == ".yaml":
+            (copy / path.name).write_text(text)
+    (tmp_path / "methods.md").write_text(script.GUIDE.read_text())
     monkeypatch.setattr(script, "CONFIG_DIR", copy)
+    monkeypatch.setattr(script, "GUIDE", tmp_path / "methods.md")
     monkeypatch.setattr(script, "ROOT", tmp_path)
     assert script.main(["--check"]) == 0
     (copy / "simclr_cifar10.yaml").write_text((copy / "simclr_cifar10.yaml").read_text().replace("lr: 0.12", "lr: 0.3"))
     assert script.main(["--check"]) == 1
     assert "configs/simclr_cifar10.yaml is missing or out of date" in capsys.readouterr().err
+    (copy / "simclr_cifar10.yaml").write_text(script.render("simclr", "cifar10"))
+    guide = (tmp_path / "methods.md").read_text()
+    (tmp_path / "methods.md").write_text(guide.replace("[`simclr_cifar10.yaml`]", "[`simclr.yaml`]"))
+    assert script.main(["--check"]) == 1                         # the guide's table is checked too
+    assert "methods.md is missing or out of date" in capsys.readouterr().err
 
 
 def recipe_mismatches(path: Path) -> list[str]:
