@@ -84,10 +84,11 @@ def test_the_script_check_mode_names_a_stale_file(tmp_path, monkeypatch, capsys)
     script = _script()
     copy = tmp_path / "examples" / "configs"
     copy.mkdir(parents=True)
-    for path, text in script.expected_files().items():
+    expected = script.expected_files()
+    for path, text in expected.items():
         if path.suffix == ".yaml":
             (copy / path.name).write_text(text)
-    (tmp_path / "methods.md").write_text(script.GUIDE.read_text())
+    (tmp_path / "methods.md").write_text(expected[script.GUIDE])
     monkeypatch.setattr(script, "CONFIG_DIR", copy)
     monkeypatch.setattr(script, "GUIDE", tmp_path / "methods.md")
     monkeypatch.setattr(script, "ROOT", tmp_path)
