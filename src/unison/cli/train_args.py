@@ -78,7 +78,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option names to values "
-                          "(see examples/simclr_cifar10.yaml)")
+                          "(see examples/configs/simclr_cifar10.yaml)")
     check_file(data, f"config file {path}")   # every problem of the file at once, one line each
     return plain(data)
 
@@ -164,7 +164,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``unison train``: generated from `TrainConfig` and `DistributedConfig`, plus the three
     that are not fields (``--config``, ``--param``, ``--backbone-arg``)."""
     parser.add_argument("--config", metavar="FILE",
-                         help="YAML file of options (CLI flags override it); see examples/simclr_cifar10.yaml")
+                         help="YAML file of options (CLI flags override it); see examples/configs/simclr_cifar10.yaml")
     parser.add_argument("--param", action="append", metavar="NAME=VALUE",
                          help="method hyper-parameter, repeatable (names and defaults below)")
     parser.add_argument("--backbone-arg", action="append", metavar="NAME=VALUE",
@@ -210,5 +210,5 @@ def train_epilog(width: int = 100) -> str:
                            "--backbone-arg NAME=VALUE)", width)
     lines += textwrap.wrap("A YAML file (--config) takes the same options by their field names (batch_size: 256), "
                            "the distributed ones under 'distributed:', method hyper-parameters under "
-                           "'method_params:'; see examples/simclr_cifar10.yaml.", width)
+                           "'method_params:'; see examples/configs/simclr_cifar10.yaml.", width)
     return "\n".join(lines)

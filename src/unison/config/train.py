@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 
 from unison.config.budget import check_plan, duration_with_units, parse_duration
 from unison.config.distributed import DistributedConfig, as_distributed, cuda_found
-from unison.config.extras import install_command
+from unison.config.extras import check_logger_packages
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.config.presets import PRESETS, with_preset
@@ -38,7 +37,7 @@ AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")
 DATA_MODES = ("auto", "memory", "stream")
 DECODERS = ("cpu", "gpu")
-LOGGERS = ("none", "csv", "tensorboard", "wandb")
+LOGGERS = ("none", "csv", "tensorboard", "wandb", "mlflow")
 OPTIMIZERS = ("sgd", "lars", "adam", "adamw")
 TEACHER_DTYPES = ("float32", "bf16")
 MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
@@ -249,7 +248,8 @@ class TrainConfig:
     logger: str = field(default="csv", metadata={
         "help": "metrics logger: csv (metrics.csv + plot.png), tensorboard (also <out>/tensorboard; pip install "
                 "tensorboard), wandb (also Weights & Biases; pip install wandb; WANDB_PROJECT names the project), "
-                "none (no metrics files)", "choices": LOGGERS})
+                "mlflow (also an MLflow run: in the server MLFLOW_TRACKING_URI names, else in <out>/mlflow; "
+                "pip install mlflow-skinny sqlalchemy alembic), none (no metrics files)", "choices": LOGGERS})
     method_params: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "method hyper-parameters (--param NAME=VALUE)"})
     # ---- distill: the frozen teacher
@@ -379,10 +379,7 @@ class TrainConfig:
             raise ConfigError(f"optimizer={shown(self.optimizer)} is unknown; use sgd, lars, adam or adamw")
         if self.logger not in LOGGERS:
             raise ConfigError(f"logger={shown(self.logger)} is unknown; use one of {', '.join(LOGGERS)}")
-        package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(self.logger)
-        if package and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--logger {self.logger} needs the {package} package: {install_command(package)} "
-                              "(or use --logger csv)")
+        check_logger_packages(self.logger)
 
     def _validate_data(self, cuda_available: bool | None) -> None:
         if self.data_mode not in DATA_MODES:

@@ -1,4 +1,4 @@
-"""Run metrics on rank 0: a CSV file and a PNG plot, optionally TensorBoard or Weights & Biases (``--logger``).
+"""Run metrics on rank 0: a CSV file and a PNG plot, optionally TensorBoard, Weights & Biases or MLflow (``--logger``).
 
 ``--logger`` (`TrainConfig.logger`):
 
@@ -14,6 +14,10 @@
 * ``wandb``: the same, plus a Weights & Biases run (``pip install wandb``; the project is
   ``$WANDB_PROJECT`` or ``unison``, the run name the run directory's name, the configuration
   the run's). wandb is imported only when asked for.
+* ``mlflow``: the same, plus an MLflow run (``pip install '.[mlflow]'``): in the tracking server
+  ``$MLFLOW_TRACKING_URI`` names, else in the run's own store ``<run dir>/mlflow``; params the configuration, metrics
+  the rows above, ``plot.png`` and ``summary.json`` artifacts at the end; a resumed run continues the same MLflow
+  run (`unison.training.mlflow_run`). mlflow is imported only when asked for.
 * ``none``: no metrics files (``summary.json``, ``config.json`` and ``train.log`` are still written).
 
 A resumed run appends to ``metrics.csv``; a file with an older header is rewritten with the current
@@ -62,6 +66,7 @@ class MetricsLogger:
         self.rows: list[dict[str, Any]] = []
         self._tb: Any = None
         self._wandb: Any = None
+        self._mlflow: Any = None
         self.error = error
         if not self.enabled:
             return
@@ -77,6 +82,10 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "unison"), name=self.run_dir.name,
                                      dir=str(self.run_dir), config=config or {}, resume="allow")
+        elif kind == "mlflow":
+            from unison.training.mlflow_run import MLflowRun
+
+            self._mlflow = MLflowRun(self.run_dir, config or {}, error)
 
     @contextlib.contextmanager
     def _writing(self, path: Path) -> Iterator[None]:
@@ -123,6 +132,9 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, int(values["step"]))
         if self._wandb is not None:
             self._wandb.log({**scalars, "epoch": values.get("epoch")}, step=int(values["step"]))
+        if self._mlflow is not None:
+            epoch = {"epoch": values["epoch"]} if values.get("epoch") is not None else {}
+            self._mlflow.log(int(values["step"]), {**scalars, **epoch})
 
     def release(self) -> None:
         """Close the files without drawing the plot (a run that failed); safe after `close`."""
@@ -131,6 +143,8 @@ class MetricsLogger:
                 self._file.close()
             if self._tb is not None:
                 self._tb.close()
+        if self._mlflow is not None:
+            self._mlflow.release()
 
     def close(self, random_init_knn_top1: float | None = None, init_knn_top1: float | None = None) -> None:
         if not self.enabled:
@@ -143,6 +157,8 @@ class MetricsLogger:
             self._wandb.finish()
         with self._writing(self.run_dir / "plot.png"):
             plot_metrics(rows_by_step(self.rows), self.run_dir / "plot.png", random_init_knn_top1, init_knn_top1)
+        if self._mlflow is not None:   # after the plot: it is one of the run's artifacts
+            self._mlflow.close()
 
 
 def metrics_figure(rows: list[dict[str, Any]], random_init_knn_top1: float | None = None,

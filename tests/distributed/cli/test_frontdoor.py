@@ -128,7 +128,7 @@ def test_9_help_lists_methods_params_presets_and_says_defaults_once(capsys):
     text = capsys.readouterr().out
     assert "default: method recipe" in text and "(default: None)" not in text
     for fragment in ("simclr       temperature=0.5", "dino ", "momentum_base=0.99", "augmentation presets",
-                     "multicrop", "timm:<model>", "examples/simclr_cifar10.yaml"):
+                     "multicrop", "timm:<model>", "examples/configs/simclr_cifar10.yaml"):
         assert fragment in text, fragment
     for command in (["eval"], ["export", "--out", "x.pt"]):
         with pytest.raises(SystemExit) as info:

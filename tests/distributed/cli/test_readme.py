@@ -98,7 +98,7 @@ def run_command(line: str, cwd: Path, env: dict[str, str]) -> str:
 @pytest.mark.distributed
 def test_readme_commands_run_as_written(tmp_path):
     commands = readme_commands()
-    assert any("--config examples/simclr_cifar10.yaml" in c for c in commands)   # the YAML example is among them
+    assert any("--config examples/configs/simclr_cifar10.yaml" in c for c in commands)   # the YAML example is among them
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     _png_folder(tmp_path / "data" / "train", 24)
     _png_folder(tmp_path / "data" / "val", 8)

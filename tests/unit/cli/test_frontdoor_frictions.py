@@ -80,7 +80,7 @@ def test_counts_are_singular_for_one():
     assert summary.result_line(3.0).startswith("simclr x2 workers, 5 steps, 3 s: ")
 
 
-@pytest.mark.parametrize("extra", ["tensorboard", "wandb"])
+@pytest.mark.parametrize("extra", ["tensorboard", "wandb", "mlflow"])
 def test_a_missing_logger_package_names_a_command_that_installs_it(extra, monkeypatch):
     import importlib.util
 
