@@ -1,0 +1,43 @@
+"""``unison eval --fine-tune`` and ``--linear-protocol standard`` on 2 real worker processes (gloo on loopback, each
+its own half of every global batch) against one process on the global batch, in float64: the same classifier
+after the same steps, within 1e-9 relative (the two ranks' sums add in another order than one process's), and
+the same scores. The ViT case runs every recipe part that draws random numbers: drop path, mixup and cutmix."""
+
+import json
+
+import pytest
+from helpers.finetune import classifier_state, digits_checkpoint, max_rel_difference
+
+from unison.cli import main
+
+TOLERANCE = 1e-9
+COMMON = ["--precision", "float64", "--epochs", "2", "--labels", "128", "--train-batch-size", "32", "--val-subset", "64",
+          "--threads", "1"]
+CASES = {
+    "cnn-fine-tune": ("small_cnn", ["--fine-tune", "--no-knn", "--no-linear"]),
+    "cnn-standard-linear": ("small_cnn", ["--linear-protocol", "standard", "--no-knn"]),
+    "vit-fine-tune-drop-path-layer-decay-mixup-cutmix": ("vit_micro_p2", ["--fine-tune", "--no-knn", "--no-linear",
+                                                                          "--mixup", "0.8", "--cutmix", "1.0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune-workers")
+    return {b: digits_checkpoint(root / b, b) for b in ("small_cnn", "vit_micro_p2")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_workers_train_like_one_on_the_global_batch(runs, tmp_path, case):
+    backbone, argv = CASES[case]
+    for world in (1, 2):
+        assert main(["eval", "--checkpoint", str(runs[backbone]), "--out", str(tmp_path / f"w{world}"),
+                     "--world-size", str(world), *COMMON, *argv]) == 0
+    folder = "fine-tune" if "--fine-tune" in argv else "linear-standard"
+    one, two = (classifier_state(tmp_path / f"w{world}" / folder) for world in (1, 2))
+    diff, worst = max_rel_difference(two, one)
+    assert diff < TOLERANCE, f"{worst}: {diff:.3e}"
+    r1, r2 = (json.loads((tmp_path / f"w{world}" / "eval.json").read_text())["full"][0] for world in (1, 2))
+    assert (r1["world_size"], r2["world_size"], r1["steps"], r2["steps"]) == (1, 2, 8, 8)
+    assert (r1["top1"], r1["top5"]) == (r2["top1"], r2["top5"])
+    assert r2["final_loss"] == pytest.approx(r1["final_loss"], rel=1e-9)
