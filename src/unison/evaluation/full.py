@@ -48,10 +48,12 @@ def family_of(backbone: torch.nn.Module) -> str:
     return "vit" if hasattr(backbone, "patch_embed") else "cnn"
 
 
-def recipe_for(opts: EvalOptions, protocol: str, family: str, run_augmentation: str) -> Any:
+def recipe_for(opts: EvalOptions, protocol: str, family: str, data: str) -> Any:
+    """The protocol's recipe for the backbone's family with `opts`' values; its augmentation a preset of one view
+    (default: ``classify``; ``digits_crop`` on the embedded digits, which are not mirror symmetric)."""
     from unison.eval.recipe import resolve_recipe
 
-    default_aug = "digits_crop" if run_augmentation.startswith("digits") else "classify"
+    default_aug = "digits_crop" if data == "digits" else "classify"
     given = {"epochs": opts.epochs, "batch_size": opts.train_batch_size, "base_lr": opts.lr,
              "optimizer": opts.optimizer, "weight_decay": opts.weight_decay, "layer_decay": opts.layer_decay,
              "warmup_epochs": opts.warmup_epochs, "label_smoothing": opts.label_smoothing,
@@ -120,7 +122,6 @@ def train_and_score(opts: EvalOptions, payload: dict[str, Any], device: torch.de
     from unison.eval.finetune import FineTuneJob, fine_tune
     from unison.eval.mix import check_pairs
     from unison.training.load import load_method, preprocessing
-    from unison.training.resolve import resolve_recipe as run_recipe
 
     protocol, scratch = payload["protocol"], payload["scratch"]
     method, cfg, ckpt = load_method(str(opts.checkpoint), device)
@@ -128,7 +129,7 @@ def train_and_score(opts: EvalOptions, payload: dict[str, Any], device: torch.de
         from .fast import scratch_method
 
         method = scratch_method(str(opts.checkpoint), cfg, ckpt, device)
-    recipe = recipe_for(opts, protocol, family_of(method.backbone), run_recipe(cfg).augmentation)
+    recipe = recipe_for(opts, protocol, family_of(method.backbone), payload["data"]["data"])
     if recipe.mixup or recipe.cutmix:
         check_pairs(recipe.batch_size, world_size())
     pre = preprocessing(cfg, ckpt)

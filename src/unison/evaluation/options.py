@@ -78,7 +78,7 @@ class EvalOptions:
     layer_decay: float | None = field(default=None, metadata={"range": Range(0, 1, lo_open=True), "help":
         "fine-tuning: layer-wise learning-rate decay; default: 0.65 for ViTs (MAE's ViT-B), none for CNNs"})
     warmup_epochs: float | None = field(default=None, metadata={"range": Range(0, MAX_EPOCHS), "help": _RECIPE +
-        "linear warm-up epochs before the cosine; default: 5 ViT fine-tuning, else 0"})
+        "linear warm-up epochs before the cosine; default: ViT fine-tuning 5 of 100 epochs (the first 5 percent), else 0"})
     drop_path: float | None = field(default=None, metadata={"range": Range(0, 1, hi_open=True), "help":
         "fine-tuning: drop-path rate of the last block (ViTs); default 0.1 for ViTs"})
     label_smoothing: float | None = field(default=None, metadata={"range": Range(0, 1, hi_open=True),
@@ -90,6 +90,9 @@ class EvalOptions:
     augmentation: str | None = field(default=None, metadata={"metavar": "PRESET", "help": _RECIPE +
         "augmentation preset of one view; default: classify (random resized crop from 8 percent, flip), digits_crop "
         "for a run on the digits"})
+    data_mode: str | None = field(default=None, metadata={"choices": ("auto", "memory", "stream"), "help": _RECIPE +
+        "hold the training images decoded in memory, or stream them (auto: memory when they fit 2 GiB per "
+        "worker); default: the run's"})
     out: str | None = field(default=None, metadata={"metavar": "DIR", "help":
         "folder of the report (eval.json, eval.md) and of the fine-tuning's checkpoints and metrics; default: "
         "RUN_DIR/eval"})

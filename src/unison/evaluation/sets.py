@@ -109,7 +109,7 @@ def choose_data(opts: EvalOptions, cfg: TrainConfig, ckpt: dict[str, Any]) -> Da
     check_recorded(opts.data, data, "--data")
     check_recorded(opts.val, val, "--val")
     spec = dataclasses.replace(data_spec(cfg), data=data, val=None if val == data else val, subset=subset,
-                               val_subset=val_subset, batch_size=1)
+                               val_subset=val_subset, batch_size=1, data_mode=opts.data_mode or cfg.data_mode)
     catalog = open_checked(spec, "data")
     total = len(catalog) if catalog is not None else min(BUILTIN_IMAGES[data], subset or BUILTIN_IMAGES[data])
     if catalog is not None:

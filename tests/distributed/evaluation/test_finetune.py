@@ -1,7 +1,8 @@
 """``unison eval --fine-tune`` and ``--linear-protocol standard`` on 2 real worker processes (gloo on loopback, each
 its own half of every global batch) against one process on the global batch, in float64: the same classifier
 after the same steps, within 1e-9 relative (the two ranks' sums add in another order than one process's), and
-the same scores. The ViT case runs every recipe part that draws random numbers: drop path, mixup and cutmix."""
+the same scores. The ViT case runs every recipe part that draws random numbers: drop path, mixup and cutmix; the
+streamed case a folder of JPEGs of many sizes, decoded and cropped by loader processes."""
 
 import json
 
@@ -18,18 +19,26 @@ CASES = {
     "cnn-standard-linear": ("small_cnn", ["--linear-protocol", "standard", "--no-knn"]),
     "vit-fine-tune-drop-path-layer-decay-mixup-cutmix": ("vit_micro_p2", ["--fine-tune", "--no-knn", "--no-linear",
                                                                           "--mixup", "0.8", "--cutmix", "1.0"]),
+    "cnn-fine-tune-streamed-folder": ("small_cnn", ["--fine-tune", "--no-knn", "--no-linear", "--data", "{train}",
+                                                    "--val", "{val}", "--data-mode", "stream"]),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from unison.data.generated import write_image_folder
+
     root = tmp_path_factory.mktemp("finetune-workers")
-    return {b: digits_checkpoint(root / b, b) for b in ("small_cnn", "vit_micro_p2")}
+    write_image_folder(root / "train", 160, classes=4, sizes=(16, 40), seed=1)   # JPEGs of many sizes, streamed
+    write_image_folder(root / "val", 40, classes=4, sizes=(16, 40), seed=2)
+    return {**{b: digits_checkpoint(root / b, b) for b in ("small_cnn", "vit_micro_p2")},
+            "train": root / "train", "val": root / "val"}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_two_workers_train_like_one_on_the_global_batch(runs, tmp_path, case):
     backbone, argv = CASES[case]
+    argv = [a.format(train=runs["train"], val=runs["val"]) for a in argv]
     for world in (1, 2):
         assert main(["eval", "--checkpoint", str(runs[backbone]), "--out", str(tmp_path / f"w{world}"),
                      "--world-size", str(world), *COMMON, *argv]) == 0
