@@ -65,13 +65,16 @@ def evaluate_checkpoint(opts: EvalOptions, *, backbone: Any = None, dataset: Any
     """Run the protocols `opts` asks for; return the results (what ``eval.json`` holds) and write the report.
     `backbone`: an instance for a run of the user's own backbone class (`unison.training.load.own_backbone`);
     `dataset` and `val`: labelled reference and held-out dataset objects, in place of ``--data``/``--val``."""
-    from unison.distributed.collectives import rank
     from unison.training.load import load_method
     from unison.training.summary import peak_memory_mib, steady_heap
 
     opts.validate()
     assert opts.checkpoint is not None   # validate() raised ConfigError otherwise
     outputs = check_outputs(opts)
+    if opts.full_protocols:
+        from .full import launched_world
+
+        launched_world(opts)   # a --world-size other than the launcher's: one line before anything is loaded
     steady_heap()
     device = torch.device("cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
                           else "cpu")
@@ -89,7 +92,7 @@ def evaluate_checkpoint(opts: EvalOptions, *, backbone: Any = None, dataset: Any
     result["report"] = rows(result, opts)
     result["peak_memory_mib"] = round(peak_memory_mib(device), 1)   # RSS on the CPU, the allocator's peak on CUDA
     result["options"] = dataclasses.asdict(opts)
-    if rank() == 0:   # under torchrun every process evaluates; one writes
+    if launched_rank() == 0:   # under torchrun every process evaluates; one writes
         _write(outputs, result)
     return result
 
@@ -124,14 +127,28 @@ def _fast_protocols(result: dict[str, Any], method: Any, cfg: Any, ckpt: dict[st
 
 def _full_protocols(result: dict[str, Any], opts: EvalOptions, choice: Any, device: torch.device) -> None:
     """Fine-tuning and the standard linear protocol (and from scratch), each in its workers."""
-    from .full import run_protocol
+    import contextlib
 
-    for protocol in opts.full_protocols:
-        for scratch in (False, True) if opts.from_scratch else (False,):
-            started = time.perf_counter()
-            r = run_protocol(opts, choice, protocol, scratch, out_dir(opts), device.type)
-            r["time_s"] = round(time.perf_counter() - started, 2)
-            result["full"].append(r)
+    from .full import launched_world, process_group, run_protocol
+
+    if not opts.full_protocols:
+        return
+    # under torchrun, srun or mpirun this process is a worker: it joins their group once, for every protocol
+    with process_group() if launched_world(opts) is not None else contextlib.nullcontext():
+        for protocol in opts.full_protocols:
+            for scratch in (False, True) if opts.from_scratch else (False,):
+                started = time.perf_counter()
+                r = run_protocol(opts, choice, protocol, scratch, out_dir(opts), device.type)
+                r["time_s"] = round(time.perf_counter() - started, 2)
+                result["full"].append(r)
+
+
+def launched_rank() -> int:
+    """This process's rank among the processes torchrun, srun or mpirun started (0 without a launcher)."""
+    from unison.distributed.env import detect_launch_env
+
+    launch_env = detect_launch_env()
+    return launch_env.rank if launch_env is not None else 0
 
 
 def out_dir(opts: EvalOptions) -> Path:
@@ -181,8 +198,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         r = evaluate_checkpoint(opts)
     except DataError as e:   # a refused checkpoint stays a CheckpointError (exit 4)
         raise ConfigError(str(e)) from None
-    for line in summary_lines(r, opts):
-        print(line)
+    if launched_rank() == 0:   # under torchrun every process evaluates; one prints
+        for line in summary_lines(r, opts):
+            print(line)
     return 0
 
 

@@ -21,9 +21,11 @@ layer, and `unison.eval.finetune.fine_tune` trains it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,44 +76,83 @@ def recipe_for(opts: EvalOptions, protocol: str, family: str, data: str) -> Any:
 def run_protocol(opts: EvalOptions, choice: DataChoice, protocol: str, scratch: bool, out: Path,
                  device: str) -> dict[str, Any]:
     """Run one full protocol with ``opts.world_size`` workers (or the launcher's); rank 0's result."""
-    from unison.distributed.env import detect_launch_env
     from unison.distributed.launch import launch
 
     payload = {"options": dataclasses.asdict(opts), "data": dataclasses.asdict(choice.spec),
                "label_images": choice.label_images, "data_images": choice.data_images, "label_seed": choice.label_seed,
                "protocol": protocol, "scratch": scratch, "out": str(out), "device": device}
-    if detect_launch_env() is not None or opts.world_size == 1:   # this process is a worker
+    if launched_world(opts) is not None or opts.world_size == 1:   # this process is a worker
         return protocol_worker(payload)
     cfg = DistributedConfig(world_size=opts.world_size)
     return launch(protocol_worker, payload, cfg, threads_per_worker=opts.threads)[0]
 
 
-def protocol_worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """One worker: join the group (the launcher's variables, else a group of one), train, score; leave."""
-    from unison.distributed.env import apply_launch_env, detect_launch_env, init_distributed, shutdown_distributed
-    from unison.distributed.signals import install_stop_handlers, restore_default_handlers
+def launched_world(opts: EvalOptions) -> int | None:
+    """The world size of the launcher (torchrun, srun, mpirun) that started this process, or None; a different
+    ``--world-size`` given with it is refused, as ``unison train`` refuses it."""
+    from unison.distributed.env import detect_launch_env
 
-    opts = EvalOptions(**payload["options"])
+    launch_env = detect_launch_env()
+    if launch_env is None:
+        return None
+    if opts.world_size not in (1, launch_env.world_size):
+        raise ConfigError(f"rank {launch_env.rank}: --world-size {opts.world_size} but {launch_env.source} started "
+                          f"{launch_env.world_size} worker processes; the launcher decides the world size: leave "
+                          "--world-size out")
+    return launch_env.world_size
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[tuple[torch.device, DistributedConfig]]:
+    """This process in a group: the one it is in already (the launcher's, joined once for every protocol of a
+    ``unison eval`` that torchrun, srun or mpirun started), else the launcher's variables', else a group of one;
+    a group joined here is left at the end."""
+    import torch.distributed as dist
+
+    from unison.distributed.env import apply_launch_env, detect_launch_env, init_distributed, shutdown_distributed
+
     launch_env = detect_launch_env()
     dcfg = DistributedConfig(world_size=1, backend="local")
     if launch_env is not None:
         dcfg = apply_launch_env(DistributedConfig(world_size=launch_env.world_size), launch_env)
-    device = init_distributed(dcfg, launch_env.local_rank if launch_env else 0)
-    if payload["device"] == "cpu":
-        device = torch.device("cpu")
-    install_stop_handlers()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    local_rank = launch_env.local_rank if launch_env else 0
+    if dist.is_initialized():
+        yield _device_of(dcfg, local_rank), dcfg
+        return
+    device = init_distributed(dcfg, local_rank)
     error: BaseException | None = None
     try:
-        return train_and_score(opts, payload, device, dcfg)
+        yield device, dcfg
     except BaseException as exc:
         error = exc
         raise
     finally:
-        if launch_env is None:
-            restore_default_handlers()
         shutdown_distributed(error)
+
+
+def _device_of(dcfg: DistributedConfig, local_rank: int) -> torch.device:
+    """The device `init_distributed` gave this worker: its GPU under NCCL (or alone with one), else the CPU."""
+    if dcfg.communication_backend() == "nccl" or (dcfg.resolved_backend() == "local" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def protocol_worker(payload: dict[str, Any]) -> dict[str, Any]:
+    """One worker: in its group (`process_group`), train and score one protocol."""
+    from unison.distributed.signals import install_stop_handlers, restore_default_handlers
+
+    opts = EvalOptions(**payload["options"])
+    with process_group() as (device, dcfg):
+        if payload["device"] == "cpu":
+            device = torch.device("cpu")
+        install_stop_handlers()
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        try:
+            return train_and_score(opts, payload, device, dcfg)
+        finally:
+            if launched_world(opts) is None:
+                restore_default_handlers()
 
 
 def train_and_score(opts: EvalOptions, payload: dict[str, Any], device: torch.device,

@@ -5,6 +5,10 @@ the same scores. The ViT case runs every recipe part that draws random numbers: 
 streamed case a folder of JPEGs of many sizes, decoded and cropped by loader processes."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers.finetune import classifier_state, digits_checkpoint, max_rel_difference
@@ -50,3 +54,33 @@ def test_two_workers_train_like_one_on_the_global_batch(runs, tmp_path, case):
     assert (r1["world_size"], r2["world_size"], r1["steps"], r2["steps"]) == (1, 2, 8, 8)
     assert (r1["top1"], r1["top5"]) == (r2["top1"], r2["top5"])
     assert r2["final_loss"] == pytest.approx(r1["final_loss"], rel=1e-9)
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+def test_under_torchrun_every_protocol_runs_in_its_group_and_one_process_reports(runs, tmp_path):
+    """torchrun's 2 processes each run ``unison eval``: they join torchrun's group once for both protocols
+    (the fine-tuning, then from scratch), train like one process (compared with one, as above), and rank 0
+    alone prints and writes the report."""
+    argv = ["--checkpoint", str(runs["small_cnn"]), *COMMON, "--fine-tune", "--no-knn", "--no-linear",
+            "--from-scratch"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "src"),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    two = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "unison.cli", "eval", *argv,
+                          "--out", str(tmp_path / "w2")], env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("unison eval: simclr / small_cnn") == 1, two.stdout
+    assert main(["eval", *argv, "--out", str(tmp_path / "w1")]) == 0
+    for folder in ("fine-tune", "fine-tune-scratch"):
+        diff, worst = max_rel_difference(classifier_state(tmp_path / "w2" / folder),
+                                         classifier_state(tmp_path / "w1" / folder))
+        assert diff < TOLERANCE, f"{folder} {worst}: {diff:.3e}"
+    full = json.loads((tmp_path / "w2" / "eval.json").read_text())["full"]
+    assert [(f["scratch"], f["world_size"]) for f in full] == [(False, 2), (True, 2)]
+    refused = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "unison.cli", "eval",
+                              *argv, "--world-size", "4", "--out", str(tmp_path / "bad")], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "--world-size 4 but torchrun started 2 worker processes" in refused.stderr
