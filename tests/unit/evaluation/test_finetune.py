@@ -96,3 +96,14 @@ def test_bad_options_are_one_line(run, tmp_path, capsys, argv, message):
     assert _eval(run, tmp_path, *argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_the_report_replaces_only_an_earlier_report(run, tmp_path, capsys):
+    (tmp_path / "eval.md").write_text("my notes\n")
+    assert _eval(run, tmp_path, "--no-linear", *FAST) == 2
+    assert "eval.md already exists and is not an earlier unison eval report" in capsys.readouterr().err
+    assert (tmp_path / "eval.md").read_text() == "my notes\n"
+    (tmp_path / "eval.md").unlink()
+    assert _eval(run, tmp_path, "--no-linear", *FAST) == 0
+    assert _eval(run, tmp_path, "--no-linear", *FAST) == 0   # its own earlier report: replaced
+    assert (tmp_path / "eval.md").read_text().startswith("# unison eval")
