@@ -25,8 +25,9 @@ backbone (the run's architecture and seed), and the report says the difference: 
 
 The report (`unison.evaluation.report`): every score with its protocol and the labels used, printed, and written
 to ``OUT/eval.json`` and ``OUT/eval.md`` (``--out``, default ``RUN_DIR/eval``); ``--json PATH`` writes the JSON
-there too. Each output replaces only its own earlier file (`unison.paths.check_output`), checked before anything
-is loaded.
+there too. A new evaluation into an ``--out`` that holds an earlier one first moves that one's files into
+``OUT/earlier-runs/<time>/`` (``--resume`` continues it instead); an existing ``--json`` file is replaced only with
+``--overwrite``; both are checked before anything is loaded (`unison.paths.check_output`).
 
 A run of your own backbone (``unison.train(cfg, backbone=...)``) is rebuilt from its class when that imports and
 builds without arguments (`unison.training.load.own_backbone`; else one line, and ``unison.evaluate(run,
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -163,21 +165,46 @@ def out_dir(opts: EvalOptions) -> Path:
 
 
 def check_outputs(opts: EvalOptions) -> dict[str, Path]:
-    """The report's files (and ``--json``), refused (one line) where they would replace an input or a file that is
-    not an earlier report; before anything is loaded."""
+    """The report's files (and ``--json``), checked before anything is loaded: ``--out`` is never an input nor
+    inside one, it holds nothing but an earlier evaluation (whose files move aside, `set_aside_earlier`), and
+    ``--json`` follows every command's rule (an existing file only with ``--overwrite``)."""
     from unison.paths import Input, check_output
     from unison.training.load import checkpoint_inputs
 
     inputs = checkpoint_inputs(opts.checkpoint) if opts.checkpoint else []
     inputs += [Input(f"--{name}", getattr(opts, name), tree=True) for name in ("data", "val") if getattr(opts, name)]
     out = out_dir(opts)
-    found = {"json": check_output(out / "eval.json", "--out", inputs=inputs, own=is_eval_result,
-                                  own_text="an earlier unison eval result"),
-             "md": check_output(out / "eval.md", "--out", inputs=inputs, own=is_markdown_report,
-                                own_text="an earlier unison eval report")}
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for the report and the evaluations' checkpoints")
+    found = {name.split(".")[1]: check_output(out / name, "--out", inputs=inputs, overwrite=True)
+             for name in ("eval.json", "eval.md")}
     if opts.json:
         found["extra_json"] = check_json_path(opts)
+    if launched_rank() == 0:
+        set_aside_earlier(out, opts, inputs)
     return found
+
+
+def set_aside_earlier(out: Path, opts: EvalOptions, inputs: list[Any]) -> None:
+    """A new evaluation (not ``--resume``) into a folder that holds an earlier one moves its files into
+    ``OUT/earlier-runs/<time>/`` (as ``unison train`` sets an earlier run aside) and says so in one line: a report
+    never mixes two evaluations, and nothing is lost. A folder holding anything else is refused."""
+    from unison.training.owner import EARLIER_RUNS, set_aside_earlier_run
+
+    try:
+        names = sorted(p.name for p in out.iterdir() if p.name != EARLIER_RUNS)
+    except OSError:
+        return
+    if not names or opts.resume:
+        return
+    ours = {"eval.json", "eval.md", *(f"{p}{s}" for p in ("fine-tune", "linear-standard") for s in ("", "-scratch"))}
+    if not set(names) <= ours or ("eval.json" in names and not is_eval_result(out / "eval.json")) or \
+            ("eval.md" in names and not is_markdown_report(out / "eval.md")):
+        raise ConfigError(f"--out {out} holds files that are not an earlier unison eval's ({', '.join(names[:4])}); "
+                          "give an empty or new folder")
+    moved = set_aside_earlier_run(out, inputs)
+    if moved is not None:
+        print(f"unison: {out} held an earlier evaluation: moved {', '.join(moved[1])} to {moved[0]}", file=sys.stderr)
 
 
 def _write(outputs: dict[str, Path], result: dict[str, Any]) -> None:
@@ -230,7 +257,7 @@ def summary_lines(r: dict[str, Any], opts: EvalOptions) -> list[str]:
 
 
 def is_eval_result(path: Path) -> bool:
-    """`path` holds an earlier ``unison eval --json`` result (what ``--json`` may replace)."""
+    """`path` holds an earlier ``unison eval`` result (how a refusal names it; what ``--out`` may set aside)."""
     import json
 
     try:
@@ -243,14 +270,14 @@ def is_eval_result(path: Path) -> bool:
 
 
 def check_json_path(opts: EvalOptions) -> Path:
-    """``--json``, refused (one line) where it is an input, a directory or a file that is not an eval result."""
+    """``--json``, refused (one line) where it is an input, a directory, or an existing file without --overwrite."""
     from unison.paths import Input, check_output
     from unison.training.load import checkpoint_inputs
 
     assert opts.json is not None
     inputs = checkpoint_inputs(opts.checkpoint) if opts.checkpoint else []
     inputs += [Input(f"--{name}", getattr(opts, name)) for name in ("data", "val") if getattr(opts, name)]
-    return check_output(opts.json, "--json", inputs=inputs, own=is_eval_result,
+    return check_output(opts.json, "--json", inputs=inputs, overwrite=opts.overwrite, own=is_eval_result,
                         own_text="an earlier unison eval result")
 
 

@@ -7,9 +7,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from unison.config import TrainConfig
+from unison.config.distributed import checked_device
 from unison.config.fields import Range, check_fields
 from unison.config.train import DATA_LAYOUTS, MAX_BATCH, MAX_EPOCHS
 from unison.errors import ConfigError
+from unison.paths import OVERWRITE_HELP
 
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_PROTOCOLS = ("fast", "standard", "both")
@@ -94,8 +96,8 @@ class EvalOptions:
         "hold the training images decoded in memory, or stream them (auto: memory when they fit 2 GiB per "
         "worker); default: the run's"})
     out: str | None = field(default=None, metadata={"metavar": "DIR", "help":
-        "folder of the report (eval.json, eval.md) and of the fine-tuning's checkpoints and metrics; default: "
-        "RUN_DIR/eval"})
+        "folder of the report (eval.json, eval.md) and of the fine-tuning's checkpoints and metrics; an earlier "
+        "evaluation's files there are moved to DIR/earlier-runs/<time>/ (not with --resume); default: RUN_DIR/eval"})
     resume: bool = field(default=False, metadata={
         "help": "continue an interrupted fine-tuning or standard linear evaluation from its checkpoint in --out "
                 "(the same options)"})
@@ -115,8 +117,8 @@ class EvalOptions:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available) | cpu | cuda",
                                                   "choices": DEVICES})
     json: str | None = field(default=None, metadata={
-        "help": "also write the results to this JSON file (an existing one is replaced only if it is an earlier "
-                "unison eval result)", "metavar": "PATH"})
+        "help": "also write the results to this JSON file (an existing one only with --overwrite)", "metavar": "PATH"})
+    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP + " (--json)"})
 
     @property
     def full_protocols(self) -> list[str]:
@@ -143,9 +145,5 @@ class EvalOptions:
         if self.resume and not self.full_protocols:
             raise ConfigError("--resume continues a fine-tuning or standard linear evaluation; add --fine-tune or "
                               "--linear-protocol standard (kNN and the fast probe take seconds: they run again)")
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+        checked_device(self.device)   # the one device check (`unison.load_backbone` and every checkpoint read too)
         return self

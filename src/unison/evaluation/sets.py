@@ -126,7 +126,7 @@ def eval_data(choice: DataChoice, cfg: TrainConfig, ckpt: dict[str, Any], device
     set is drawn from the labelled images."""
     from unison.data.datasets import load_dataset
     from unison.data.evalsets import knn_sets
-    from unison.data.source import default_image_size, first_size, open_checked, stream_stats, subset_positions
+    from unison.data.source import default_image_size, default_view_size, open_checked, stream_stats, subset_positions
     from unison.training.load import preprocessing
 
     spec = choice.spec
@@ -136,7 +136,7 @@ def eval_data(choice: DataChoice, cfg: TrainConfig, ckpt: dict[str, Any], device
         require_labels(val_catalog.classes, "--val", str(spec.val))
     if catalog is not None:
         pick = subset_positions(catalog, spec.subset, choice.label_seed)
-        size = recorded["image_size"] or default_image_size(*first_size(catalog), spec.data)
+        size = recorded["image_size"] or default_view_size(catalog, spec.data).size
         sets, why = knn_sets(spec, size, device, catalog=catalog, pick=pick, val_catalog=val_catalog)
         stats = (recorded["mean"], recorded["std"]) if recorded["mean"] else stream_stats(catalog, pick, size)
     else:

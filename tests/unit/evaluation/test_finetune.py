@@ -98,12 +98,22 @@ def test_bad_options_are_one_line(run, tmp_path, capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_the_report_replaces_only_an_earlier_report(run, tmp_path, capsys):
+def test_a_new_evaluation_sets_the_earlier_one_aside_and_never_replaces_other_files(run, tmp_path, capsys):
     (tmp_path / "eval.md").write_text("my notes\n")
     assert _eval(run, tmp_path, "--no-linear", *FAST) == 2
-    assert "eval.md already exists and is not an earlier unison eval report" in capsys.readouterr().err
+    assert "holds files that are not an earlier unison eval's (eval.md); give an empty or new folder" in \
+        capsys.readouterr().err
     assert (tmp_path / "eval.md").read_text() == "my notes\n"
     (tmp_path / "eval.md").unlink()
     assert _eval(run, tmp_path, "--no-linear", *FAST) == 0
-    assert _eval(run, tmp_path, "--no-linear", *FAST) == 0   # its own earlier report: replaced
-    assert (tmp_path / "eval.md").read_text().startswith("# unison eval")
+    first = (tmp_path / "eval.json").read_text()
+    assert _eval(run, tmp_path, "--no-linear", *FAST) == 0
+    assert "held an earlier evaluation: moved eval.json, eval.md to" in capsys.readouterr().err
+    (earlier,) = (tmp_path / "earlier-runs").iterdir()
+    assert (earlier / "eval.json").read_text() == first and (tmp_path / "eval.md").read_text().startswith("# unison")
+    (tmp_path / "notes.json").write_text("{}")
+    assert _eval(run, tmp_path / "again", "--no-linear", *FAST, "--json", str(tmp_path / "notes.json")) == 2
+    assert "notes.json already exists; it is left as it is: pass --overwrite" in capsys.readouterr().err
+    assert _eval(run, tmp_path / "again", "--no-linear", *FAST, "--json", str(tmp_path / "notes.json"),
+                 "--overwrite") == 0
+    assert json.loads((tmp_path / "notes.json").read_text())["unison"] == "eval"
