@@ -131,10 +131,12 @@ def _full_protocols(result: dict[str, Any], opts: EvalOptions, choice: Any, devi
     """Fine-tuning and the standard linear protocol (and from scratch), each in its workers."""
     import contextlib
 
-    from .full import launched_world, process_group, run_protocol
+    from .full import check_batch, launched_world, process_group, run_protocol
 
     if not opts.full_protocols:
         return
+    if choice is not None:
+        check_batch(opts, choice, launched_world(opts) or opts.world_size)
     # under torchrun, srun or mpirun this process is a worker: it joins their group once, for every protocol
     with process_group() if launched_world(opts) is not None else contextlib.nullcontext():
         for protocol in opts.full_protocols:

@@ -73,6 +73,23 @@ def recipe_for(opts: EvalOptions, protocol: str, family: str, data: str) -> Any:
     return recipe
 
 
+def check_batch(opts: EvalOptions, choice: DataChoice, world: int) -> None:
+    """One line, before anything trains, when the labelled images cannot fill one global batch of the training
+    protocols, or the batch cannot be split evenly over the workers."""
+    from unison.eval.recipe import DEFAULTS
+
+    batch = opts.train_batch_size or int(DEFAULTS[("fine-tune", "cnn")]["batch_size"])
+    images = choice.label_images if choice.label_images is not None else choice.data_images
+    if images < batch:
+        which = f"--labels {opts.labels} gives" if choice.label_images is not None else f"--data {choice.data} has"
+        raise ConfigError(f"{which} {images:,} labelled training images, fewer than one global batch of the "
+                          f"fine-tuning and the standard linear protocol (--train-batch-size {batch}): give a smaller "
+                          "--train-batch-size or more --labels")
+    if batch % world:
+        raise ConfigError(f"--train-batch-size {batch} (global) cannot be split evenly over {world} workers; give a "
+                          f"multiple of {world}, e.g. {max(world, batch // world * world)}")
+
+
 def run_protocol(opts: EvalOptions, choice: DataChoice, protocol: str, scratch: bool, out: Path,
                  device: str) -> dict[str, Any]:
     """Run one full protocol with ``opts.world_size`` workers (or the launcher's); rank 0's result."""

@@ -91,6 +91,8 @@ def test_the_standard_linear_protocol_trains_the_head_only(run, tmp_path):
     (FINE_TUNE + ["--drop-path", "0.1"], "--drop-path 0.1 needs a transformer backbone"),
     (FINE_TUNE + ["--augmentation", "simclr"], "--augmentation 'simclr' is not a preset of one view"),
     (FINE_TUNE + ["--mixup", "0.8", "--train-batch-size", "33"], "multiple of 2"),
+    (FINE_TUNE + ["--labels", "1%"], "--labels 1% gives 14 labelled training images, fewer than one global batch"),
+    (FINE_TUNE + ["--world-size", "3"], "--train-batch-size 32 (global) cannot be split evenly over 3 workers"),
 ])
 def test_bad_options_are_one_line(run, tmp_path, capsys, argv, message):
     assert _eval(run, tmp_path, *argv) == 2
