@@ -275,18 +275,22 @@ def load_backbone(run: Run, *, backbone: nn.Module | None = None,
 @checked(_eval_options, given=("checkpoint",))
 def evaluate(run: Run | EvalOptions | None = None, *, dataset: Any = None, val: Any = None, backbone: nn.Module | None = None,
              **options: Any) -> dict[str, Any]:
-    """`unison eval`: kNN and linear-probe top-1 of `run`'s backbone (a run directory or checkpoint file). The
-    keyword arguments are ``unison eval``'s options (``data``, ``val``, ``knn_k``, ``linear=False``, ...);
-    an `EvalOptions` is taken as well, as `run`. Data default to the run's. Your own labelled data:
-    `dataset` (reference images) and `val` (held-out images), ``Dataset`` objects of ``(image, label)`` items
-    (or with a ``targets`` list); `backbone`: an instance for a run of your own backbone class that cannot be
-    built without arguments.
+    """`unison eval`: kNN, the linear probes and fine-tuning of `run`'s backbone (a run directory or checkpoint
+    file). The keyword arguments are ``unison eval``'s options (``data``, ``val``, ``knn_k``, ``linear=False``,
+    ``fine_tune=True``, ``labels="10%"``, ``from_scratch=True``, ``linear_protocol="standard"``, ``epochs``,
+    ``world_size``, ...); an `EvalOptions` is taken as well, as `run`. Data default to the run's. Your own labelled
+    data for kNN and the fast probe: `dataset` (reference images) and `val` (held-out images), ``Dataset`` objects
+    of ``(image, label)`` items (or with a ``targets`` list); `backbone`: an instance for a run of your own
+    backbone class that cannot be built without arguments. The result holds every score; ``result["report"]``
+    the report's rows (protocol, labels, top-1, top-5, from scratch, gain), also written to ``RUN/eval/``.
 
     Example::
 
         unison.evaluate("runs/default")                                # the run's data: {"knn_top1": ..., ...}
         unison.evaluate("runs/a", data="photos/", val="held_out/", linear=False)
         unison.evaluate("runs/mine", dataset=ImageFolder("train/"), val=ImageFolder("val/"))
+        r = unison.evaluate("runs/cifar", fine_tune=True, labels="1%", from_scratch=True, epochs=60)
+        [(row["protocol"], row["top1"], row["gain_top1"]) for row in r["report"]]
     """
     from unison.evaluation import EvalOptions, evaluate_checkpoint
 

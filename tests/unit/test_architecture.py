@@ -10,14 +10,15 @@ The layers, bottom to top (a module may import its own package and the layers be
     0  errors, version
     1  config/, paths, progress            (import nothing of unison but errors; paths: the output-path rule)
     2  distributed/, rng                   (collectives, dtensor, tagging, sync_batchnorm, env, launch, ...)
-    3  models/, data/, losses/, optim/, eval/    (plain values and small specs, not TrainConfig)
-    4  methods/, parallel/                 (DDP, FSDP2, ZeRO-1, comm hooks)
-    5  training/                           (resolve, step, trainer, run, checkpoint/)
-    6  equivalence/, evaluation, embedding, export, plan/, plotting
-    7  api
-    8  cli.train_args                      (a run's options from flags and YAML; bench builds runs with it)
-    9  bench/
-    10 cli, unison                         (the dispatcher; the package's lazy API)
+    3  models/, data/, losses/, optim/     (plain values and small specs, not TrainConfig)
+    4  eval/                               (kNN, probes, fine-tuning: on models, data, losses and optim)
+    5  methods/, parallel/                 (DDP, FSDP2, ZeRO-1, comm hooks)
+    6  training/                           (resolve, step, trainer, run, checkpoint/)
+    7  equivalence/, evaluation/, embedding, export, plan/, plotting
+    8  api
+    9  cli.train_args                      (a run's options from flags and YAML; bench builds runs with it)
+    10 bench/
+    11 cli, unison                         (the dispatcher; the package's lazy API)
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),
     ("config", "paths", "progress"),
     ("distributed", "rng"),
-    ("models", "data", "losses", "optim", "eval"),
+    ("models", "data", "losses", "optim"),
+    ("eval",),
     ("methods", "parallel"),
     ("training",),
     ("equivalence", "evaluation", "embedding", "export", "plan", "plotting"),
@@ -46,7 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bench",),
     ("cli", ""),
 ]
-NO_TRAINING_CONFIG = ("distributed", "data", "models", "losses", "optim")
+NO_TRAINING_CONFIG = ("distributed", "data", "models", "losses", "optim", "eval")
 LOSSES_MAY_USE = ("unison.distributed.collectives", "unison.distributed.tagging")
 ERROR_CLASSES = {node.name for node in ast.parse((SRC / "errors.py").read_text()).body if isinstance(node, ast.ClassDef)}
 ERROR_NAME = re.compile(r"(Error|Failure|Exception|Timeout)$")

@@ -53,7 +53,7 @@ WORKER_COMMANDS = ("train", "check", "embed", "bench")   # the commands that sta
 # Further subcommands live beside their concern, each module's add_subcommand(subparsers, help) declaring its
 # options. Only the one being run is imported: eval, embed and export import torch, and `unison --help` must not.
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (   # (name, module, one-line help)
-    ("eval", "unison.evaluation", "kNN and linear-probe top-1 of a checkpoint (one process)"),
+    ("eval", "unison.evaluation", "kNN, linear probes and fine-tuning of a checkpoint, against from scratch"),
     ("embed", "unison.embedding", "backbone features of a folder, list or shards, in input order (.npy + names)"),
     ("export", "unison.export", "write the trained backbone as a plain state dict (.pt or safetensors)"),
     ("plot", "unison.plotting", "overlay the metrics of several runs on one page (a .png)"),

@@ -115,3 +115,6 @@ PRESETS["smog"] = {**_COMMON, "crop_scale": (0.2, 1.0), "jitter_p": 1.0, "satura
 PRESETS["patches"] = {**_COMMON, "n_global": 20, "crop_scale": (0.25, 0.25), "crop_ratio": (1.0, 1.0), "hue": 0.2,
                       "blur_p": 0.1, "blur_off_at_or_below": 0, "solarize_p": 0.1}
 PRESETS["digits_patches"] = {**PRESETS["digits"], "n_global": 20, "crop_scale": (0.25, 0.25), "crop_ratio": (1.0, 1.0)}
+# Fine-tuning and the standard linear protocol (`unison.eval.recipe`; SimCLR's appendix B.5 and its linear
+# evaluation): ONE view, random resized crop from 8 % and a flip, no colour ops. On the digits: digits_crop.
+PRESETS["classify"] = {**_COMMON, "n_global": 1, "jitter_p": 0.0, "grayscale_p": 0.0, "blur_p": 0.0}

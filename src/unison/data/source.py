@@ -31,7 +31,8 @@ Image size: ``--image-size``, else, for folders, lists and shards in both data m
 the pre-flight, both data paths, ``unison eval`` and ``unison embed``); when those images differ in size, one
 line (`TrainData.size_note`) says what was chosen and why. Given or built-in sets: their size. Normalisation: the
 memory path's per-channel statistics of all images; streamed: of `STATS_IMAGES` evenly spaced images at the
-training size.
+training size; or the statistics ``spec.normalisation`` gives (an encoder evaluated on other data is fed what it was
+trained on).
 
 kNN evaluation needs labelled held-out data, and never scores training images:
 
@@ -268,7 +269,8 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     height, width = train_set.images.shape[-2:]
     chosen = default_view_size(catalog, spec.data) if catalog is not None and spec.image_size is None else None
     image_size = spec.image_size or (chosen.size if chosen else default_image_size(height, width, spec.data))
-    augment = ViewAugmenter(augmentation, image_size, train_set.mean, train_set.std, **spec.augment_overrides())
+    mean, std = spec.normalisation or (train_set.mean, train_set.std)
+    augment = ViewAugmenter(augmentation, image_size, mean, std, **spec.augment_overrides())
     source = InMemoryBatches(train_set, augment, spec.batch_size, spec.seed)   # checks one batch fits
     knn: KnnSets | None
     knn_skipped: str | None
@@ -285,7 +287,7 @@ def _memory(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
         for images, what in ((knn.reference, "reference set"), (knn.queries, "queries")):
             if isinstance(images, LazyImages):
                 images.keep_share(what)
-    return TrainData(source, augment, "memory", image_size, train_set.mean, train_set.std, len(train_set),
+    return TrainData(source, augment, "memory", image_size, tuple(mean), tuple(std), len(train_set),
                      train_set, val_set, knn, knn_skipped, size_note=chosen.note if chosen else None)
 
 
@@ -333,7 +335,7 @@ def _stream(spec: DataSpec, device: torch.device, augmentation: str, catalog: Ca
     pick = positions if positions is not None else np.arange(len(catalog))
     chosen = default_view_size(catalog, spec.data) if spec.image_size is None else None
     image_size = spec.image_size or chosen.size   # type: ignore[union-attr]
-    mean, std = stream_stats(catalog, pick, image_size)
+    mean, std = spec.normalisation or stream_stats(catalog, pick, image_size)
     augment = ViewAugmenter(augmentation, image_size, mean, std, **spec.augment_overrides())
     workers = spec.loader_workers if spec.loader_workers is not None else default_loader_workers(
         spec.world_size)

@@ -60,6 +60,7 @@ class DataSpec:
     local_crops: int | None = None     # multi-crop: number of local crops; None: the augmentation's
     local_crop_size: int | None = None  # ... their size; None: the augmentation's (3/7 of image_size)
     grad_sync_every: int = 1           # micro-batches (global batches) per optimiser step
+    normalisation: tuple[tuple[float, ...], tuple[float, ...]] | None = None   # (mean, std); None: the data's
 
     def augment_overrides(self) -> dict[str, int]:
         """The view counts and sizes given, as `ViewAugmenter` overrides (``n_global``, ``n_local``, ``local_size``)."""

@@ -288,9 +288,10 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
     from unison.training.resolve import plan_run, validate_run
 
     refuse_reentered_main("unison.check")   # a script without the main guard, re-run by a worker
-    fitted = [fitted_batch(CheckSpec(method=method, world_size=world_size, **kw)) for method in methods]
+    given = [CheckSpec(method=method, world_size=world_size, **kw) for method in methods]
+    validate_check_specs(given, torch.cuda.is_available())   # as given: world_size=0 named before it is used
+    fitted = [fitted_batch(spec) for spec in given]
     specs = [spec for spec, _ in fitted]
-    validate_check_specs(specs, torch.cuda.is_available())
     for spec in specs:   # the pre-flight of unison train: a bad combination is one line, before any worker starts
         cfg = validate_run(train_config_for(spec, world_size, own), own=own)
         plan = plan_run(cfg, own=own, train_set=None if spec.data else synthetic_images(spec))

@@ -99,7 +99,7 @@ def test_load_backbone_loads_the_runs_weights_into_the_module_given_or_says_why_
     with pytest.raises(ConfigError, match=r"backbone= \(Linear\) does not fit the trained backbone of .*\(small_cnn\): "
                                           r"2 keys of backbone= missing from the run's small_cnn \(weight, bias\)"):
         unison.load_backbone(run, backbone=nn.Linear(3, 3))
-    with pytest.raises(ConfigError, match="backbone= is str; give a torch.nn.Module"):
+    with pytest.raises(ConfigError, match=r"backbone='resnet18' \(str\) must be an nn.Module or None"):
         unison.load_backbone(run, backbone="resnet18")
 
 

@@ -79,18 +79,18 @@ def test_4_export_carries_its_preprocessing_and_a_normal_file_mode(two_workers, 
     assert ckpt["resolved"]["mean"] == resolved["mean"] and ckpt["resolved"]["image_size"] == 16
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mean"] == resolved["mean"] and summary["std"] == resolved["std"]
-    for name in ("backbone.pt", "backbone.safetensors"):
+    for name in ("backbone.pt", "weights.safetensors"):   # two stems: one sidecar each
         assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / name)]) == 0
         sidecar = json.loads((tmp_path / name).with_suffix(".json").read_text())
         assert (sidecar["image_size"], sidecar["mean"], sidecar["std"]) == (16, resolved["mean"], resolved["std"])
         assert sidecar["file"] == name and sidecar["method"] == "simclr"
-    with safe_open(str(tmp_path / "backbone.safetensors"), "pt") as f:
+    with safe_open(str(tmp_path / "weights.safetensors"), "pt") as f:
         meta = f.metadata()
     assert json.loads(meta["mean"]) == resolved["mean"] and json.loads(meta["image_size"]) == 16
     umask = os.umask(0)
     os.umask(umask)
-    modes = {n: stat.S_IMODE((tmp_path / n).stat().st_mode) for n in ("backbone.pt", "backbone.safetensors")}
-    assert modes == {"backbone.pt": 0o666 & ~umask, "backbone.safetensors": 0o666 & ~umask}
+    modes = {n: stat.S_IMODE((tmp_path / n).stat().st_mode) for n in ("backbone.pt", "weights.safetensors")}
+    assert modes == {"backbone.pt": 0o666 & ~umask, "weights.safetensors": 0o666 & ~umask}
 
 
 @pytest.mark.slow

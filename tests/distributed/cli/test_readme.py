@@ -76,7 +76,8 @@ def small(argv: list[str]) -> tuple[list[str], int]:
         argv = [a if a != "all" else narrowed for a in argv]
         return [*argv, "--steps", "2", "--local-batch", "4"], (1 if "--no-sync-batchnorm" in argv else 0)
     if sub == "eval":
-        return [*argv, "--linear-epochs", "2", "--knn-k", "5"], 0
+        fine_tune = ["--epochs", "1", "--train-batch-size", "4"] if "--fine-tune" in argv else []   # tiny data
+        return [*argv, "--linear-epochs", "2", "--knn-k", "5", *fine_tune], 0
     if sub == "bench":
         return [*argv, "--dry-run"], 0
     return argv, 0
