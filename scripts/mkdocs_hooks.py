@@ -7,10 +7,13 @@
 * The docstrings' reST literal blocks (``Example::`` and an indented block) are rendered as code blocks by the
   griffe extension `scripts/griffe_literal_blocks.py` (mkdocs.yml names it), not here.
 * Links from a page into the repository outside ``docs/`` (``../examples/own_loop.py``, ``../tests/...``) are not
-  pages of the site: each is checked to exist, and kept as the path in code type. A path that does not exist is
+  pages of the site: each is checked to exist, and kept as the path in code type (in a table, as the link's text,
+  the path shown when the pointer rests on it). A path that does not exist is
   an error, so the strict build fails on it as on a dead link between pages.
 * Every ``unison ...`` command in a page's ``bash`` blocks is parsed by the CLI's parser (nothing runs): a command
   whose options no longer exist fails the build.
+* A table of cases (its first column "What you did": the reliability page's) is marked ``data-cases``, for the
+  stylesheet to keep its exit codes narrow and its proofs small, so the table fits the page.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ HELP = re.compile(r"<!--\s*unison-help:\s*([\w-]+)\s*-->")
 COMMANDS = re.compile(r"<!--\s*unison-commands\s*-->")
 LINK = re.compile(r"(?<!!)\[((?:[^\[\]]|\[[^\[\]]*\])+)\]\((\.\./[^)#\s]+)(#[^)\s]*)?\)")   # text may hold [param]
 BASH_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+CASES_TABLE = re.compile(r"<table>(\s*<thead>\s*<tr>\s*<th[^>]*>What you did</th>)")
 
 
 def _reference():
@@ -51,7 +55,7 @@ def _help_block(match: re.Match[str]) -> str:
     return command_help(match.group(1))
 
 
-def _repository_link(root: Path, docs: Path, page_path: Path, match: re.Match[str]) -> str:
+def _repository_link(root: Path, docs: Path, page_path: Path, match: re.Match[str], in_table: bool = False) -> str:
     text, target = match.group(1), match.group(2)
     where = Path(os.path.normpath(page_path.parent / target))   # not resolve(): the tests build a linked copy
     if docs in where.parents:   # a page of the site: MkDocs itself checks it
@@ -59,7 +63,11 @@ def _repository_link(root: Path, docs: Path, page_path: Path, match: re.Match[st
     if root not in where.parents or not where.exists():
         raise PluginError(f"{page_path.relative_to(docs)}: link to {target}, which is not in the repository")
     shown = where.relative_to(root).as_posix()
-    return text if text.strip("`") == shown else f"{text} (`{shown}`)"
+    if text.strip("`") == shown:
+        return text
+    if in_table:   # a table's proof column: the test's name, its file when the pointer rests on it
+        return f'<span title="{shown}">{text}</span>'
+    return f"{text} (`{shown}`)"
 
 
 def unison_commands(markdown: str) -> list[list[str]]:
@@ -94,4 +102,12 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             raise PluginError(f"{page.file.src_path}: `unison {shlex.join(argv)}` does not parse: {why}")
     markdown = HELP.sub(_help_block, markdown)
     markdown = COMMANDS.sub(lambda _: _reference().commands_table(), markdown)
-    return LINK.sub(lambda m: _repository_link(root, docs, page_path, m), markdown)
+    lines = markdown.split("\n")
+    for i, line in enumerate(lines):
+        in_table = line.startswith("|")
+        lines[i] = LINK.sub(lambda m, t=in_table: _repository_link(root, docs, page_path, m, t), line)
+    return "\n".join(lines)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    return CASES_TABLE.sub(r"<table data-cases>\1", html)
