@@ -1,12 +1,23 @@
-"""unison: distributed self-supervised learning of visual representations, exact under DDP.
+"""unison: self-supervised pre-training of image encoders, exact on any number of workers.
 
-The programmatic API (`unison.api`): ``unison.train``, ``check``, ``load_backbone``, ``evaluate``, ``embed`` and
-``export``, plain functions with keyword arguments. They are imported on first use, so ``import unison`` stays
-light (``help(unison.evaluate)`` shows each one's docstring and example).
+Training on W workers with a batch of B/W images each is mathematically the same as one worker with the batch of
+B, for every method (SimCLR, MoCo, BYOL, DINO, MAE, ...). The functions below do what the `unison` commands do,
+with keyword arguments for the command's options:
 
-``unison.export`` is the function also once the module of the same name (``unison export``'s) is imported: the
-import system sets a package's attribute to each submodule it loads, which `_Package` declines for the API's names
-(the module stays ``sys.modules["unison.export"]``, what ``from unison.export import ...`` reads).
+    import unison
+    from unison.config import TrainConfig
+
+    summary = unison.train(TrainConfig(method="byol", epochs=10))   # unison train --method byol --epochs 10
+    print(summary.result_line())
+    assert unison.check("byol", world_size=2).passed                # 2 workers == 1 worker on the global batch
+    scores = unison.evaluate("runs/default")                        # kNN and linear-probe top-1
+    features = unison.embed("runs/default", "photos/")["features"]  # one row per image, in input order
+    unison.export("runs/default", "backbone.pt")                    # loads into torchvision without unison
+    net = unison.load_backbone("runs/default")                      # the trained encoder, an nn.Module
+
+``help(unison.train)`` (and ``check``, ``evaluate``, ``embed``, ``export``, ``load_backbone``) shows a function's
+arguments and an example. A bad argument or a failed run raises a ``unison.errors`` exception whose message is one
+line saying what to fix. The command line: ``unison --help``.
 """
 
 import sys
@@ -33,6 +44,10 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """The package's module: a submodule named like an API function does not replace the function."""
+
+    # Importing a submodule sets the package's attribute of that name (``import unison.export`` would make
+    # ``unison.export`` the module, not the function); this declines that for the API's names. The module stays
+    # ``sys.modules["unison.export"]``, which ``from unison.export import ...`` reads.
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in API and isinstance(value, types.ModuleType):

@@ -15,7 +15,7 @@
     scores = unison.evaluate(summary.out, dataset=MyLabelled("train"), val=MyLabelled("val"))
 
 `train` validates the configuration and checks the data, checkpoint and run directory before any worker
-starts, then trains (`unison.training.run`). A failure is a `unison.errors` exception with a one-line message.
+starts, then trains. A failure is a `unison.errors` exception with a one-line message.
 `run` is a run directory (its latest checkpoint) or a checkpoint file, as ``--checkpoint`` takes it.
 """
 
@@ -229,7 +229,7 @@ def train(cfg: TrainConfig, *, backbone: nn.Module | None = None, feature_dim: i
 def check(method: str = "simclr", world_size: int = 2, *, backbone: nn.Module | str | None = None,
           feature_dim: int | None = None, dataset: Any = None, transform: Callable[[Any], Any] | None = None,
           **options: Any) -> CheckReport:
-    """`unison check`: the production step at `world_size` workers against one process on the global batch;
+    """`unison check`: the training step at `world_size` workers against one process on the global batch;
     with your own `backbone` (and `feature_dim`), `dataset` and `transform` as `train` takes them, or a backbone by
     name (``backbone="resnet18"``, as ``unison check --backbone``). Other keywords: ``unison check``'s options.
 

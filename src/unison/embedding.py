@@ -1,4 +1,4 @@
-"""`unison embed`: the backbone features of every image of a folder, file list or tar shards, in input order.
+"""The backbone features of every image of a folder, file list or tar shards, in input order (and their names).
 
     unison embed --checkpoint runs/photos --data /data/photos --out photos.npy               # one process
     unison embed --checkpoint runs/photos --data '/data/s-{0000..0099}.tar' --out s.npy --world-size 8

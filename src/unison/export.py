@@ -1,4 +1,4 @@
-"""`unison export`: the trained backbone as a plain state dict, loadable without unison.
+"""Write the trained backbone as a plain state dict, which loads without unison (into torchvision or timm).
 
 The method is rebuilt from the checkpoint's stored configuration and the checkpoint is
 loaded into it (so a mismatched or damaged file fails here, with a one-line message, not

@@ -1,4 +1,4 @@
-"""`unison plot RUN... --out F.png`: several runs on one page (`unison.training.plots`), each in its own colour.
+"""Several runs' metrics on one page (loss, learning rate, kNN and probe accuracy, signals), each in its colour.
 
 A RUN is a run directory (its ``metrics.csv``, and the random-initialisation kNN from its ``summary.json`` when
 there is one) or a ``metrics.csv`` file. Every file read is a regular file of bounded size, decoded as UTF-8, and

@@ -1,4 +1,4 @@
-"""`unison bench table|comm|lightly|scaling|data|race|all`: the CLI of the benchmarks.
+"""`unison bench PART`: benchmarks of unison on this machine, and against Lightly SSL and torchvision.
 
 Options are generated from `BenchConfig` (``--preset cpu|gpu|gpu1`` picks the preset, every
 other flag overrides one field of it); each part offers the options it reads
@@ -41,8 +41,8 @@ _WHAT = {
               "Lightly's distributed-table layout, each configuration one real `unison train` run: 1 worker; W workers "
               "with SyncBN + gather (exact); W workers with gather only."),
     "comm": ("Communication per step",
-             "Bytes each worker hands to collectives per step, counted by `CommMeter` (DDP wrapped with "
-             "`metered=True`), against the ideal (the gradient in bytes); W real gloo/NCCL workers, random images."),
+             "Bytes each worker hands to collectives per step, counted at every collective call, against the ideal "
+             "(the gradient in bytes); W real gloo/NCCL workers, random images."),
     "lightly": ("Side by side with Lightly SSL",
                 "Each --method (seed: Lightly's six; all: also vicreg, dino, mae, nnclr, dcl, dclw, tico, fastsiam, mmcr, "
                 "wmse, smog, empssl) with "
@@ -85,8 +85,8 @@ def add_subcommand(subparsers: Any, help_text: str) -> None:
     import dataclasses
 
     p = subparsers.add_parser("bench", help=help_text,
-                              description=__doc__.splitlines()[0] + " Each part has its own options: "
-                                          "unison bench PART --help.")
+                              description="Benchmarks of unison on this machine, and against Lightly SSL and "
+                                          "torchvision. Each part has its own options: unison bench PART --help.")
     parts = p.add_subparsers(dest="part", required=True, metavar="PART")
     all_fields = tuple(f.name for f in dataclasses.fields(BenchConfig))
     for part in PARTS:

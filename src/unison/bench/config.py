@@ -84,7 +84,7 @@ class BenchConfig:
         "help": "torch threads of the training process on each side of the Lightly comparison (unset: all cores)"})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
-                "(default: from unison.bench.flops.BF16_PEAK_TFLOPS by device name)"})
+                "(default: the peak of the GPU's model, from a table of known GPUs)"})
     budget: str = field(default="15m", metadata={
         "help": "race: the wall-clock budget of each side (90s, 15m, 1h), setup included"})
     race_points: int = field(default=10, metadata={

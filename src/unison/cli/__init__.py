@@ -1,4 +1,4 @@
-"""The `unison` command: train, check, plan, eval, embed, export, plot, bench (the top layer: it dispatches, the layers below work).
+"""The `unison` command: train, check, plan, eval, embed, export, plot, bench.
 
 Options are generated from the configuration dataclasses (`TrainConfig`, `DistributedConfig`, `CheckSpec`), so
 ``--help`` shows every option with its default and there is no second copy of the defaults. How a run's options
@@ -35,6 +35,7 @@ from unison.errors import (
 )
 from unison.training.runlog import append_run_log
 
+from .help_texts import CHECK, DESCRIPTION, EPILOG, PLAN, TRAIN
 from .train_args import (
     LazyEpilogParser,
     add_train_arguments,
@@ -195,28 +196,18 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `unison` parser; with `command`, the other `SUBCOMMANDS` are listed but their modules not imported."""
     from unison.config.check import CheckSpec, CurveSpec  # not unison.equivalence: torch is not needed for --help
 
-    parser = LazyEpilogParser(prog="unison", description=__doc__.splitlines()[0])
+    parser = LazyEpilogParser(prog="unison", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_train = sub.add_parser("train", help="self-supervised pre-training (default: SimCLR on digits, 2 workers)",
-                             description="Self-supervised pre-training: W workers with B/W images each, exactly\n"
-                                         "equivalent to 1 worker with the global batch B.\n\n"
-                                         "The run directory (--out) is the run's own output: one run at a time\n"
-                                         "(a second one is refused while the first lives), never inside the data,\n"
-                                         "and a resume never overwrites checkpoints later than the one it starts\n"
-                                         "from (pass a new --out to branch).",
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     cast(LazyEpilogParser, p_train).lazy_epilog = train_epilog   # for --help only: the registries import torch
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
 
     p_plan = sub.add_parser("plan", help="what a run needs per GPU (memory, FLOPs, bytes, host syncs), simulated here",
-                            description="Run one step of `unison train`'s options on a simulated W-rank GPU job\n"
-                                        "(fake process group, fake tensors: nothing is allocated) and report one\n"
-                                        "rank's memory, the largest local batch that fits --gpu, FLOPs, collective\n"
-                                        "bytes and host synchronisations. Times and images/s are estimates.",
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=PLAN, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p_plan)
     p_plan.add_argument("--gpu", default="h100", metavar="NAME|GIB",
                         help="target GPU: h100 (default), h100-pcie, h200, a100-80, a100-40, l40s, l4, 4090, "
@@ -226,11 +217,7 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     p_plan.set_defaults(func=cmd_plan)
 
     p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)",
-                             description="Run the production step of --method on W worker processes (B/W images each)\n"
-                                         "and on one process with the global batch B, and compare the losses,\n"
-                                         "gradients and parameters step by step; exit 1 when they differ. --run\n"
-                                         "compares whole `unison train` runs at W=1 and W=2 (their loss curves).",
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=CHECK, formatter_class=argparse.RawDescriptionHelpFormatter)
     p_check.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")
     add_dataclass_arguments(p_check, CheckSpec, skip=("method_params",))
     add_dataclass_arguments(p_check, CurveSpec, group_title="whole training runs (--run)")

@@ -190,23 +190,34 @@ class LazyEpilogParser(Parser):
         return super().format_help()
 
 
-def train_epilog(width: int = 100) -> str:
-    """The lists `unison train --help` ends with: methods and their --param names, presets, backbones."""
-    import textwrap
-
+def epilog_lists() -> tuple[list[tuple[str, list[tuple[str, Any]]]], list[str], list[str]]:
+    """What `unison train --help` ends with: each method with its hyper-parameters and their defaults, the
+    augmentation presets and the backbones (the documentation's command-line reference shows the same)."""
     from unison.data.augment import PRESETS
     from unison.methods import METHODS
     from unison.models.backbones import BACKBONES
 
-    lines = ["methods (--method) and their hyper-parameters (--param NAME=VALUE; defaults shown):"]
+    methods = []
     for name in sorted(METHODS):
         defaults = METHODS[name].Params()
-        params = " ".join(f"{f.name}={getattr(defaults, f.name)}" for f in dataclasses.fields(defaults))
-        lines += textwrap.wrap(params, width, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15)
+        methods.append((name, [(f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)]))
+    return methods, sorted(PRESETS), list(BACKBONES)
+
+
+def train_epilog(width: int = 100) -> str:
+    """The lists `unison train --help` ends with: methods and their --param names, presets, backbones."""
+    import textwrap
+
+    methods, presets, backbones = epilog_lists()
+    lines = ["methods (--method) and their hyper-parameters (--param NAME=VALUE; defaults shown):"]
+    for name, params in methods:
+        text = " ".join(f"{key}={value}" for key, value in params)
+        lines += textwrap.wrap(text, width, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15)
     lines.append("")
-    lines += textwrap.wrap(f"augmentation presets (--augmentation): {', '.join(sorted(PRESETS))}; default: the "
-                           "method's recipe (see README)", width)
-    lines += textwrap.wrap(f"backbones (--backbone): {', '.join(BACKBONES)}, timm:<model> (settings with "
+    lines += textwrap.wrap(f"augmentation presets (--augmentation): {', '.join(presets)}; default: the "
+                           "method's recipe (a run's config.json records the one it used, under 'resolved')",
+                           width)
+    lines += textwrap.wrap(f"backbones (--backbone): {', '.join(backbones)}, timm:<model> (settings with "
                            "--backbone-arg NAME=VALUE)", width)
     lines += textwrap.wrap("A YAML file (--config) takes the same options by their field names (batch_size: 256), "
                            "the distributed ones under 'distributed:', method hyper-parameters under "

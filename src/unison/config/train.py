@@ -30,8 +30,8 @@ from unison.errors import ConfigError
 
 # Every layout a data option reads, for the help of every command that takes images (one wording, one place)
 DATA_LAYOUTS = ("an ImageFolder directory, a folder of images (unlabelled), a file list (one path per line, optional "
-                "label), .tar shards (x.tar, a folder of them, or train-{0000..0146}.tar) or a pack (x.pack: "
-                "unison.data.pack)")
+                "label), .tar shards (x.tar, a folder of them, or train-{0000..0146}.tar) or a pack (x.pack, written "
+                "by unison.data.pack.write_pack)")
 
 AMP_MODES = ("none", "bf16", "fp16")
 ON_CORRUPT = ("skip", "error")

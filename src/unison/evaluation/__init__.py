@@ -1,4 +1,4 @@
-"""`unison eval`: how good a trained encoder is, by the protocols papers and users score with.
+"""How good a trained encoder is, by the protocols papers and users score with: kNN, linear probes, fine-tuning.
 
 The method is rebuilt from the checkpoint's stored configuration (`unison.training.load.load_method`), the
 training and held-out data default to the run's own (same subsets, same seed, same image size and normalisation

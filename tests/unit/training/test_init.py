@@ -75,6 +75,9 @@ class _Evil:
     ("own-out", 2, "is a checkpoint of --out"),
     ("empty-freeze", 2, "--freeze '' is not a list of block counts or module names"),
     ("superscript-freeze", 2, "--freeze '²' names no part of the backbone"),   # '²'.isdigit(): int('²') failed
+    ("empty-init", 2, "--init '' is not a path; give a weights file or a run directory"),
+    ("freeze-count", 2, "--freeze 9: the backbone has 3 blocks; give at most 3 (or 'all')"),
+    ("freeze-typo", 2, "--freeze 'layer9' names no part of the backbone (did you mean 'layer4'?)"),
 ])
 def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment):
     """What `unison train` runs before any worker starts (`resolve_run`, `preflight`): one line, its exit code."""
@@ -102,6 +105,12 @@ def test_bad_inputs_are_one_line_in_the_preflight(tmp_path, case, code, fragment
         argv += ["--freeze", "blocks"]
     elif case == "superscript-freeze":
         argv += ["--freeze", "²"]
+    elif case == "empty-init":
+        argv += ["--init", ""]
+    elif case == "freeze-count":
+        argv += ["--freeze", "9"]
+    elif case == "freeze-typo":
+        argv += ["--freeze", "layer9", "--backbone", "resnet18"]
     else:
         argv += ["--layer-decay", "1.5"]
     with pytest.raises(UnisonError) as info:
