@@ -10,4 +10,5 @@ bash scripts/setup.sh   # the main job's needs and the test toolchain (pytest, r
 # distributed training and cluster tests: 460 s with two, 408 s with three; UNISON_TEST_JOBS=0: one at a time).
 # --no-loadscope-reorder: files in the order tests/conftest.py gives (the longest first); by default pytest-xdist
 # (3.5+) hands out the files with the most tests first, whatever their length.
-exec .venv/bin/python -m pytest -q -n "${UNISON_TEST_JOBS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+# --durations=30: every run (CI included) prints its slowest tests, the list to shorten when the suite grows.
+exec .venv/bin/python -m pytest -q -n "${UNISON_TEST_JOBS:-3}" --dist loadfile --no-loadscope-reorder --durations=30 "$@"
