@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 
 from unison.data.augment import PRESETS, view_sizes
-from unison.data.own import OwnBatches, seeded_rngs, user_raised
 from unison.errors import ConfigError
 from unison.training.init_read import init_weights_of
 from unison.training.model import build_method
@@ -48,6 +47,8 @@ def check_pieces(plan: RunPlan, pieces: OwnPieces, sizes: list[int] | None = Non
     configuration's). Raises `ConfigError`/`DataError` with one line."""
     if not pieces.given:
         return
+    from unison.data.own import OwnBatches, seeded_rngs  # a run given its own pieces: no other run imports them
+
     cfg, augmentation = plan.cfg, plan.recipe.augmentation
     if pieces.dataset is not None:
         data = build_data(plan, torch.device("cpu"), None, None, pieces)
@@ -70,6 +71,8 @@ def check_features(backbone: nn.Module, feature_dim: int, sizes: list[int]) -> N
     move) in training mode, without gradients: the output must be finite ``[2, feature_dim]`` in both (training
     embeds in both modes: the step in training mode, kNN and the signals in eval mode). The object passed is left
     as it was."""
+    from unison.data.own import user_raised
+
     param = next(iter(backbone.parameters()), None)
     device, dtype = (param.device, param.dtype) if param is not None else (torch.device("cpu"), torch.float32)
     name = type(backbone).__name__

@@ -30,7 +30,6 @@ from unison.distributed.elastic import recorded_here
 from unison.distributed.env import restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
-from unison.methods.distill import head_params
 from unison.models.backbones import check_backbone, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import Input, is_inside, same_file
@@ -144,6 +143,8 @@ def _record_head(cfg: TrainConfig, spec: dict | None) -> None:
     """loss=dino: the teacher head's shape, learnt once here, in the config as the run records it (so the memory
     estimate builds the student's head from it instead of reading the teacher's checkpoint again)."""
     if spec is not None:
+        from unison.methods.distill import head_params  # a distill run's: no other run imports it
+
         cfg.method_params = {**cfg.method_params, **head_params(spec)}
 
 

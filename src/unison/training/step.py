@@ -56,7 +56,6 @@ from unison.optim import build_optimizer, constructor_args
 from unison.optim.groups import layer_scales, param_groups
 from unison.optim.schedule import Schedule
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
-from unison.parallel.zero import ShardedOptimizer
 from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
@@ -263,6 +262,8 @@ def _optimizer(cfg: TrainConfig, method: SSLMethod, name: str, peak_lr: float,
         params = param_groups(method.named_parameters(), scales)
     optimizer = build_optimizer(name, params, lr=peak_lr, weight_decay=weight_decay, momentum=cfg.momentum)
     if cfg.distributed.shard == "optimizer":
+        from unison.parallel.zero import ShardedOptimizer  # --shard optimizer's: no other run imports it
+
         optimizer = ShardedOptimizer(params, type(optimizer), **constructor_args(optimizer))
     return trainable, optimizer
 

@@ -40,9 +40,6 @@ import torch.nn as nn
 from unison.config import TrainConfig
 from unison.errors import CheckpointError, ConfigError
 from unison.methods import get_method
-from unison.methods.dino import DINOParams
-from unison.methods.distill import DINO_LOSS, HEAD_FIELDS, DistillParams, head_spec
-from unison.methods.distillation import DINOHead, SelfDistillation
 from unison.models.backbones import build_backbone, resolve_backbone
 from unison.models.weights import load_backbone_weights, load_state, unwrap
 from unison.training.checkpoint.files import first_loadable, is_checkpoint_name, latest_checkpoint, named_checkpoint
@@ -94,6 +91,10 @@ def teacher_head_spec(cfg: TrainConfig, ckpt: dict | None) -> dict[str, Any] | N
     (`unison.training.preflight.resolve_teacher`, on the teacher run's checkpoint `ckpt`, or None for a weights
     file) and by every worker (`build_teacher`): a unison run of a method with a DINO head (dino, ibot), or
     ``random`` (DINO's default head, seeded). Head fields given with ``--param`` must be the teacher's."""
+    from unison.methods.dino import DINOParams  # here: a run without a teacher imports no DINO code
+    from unison.methods.distill import DINO_LOSS, HEAD_FIELDS, DistillParams, head_spec
+    from unison.methods.distillation import SelfDistillation
+
     params = DistillParams(**cfg.method_params)
     if params.loss != DINO_LOSS:
         return None
@@ -120,6 +121,8 @@ def teacher_head_spec(cfg: TrainConfig, ckpt: dict | None) -> dict[str, Any] | N
 def recorded_head_spec(cfg: TrainConfig) -> dict[str, Any] | None:
     """The teacher head's architecture a distilled run recorded in its config (all its fields, a head that builds);
     None: not recorded (fields given with ``--param`` are checked against the teacher: `teacher_head_spec`)."""
+    from unison.methods.distill import DINO_LOSS, HEAD_FIELDS, DistillParams, head_spec
+
     params = DistillParams(**cfg.method_params)
     if params.loss != DINO_LOSS or not set(HEAD_FIELDS) <= set(cfg.method_params):
         return None
@@ -140,6 +143,8 @@ def build_teacher(cfg: TrainConfig, image_size: int | None, *, weights: bool = T
     name = cfg.teacher_backbone or (teacher_run_backbone(ckpt) if ckpt is not None else DEFAULT_RANDOM_BACKBONE)
     net, dim = build_backbone(name, image_size)
     spec = recorded or teacher_head_spec(cfg, ckpt)
+    if spec is not None:
+        from unison.methods.distillation import DINOHead
     head = DINOHead(dim, **spec) if spec is not None else None
     for module in (net, head):
         if module is not None and dtype is not None:
@@ -159,4 +164,6 @@ def build_teacher(cfg: TrainConfig, image_size: int | None, *, weights: bool = T
 
 
 def _wants_head(cfg: TrainConfig) -> bool:
+    from unison.methods.distill import DINO_LOSS
+
     return str(cfg.method_params.get("loss")) == DINO_LOSS

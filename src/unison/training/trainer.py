@@ -70,9 +70,7 @@ from unison.training.hooks import StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
 from unison.training.metrics import MetricsLogger
 from unison.training.preemption import MidStepStop, StopAgreement, preempted, save_failed_elsewhere
-from unison.training.profile import ProfileHook
 from unison.training.progress_bar import progress_bar
-from unison.training.replan import ReplanHook
 from unison.training.resolve import RunPlan, plan_run
 from unison.training.run_files import run_file_error
 from unison.training.runlog import RunLog
@@ -91,6 +89,8 @@ from unison.training.summary import Summary, peak_memory_mib, steady_heap
 
 if TYPE_CHECKING:   # annotations only
     from unison.training.pieces import OwnPieces
+    from unison.training.profile import ProfileHook
+    from unison.training.replan import ReplanHook
 
 __all__ = ["DataWaitWarning", "Trainer", "consistent_config", "knn_top1", "start_line", "train", "train_worker",
            "train_worker_own"]
@@ -320,6 +320,9 @@ class Trainer:
         run, cfg = self.run, self.cfg
         self.stop_mid_step = MidStepStop(run)
         self.agreement = StopAgreement()   # collective: every rank builds it at the same point
+        if cfg.profile_steps or self.budget is not None:   # imported by the runs that use them
+            from unison.training.profile import ProfileHook
+            from unison.training.replan import ReplanHook
         self.profile = ProfileHook(cfg.out, cfg.profile_steps, C.rank(), self._say) if cfg.profile_steps else None
         if self.profile is not None:
             self.profile.start(run, step)
