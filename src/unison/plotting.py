@@ -34,7 +34,7 @@ from unison.paths import OVERWRITE_HELP, Input, check_output, write_error
 from unison.training.metrics import rows_by_step
 from unison.training.plots import X_AXES
 
-MAX_METRICS_BYTES = 256 * 2**20   # a 100k-step run logging every step writes about 20 MB
+MAX_METRICS_BYTES = 256 * 2**20   # far above what a 100k-step run logging every step writes
 MAX_SUMMARY_BYTES = 1 << 20
 MAX_RUNS = 20
 MAX_LABEL_CHARS = 60

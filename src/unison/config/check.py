@@ -60,7 +60,7 @@ class CheckSpec:
     accumulation: str = field(default="exact", metadata={
         "help": "with --grad-sync-every K > 1: exact | independent (as unison train's)",
         "choices": ("exact", "independent")})
-    # ---- continued pre-training (issue 25): as unison train's
+    # ---- continued pre-training: as unison train's
     layer_decay: float | None = field(default=None, metadata={"range": _as_in_training("layer_decay"),
         "help": "per-block learning-rate decay in (0, 1] (as unison train's --layer-decay)"})
     freeze: str | None = field(default=None, metadata={
@@ -72,9 +72,9 @@ class CheckSpec:
     method_params: dict[str, Any] = field(default_factory=dict)
 
 
-# (bound at step 1, bound at every step) on the relative loss difference. Measured (SimCLR,
-# small CNN, digits, global batch 64, 1 vs 2 workers): float64 <= 2e-15 at every step over 200
-# steps; float32 1e-7 at step 1, then drifting to 7e-3 by step 25 and 2.5e-2 over 200 steps.
+# (bound at step 1, bound at every step) on the relative loss difference of 1 vs W workers: float64 stays at
+# rounding level for the whole run, so one tight bound holds at every step; float32 agrees to rounding level at
+# step 1 and then drifts by up to a few 1e-2 (`unison.equivalence.curves` says why), so its every-step bound is loose.
 CURVE_TOLERANCE = {"float64": (1e-8, 1e-8), "float32": (1e-5, 5e-2)}
 
 

@@ -27,9 +27,9 @@ BACKENDS = ("auto", "local", "gloo", "nccl", "mpi")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 SHARDING = ("none", "optimizer", "full")
 ACCUMULATIONS = ("exact", "independent")   # --accumulation: what --grad-sync-every K > 1 computes
-# The longest collective timeout accepted: 2**31 ms (24.8 days). torch's C++ timeouts overflow far beyond it
-# (measured with torch 2.14: gloo refuses 1e13 s, the TCP store 9.3e9 s, timedelta 1e15 s), so this cap leaves
-# every backend and torch version a wide margin; no real collective waits for weeks.
+# The longest collective timeout accepted: 2**31 ms (24.8 days), the largest a signed 32-bit count of milliseconds
+# holds. torch's C++ timeouts (gloo's, the TCP store's) and timedelta overflow orders of magnitude beyond it, so
+# this cap leaves every backend and torch version a wide margin; no real collective waits for weeks.
 MAX_TIMEOUT_S = 2**31 / 1000
 # The shortest: below a second the rendezvous of even 2 local workers fails with C++ stack frames.
 MIN_TIMEOUT_S = 1.0
@@ -49,7 +49,7 @@ def gpu_device_node_found() -> bool:
 def cuda_found() -> bool:
     """Whether torch sees a CUDA device here. Where no GPU device node exists (Linux) it cannot, and torch is not
     imported to ask: the options of ``unison train`` are then checked, and a mistyped one refused, in a fraction
-    of a second instead of torch's 2 s import."""
+    of a second instead of the seconds torch's import takes."""
     if sys.platform.startswith("linux") and not gpu_device_node_found():
         return False
     import torch

@@ -46,7 +46,7 @@ def base_type(annotation: Any) -> Any:
     return annotation
 
 
-_base_type = base_type   # the earlier private name
+_base_type = base_type   # the private name, for code that still imports it
 
 
 # Every number parsed anywhere (flags, YAML, --param, environment variables) goes through `parse_int` or

@@ -6,8 +6,8 @@ anything past a size bound, before reading; `decode_utf8` turns bytes that are n
 on top of it
 
 * aliases (``*name``) are refused: a few lines of anchors and aliases expand to gigabytes (an alias bomb);
-* every mapping key is a string, and a key given twice is refused with both lines (the last one no longer wins
-  silently);
+* every mapping key is a string, and a key given twice is refused with both lines (PyYAML would let the last one
+  win silently);
 * an integer literal is at most `MAX_NUMBER_CHARS` characters (no 4300-digit ``ValueError``);
 * a YAML 1.1 base-60 number (``1:30``, which YAML 1.1 reads as 90, and ``1:00`` as 60) is never a number: it is
   the text as written, a `Sexagesimal` (YAML 1.2 has no base-60 numbers, and a duration written as a clock

@@ -6,40 +6,30 @@ thousand images), with ``--time-budget 5m`` unless one is given.
 
 * data decoded once and resident as uint8 on the device (``--data-mode memory``), views made there by the batched
   augmentation (`unison.data.augment.ViewAugmenter`), kNN sets on the device;
-* channels_last (the default, on a CPU too); on a GPU bf16 autocast, on a CPU none (CPU autocast did not pay for
+* channels_last (the default, on a CPU too); on a GPU bf16 autocast, on a CPU none (CPU autocast does not pay for
   the small models a CPU trains);
-* ``--compile`` on a CPU where a C++ compiler and Python's headers are found (inductor needs both): on 2 cores
-  it made the small CNN's SimCLR step 1.16x faster for about 9 s of start-up (a 5-minute run trained 709 steps
-  where eager trained 615).
-  Not on a GPU: on an H100 (torch 2.11) it took 42 s of a 170 s budget to start, where eager took 3 s, and its
-  step measured 27.6 ms against eager's 26.7 ms at batch 512; give ``--compile`` to try it on your card;
+* ``--compile`` on a CPU where a C++ compiler and Python's headers are found (inductor needs both): there the
+  faster step repays its compile time within a short budget. Not on a GPU: there the compile time is a large
+  share of a short budget and the eager ResNet-18 step is no slower; give ``--compile`` to try it on your card
+  (docs/benchmarks.md has both measurements);
 * SGD runs torch's multi-tensor (foreach) step on a GPU; the step's host synchronisations are the ones
   ``unison plan`` lists (the finite-loss check);
 * everything that spends the budget on something other than steps is off: the random-initialisation kNN, the
   label-free signals, the online probe (the final kNN is kept; on a GPU against every training image, the
   protocol of published kNN figures, so the result compares with them);
-* a checkpoint a minute of training, not one per epoch: an H100 trains a CIFAR-10 epoch in about 2.3 s, so a
-  5-minute run saved about 100 times, and it lost 0.13 s at each epoch's start (10.5 s of 246 s, measured in
-  its log; the save and the index copy then both fell there, and the copy no longer makes the host wait).
+* a checkpoint a minute of training, not one per epoch: a GPU trains a CIFAR-10 epoch in seconds, and each save
+  pauses the step loop while it copies the state, so saving every epoch would spend the budget on saves.
 
 Hyper-parameters. Shared: SimCLR, SGD with momentum 0.9, weight decay 5e-4, one epoch of warm-up (at most a tenth
-of a budgeted run's steps), as Lightly's CIFAR-10 benchmark (kNN 0.848 after 200 epochs); NT-Xent temperature 0.2,
-learning rate 0.45 per 256 images, crops from 20 % of the image (the ``mocov2`` augmentation: SimCLR's colour
-jitter, MoCo v2's crops) instead of Lightly's 0.5, 0.12 and 8 %. Chosen on the CIFAR-10 ``val`` split only, on a
-CPU (docs/benchmarks.md has every run):
+of a budgeted run's steps), as Lightly's CIFAR-10 benchmark; NT-Xent temperature 0.2, learning rate 0.45 per 256
+images, crops from 20 % of the image (the ``mocov2`` augmentation: SimCLR's colour jitter, MoCo v2's crops)
+instead of Lightly's 0.5, 0.12 and 8 %. Chosen on the CIFAR-10 ``val`` split only, on a CPU, one value at a time,
+at 5-minute budgets of the small CNN and in a many-epoch proxy of a GPU's regime; docs/benchmarks.md ("How the
+speed-run recipe was chosen") has every run, its command and its result.
 
-* at 5-minute budgets of the small CNN at batch 256 on all 45,000 training images (about 4.5 epochs), kNN against
-  all of them: Lightly's values gave 0.476; temperature 0.2 0.497; lr 0.3 0.509 (0.6: 0.501); compiled 0.527;
-  crops from 20 % 0.535; lr 0.45 with both 0.544;
-* in the many-epoch regime a GPU trains in 5 minutes (about 130 epochs), on a proxy: 100 epochs of 5,000 images,
-  the small CNN: these values 0.532 against Lightly's 0.493 at batch 256, 0.505 against 0.475 at batch 512.
-
-* On a GPU (`SPEEDRUN_GPU`): a ResNet-18 (CIFAR stem) at batch 512 (lr 0.9). Not yet measured on a GPU with these
-  values; two H100 runs so far: 0.733 after 128 epochs in 5 minutes (compiled, temperature 0.2, lr 0.12, crops from
-  8 %, kNN against 5,000 training images) and 0.7428 after 87 epochs in 250 s (eager, Lightly's values, kNN
-  against all 45,000).
-* On a CPU (`SPEEDRUN_CPU`): the small CNN at batch 256. Not a ResNet-18: on 2 cores its step at batch 512
-  measured 10.0 s (2 workers, compiled) after 105 s of start-up, so 5 minutes would train about 17 steps.
+* On a GPU (`SPEEDRUN_GPU`): a ResNet-18 (CIFAR stem) at batch 512 (lr 0.9), the values above.
+* On a CPU (`SPEEDRUN_CPU`): the small CNN at batch 256. Not a ResNet-18: a CPU's ResNet-18 step and start-up
+  are so slow that a 5-minute budget would train a handful of steps.
 
 The method parameters (the temperature) are SimCLR's: with another ``--method`` they are left out, and one warning
 says which (`with_preset`); the other values apply to any method.
@@ -59,14 +49,14 @@ from typing import Any
 
 from unison.errors import ConfigError
 
-# lr, augmentation and temperature chosen on the val split on a 2-core CPU (the module docstring)
+# lr, augmentation and temperature chosen on the val split on a CPU (the module docstring)
 SPEEDRUN: dict[str, Any] = {
     "method": "simclr", "data_mode": "memory", "optimizer": "sgd", "weight_decay": 5e-4, "warmup_epochs": 1.0,
     "lr": 0.45, "augmentation": "mocov2", "method_params": {"temperature": 0.2},
     "time_budget": "5m", "random_init_knn": False, "signal_images": 0, "online_probe": False,
     "checkpoint_every": "1m",
 }
-# knn_reference 0: every training image, as published kNN figures use (a second on a GPU, minutes on a CPU)
+# knn_reference 0: every training image, as published kNN figures use (cheap on a GPU, not on a CPU)
 SPEEDRUN_GPU: dict[str, Any] = {"backbone": "resnet18", "batch_size": 512, "amp": "bf16", "knn_reference": 0}
 SPEEDRUN_CPU: dict[str, Any] = {"backbone": "small_cnn", "batch_size": 256}
 PRESETS = ("speedrun",)

@@ -47,9 +47,9 @@ MAX_BATCH = 2**24        # a global batch of 16M images: far past any recipe, fa
 MIN_KNN_T = 0.02         # kNN temperature: similarities are <= 1 and exp(1 / t) must stay finite in float32 (e**88.7)
 MAX_IMAGES = 2**40       # subsets: more images than any data set
 MAX_SIGNAL_IMAGES = 4096  # the signals' pairwise distances: N**2 / 2 float64 values (64 MiB at 4096)
-# fewest held-back images that can tell a collapse: RankMe of N images is at most N, and a healthy small_cnn's (random
-# init, SimCLR's first steps, digits) measured 1.3-1.5 at N=2, 1.8-2.1 at 4, 2.6-3.2 at 8, 3.9-5.1 at 16 against the
-# collapse floor of 2; one image has embedding std 0
+# fewest held-back images that can tell a collapse: RankMe of N images is at most N, so with fewer images a healthy
+# encoder's RankMe lies too near the collapse floor of 2 to be told from a collapsed one; one image has embedding
+# std 0
 MIN_COLLAPSE_IMAGES = 16
 
 MAX_CADENCE_S = 10**7   # about 4 months: past any run
@@ -123,7 +123,7 @@ class TrainConfig:
                 "default: the method's recipe (small_cnn; vit_tiny_auto for mae, ibot, ijepa, lejepa, mocov3)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
-    # ---- continued pre-training (issue 25): start from weights on disk, per-block lr, frozen blocks
+    # ---- continued pre-training: start from weights on disk, per-block lr, frozen blocks
     init: str | None = field(default=None, metadata={
         "metavar": "PATH",
         "help": "start the backbone from these weights: a torchvision/timm state dict (.pt/.pth/.safetensors), a "
@@ -396,8 +396,8 @@ class TrainConfig:
     @property
     def nhwc(self) -> bool:
         """Whether conv backbones and their inputs use channels_last: float64 never does (no NHWC kernel for it on
-        the CPU or the GPU: the CPU falls back to a conversion around the slow convolution, 11x slower on the small
-        CNN), so `--precision float64` runs, `unison check` among them, keep NCHW whatever --channels-last says."""
+        the CPU or the GPU: the CPU falls back to a conversion around the slow convolution, many times slower than
+        NCHW), so `--precision float64` runs, `unison check` among them, keep NCHW whatever --channels-last says."""
         return self.channels_last and self.precision != "float64"
 
     def to_dict(self) -> dict[str, Any]:

@@ -237,7 +237,7 @@ class ViewAugmenter:
         theta = torch.stack(
             (torch.stack((sx * cos, -sx * sin, 2 * cx - 1), 1), torch.stack((bh * sin, bh * cos, 2 * cy - 1), 1)), 1
         ).to(x.dtype)
-        # = F.affine_grid(theta, ...), with the base grid cached and one broadcast matmul (about 2x faster on CPU).
+        # = F.affine_grid(theta, ...), with the base grid cached and one broadcast matmul (less work than affine_grid).
         grid = torch.matmul(self._base_grid(size, x.device, x.dtype), theta.transpose(1, 2)).view(B, size, size, 2)
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
@@ -296,7 +296,7 @@ class ViewAugmenter:
         k = torch.arange(-r, r + 1, device=u.device, dtype=torch.float64)
         w = torch.exp(-(k[None] ** 2) / (2 * sigma[:, None] ** 2))
         w = (w / w.sum(1, keepdim=True)).to(x.dtype)
-        if x.device.type == "cpu":  # one depthwise convolution per sample, in place: about 2x the sums below
+        if x.device.type == "cpu":  # one depthwise convolution per sample, in place: less work than the sums below
             return _blur_each(x, rows.tolist(), w, r)
         sub = x if every else x[rows]
         w = w[:, :, None, None, None]  # [B, taps, 1, 1, 1]

@@ -93,10 +93,9 @@ class InMemoryBatches:
 
 def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`, without making the host wait. A copy from pageable memory waits for every kernel queued
-    before it: one per step kept the host from running ahead of the GPU (an H100 run spent 35 % of its time in the
-    data path), and one per epoch still empties the GPU's queue at every epoch's start (an H100 run lost 0.13 s at
-    each, to this copy or to the epoch's checkpoint). From pinned memory the copy is queued like a kernel; torch's
-    pinned-memory cache keeps the buffer until the copy has run."""
+    before it: one per step keeps the host from running ahead of the GPU (the step then waits on the data path),
+    and one per epoch still empties the GPU's queue at every epoch's start. From pinned memory the copy is queued
+    like a kernel; torch's pinned-memory cache keeps the buffer until the copy has run."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

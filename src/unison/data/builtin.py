@@ -61,7 +61,7 @@ def digits_all() -> tuple[torch.Tensor, torch.Tensor]:
 @functools.lru_cache(maxsize=1)
 def _digits_file() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's copy of the UCI digits (``sklearn/datasets/data/digits.csv.gz``: 64 pixels and the label per
-    row), read as its ``load_digits`` reads it but without importing scikit-learn: that import takes about 2 s, in
+    row), read as its ``load_digits`` reads it but without importing scikit-learn: that import takes seconds, in
     every worker of every run on the embedded default (the train and the val split share this one read)."""
     spec = importlib.util.find_spec("sklearn")   # finds the package without importing it
     path = (Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"

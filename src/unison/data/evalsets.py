@@ -76,9 +76,9 @@ class _Unreadable:
 
 class _Kept:
     """Decoded rows [lo, hi) of one `LazyImages` set (this rank's share; shared by the set's contiguous slices),
-    kept on the device: with ``--data-mode memory`` a kNN every few epochs decoded the same JPEGs each time (an
-    H100 run spent 10-15 s of its 5-minute budget per kNN on the host, decoding 45,000 images), and the final
-    kNN overran the budget by that decode. Rows outside [lo, hi) are neither kept nor served."""
+    kept on the device: with ``--data-mode memory`` a kNN every few epochs would otherwise decode the same JPEGs
+    on the host each time, out of the run's budget, and the final kNN would overrun the budget by that decode.
+    Rows outside [lo, hi) are neither kept nor served."""
 
     def __init__(self, lo: int, hi: int):
         self.lo, self.hi = lo, hi
@@ -194,7 +194,7 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None
 def _pool() -> ThreadPoolExecutor:
     """This process's decoding threads, kept for its life. Why not a pool per batch: every new thread may get
     a malloc arena of its own, and the freed decode buffers left in up to 8 x cores arenas made the peak memory
-    of a kNN grow with the number of batches it decoded (+130 MiB at 6,000 images, measured)."""
+    of a kNN grow with the number of batches it decoded."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():   # a forked child has none of its parent's threads
         _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),

@@ -11,8 +11,8 @@ hang, a traceback or memory exhaustion:
   it, before anything is read).
 * `parse_label`: a class index from a file (``.cls`` member, file list): ASCII digits only
   (``str.isdigit`` also takes ``²``), below `MAX_CLASSES`.
-* `open_image`: an image's header, refused above `MAX_PIXELS` (a 109 KB PNG can claim
-  30000 x 30000 pixels): every decode path opens the header through it first.
+* `open_image`: an image's header, refused above `MAX_PIXELS` (a PNG of a few kilobytes can
+  claim 30000 x 30000 pixels): every decode path opens the header through it first.
 * EXIF orientation (phone photos are stored sideways with a tag saying how to turn them): every
   decode path shows an image as `PIL.ImageOps.exif_transpose` would, through `upright_size` (the
   size as shown, from the header alone) and `upright` (the decoded pixels turned).
@@ -25,7 +25,7 @@ a label member `MAX_LABEL_BYTES`, class indices below `MAX_CLASSES` (100,000), i
 
 Example::
 
-    data = read_regular("/data/cat/0001.jpg")          # OSError for a FIFO, a device or a 300 MB file
+    data = read_regular("/data/cat/0001.jpg")          # OSError for a FIFO, a device or a file over the limit
     label = parse_label("7", "tar shard a.tar: member k/1.cls")
 """
 

@@ -10,15 +10,15 @@ on the image's pixels and its boxes alone, never on which decoder read it:
   box at least its output size), asked of libjpeg as ``min_width = ceil(W / s)``, which it meets
   with exactly 1/s (tested against PIL's draft decode);
 * `resize_views`: each box, mapped to the decoded image, rounded to whole pixels, resized with
-  torch's antialiased bilinear filter on uint8 channels-last (the filter of PIL's resize, about 4x
-  its speed on this CPU; it takes whole-pixel regions only), flipped while copied into the batch;
+  torch's antialiased bilinear filter on uint8 channels-last (the filter of PIL's resize, several
+  times its speed: threaded, no PIL image; it takes whole-pixel regions only), flipped while copied into the batch;
 * EXIF orientation: read from the header (`files.orientation`, no pixel decoded), the decoded
   array turned as ``PIL.ImageOps.exif_transpose`` (and `files.upright` on the PIL path) does
   before it is cropped; the caller draws the boxes on the size as shown (`files.upright_size`).
 
 Why faster: PIL decodes through its incremental ``ImageFile.load`` (buffer by buffer, then a
-copy into its own storage); simplejpeg decodes into one numpy array in one call (about 1.7x the
-images/s of ``Image.open(...).convert("RGB")`` at 300-500 px on this CPU).
+copy into its own storage); simplejpeg decodes into one numpy array in one call, with neither the
+buffer-by-buffer load nor the copy.
 
 Example::
 
@@ -90,8 +90,8 @@ def resize_views(arr: np.ndarray, s: float, boxes: list, sizes: list[int], crops
     pixels and the boxes alone.
 
     The box, mapped to the decoded image, is rounded to whole pixels (edges at floor(x + 0.5), at least one pixel);
-    the resize is torch's antialiased bilinear on uint8 channels-last (PIL's filter, about 4x PIL's speed on
-    this CPU; torch resizes whole-pixel regions only, hence the rounding); the flip happens in the copy into the
+    the resize is torch's antialiased bilinear on uint8 channels-last (PIL's filter, several times PIL's
+    speed; torch resizes whole-pixel regions only, hence the rounding); the flip happens in the copy into the
     batch. Each output pixel is computed on its own, so the thread count changes nothing."""
     import torch
     import torch.nn.functional as F

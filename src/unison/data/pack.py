@@ -2,8 +2,8 @@
 
 What a pack is for: moving a data set as one small file where a folder of 50,000 files, or tar
 shards (a 512-byte header per member, more than a CIFAR JPEG itself), would not fit or would be slow
-to copy (a machine reached only through a size-limited upload). CIFAR-10's 50,000 JPEGs are about
-45 MiB of bytes, and about 46 MiB as packs. A pack reads like any other layout: ``--data train.pack``
+to copy (a machine reached only through a size-limited upload). A pack adds only its index to the images'
+encoded bytes. A pack reads like any other layout: ``--data train.pack``
 (and ``--val val.pack``); each sample is one ``os.pread`` (the `Catalog` of kind ``"pack"``), so the
 memory path decodes it into one tensor on the device, the streamed path decodes it in loader workers
 (simplejpeg), and ``--decode gpu`` hands the bytes to nvJPEG, all through the code of the other layouts.

@@ -7,7 +7,7 @@ to reach it. Also here: the helpers the layouts share (image extensions, class i
 labels, stat of many files at once).
 
 Memory: names are packed into one byte buffer with an offset array (about 8 bytes + the name
-per sample; ImageNet-1k's 1.28M paths take ~80 MB, shared copy-on-write with the loader
+per sample), shared copy-on-write with the loader
 worker processes, which Python string lists would not be: their reference counts dirty
 every page).
 

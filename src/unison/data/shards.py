@@ -22,7 +22,7 @@ or parallel file systems (Lustre, GPFS, NFS with read-ahead off) a pread of a ~1
 ImageNet JPEG costs about what reading it from its own file does, without the per-file open;
 on object stores behind a FUSE mount that only stream well, stage the shards locally or use
 a folder. Compressed tars (``.tar.gz``) cannot be read by offset and are refused. Indexing
-costs one pass over the headers (about a second per GB on a local disk), done once: the
+costs one pass over the headers, done once: the
 index is cached under ``$UNISON_CACHE_DIR/shard-index`` keyed by path, size and mtime.
 
 Errors, one line naming the file: an empty shard (no bytes, or no image members), a

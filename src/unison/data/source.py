@@ -4,10 +4,9 @@
 with `unison.training.step.data_spec`. ``--data-mode`` (``DataSpec.data_mode``):
 
 * ``memory``: decode everything once into one uint8 tensor on the device (`InMemoryBatches`):
-  the fastest path, bit-for-bit today's for the digits and CIFAR. Costs 3 x H x W bytes per
-  image on every rank (CIFAR-10: 150 MiB), plus one decode of the data (cached on disk). The kNN images of
-  listed data are decoded once too and kept at the view size, each rank its share (by default at most 5,000
-  reference + 2,000 held-out images: CIFAR-10 21 MiB, 224 px 1 GiB over all ranks).
+  the fastest path. Costs 3 x H x W bytes per image on every rank, plus one decode of the data (cached on
+  disk). The kNN images of listed data are decoded once too and kept at the view size S, each rank its share
+  (by default at most 5,000 reference + 2,000 held-out images over all ranks, 3 x S x S bytes each).
 * ``stream``: each rank decodes its slice of each batch in loader worker processes
   (`StreamingBatches`). Costs CPU per step instead of memory: per rank, the packed index (about
   8 bytes + the path per image) and the decoded jobs in flight; nothing grows with the data.

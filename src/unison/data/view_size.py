@@ -39,8 +39,8 @@ def size_or_none(catalog: Catalog, i: int) -> tuple[int, int] | None:
 
 def default_image_size(height: int, width: int, where: str, read: str = "the first one read") -> int:
     """The view size of images of one size `height` x `width` when ``--image-size`` is not given: their shorter
-    side, at most 224. A side below 8 px (a 4000 x 1 strip) is refused: the longer side used to be taken, and
-    4000 x 4000 views of a batch asked for 32 GB. `read`: which images the size is of, for the message."""
+    side, at most 224. A side below 8 px (a 4000 x 1 strip) is refused: taking the longer side instead would
+    make 4000 x 4000 views, gigabytes for one batch. `read`: which images the size is of, for the message."""
     size = min(MAX_DEFAULT_SIZE, int(height), int(width))
     if size < MIN_IMAGE_SIZE:
         raise DataError(f"the images of {where} are {int(width)}x{int(height)} px ({read}), too small a "

@@ -121,8 +121,8 @@ def init_distributed(cfg: DistributedConfig, local_rank: int = 0) -> torch.devic
     # several workers stays on the CPU (torch's CUDA SyncBatchNorm needs NCCL).
     if comm == "nccl" or (cfg.resolved_backend() == "local" and torch.cuda.is_available()):
         if comm != "nccl" and cfg.shard == "full":
-            # Seen on an H100 (torch 2.11): FSDP2's collectives on CUDA tensors over gloo killed the workers
-            # (SIGSEGV). Checked here, where the device is known: a configuration may be written for another machine
+            # FSDP2's collectives on CUDA tensors over gloo crash the workers (SIGSEGV), so they never start.
+            # Checked here, where the device is known: a configuration may be written for another machine
             raise ConfigError("--shard full on one worker has nothing to shard, and a single CUDA worker's "
                               "in-process group cannot run FSDP's collectives; use --shard none (or 2+ workers)")
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
@@ -228,17 +228,17 @@ def restart_reason() -> str | None:
 def exit_worker(code: int) -> NoReturn:
     """End this worker process now with `code`, after flushing stdout/stderr, skipping interpreter finalization.
 
-    Why: a worker that finished cleanly (results written, process group destroyed) was still
-    killed by SIGABRT ("terminate called without an active exception") in about 1 of 12 short
-    gloo runs, always during finalization (no Python frame left), when torch's C++ objects are
-    destroyed after the interpreter. Its results were complete, but the launcher, torchrun
-    included, saw a crashed worker. Everything a worker produces is written and closed before
-    this point (summary, metrics, checkpoints), so nothing is lost by not finalizing.
+    Why: a worker that finished cleanly (results written, process group destroyed) can still be
+    killed by SIGABRT ("terminate called without an active exception") during finalization (no
+    Python frame left), when torch's C++ objects are destroyed after the interpreter. Its results
+    are complete, but the launcher, torchrun included, would see a crashed worker. Everything a
+    worker produces is written and closed before this point (summary, metrics, checkpoints), so
+    nothing is lost by not finalizing.
 
     multiprocessing's own exit finalizers run first (priority 0 and up, as a normal exit runs them): skipped,
-    every semaphore a library made in the worker stayed registered with the resource tracker, which warned at the
-    end of the run ("There appear to be 2 leaked semaphore objects": tqdm's default lock, taken by torch.compile's
-    graph interpreter in every compiled worker).
+    every semaphore a library made in the worker would stay registered with the resource tracker, which warns at
+    the end of the run ("There appear to be N leaked semaphore objects": tqdm's default lock, taken by
+    torch.compile's graph interpreter in every compiled worker).
     """
     import multiprocessing.util
 

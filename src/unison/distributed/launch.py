@@ -85,9 +85,9 @@ def find_free_port(addr: str = "127.0.0.1") -> int:
 def _worker_main(target: Callable[[Any], Any], payload: Any, env: dict[str, str], heartbeats: Any,
                  threads: int, result_conn: Any, streams: tuple[Any, ...] = (), ready: Any = None,
                  others: tuple[Any, ...] = ()) -> None:
-    # What was imported before this worker (torch: some 320,000 objects, in the fork server or the command it was
-    # forked from) is never garbage: out of every full collection
-    # (Python's own, `shutdown_distributed`'s), which then takes 0.08 s of a worker's life, not 0.4 s.
+    # What was imported before this worker (torch: hundreds of thousands of objects, in the fork server or the
+    # command it was forked from) is never garbage: kept out of every full collection (Python's own,
+    # `shutdown_distributed`'s), which would otherwise walk all of them each time.
     gc.freeze()
     for conn in others:   # forked from the launcher: the other ranks' pipe ends (see `launch`)
         conn.close()

@@ -118,7 +118,7 @@ def torchrun_attempt_store(cfg: DistributedConfig, timeout: datetime.timedelta) 
     assumption that every retry gets a new server, which torch 2.14's ``DynamicRendezvousHandler`` does
     not do. Restarted workers then share the namespace ``default_pg/`` with the dead ones and can read
     their gloo addresses: ``failed to connect ... Connection refused`` and a rendezvous that hangs until
-    ``--timeout-s`` (seen in 1 of 3 restarts of a 2-worker gloo run). A prefix per attempt number does not
+    ``--timeout-s``. A prefix per attempt number does not
     do either: the number (``TORCHELASTIC_RESTART_COUNT``) is each agent's own count, and in a multi-node
     job only the failed node's agent counts a restart (a healthy one restarts its workers for the waiting
     node without counting), so the hosts' workers would use different prefixes and hang.

@@ -22,8 +22,8 @@ def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -
     step), first wait until every rank has returned from its last collective (a counter in the rendezvous store).
 
     Why: a collective's last message may still be in flight to a slower peer when a rank returns from it;
-    tearing gloo's connections down then reset that peer's read ("pair.cc: Read error") and, seen once in CI,
-    aborted the leaving rank in gloo's teardown ("double free or corruption"). A rank that failed leaves at once:
+    tearing gloo's connections down then resets that peer's read ("pair.cc: Read error") and can abort
+    the leaving rank in gloo's teardown ("double free or corruption"). A rank that failed leaves at once:
     its peers may be stuck in a collective it will never join, and its error must reach the launcher now.
     The wait is bounded (`wait_s`)."""
     global _shutdowns
@@ -42,8 +42,8 @@ def shutdown_distributed(error: BaseException | None, *, wait_s: float = 60.0) -
 def _release_process_group_holders(error: BaseException | None) -> None:
     """Free what still holds the process group (DDP's reducer, FSDP's state: reference cycles, or locals kept by
     the error's traceback) now, while the interpreter is whole. `destroy_process_group` only unregisters the group;
-    its last holder freed during the interpreter's exit runs gloo's teardown then, which aborts the process now and
-    then ("terminate called without an active exception", SIGABRT; CI, issue 22's own-loop test: 3 of ~70 runs)."""
+    its last holder freed during the interpreter's exit runs gloo's teardown then, which can abort the process
+    ("terminate called without an active exception", SIGABRT)."""
     if error is not None:
         traceback.clear_frames(error.__traceback__)
     gc.collect()

@@ -113,8 +113,8 @@ def stop_signals_raise(error: Callable[[str], BaseException]) -> Iterator[None]:
 class ForwardStopSignals:
     """While active (main thread only): SIGTERM/SIGUSR1 to unison's launcher go on to every live worker, each
     once its own stop handlers are installed (``ready[rank]`` set by the worker): a worker signalled before that
-    would die of it, and one started after the signal would never hear it (a SIGTERM in the first seconds of a
-    run was lost that way, and the run trained on). `deliver()` sends a received stop to the workers that have
+    would die of it, and one started after the signal would never hear it (a SIGTERM in a run's first seconds
+    would be lost, and the run train on). `deliver()` sends a received stop to the workers that have
     become ready since; the launcher calls it at every poll."""
 
     def __init__(self, procs: list[Any], ready: Any) -> None:
@@ -135,7 +135,7 @@ class ForwardStopSignals:
             os.write(2, f"unison: {signal.Signals(signum).name}: asking every worker to finish its step and save a "
                         "checkpoint\n".encode())
         self.received = signum
-        self.told.clear()   # every signal goes to every ready worker (a second one too, as it did before)
+        self.told.clear()   # every signal goes to every ready worker (a second one too)
         self.deliver()
 
     def deliver(self) -> None:
@@ -161,8 +161,8 @@ def stop_signals_blocked() -> Iterator[None]:
 
     For starting multiprocessing's fork server: a process started meanwhile inherits the mask across fork and
     exec, so the server never dies of a stop sent to the whole process group (SLURM's ``scancel``, ``timeout``,
-    a shell's job control). It did: its workers' exit codes were then lost (multiprocessing reports 255), and a
-    run that had stopped cleanly, checkpoint written, ended as "worker rank 0 failed: exited with code 255".
+    a shell's job control). Were it to die, its workers' exit codes would be lost (multiprocessing reports 255),
+    and a run that stopped cleanly, checkpoint written, would end as "worker rank 0 failed: exited with code 255".
     The workers it forks inherit the mask too, and unblock once their handlers are installed
     (`unblock_stop_signals`)."""
     if not hasattr(signal, "pthread_sigmask"):
@@ -244,8 +244,8 @@ def die_with_launcher(result_fd: int) -> None:
     gone. `result_fd`: the write end of the pipe whose only read end the launcher holds.
 
     Why not PR_SET_PDEATHSIG alone: a worker's parent is the fork server, which exits when the launcher dies but
-    only after its own teardown (3-4 s with torch imported), in which an orphaned worker trained on and wrote
-    checkpoints. When the launcher dies the pipe has no reader, and its write end reports POLLERR: a daemon thread
+    only after its own teardown (seconds, with torch imported), in which an orphaned worker would train on and
+    write checkpoints. When the launcher dies the pipe has no reader, and its write end reports POLLERR: a daemon thread
     waits for exactly that (blocked in poll: no cost), on its own copy of the write end, open until this exits."""
     import select
 

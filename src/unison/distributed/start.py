@@ -10,8 +10,8 @@
   command began (no lock another thread could hold, no OpenMP pool), and no GPU device on the machine (CUDA is
   not fork-safe: a parent that only asked how many devices there are poisons it, and the command's parent asks).
   The command has imported torch already,
-  so the fork server would import it a second time: its start took 6.6 s of CPU on a 2-core Xeon, the largest
-  part of a short ``unison train``'s 12-14 s. A GPU machine, or any other process, keeps the fork server.
+  so the fork server would import it a second time, which on a machine of few cores is most of a short
+  ``unison train``'s start. A GPU machine, or any other process, keeps the fork server.
 
 The workers of both get the launcher's environment as it is at launch (`unison.distributed.launch`).
 
@@ -46,7 +46,7 @@ def _threads() -> frozenset[str] | None:
 
 
 def _preload(target: Callable[[Any], Any]) -> list[str]:
-    # torch._dynamo: DDP imports it when it wraps a model (2.4 s of every worker, torch 2.14), once before the forks
+    # torch._dynamo: DDP imports it when it wraps a model (seconds in every worker), so once, before the forks
     return ["torch", "torch._dynamo", target.__module__]
 
 

@@ -23,8 +23,8 @@ convention of `unison.distributed.collectives` (dy_r = d(sum_s L_s)/dy_r on rank
 
 Why a hand-written autograd function: expressing the normalisation with elementwise
 tensor ops lets autograd derive this backward, but costs about ten passes over every
-activation in forward and backward (the 2-worker CPU step was 2.6x slower in batch norm
-than the fused kernels of one worker). Here every pass over the activation is a fused
+activation in forward and backward, where one worker's plain batch norm makes one fused
+pass. Here every pass over the activation is a fused
 ATen CPU kernel: `batch_norm_update_stats` (local mean and variance), `batch_norm` in
 inference form with the global statistics (the output), `native_batch_norm_backward`
 (the two local reductions), and two `addcmul` for dx. Collectives per layer and step:

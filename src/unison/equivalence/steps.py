@@ -244,7 +244,7 @@ def validate_check_specs(specs: list[CheckSpec], cuda_available: bool) -> None:
     if any(spec.dtype not in TOLERANCE for spec in specs):
         raise ConfigError(f"dtype must be one of {', '.join(TOLERANCE)}, got {specs[0].dtype!r}")
     if any(spec.device == "cuda" and spec.shard == "full" for spec in specs):
-        # Seen on an H100 (torch 2.11): FSDP2's collectives on CUDA tensors over gloo killed both ranks (SIGSEGV)
+        # FSDP2's collectives on CUDA tensors over gloo crash the ranks (SIGSEGV): refused before they start
         raise ConfigError("--device cuda runs the ranks over gloo, which cannot run FSDP's collectives on CUDA "
                           "tensors; check --shard full with --device cpu (the same code path)")
     if any(spec.device == "cuda" for spec in specs) and not cuda_available:

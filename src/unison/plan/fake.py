@@ -220,7 +220,7 @@ def _patches() -> dict[str, Any]:
         "torch.cuda.is_bf16_supported": lambda *a, **k: True,
         "torch.cuda.current_device": lambda: 0,
         "torch.cuda.device_count": lambda: 1,
-        "torch.cuda.get_device_capability": lambda *a, **k: (9, 0),   # an H100's (dist.broadcast asks)
+        "torch.cuda.get_device_capability": lambda *a, **k: (9, 0),   # sm_90's (dist.broadcast asks)
         "torch._dynamo.config.optimize_ddp": "python_reducer",
         "torch.nn.parallel.distributed._verify_param_shape_across_processes": none,
         "torch.nn.parallel.distributed._sync_module_states": none,

@@ -40,7 +40,7 @@ GPUS: dict[str, GPU] = {
     "4090": GPU("RTX 4090 24GB", 23.6, 165.2, 32.0, "PCIe 4.0 x16"),
 }
 ALIASES = {"h100-80": "h100", "h100-sxm": "h100", "a100": "a100-80", "rtx4090": "4090", "h200-141": "h200"}
-MIN_GIB = 1.0      # below it no GPU runs a training step: the CUDA context alone takes about 0.5 GiB
+MIN_GIB = 1.0      # below it no GPU runs a training step: the CUDA context alone takes hundreds of MiB
 MAX_GIB = 4096.0
 
 

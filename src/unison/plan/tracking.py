@@ -41,8 +41,8 @@ def tracker_class() -> type:
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             """The device's peak only: MemTracker also updates the peak of every module the step is inside, in a
-            loop over all modules at each allocation, which the plan never reads (it was 14 of the 31 s of
-            I-JEPA's 8-rank simulation)."""
+            loop over all modules at each allocation, which the plan never reads and which would dominate the time
+            of a large model's many-rank simulation."""
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]

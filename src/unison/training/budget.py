@@ -123,8 +123,8 @@ def sync_device(run: Run) -> None:
 def measure_step_s(run: Run, budget_s: float) -> tuple[float, int]:
     """(seconds per steady step, steps timed): `WARMUP_MEASURE_STEPS` untimed steps, then timed ones until rank 0
     says enough (`TIMED_STEPS`, `MIN_TIMED_S`, `MEASURE_SHARE`); every rank takes the same steps. A run with fewer
-    steps than that (``--max-steps``) takes them again from step 0: it used to time its first steps, which compile
-    with ``--compile`` (a 2-step run timed 72 s steps on a loaded 2-core CPU and found no time left to train)."""
+    steps than that (``--max-steps``) takes them again from step 0, never times its first steps: with ``--compile``
+    they compile, and a plan from them would find no time left to train."""
     with contextlib.closing(_steps_round_again(run)) as steps:
         return _timed_steps(run, steps, budget_s, WARMUP_MEASURE_STEPS)
 

@@ -15,13 +15,12 @@ COLLAPSE_EVALS = 2          # ... for this many evaluations in a row
 def collapsed(values: dict[str, float]) -> str | None:
     """What collapsed, or None.
 
-    Thresholds (measured on the digits, small_cnn, 512 images, d = 128): a random-initialised ReLU network already
-    has std x sqrt(d) = 0.13 and RankMe 18 (its features share one direction); healthy training raises them (SimCLR
-    at step 20: 0.41 and 27) and a dip stays above 0.1 (SimSiam at lr x100: 0.12 and 4.6); a collapsing run
-    (``--weight-decay 0.5``) falls to 0.035 then 0.006, RankMe 3.5 then 1.2, within 6 steps. SimSiam §4.1 reports
-    1e-3 x sqrt(d) for its collapse. `COLLAPSE_STD` = 0.05 lies between (a third of a random network's); RankMe
-    below max(2, 1 % of min(N, d)) means at most a couple of directions carry the embedding, which no healthy run
-    above shows. Either one for `COLLAPSE_EVALS` evaluations in a row counts (one evaluation may dip)."""
+    Thresholds: a random-initialised ReLU network's features already share one direction, so its std x sqrt(d)
+    and RankMe are low; healthy training raises them, and even a dip of a healthy run stays above a random
+    network's std; a collapsing run's std falls by orders of magnitude within a few steps (SimSiam §4.1 reports
+    1e-3 x sqrt(d) for its collapse). `COLLAPSE_STD` lies between, below a random network's; RankMe below
+    max(2, 1 % of min(N, d)) means at most a couple of directions carry the embedding, which a healthy run does
+    not show. Either one for `COLLAPSE_EVALS` evaluations in a row counts (one evaluation may dip)."""
     what = []
     if values["emb_std"] < COLLAPSE_STD:
         what.append(f"embedding std {values['emb_std']:.3g}/sqrt(d) < {COLLAPSE_STD}/sqrt(d)")

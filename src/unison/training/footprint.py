@@ -4,8 +4,8 @@ The model is the production one (`unison.training.step.build_method`, what train
 build), built on the ``meta`` device: shapes and dtypes, nothing allocated. Its parameters, buffers, gradients and
 optimizer state must fit in this machine's memory: RAM for every worker process the run starts here (the model is
 built on the CPU first), and the GPU's memory when the workers train on GPUs. Activations come on top, so a run
-that passes can still run out of memory; one that fails here would have failed (a 4 TB allocation traceback, or
-the kernel's out-of-memory kill) after start-up in every worker.
+that passes can still run out of memory; one that fails here would have failed (the traceback of an allocation of
+terabytes, or the kernel's out-of-memory kill) after start-up in every worker.
 
 Example::
 

@@ -36,7 +36,7 @@ def _method_named(method: str, params: dict[str, Any]) -> str:
 
 def compiled(model: nn.Module) -> nn.Module:
     """``torch.compile(model)`` with the float32 losses kept eager in it (`unison.losses.keep_losses_eager`: Triton
-    failed on one on an H100), a failure to compile reported as one line (`CompileFailuresReported`), and two of
+    can fail to compile them), a failure to compile reported as one line (`CompileFailuresReported`), and two of
     torch's log lines that tell a user nothing silenced (`_quiet_compile_logs`). torch.compile of a Module returns
     an OptimizedModule, an nn.Module; its stubs say only Callable."""
     keep_losses_eager()

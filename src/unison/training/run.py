@@ -57,7 +57,7 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
         if own is not None and not in_process:
             check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
         if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
-            check_model_memory(plan)   # a model that cannot fit: one line here, not a 4 TB allocation in every worker
+            check_model_memory(plan)   # a model that cannot fit: one line here, not a huge failed allocation per worker
         preflight(plan, launched=launched, own=own)
     owner = launch_env is None or launch_env.rank == 0   # unison's workers (train_worker) never lock
     with RunDirLock(cfg.out) if owner else contextlib.nullcontext():

@@ -3,7 +3,7 @@
 * The signals (`measure_signals`, which the trainer calls): those of `unison.eval.signals` (RankMe, embedding
   std, alignment, uniformity) on a fixed held-back set of ``--signal-images`` training images (default 512; chosen
   from ``--seed`` only, no labels needed), at the start, every ``--signals-every`` steps (0: every max(50, steps /
-  50) steps: one evaluation costs about one training step at batch 256, so at most 2 % of a run) and at the end.
+  50) steps: one evaluation costs about one training step, so it spends at most one step in 50) and at the end.
   They go to ``metrics.csv``, ``train.log``, the progress bar, TensorBoard/W&B and ``summary.json``.
 * Collapse: `COLLAPSE_EVALS` evaluations in a row of `unison.training.collapse.collapsed` (embedding std or RankMe
   too low) -> one warning line (what collapsed, what usually helps); with ``--stop-on-collapse`` the run ends there,
@@ -22,7 +22,7 @@ gathered in image order and every rank computes the signals from the same matrix
 own augmentation drawn at the keys (seed, `SIGNAL_EPOCH`, image index), an epoch no training step reaches, so
 they are the same at any W and at every evaluation; a method that trains on one view (mae, ijepa, distill) gets its
 second view from a second draw of its augmentation (`SECOND_VIEW_EPOCH`): two views of one image, whose alignment
-means what it means for the others (comparing the one view with itself gave 0 at every evaluation). Streamed
+means what it means for the others (comparing the one view with itself would give 0 at every evaluation). Streamed
 data: the held-back images are decoded at the training size (shorter side resized, centre square) before they
 are augmented.
 
@@ -33,8 +33,8 @@ mode (no batch-norm statistics move), its weights start at zero (no random draws
 under DDP its small gradient is all-reduced by itself (never through the method's DDP), so it learns the same at any
 W. Its state (weights, optimizer, feature statistics and the counts since the last logged accuracy) is in every
 checkpoint (``online_probe``, `unison.training.checkpoint.extra_state`): a resumed run reports the accuracy the
-uninterrupted one does. Why on by default: it costs one no-grad forward of 64 images per step (a few % of a batch-256
-step, measured in docs/benchmarks.md) and is the accuracy curve a labelled run otherwise lacks between kNN
+uninterrupted one does. Why on by default: it costs one no-grad forward of 64 images per step (a small share of a
+step: docs/benchmarks.md measures it) and is the accuracy curve a labelled run otherwise lacks between kNN
 evaluations. Why the augmented first view and not an un-augmented image: the view is already on the device in
 the step's format for memory and streamed data alike (an un-augmented image of streamed data would be decoded
 again), as solo-learn's and Lightly's online classifiers do.

@@ -105,11 +105,10 @@ MMAP_THRESHOLD = 4 * 2**20   # bytes: larger blocks are mapped and unmapped, sma
 def steady_heap() -> None:
     """Fix glibc's mmap threshold at `MMAP_THRESHOLD` in this process (no-op without glibc).
 
-    Why: glibc raises the threshold to the largest block freed so far (up to 32 MiB), after which blocks
-    of that size come from the heap and stay there, fragmented, once freed: the more batches of another shape
-    a phase allocates (the kNN of a larger reference set), the higher the peak. Measured on a streamed run
-    (2 workers, 64 px, 180-340 px JPEGs): peak RSS per worker 750-780 MiB at 2,000 images and 980-1,010
-    MiB on at least one rank at 20,000; with the threshold fixed, 675 MiB at 20,000."""
+    Why: glibc raises the threshold to the largest block freed so far (up to its DEFAULT_MMAP_THRESHOLD_MAX),
+    after which blocks of that size come from the heap and stay there, fragmented, once freed: the more batches
+    of another shape a phase allocates (the kNN of a larger reference set), the higher the peak, so a streamed
+    run's memory would grow with its data (docs/benchmarks.md, "Does memory grow with the data?")."""
     import ctypes
     import ctypes.util
 

@@ -72,7 +72,7 @@ def read_teacher_run(teacher: str) -> dict:
 
 def _read_teacher_checkpoint(path: Path) -> dict:
     if path.is_dir():   # a --shard full run's .dcp: consolidated (by every worker: a collective read); imported
-        # here: torch.distributed.checkpoint costs the launching process about 0.8 s
+        # here: torch.distributed.checkpoint is a slow import the launching process need not pay
         from unison.training.checkpoint.dcp_read import load_consolidated
 
         return load_consolidated(path)

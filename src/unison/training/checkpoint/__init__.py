@@ -45,8 +45,8 @@ _DCP_NAMES = ("load_consolidated", "load_safely", "save_sharded")
 
 
 def __getattr__(name: str) -> Any:
-    """The ``--shard full`` functions, imported on first use: torch.distributed.checkpoint (with DTensor) costs
-    about 0.8 s here, which the launcher's parent process, the CLI and ``unison eval`` of a ``.pt`` need not pay
+    """The ``--shard full`` functions, imported on first use: torch.distributed.checkpoint (with DTensor) is a
+    slow import, which the launcher's parent process, the CLI and ``unison eval`` of a ``.pt`` need not pay
     (a DDP worker imports it anyway: DDP's constructor imports torch._dynamo, which imports them)."""
     if name in _DCP_NAMES:
         from . import dcp, dcp_read

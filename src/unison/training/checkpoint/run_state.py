@@ -33,7 +33,7 @@ from .pt import load_checkpoint
 from .rng_state import pack_rng_state, restore_run_rng
 from .safe_load import load_file, read_metadata_safely
 
-# torch.distributed.checkpoint (and the DTensor machinery it imports, about 0.8 s) is imported by the functions of
+# torch.distributed.checkpoint (and the DTensor machinery it imports, a slow import) is imported by the functions of
 # --shard full runs only: the launcher's parent process imports this module and never needs it.
 
 if TYPE_CHECKING:
