@@ -9,9 +9,9 @@
 # A checkout set up for the tests is set up for the main job too; one set up for the main job gets the rest the
 # first time the tests run.
 #
-# The installer is uv (`uv pip install`, given the indexes pip is configured with): on a 2-core machine it installs
-# torch and the dependencies in 92 s where pip takes 214 s, bytecode compiled in both. Where uv cannot be
-# had, or fails, pip.
+# The installer is uv (`uv pip install`, given the indexes pip is configured with): it resolves and installs torch
+# and the dependencies in parallel, well ahead of pip, bytecode compiled in both. Where uv cannot be had, or fails,
+# pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -96,6 +96,6 @@ fi
 .venv/bin/python -c "import $CHECK" || { say "failed: see the installer's output above"; exit 1; }
 echo "$WANT $DONE" > "$STAMP"
 # unison's own modules compiled to bytecode once, as an installer does for installed packages (an editable install
-# does not): where PYTHONDONTWRITEBYTECODE is set, every process would compile them again, ~0.3 s of CPU each.
+# does not): where PYTHONDONTWRITEBYTECODE is set, every process would compile them again.
 # Only changed files are compiled again; a stale file is recompiled in memory by Python, never used as it is.
 .venv/bin/python -m compileall -q "${COMPILE[@]}" > /dev/null || say "compiling unison's bytecode failed (it runs, only slower)"

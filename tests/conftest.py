@@ -57,42 +57,42 @@ def _starts_processes(item) -> bool:
 
 # The files that take longest, run first, longest first; then the other files folder by folder: `scripts/test.sh`
 # hands whole files to its pytest workers in this order (`--no-loadscope-reorder`: since 3.5, pytest-xdist otherwise
-# hands out the files with the most tests first, and did so here, whatever their length), and a long file handed
-# out last leaves the other workers idle at the end. Seconds from `pytest -n 3 --durations=0`, summed per file,
-# every file of 30 s or more (2026-11-27, commit 1ea596a: 3378 s in all).
+# hands out the files with the most tests first, whatever their length), and a long file handed out last leaves the
+# other workers idle at the end. The order is that of `pytest -n 3 --durations=0`, summed per file; the run that
+# `scripts/test.sh` prints (its slowest tests) says when a file belongs here or has moved.
 LONGEST_FILES = (
-    "unit/plan/test_plan.py",                           # 295 s
-    "distributed/cli/test_readme.py",                   # 268 s
-    "distributed/parallel/test_fsdp.py",                # 214 s
-    "distributed/training/test_preemption.py",          # 205 s
-    "distributed/training/test_compile.py",             # 205 s
-    "distributed/bench/test_gpu_proof.py",              # 141 s
-    "distributed/training/test_resume.py",              # 102 s
-    "distributed/training/test_hang_bounds.py",         # 100 s
-    "distributed/cluster/test_elastic.py",              # 98 s
-    "distributed/training/test_dcp_checkpoint.py",      # 96 s
-    "distributed/equivalence/test_accumulation.py",     # 93 s
-    "distributed/training/test_faults.py",              # 77 s
-    "distributed/cluster/test_slurm.py",                # 73 s
-    "distributed/cli/test_frontdoor.py",                # 70 s
-    "unit/training/test_defaults_matrix.py",            # 61 s
-    "distributed/distributed/test_launch.py",           # 61 s
-    "distributed/equivalence/test_check.py",            # 59 s
-    "distributed/cluster/test_hosts.py",                # 55 s
-    "distributed/cli/test_frontdoor_frictions.py",      # 51 s
-    "distributed/training/test_time_budget.py",         # 43 s
-    "distributed/bench/test_bench_methods.py",          # 42 s
-    "distributed/training/test_train.py",               # 41 s
-    "distributed/methods/test_methods_vit.py",          # 41 s
-    "distributed/docs/test_docs_site.py",               # 41 s
-    "unit/training/test_signals.py",                    # 39 s
-    "distributed/training/test_watchdog.py",            # 39 s
-    "distributed/cli/test_frontdoor_defects.py",        # 39 s
-    "unit/training/test_resume_replan.py",              # 35 s
-    "unit/plan/test_plan_defaults.py",                  # 34 s
-    "distributed/cli/test_own_loop.py",                 # 32 s
-    "distributed/cli/test_bad_inputs.py",               # 32 s
-    "distributed/training/test_disk_faults.py",         # 30 s
+    "unit/plan/test_plan.py",
+    "distributed/cli/test_readme.py",
+    "distributed/parallel/test_fsdp.py",
+    "distributed/training/test_preemption.py",
+    "distributed/training/test_compile.py",
+    "distributed/bench/test_gpu_proof.py",
+    "distributed/training/test_resume.py",
+    "distributed/training/test_hang_bounds.py",
+    "distributed/cluster/test_elastic.py",
+    "distributed/training/test_dcp_checkpoint.py",
+    "distributed/equivalence/test_accumulation.py",
+    "distributed/training/test_faults.py",
+    "distributed/cluster/test_slurm.py",
+    "distributed/cli/test_frontdoor.py",
+    "unit/training/test_defaults_matrix.py",
+    "distributed/distributed/test_launch.py",
+    "distributed/equivalence/test_check.py",
+    "distributed/cluster/test_hosts.py",
+    "distributed/cli/test_frontdoor_frictions.py",
+    "distributed/training/test_time_budget.py",
+    "distributed/bench/test_bench_methods.py",
+    "distributed/training/test_train.py",
+    "distributed/methods/test_methods_vit.py",
+    "distributed/docs/test_docs_site.py",
+    "unit/training/test_signals.py",
+    "distributed/training/test_watchdog.py",
+    "distributed/cli/test_frontdoor_defects.py",
+    "unit/training/test_resume_replan.py",
+    "unit/plan/test_plan_defaults.py",
+    "distributed/cli/test_own_loop.py",
+    "distributed/cli/test_bad_inputs.py",
+    "distributed/training/test_disk_faults.py",
 )
 LONGEST_FIRST = ("distributed/training", "distributed/cluster", "distributed/parallel", "distributed/cli",
                  "distributed/methods", "distributed/equivalence")
