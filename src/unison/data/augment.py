@@ -221,22 +221,37 @@ class ViewAugmenter:
             y = self._noise(y, idx, epoch, seed, v)
         return self._normalise(y)
 
-    # -- ops ---------------------------------------------------------------------------------------
-    def _crop(self, x: torch.Tensor, u: torch.Tensor, size: int, view: int) -> torch.Tensor:
+    def crop_affine(self, u: torch.Tensor, view: int, H, W) -> torch.Tensor:
+        """float64 [B, 2, 3]: view `view`'s normalised coordinates (``align_corners=False``) -> the image's: the crop
+        box, flip and rotation of `crop_fractions`' draws (`H`, `W` as it takes them)."""
         p = self.params
-        B, _, H, W = x.shape
-        bw, bh, cx, cy, _ = self.crop_fractions(u, view, H, W)
-        sx = torch.where(u[:, _C_FLIP] < p["flip_p"], -bw, bw)  # negative x scale = horizontal flip
-        if p["rotation"] > 0:
-            ang = torch.deg2rad(p["rotation"] * (2 * u[:, _C_ROT] - 1))
-            cos, sin = torch.cos(ang), torch.sin(ang)
-        else:
-            cos, sin = torch.ones_like(bw), torch.zeros_like(bw)
+        bw, bh, cx, cy, flip = self.crop_fractions(u, view, H, W)
+        sx = torch.where(flip, -bw, bw)  # negative x scale = horizontal flip
+        ang = torch.deg2rad(p["rotation"] * (2 * u[:, _C_ROT] - 1)) if p["rotation"] > 0 else torch.zeros_like(bw)
+        cos, sin = torch.cos(ang), torch.sin(ang)
         # Output pixel (ox, oy) in [-1, 1] samples the input at (normalised, align_corners=False)
         #   gx = sx*(cos*ox - sin*oy) + (2cx - 1),  gy = bh*(sin*ox + cos*oy) + (2cy - 1)
-        theta = torch.stack(
-            (torch.stack((sx * cos, -sx * sin, 2 * cx - 1), 1), torch.stack((bh * sin, bh * cos, 2 * cy - 1), 1)), 1
-        ).to(x.dtype)
+        return torch.stack(
+            (torch.stack((sx * cos, -sx * sin, 2 * cx - 1), 1), torch.stack((bh * sin, bh * cos, 2 * cy - 1), 1)), 1)
+
+    def view_geometry(self, indices: torch.Tensor, epoch: int, seed: int, sizes: torch.Tensor) -> torch.Tensor:
+        """float64 [B, V, 2, 3]: view v of sample b maps its normalised (x, y) (x right, y down, pixel centres at
+        (2k + 1) / size - 1) to b's image in pixels as shown, by [b, v] @ (x, y, 1): its crop box, flip and rotation,
+        from the draws of its pixels. `sizes`: int [B, 2], (H, W) of the images the views were cut from. What VICRegL
+        locates feature-map cells by. Streamed views are cut from boxes rounded to whole pixels: within half a pixel."""
+        idx, hw = indices.to(torch.int64), sizes.to(device=indices.device, dtype=torch.float64).reshape(-1, 2)
+        to_pixels = hw.flip(1)[:, :, None] / 2   # [B, 2, 1]: x = (g + 1) * W / 2, y = (g + 1) * H / 2
+        out = []
+        for v in range(self.num_views):
+            theta = self.crop_affine(self.uniforms(idx, epoch, seed, v), v, hw[:, :1], hw[:, 1:])
+            theta[:, :, 2] += 1
+            out.append(theta * to_pixels)
+        return torch.stack(out, 1)
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def _crop(self, x: torch.Tensor, u: torch.Tensor, size: int, view: int) -> torch.Tensor:
+        B, _, H, W = x.shape
+        theta = self.crop_affine(u, view, H, W).to(x.dtype)
         # = F.affine_grid(theta, ...), with the base grid cached and one broadcast matmul (less work than affine_grid).
         grid = torch.matmul(self._base_grid(size, x.device, x.dtype), theta.transpose(1, 2)).view(B, size, size, 2)
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)

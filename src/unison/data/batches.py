@@ -13,7 +13,9 @@ data (`unison.data.spec.check_batch`). Every batch source is built on it.
 `InMemoryBatches` is the source for data decoded once into one uint8 tensor on the
 device (digits, CIFAR-scale folders): it indexes its rows and augments them on the
 device. Streaming sources for data that does not fit (the real-scale data path) plug in
-behind the same two members, so the training step never knows which one it reads.
+behind the same members, so the training step never knows which one it reads. A third member,
+``crop_geometry(epoch, indices)``, says where each view of a yielded batch lies in its image (what VICRegL matches
+feature-map cells by): the sources know the sizes of the images the views were cut from.
 
 Example::
 
@@ -47,6 +49,12 @@ class BatchSource(Protocol):
     def iter_from(self, batch_number: int) -> Iterator[tuple[int, torch.Tensor, list[torch.Tensor]]]:
         """From global batch number `batch_number` (counted over epochs) on: ``(epoch, indices, views)``,
         where `indices` are this rank's sample indices and `views` their augmented views (float, normalised)."""
+        ...
+
+    def crop_geometry(self, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+        """Where each view of the samples `indices` (of a batch `iter_from` has yielded in `epoch`) lies in its
+        image: `ViewAugmenter.view_geometry`, float64 [B, V, 2, 3]. Raises `ConfigError` for views made
+        elsewhere (your own transform), whose crops unison does not know."""
         ...
 
 
@@ -89,6 +97,10 @@ class InMemoryBatches:
         for epoch, rows in self.order.epochs_from(batch_number):
             for indices in to_device_async(torch.stack(rows), self.data.images.device):
                 yield epoch, indices, self.augment(self.data.images[indices], indices, epoch=epoch, seed=self.seed)
+
+    def crop_geometry(self, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+        sizes = torch.tensor(self.data.images.shape[-2:], device=indices.device).expand(len(indices), 2)
+        return self.augment.view_geometry(indices, epoch, self.seed, sizes)
 
 
 def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -19,8 +19,9 @@
    of the decoded image, to its view size with an antialiased bilinear filter (PIL's, as
    torchvision's RandomResizedCrop on PIL images; computed by torch on uint8,
    `jpeg.resize_views`, the same for every decoder), flipping where the view's flip draw says so;
-5. return uint8 ``[b, 3, s, s]`` per view. Colour jitter, grayscale, blur, solarisation and
-   normalisation then run batched on the training device (`ViewAugmenter.finish`), with the
+5. return uint8 ``[b, 3, s, s]`` per view, and each sample's (H, W) as shown, int64 ``[b, 2]`` under ``"sizes"``
+   (the image the boxes were drawn on: `ViewAugmenter.view_geometry` locates the views in it). Colour jitter,
+   grayscale, blur, solarisation and normalisation then run batched on the training device (`ViewAugmenter.finish`), with the
    same per-sample draws; when training on the CPU (``finish=True``) they run here, in the
    loader process, so that they use every loader core rather than one training process.
 
@@ -131,6 +132,7 @@ class CropDecoder:
             images.append(im)
         # Boxes of every view, drawn on each image's original size: one vectorised call per view.
         shown = [upright_size(im) for im in images]   # boxes are drawn on the image as shown (EXIF orientation)
+        sizes = torch.tensor([[h, w] for w, h in shown], dtype=torch.int64)
         H = torch.tensor([[h] for _, h in shown], dtype=torch.float64)
         W = torch.tensor([[w] for w, _ in shown], dtype=torch.float64)
         geometry = [self.augment.crop_fractions(self.augment.uniforms(idx, epoch, self.seed, v), v, H, W)
@@ -142,13 +144,13 @@ class CropDecoder:
                 self._crop_into(images[k], boxes, crops, k)
             except Exception as e:  # the header read, the pixel data did not (a truncated file)
                 skipped.append((self._describe(i), _reason(e)))
-                if self.on_corrupt == "error" or not self._substitute(i, epoch, crops, k, skipped):
+                if self.on_corrupt == "error" or not self._substitute(i, epoch, crops, k, skipped, sizes):
                     return {"epoch": epoch, "indices": idx, "crops": [], "skipped": [], "error": skipped[-1]}
         out = [torch.from_numpy(c).permute(0, 3, 1, 2).contiguous() for c in crops]
         if self.finish:
-            return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None,
+            return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None, "sizes": sizes,
                     "views": self.augment.finish(out, idx, epoch, self.seed)}
-        return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None, "crops": out}
+        return {"epoch": epoch, "indices": idx, "skipped": skipped, "error": None, "crops": out, "sizes": sizes}
 
     # -- one sample -----------------------------------------------------------------------------------
     def _describe(self, i: int) -> str:
@@ -175,8 +177,10 @@ class CropDecoder:
                                            f"{_MAX_SUBSTITUTES + 1} in a row: {first}"))
         return None, _MAX_SUBSTITUTES, b""
 
-    def _substitute(self, i: int, epoch: int, crops: list[np.ndarray], row: int, skipped: list) -> bool:
-        """Fill row `row` with the next readable sample's pixels, cropped with sample i's draws."""
+    def _substitute(self, i: int, epoch: int, crops: list[np.ndarray], row: int, skipped: list,
+                    sizes: torch.Tensor) -> bool:
+        """Fill row `row` with the next readable sample's pixels, cropped with sample i's draws (its size in row
+        `row` of `sizes`)."""
         idx = torch.tensor([i], dtype=torch.int64)
         start = 1
         while start <= _MAX_SUBSTITUTES:
@@ -189,6 +193,7 @@ class CropDecoder:
                      for v in range(self.augment.num_views)]
             try:
                 self._crop_into(im, boxes, crops, row)
+                sizes[row] = torch.tensor([H, W])
                 return True
             except Exception as e:
                 skipped.append((self._describe((i + k) % self.n), _reason(e)))

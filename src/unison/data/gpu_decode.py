@@ -33,7 +33,7 @@ import torch
 
 from .augment import ViewAugmenter
 from .decode import CropDecoder, to_rgb
-from .files import open_image, orientation, upright
+from .files import open_image, orientation, upright, upright_size
 from .samples import Catalog
 
 __all__ = ["BytesReader", "GpuCropper"]
@@ -48,19 +48,18 @@ class BytesReader(CropDecoder):
     def __call__(self, job: tuple[int, list[int]]) -> dict[str, Any]:
         epoch, indices = job
         data: list[torch.Tensor] = []
+        sizes: list[tuple[int, int]] = []
         skipped: list[tuple[str, str]] = []
         for i in indices:
-            found = self._read_checked(i, skipped)
-            if found is None:
+            im, _, found = self._readable(i, skipped, start=0)
+            if im is None:
                 return {"epoch": epoch, "indices": torch.as_tensor(indices), "data": [], "skipped": [],
                         "error": skipped[-1]}
             data.append(torch.frombuffer(bytearray(found), dtype=torch.uint8))
+            w, h = upright_size(im)   # as the GPU decodes it (EXIF orientation applied)
+            sizes.append((h, w))
         return {"epoch": epoch, "indices": torch.as_tensor(indices, dtype=torch.int64), "data": data,
-                "skipped": skipped, "error": None}
-
-    def _read_checked(self, i: int, skipped: list) -> bytes | None:
-        im, _, data = self._readable(i, skipped, start=0)
-        return None if im is None else data
+                "sizes": torch.tensor(sizes, dtype=torch.int64), "skipped": skipped, "error": None}
 
 
 class GpuCropper:
@@ -97,6 +96,7 @@ class GpuCropper:
 
         images = self.decode(job["data"])
         epoch = int(job["epoch"])
+        job["sizes"] = torch.tensor([list(im.shape[1:]) for im in images], dtype=torch.int64)   # as cut: (H, W)
         H = torch.tensor([[im.shape[1]] for im in images], dtype=torch.float64, device=self.device)
         W = torch.tensor([[im.shape[2]] for im in images], dtype=torch.float64, device=self.device)
         crops = []

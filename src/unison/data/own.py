@@ -289,6 +289,17 @@ class OwnBatches:
             views = [v.to(self.device, non_blocking=True) for v in out["views"]]
             yield int(out["epoch"]), out["indices"].to(self.device), views
 
+    def crop_geometry(self, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+        """Every item's views are cut from an image of item 0's size (`_MakeViews`); a transform's have no crop."""
+        if self.images.transform is not None:
+            raise ConfigError(f"the method locates its views in their images, which unison knows for its own "
+                              f"augmentation only; leave transform= out of the views of {self.images.name}")
+        if self.make.size is None:   # made in loader processes: item 0's size, read here once
+            h, w = self.images.image(self.images.first(), 0).shape[-2:]
+            self.make.size = (int(h), int(w))
+        sizes = torch.tensor(self.make.size, device=indices.device).expand(len(indices), 2)
+        return self.make.augment.view_geometry(indices, epoch, self.seed, sizes)
+
     def _loader(self, batch_number: int) -> Iterator[dict[str, Any]]:
         if self.loader_workers == 0:   # in this process, without a DataLoader (which draws from torch's RNG)
             return (self.make((epoch, rows.tolist())) for epoch, rows in self.order.iter_from(batch_number))

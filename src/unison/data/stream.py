@@ -21,9 +21,10 @@ random number of a sample is `sample_uniform(seed, epoch, index, stream=view)`; 
 process decodes a job changes nothing; the DataLoader returns jobs in order. Each sample is
 read once per epoch, by the rank whose slice holds it (tested by counting reads).
 
-Memory per rank does not grow with the data set: the catalog is a packed index (bytes per
-sample, shared copy-on-write with the workers), the epoch order one int64 per sample, and
-in flight are at most ``loader_workers * prefetch`` decoded jobs of ``B / W`` samples.
+Memory per rank grows with the data set by a few bytes per sample only: the catalog is a packed index (bytes per
+sample, shared copy-on-write with the workers), the epoch order one int64 per sample, each image's size as last
+read two int32 (`StreamingBatches.crop_geometry`: where its views lie in it); in flight are at most
+``loader_workers * prefetch`` decoded jobs of ``B / W`` samples.
 
 ``decode="gpu"``: the workers only read the bytes; the training process decodes JPEGs
 batched with ``torchvision.io.decode_jpeg(device="cuda")`` and crops, resizes and flips on
@@ -152,6 +153,8 @@ class StreamingBatches:
             self.decoder = CropDecoder(catalog, augment, seed, on_corrupt, positions, finish=device.type == "cpu")
             self.gpu = None
         self.skipped: dict[str, str] = {}
+        # (H, W) of each sample's image as its views were last cut from it (-1: not read yet): `crop_geometry`
+        self._sizes = torch.full((n, 2), -1, dtype=torch.int32)
 
     def loader(self, batch_number: int) -> torch.utils.data.DataLoader:
         """The DataLoader of this rank's jobs from global batch `batch_number` on (what `iter_from` reads)."""
@@ -166,13 +169,23 @@ class StreamingBatches:
             epoch = int(out["epoch"])
             indices = out["indices"].to(self.device, non_blocking=True)
             if "views" in out:  # finished in the loader process (training on the CPU)
+                self._sizes[out["indices"]] = out["sizes"].to(torch.int32)
                 yield epoch, indices, out["views"]
                 continue
             if self.gpu is not None:
                 crops = self.gpu(out, indices)
             else:
                 crops = [c.to(self.device, non_blocking=True) for c in out["crops"]]
+            self._sizes[out["indices"]] = out["sizes"].to("cpu", torch.int32)
             yield epoch, indices, self.augment.finish(crops, indices, epoch, self.seed)
+
+    def crop_geometry(self, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+        """Each image's size is read where it is decoded (the loader processes, or the GPU): the sizes of the
+        batches yielded so far are kept, one pair per sample, for this."""
+        sizes = self._sizes[indices.cpu()]
+        if bool((sizes < 0).any()):
+            raise RuntimeError("crop_geometry asked for samples of a batch this source has not yielded")
+        return self.augment.view_geometry(indices, epoch, self.seed, sizes.to(indices.device))
 
     def _report(self, skipped: list[tuple[str, str]]) -> None:
         """Record the unreadable files (each once, with why): the training loop reports them, once over the ranks

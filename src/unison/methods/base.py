@@ -17,7 +17,9 @@ backbones re-run per micro-batch by `unison.training.accumulate`: queue/centre u
 randomness in its forward (masks of MAE, iBOT, I-JEPA) sets ``needs_sample_keys = True``
 and is called as ``forward(views, keys=SampleKeys(seed, epoch, indices))``: drawing from
 `unison.rng` with these keys makes a sample's masks independent of the world size
-and of the rank it lands on.
+and of the rank it lands on. A method that also sets ``needs_crop_geometry`` gets each view's crop box (flip and
+rotation included) in the keys, ``keys.crops``, from the batch source that cut the views (VICRegL matches the
+feature-map cells of two views by where they lie in the image).
 
 Each method declares a dataclass of hyper-parameters (published defaults) and the
 recipe it was tuned with (optimizer, base learning rate per 256 images, weight decay,
@@ -67,11 +69,15 @@ class Recipe:
 
 @dataclass(frozen=True)
 class SampleKeys:
-    """What per-sample randomness may depend on: (seed, epoch, sample index), never the rank."""
+    """What per-sample randomness may depend on: (seed, epoch, sample index), never the rank; for a method that
+    sets ``needs_crop_geometry``, also where each view lies in its image (`crops`)."""
 
     seed: int
     epoch: int
     indices: torch.Tensor   # int64 [local batch], this rank's sample indices
+    # float64 [local batch, views, 2, 3]: view v of sample b maps its normalised coordinates (x, y in [-1, 1]) to its
+    # image's pixels by crops[b, v] @ (x, y, 1) (`unison.data.augment.ViewAugmenter.view_geometry`)
+    crops: torch.Tensor | None = None
 
 
 class SSLMethod(nn.Module):
@@ -80,6 +86,9 @@ class SSLMethod(nn.Module):
     recipe: ClassVar[Recipe] = Recipe()
     # True: forward(views, keys=SampleKeys(...)) — the method draws per-sample randomness (masks).
     needs_sample_keys: ClassVar[bool] = False
+    # True (with needs_sample_keys): the keys carry each view's crop in its image (``keys.crops``), what dense
+    # methods match feature-map locations by (VICRegL)
+    needs_crop_geometry: ClassVar[bool] = False
     # How --grad-sync-every K > 1 accumulates with --accumulation exact: "exact" (one forward on the step's K
     # micro-batches, backbones re-run per micro-batch: `unison.training.accumulate`), or "plain" for a loss that
     # is a mean of per-sample terms with no batch statistics (a loss per micro-batch, averaged, is then exact).

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from unison.config import TrainConfig
 from unison.errors import ConfigError
+from unison.methods import get_method
 
 __all__ = ["OWN", "OwnPieces"]
 
@@ -96,6 +97,10 @@ class OwnPieces:
                 raise ConfigError(f"{', '.join(clash)} apply to --data; with dataset= leave them out (a subset: "
                                   "torch.utils.data.Subset(dataset, indices))")
             cfg.data = self.data_name()
+        if self.transform is not None and get_method(cfg.method).needs_crop_geometry:
+            raise ConfigError(f"--method {cfg.method} matches its views by where they lie in the image, which unison "
+                              "knows for its own augmentation only; leave transform= out (unison's augmentation of "
+                              f"the {cfg.method} recipe then makes the views of your dataset)")
 
 
 def _qualname(obj: Any) -> str:

@@ -351,7 +351,8 @@ def _loss(run: Run, batch: Batch) -> torch.Tensor:
     before its backward, so the last checkpoint stays the last good state."""
     kwargs = {}
     if run.method.needs_sample_keys:   # masks drawn per sample (MAE, iBOT, I-JEPA): never from the rank
-        kwargs["keys"] = SampleKeys(run.cfg.seed, batch.epoch, batch.indices)
+        crops = run.source.crop_geometry(batch.epoch, batch.indices) if run.method.needs_crop_geometry else None
+        kwargs["keys"] = SampleKeys(run.cfg.seed, batch.epoch, batch.indices, crops)
     with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32,
                         enabled=run.autocast_dtype is not None):
         loss = run.forward(batch.views, **kwargs)

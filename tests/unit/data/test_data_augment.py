@@ -144,3 +144,52 @@ def test_cuda_matches_cpu():
     for a, b in zip(cpu, gpu):
         assert b.device.type == "cuda"
         torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=0)
+
+
+def _ramp(height: int, width: int) -> torch.Tensor:
+    """float [1, 3, H, W]: red = x / W and green = y / H at each pixel's centre, so a view's pixels say where in
+    the image they were sampled."""
+    ys, xs = torch.meshgrid(torch.arange(height) + 0.5, torch.arange(width) + 0.5, indexing="ij")
+    return torch.stack([xs / width, ys / height, torch.zeros_like(xs)])[None]
+
+
+def _view_points(size: int) -> torch.Tensor:
+    """[size * size, 3]: (x, y, 1) of a view's pixel centres in its normalised coordinates, raster order."""
+    o = (torch.arange(size, dtype=torch.float64) * 2 + 1) / size - 1
+    oy, ox = torch.meshgrid(o, o, indexing="ij")
+    return torch.stack([ox, oy, torch.ones_like(ox)], -1).reshape(-1, 3)
+
+
+@pytest.mark.parametrize("preset, overrides", [("simclr", {}), ("digits", {"rotation": 30.0}), ("multicrop", {})])
+def test_view_geometry_says_where_each_views_pixels_come_from(preset, overrides):
+    """A view's pixels sampled from a coordinate ramp read the image positions `view_geometry` puts them at: crop
+    box, flip and rotation, for every view (global and local) of samples in a non-square image."""
+    colour_off = dict(jitter_p=0.0, grayscale_p=0.0, blur_p=0.0, solarize_p=0.0)
+    aug = ViewAugmenter(preset, 16, (0.0,) * 3, (1.0,) * 3, **colour_off, **overrides)
+    height, width, n = 24, 40, 8
+    idx = torch.tensor([3, 9, 27, 81, 243, 729, 2187, 6561])
+    views = aug(_ramp(height, width).expand(n, -1, -1, -1), idx, epoch=2, seed=5)
+    geometry = aug.view_geometry(idx, 2, 5, torch.tensor([[height, width]]).expand(n, 2))
+    assert geometry.shape == (n, aug.num_views, 2, 3) and geometry.dtype == torch.float64
+    flipped = 0
+    for v, view in enumerate(views):
+        where = torch.einsum("bij,pj->bpi", geometry[:, v], _view_points(view.shape[-1]))   # [n, pixels, 2]
+        inside = ((where[..., 0] > 0.5) & (where[..., 0] < width - 0.5) & (where[..., 1] > 0.5)
+                  & (where[..., 1] < height - 0.5))     # away from the border, where sampling clamps
+        seen = view[:, :2].flatten(2).transpose(1, 2).double()                              # [n, pixels, 2]
+        expected = where / torch.tensor([width, height], dtype=torch.float64)
+        assert inside.float().mean() > 0.8
+        torch.testing.assert_close(seen[inside], expected[inside], rtol=0, atol=1e-5)
+        flipped += int((geometry[:, v, 0, 0] < 0).sum())
+    assert preset == "digits" or flipped > 0   # the flips were part of it (digits: no flip, rotations)
+
+
+def test_view_geometry_depends_on_the_sample_and_its_image_size_only():
+    aug = ViewAugmenter("simclr", 16, MEAN, STD)
+    idx = torch.tensor([4, 8, 15, 16])
+    sizes = torch.tensor([[32, 32], [20, 50], [32, 32], [64, 16]])
+    whole = aug.view_geometry(idx, 1, 3, sizes)
+    for k in range(4):
+        torch.testing.assert_close(aug.view_geometry(idx[k:k + 1], 1, 3, sizes[k:k + 1]), whole[k:k + 1], rtol=0, atol=0)
+    scaled = aug.view_geometry(idx, 1, 3, sizes * 2)   # twice the pixels: the same crops, in twice the units
+    torch.testing.assert_close(scaled, whole * 2, rtol=1e-12, atol=1e-12)

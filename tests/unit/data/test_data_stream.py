@@ -218,6 +218,52 @@ def test_gpu_decode_path_is_worker_invariant_too(data):
     assert ref[0][2][0].shape == (BATCH, 3, SIZE, SIZE)
 
 
+@pytest.mark.parametrize("decode, workers", [("cpu", 0), ("cpu", 1), ("gpu", 0)])
+def test_crop_geometry_of_streamed_views_says_where_their_pixels_come_from(tmp_path, decode, workers):
+    """Streamed views are cut from each file at its own size (portrait, landscape, square): the source keeps each
+    image's size as it reads it, and `crop_geometry` puts every view pixel where it was sampled from (a coordinate
+    ramp read back), with the CPU decoders (in this process and a loader process) and the GPU one (on the CPU).
+    The CPU path cuts boxes rounded to whole pixels: its views lie within half a pixel of the geometry."""
+    from PIL import Image
+
+    from unison.data import ViewAugmenter
+    from unison.data.stream import StreamingBatches
+
+    root = tmp_path / "ramps" / "c"
+    root.mkdir(parents=True)
+    shapes = [(24, 40), (40, 24), (32, 32), (30, 50), (48, 20)]
+    for k in range(10):
+        h, w = shapes[k % 5]
+        ys, xs = np.meshgrid(np.arange(h) + 0.5, np.arange(w) + 0.5, indexing="ij")
+        ramp = np.stack([xs / w, ys / h, np.zeros_like(xs)], -1)
+        Image.fromarray(np.round(ramp * 255).astype(np.uint8)).save(root / f"{k}.png")
+    colour_off = dict(jitter_p=0.0, grayscale_p=0.0, blur_p=0.0, solarize_p=0.0)
+    aug = ViewAugmenter("simclr", 16, (0.0,) * 3, (1.0,) * 3, **colour_off)
+    source = StreamingBatches(open_catalog(str(root.parent)), aug, 5, seed=7, device=torch.device("cpu"),
+                              loader_workers=workers, decode=decode)
+    o = (torch.arange(16, dtype=torch.float64) * 2 + 1) / 16 - 1
+    oy, ox = torch.meshgrid(o, o, indexing="ij")
+    points = torch.stack([ox, oy, torch.ones_like(ox)], -1).reshape(-1, 3)
+    with pytest.raises(RuntimeError, match="has not yielded"):
+        source.crop_geometry(0, torch.tensor([0]))
+    it = source.iter_from(0)
+    for _ in range(2):
+        epoch, idx, views = next(it)
+        geometry = source.crop_geometry(epoch, idx)
+        hw = torch.tensor([shapes[int(source.decoder.catalog.path(int(i)).rsplit("/", 1)[1][:-4]) % 5] for i in idx],
+                          dtype=torch.float64)
+        for v, view in enumerate(views):
+            where = torch.einsum("bij,pj->bpi", geometry[:, v], points)
+            size = hw[:, None, [1, 0]]                                         # (W, H) of each image
+            inside = ((where > 4) & (where < size - 4)).all(-1)   # away from the border, where resizing clamps
+            seen = view[:, :2].flatten(2).transpose(1, 2).double()
+            assert inside.float().mean() > 0.5
+            # within the rounding of the CPU path's boxes to whole pixels (half a pixel) and of uint8 (1 / 255)
+            error, bound = (seen - where / size).abs(), (0.5 / size + 2 / 255).expand_as(seen)
+            assert bool((error[inside] <= bound[inside]).all()), float((error - bound)[inside].max())
+    it.close()
+
+
 def test_memory_mode_reads_lists_and_shards_like_the_folder(data):
     from unison.data import load_dataset
 
