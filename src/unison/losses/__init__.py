@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "MMCRLoss": "mmcr",
     "SMoGLoss": "smog",
     "WMSELoss": "wmse",
+    "VICRegLLoss": "vicregl",
+    "DenseCLLoss": "densecl",
 }
 
 

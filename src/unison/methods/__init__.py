@@ -40,6 +40,8 @@ _MODULES: dict[str, tuple[str, str]] = {
     "wmse": ("wmse", "WMSE"),
     "smog": ("smog", "SMoG"),
     "empssl": ("empssl", "EMPSSL"),
+    "vicregl": ("vicregl", "VICRegL"),
+    "densecl": ("densecl", "DenseCL"),
 }
 
 

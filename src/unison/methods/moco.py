@@ -96,7 +96,7 @@ class _LocalBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"batch norm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
 
 
-def _localize_batchnorm(module: nn.Module) -> None:
+def localize_batchnorm(module: nn.Module) -> None:
     """Replace synchronised batch-norm layers under `module` by per-rank ones (same state)."""
     for name, child in module.named_children():
         if isinstance(child, (GlobalBatchNorm, nn.SyncBatchNorm)):
@@ -110,7 +110,7 @@ def _localize_batchnorm(module: nn.Module) -> None:
             local.train(child.training)
             setattr(module, name, local)
         else:
-            _localize_batchnorm(child)
+            localize_batchnorm(child)
 
 
 @torch.no_grad()
@@ -207,7 +207,7 @@ class MoCo(SSLMethod):
         self._check_queue_size(a.shape[0])
         self._sync_once()
         if self.params.shuffle_bn:
-            _localize_batchnorm(self.key_encoder)
+            localize_batchnorm(self.key_encoder)
         queue = self.queue.clone()                       # negatives as before this step's enqueue
         q_a = self.projector(self.backbone(a))
         k_b = self._keys(b, 1)

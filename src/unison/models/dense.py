@@ -14,11 +14,17 @@ unchanged), and `dense_features(backbone, x, dim)` returns both views of one cal
 * timm models: ``reset_classifier(0, "")`` (no pooling): a CNN returns [B, C, h, w], a ViT its tokens
   [B, prefix + h*w, D] (the pooled feature is then the first prefix token, else the patch mean).
 
+`coarse_grid(grid, size)` bounds the cells a dense loss compares (VICRegL's and DenseCL's pairs of cells grow as the
+square of their number: 56 x 56 cells of the small CNN at 224 px would be 10 million pairs per image): larger maps
+are average-pooled (adaptively) to ``size x size``, and the centre of each resulting cell in the view's normalised
+coordinates comes with it (where VICRegL locates the cell in the image).
+
 Example::
 
     net, dim = build_backbone("resnet18", 32)
     make_dense(net)
     pooled, grid = dense_features(net, images, dim)    # [B, 512], [B, 4, 4, 512] (CIFAR stem at 32 px)
+    cells, centres = coarse_grid(grid, 7)              # as is (4 <= 7), centres [16, 2] in [-1, 1]
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .backbones import SmallCNN
 from .vit import ViT
 
-__all__ = ["dense_features", "make_dense"]
+__all__ = ["coarse_grid", "dense_features", "make_dense"]
 
 
 def make_dense(backbone: nn.Module) -> nn.Module:
@@ -85,3 +92,24 @@ def _grid(patches: torch.Tensor) -> torch.Tensor:
     if side * side != patches.shape[1]:
         raise ValueError(f"{patches.shape[1]} patch tokens are no square grid")
     return patches.reshape(patches.shape[0], side, side, patches.shape[2])
+
+
+def coarse_grid(grid: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`grid` [B, h, w, C] with at most `size` cells a side, average-pooled adaptively where it has more; 0: as it
+    is), and the centre of each of its cells in the view's normalised coordinates, float64 [cells, 2] as (x, y) in
+    [-1, 1], rows in raster order: a pooled cell's centre is its pooling window's."""
+    h, w = grid.shape[1:3]
+    out_h, out_w = (min(h, size), min(w, size)) if size else (h, w)
+    if (out_h, out_w) != (h, w):
+        grid = F.adaptive_avg_pool2d(grid.permute(0, 3, 1, 2), (out_h, out_w)).permute(0, 2, 3, 1)
+    ys, xs = _window_centres(h, out_h), _window_centres(w, out_w)
+    cy, cx = torch.meshgrid(ys, xs, indexing="ij")
+    return grid, torch.stack((cx, cy), -1).reshape(-1, 2).to(grid.device)
+
+
+def _window_centres(n: int, out: int) -> torch.Tensor:
+    """Centres, in [-1, 1], of the `out` windows adaptive average pooling takes over `n` cells spanning [-1, 1]:
+    window i covers cells floor(i n / out) .. ceil((i + 1) n / out) - 1."""
+    i = torch.arange(out, dtype=torch.float64)
+    start, end = torch.floor(i * n / out), torch.ceil((i + 1) * n / out)
+    return (start + end) / n - 1

@@ -56,6 +56,9 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
               "where this step's projections go"),
     KnownSync("src/unison/methods/smog.py (forward)", "", "SMoG's view roles",
               "the two views swap roles every other step (step counter)"),
+    KnownSync("src/unison/methods/densecl.py (_enqueue)", "", "DenseCL's queue pointer", "where this step's keys go"),
+    KnownSync("src/unison/methods/densecl.py (_loss_lambda)", "", "DenseCL's dense-term warm-up",
+              "lambda 0 for the first --param lambda_warmup_steps steps (step counter)"),
 )
 
 

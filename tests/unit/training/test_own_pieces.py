@@ -80,6 +80,8 @@ CASES = {  # name: (pieces, world size, error class, fragment of the message)
                                 "view 0 is a torch.uint8 tensor (3, 12, 12); a view must be a float tensor"),
     "MAE without a ViT": (dict(backbone=TinyNet(), feature_dim=WIDTH, dataset=Photos()), 2, ConfigError,
                           "MAE needs a ViT backbone with patch tokens"),
+    "VICRegL with a transform": (dict(dataset=Photos(), transform=jitter), 1, ConfigError,
+                                 "--method vicregl matches its views by where they lie in the image"),
     "iterable without len or max_steps": (dict(dataset=_Endless()), 1, ConfigError,
                                           "dataset _Endless is iterable without __len__"),
     "an iterator": (dict(dataset=iter([torch.zeros(3, 8, 8)] * 8)), 1, ConfigError, "is an iterator (list_iterator)"),
@@ -92,7 +94,8 @@ def test_a_bad_piece_is_one_line_before_any_worker(case, tmp_path):
     if case == "wrong feature_dim":
         pieces = dict(pieces, dataset=Photos(), transform=jitter)   # the views' size (10 px) is the dummy batch's
     out = tmp_path / "run"
-    config = TrainConfig(method="mae" if "MAE" in case else "simclr", batch_size=8, epochs=1, max_steps=None if "iterable" in case else 1,
+    method = "mae" if "MAE" in case else "vicregl" if "VICRegL" in case else "simclr"
+    config = TrainConfig(method=method, batch_size=8, epochs=1, max_steps=None if "iterable" in case else 1,
                          out=str(out), progress=False, distributed=DistributedConfig(world_size=world))
     with pytest.raises(UnisonError) as caught:   # refused before a worker: `_no_process_starts` fails it otherwise
         unison.train(config, **pieces)
@@ -161,3 +164,19 @@ def test_an_iterable_dataset_of_float_hwc_images_reads_in_its_order():
     first = torch.arange(8)
     expected = data.augment(Photos().images[:8], first, 0, 3)
     assert all(torch.allclose(stream[i][v], expected[v][i], atol=1e-6) for i in range(8) for v in range(2))
+
+
+def test_unisons_views_of_your_dataset_come_with_their_crops():
+    """Without a transform, unison's augmentation cuts every item's views from an image of the items' size: the
+    source says where (`crop_geometry`, what VICRegL locates its cells by), also before it has made a batch itself
+    (loader processes made them); a transform's views have no crop unison knows."""
+    spec = DataSpec(data="own", batch_size=8, seed=3, loader_workers=0)
+    data = build_own_source(spec, torch.device("cpu"), "simclr", Photos(), None)
+    indices = torch.arange(4, 12)
+    size = torch.tensor(Photos().images.shape[-2:]).expand(8, 2)
+    expected = data.augment.view_geometry(indices, 2, 3, size)
+    assert torch.equal(data.source.crop_geometry(2, indices), expected)
+    next(iter(data.source.iter_from(0)))
+    assert torch.equal(data.source.crop_geometry(2, indices), expected)
+    with pytest.raises(ConfigError, match="leave transform= out"):
+        build_own_source(spec, torch.device("cpu"), "simclr", Photos(), jitter).source.crop_geometry(0, indices)
