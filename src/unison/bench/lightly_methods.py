@@ -31,6 +31,8 @@ patches of a quarter of the image from ``MultiCropTranform`` with the official c
 LARS 0.3 per 100 images, and Lightly's ``tcr_loss`` and ``invariance_loss`` with the paper's sign of the coding
 rate: Lightly's ``EMPSSLLoss`` adds it, which would minimise it).
 
+VICRegL and DenseCL, which need the backbone's feature map, follow Lightly's examples (`unison.bench.lightly_dense`).
+
 MAE follows Lightly's MAE example (`unison.bench.lightly_models.MAESide`) on a timm ViT of the shared ViT's
 architecture, with the example's AdamW 1.5e-4 and ``MAETransform``; its comparison runs on a ViT (the method's recipe
 backbone when the bench's is a CNN). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
@@ -53,6 +55,7 @@ import torch.nn as nn
 
 from .config import LIGHTLY_METHODS
 from .lightly_batch_models import EMPSSLSide, MMCRSide, SMoGSide, WMSESide
+from .lightly_dense import DenseCLSide, VICRegLSide, map_side
 from .lightly_models import (
     BarlowTwinsSide,
     BYOLSide,
@@ -129,7 +132,8 @@ def _patches(size: int, normalize: dict[str, list[float]]) -> Any:
                              transforms=colour)
 
 
-def _transform(method: str, size: int, normalize: dict[str, list[float]]) -> Any:
+def _transform(method: str, size: int, normalize: dict[str, list[float]], grid: int = 0) -> Any:
+    """Lightly's transform of `method` at `size` px; `grid`: the side of the backbone's feature map (VICRegL's)."""
     from lightly import transforms as T
 
     if method in ("simclr", "nnclr", "dcl", "dclw"):   # Lightly's CIFAR-10 settings (its benchmark's for all four)
@@ -169,6 +173,11 @@ def _transform(method: str, size: int, normalize: dict[str, list[float]]) -> Any
                                crop_max_scales=(1.0, 1.0), normalize=normalize)
     if method == "empssl":
         return _patches(size, normalize)
+    if method == "vicregl":
+        return T.VICRegLTransform(global_crop_size=size, n_local_views=0, global_grid_size=grid,
+                                  global_gaussian_blur_prob=_blur(size, 0.5), normalize=normalize)
+    if method == "densecl":
+        return T.DenseCLTransform(input_size=size, gaussian_blur=_blur(size, 0.5), normalize=normalize)
     raise ValueError(f"Lightly has no CIFAR-10 side here for {method!r}; use one of {', '.join(LIGHTLY_METHODS)}")
 
 
@@ -185,11 +194,14 @@ _SIDES: dict[str, tuple[type[Side], LightlyRecipe]] = {
     "mmcr": (MMCRSide, LightlyRecipe("sgd", 0.06, 0.0, scale_lr=False, momentum=0.0)),   # the example's SGD(lr=0.06)
     "wmse": (WMSESide, LightlyRecipe("adam", 3e-3 / 4, 1e-6)),   # the paper's Adam 3e-3 for 512 images
     "smog": (SMoGSide, LightlyRecipe("sgd", 0.01, 1e-6, scale_lr=False)),   # the benchmark's, at every batch size
-    "empssl": (EMPSSLSide, LightlyRecipe("lars", 0.3 * 128 / 100, 1e-4))}   # the official LARS 0.3 for 100 images
+    "empssl": (EMPSSLSide, LightlyRecipe("lars", 0.3 * 128 / 100, 1e-4)),   # the official LARS 0.3 for 100 images
+    "vicregl": (VICRegLSide, LightlyRecipe("sgd", 6e-2, 0.0)),   # the example's SGD(lr=0.06, momentum=0.9)
+    "densecl": (DenseCLSide, SGD)}
 
 
 def build_lightly_side(method: str, backbone: nn.Module, dim: int, image_size: int,
                        normalize: dict[str, list[float]]) -> LightlySide:
     """Lightly's model, transform and optimizer recipe for `method` around the shared `backbone` (`dim` wide)."""
     side_cls, recipe = _SIDES[method]
-    return LightlySide(_transform(method, image_size, normalize), side_cls(backbone, dim), recipe)
+    grid = map_side(backbone, dim, image_size) if method == "vicregl" else 0
+    return LightlySide(_transform(method, image_size, normalize, grid), side_cls(backbone, dim), recipe)
