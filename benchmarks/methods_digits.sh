@@ -10,6 +10,7 @@ mkdir -p "$out"
 unison=${UNISON:-.venv/bin/unison}
 source benchmarks/train_table.sh
 table_header
-for m in simclr moco byol simsiam barlowtwins swav vicreg dino nnclr dcl dclw tico fastsiam mmcr wmse smog empssl; do
+for m in simclr moco byol simsiam barlowtwins swav vicreg vicregl densecl dino nnclr dcl dclw tico fastsiam mmcr wmse smog \
+    empssl; do
   train_row "$m" "$out/$m" --method "$m" "$@"
 done
