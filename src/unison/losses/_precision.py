@@ -1,4 +1,4 @@
-"""Shared guard for losses built on batch statistics ([d, d] products, variances).
+"""Shared guard for losses built on batch statistics ([d, d] products, variances) or sharpened softmaxes (MSN).
 
 Those lose too much in half precision, so under AMP such a loss runs in float32: autocast
 off, float16/bfloat16 inputs upcast, float32/float64 inputs kept as they are.
@@ -18,11 +18,10 @@ def check_embedding_pair(z_a: torch.Tensor, z_b: torch.Tensor) -> None:
         raise ValueError(f"expected two [n, d] embeddings of one shape, got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
 
 
-def in_full_precision(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                      z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
-    """`loss(z_a, z_b)` with autocast off and half-precision inputs upcast to float32; eager under --compile
+def in_full_precision(loss: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """`loss(*tensors)` with autocast off and half-precision inputs upcast to float32; eager under --compile
     once `keep_losses_eager` has run."""
-    return (_EAGER or _full_precision)(loss, z_a, z_b)
+    return (_EAGER or _full_precision)(loss, *tensors)
 
 
 _EAGER: Callable[..., torch.Tensor] | None = None
@@ -37,12 +36,11 @@ def keep_losses_eager() -> None:
     _EAGER = torch.compiler.disable(_full_precision)
 
 
-def _full_precision(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                    z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
-    z_a, z_b = (z.float() if z.dtype in _HALF else z for z in (z_a, z_b))
+def _full_precision(loss: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    tensors = tuple(z.float() if z.dtype in _HALF else z for z in tensors)
     # Meta tensors (FLOP counts) have no autocast to turn off. A plain device test, because torch.compile cannot
     # trace torch.amp.is_autocast_available: it broke the compiled forward in two there.
-    if z_a.device.type == "meta":
-        return loss(z_a, z_b)
-    with torch.autocast(z_a.device.type, enabled=False):
-        return loss(z_a, z_b)
+    if tensors[0].device.type == "meta":
+        return loss(*tensors)
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return loss(*tensors)

@@ -40,6 +40,10 @@ _MODULES: dict[str, tuple[str, str]] = {
     "wmse": ("wmse", "WMSE"),
     "smog": ("smog", "SMoG"),
     "empssl": ("empssl", "EMPSSL"),
+    "msn": ("msn", "MSN"),
+    "pmsn": ("pmsn", "PMSN"),
+    "simmim": ("simmim", "SimMIM"),
+    "aim": ("aim", "AIM"),
 }
 
 
