@@ -14,10 +14,11 @@ token sees every token) and averages its output patch tokens (the paper pools th
 probe is a separate trained head). AIM's ViT has no class token; unison's ViT keeps its class token (which export
 and the other methods read) as the first token of every prefix: always visible, never predicted, so it changes
 what a patch may attend to, not what is predicted from what. The positions are the paper's fixed 2-D sin-cos
-embedding (``fixed_positions``): the ViT's position table is set to it (the class token's to 0) and frozen.
+embedding (``fixed_positions``): the position table of a ViT unison builds is set to it (the class token's to 0,
+`AIM.init_backbone`) and frozen; weights ``--init`` loads keep their table, frozen as it is.
 
 Defaults: per-patch normalised targets and prefix attention with K uniform in [1, N - 1] (paper); a head of
-2 MLP blocks 512 wide (paper: 12 blocks 2048 wide; reduced for CPU). Recipe: AdamW, lr 1e-3 at a batch of 4096
+2 MLP blocks 256 wide (paper: 12 blocks 2048 wide; reduced for CPU). Recipe: AdamW, lr 1e-3 at a batch of 4096
 = 6.25e-5 per 256 images, weight decay 0.05 (paper, as Lightly's AIM benchmark); random resized crops from 40 % of
 the image and flips, no colour ops (preset ``aim``, Lightly's ``AIMTransform``); ``vit_tiny_auto``. Not
 implemented: AdamW's beta2 = 0.95 (unison's AdamW keeps 0.999), the paper's large-scale data and its attentive
@@ -59,7 +60,7 @@ PREFIX_STREAM = 0x4149_4D00     # + view index: counter-based RNG stream of AIM'
 
 @dataclass
 class AIMParams:
-    head_dim: int = 512              # paper: 2048 (reduced for CPU)
+    head_dim: int = 256              # paper: 2048 (reduced for CPU)
     head_blocks: int = 2             # paper: 12
     norm_pix: bool = True            # paper: per-patch normalised targets
     fixed_positions: bool = True     # paper: fixed 2-D sin-cos positions
@@ -108,14 +109,20 @@ class AIM(SSLMethod):
     def __init__(self, backbone: nn.Module, feature_dim: int, params: AIMParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
         vit = require_vit(backbone, "AIM")
+        if params.fixed_positions:   # the table `init_backbone` wrote, or the one --init loaded: kept as it is
+            vit.pos_embed.requires_grad_(False)
+        self.head = aim_head(feature_dim, params.head_dim, params.head_blocks, vit.patch_size ** 2 * 3)
+        self.loss_fn = AIMLoss(params.norm_pix)
+
+    @classmethod
+    def init_backbone(cls, backbone: nn.Module, params: AIMParams) -> None:
+        """The paper's fixed 2-D sin-cos positions in the ViT's position table (the class token's: 0)."""
+        vit = require_vit(backbone, "AIM")
         if params.fixed_positions:
             with torch.no_grad():
                 table = vit.pos_embed[0]
                 table[0].zero_()
                 table[1:].copy_(sincos_positions(vit.grid, vit.embed_dim, table))
-            vit.pos_embed.requires_grad_(False)
-        self.head = aim_head(feature_dim, params.head_dim, params.head_blocks, vit.patch_size ** 2 * 3)
-        self.loss_fn = AIMLoss(params.norm_pix)
 
     def prefix_lengths(self, keys: SampleKeys, view: int, n_patches: int, device: torch.device) -> torch.Tensor:
         """K [n] in [1, N - 1], uniform, from each sample's keys."""

@@ -107,6 +107,12 @@ class SSLMethod(nn.Module):
         return 2
 
     @classmethod
+    def init_backbone(cls, backbone: nn.Module, params: Any) -> None:
+        """Initialise parts of a backbone unison built as the method's paper does (AIM: fixed 2-D sin-cos positions).
+        The training layer calls it before ``--init``'s weights are read into the backbone, so that those win, and
+        not on a backbone you pass yourself (`unison.training.model.build_method`)."""
+
+    @classmethod
     def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:
         """Raise `ConfigError` for views of `view_sizes` px this method cannot train on with a backbone of `patch`
         px patches (None: not a ViT), e.g. I-JEPA's target blocks leaving no context. The pre-flight calls it
