@@ -35,7 +35,10 @@ VICRegL and DenseCL, which need the backbone's feature map, follow Lightly's exa
 
 MAE follows Lightly's MAE example (`unison.bench.lightly_models.MAESide`) on a timm ViT of the shared ViT's
 architecture, with the example's AdamW 1.5e-4 and ``MAETransform``; its comparison runs on a ViT (the method's recipe
-backbone when the bench's is a CNN). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
+backbone when the bench's is a CNN). So do MSN, PMSN, SimMIM and AIM (`unison.bench.lightly_vit_models`), each with
+its example's AdamW 1.5e-4: MSN and PMSN Lightly's MSN example (``MSNTransform``, its focal views at unison's local
+crop size; PMSN with ``PMSNLoss``, as Lightly's PMSN page builds it), SimMIM its SimMIM benchmark's pieces (MAE's
+transform from 67 %), AIM its AIM example (``AIMTransform``). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
 I-JEPA, LeJEPA and distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare
 against.
 
@@ -73,6 +76,7 @@ from .lightly_models import (
     TiCoSide,
     VICRegSide,
 )
+from .lightly_vit_models import AIMSide, MSNSide, PMSNSide, SimMIMSide
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,13 @@ def _patches(size: int, normalize: dict[str, list[float]]) -> Any:
                              transforms=colour)
 
 
-def _transform(method: str, size: int, normalize: dict[str, list[float]], grid: int = 0) -> Any:
-    """Lightly's transform of `method` at `size` px; `grid`: the side of the backbone's feature map (VICRegL's)."""
+def _transform(method: str, size: int, normalize: dict[str, list[float]], grid: int = 0,
+               patch: int | None = None) -> Any:
+    """Lightly's transform of `method` at `size` px; `grid`: the side of the backbone's feature map (VICRegL's);
+    `patch`: the ViT's patch size (MSN's focal views are a multiple of it)."""
     from lightly import transforms as T
+
+    from unison.data.augment import default_local_size
 
     if method in ("simclr", "nnclr", "dcl", "dclw"):   # Lightly's CIFAR-10 settings (its benchmark's for all four)
         return T.SimCLRTransform(input_size=size, cj_strength=0.5, gaussian_blur=_blur(size, 0.5), normalize=normalize)
@@ -178,6 +186,13 @@ def _transform(method: str, size: int, normalize: dict[str, list[float]], grid: 
                                   global_gaussian_blur_prob=_blur(size, 0.5), normalize=normalize)
     if method == "densecl":
         return T.DenseCLTransform(input_size=size, gaussian_blur=_blur(size, 0.5), normalize=normalize)
+    if method in ("msn", "pmsn"):   # focal views: 3/7 of the image, as unison's (a multiple of the patch: 12 at 32 px)
+        return T.MSNTransform(random_size=size, focal_size=default_local_size(size, patch),
+                              gaussian_blur=_blur(size, 0.5), normalize=normalize)
+    if method == "simmim":   # Lightly's SimMIM benchmark: MAE's transform from 67 %
+        return T.MAETransform(input_size=size, min_scale=0.67, normalize=normalize)
+    if method == "aim":
+        return T.AIMTransform(input_size=size, normalize=normalize)
     raise ValueError(f"Lightly has no CIFAR-10 side here for {method!r}; use one of {', '.join(LIGHTLY_METHODS)}")
 
 
@@ -196,7 +211,9 @@ _SIDES: dict[str, tuple[type[Side], LightlyRecipe]] = {
     "smog": (SMoGSide, LightlyRecipe("sgd", 0.01, 1e-6, scale_lr=False)),   # the benchmark's, at every batch size
     "empssl": (EMPSSLSide, LightlyRecipe("lars", 0.3 * 128 / 100, 1e-4)),   # the official LARS 0.3 for 100 images
     "vicregl": (VICRegLSide, LightlyRecipe("sgd", 6e-2, 0.0)),   # the example's SGD(lr=0.06, momentum=0.9)
-    "densecl": (DenseCLSide, SGD)}
+    "densecl": (DenseCLSide, SGD),
+    **{m: (side, LightlyRecipe("adamw", 1.5e-4, 0.01, scale_lr=False))       # their examples' AdamW(lr=1.5e-4)
+       for m, side in (("msn", MSNSide), ("pmsn", PMSNSide), ("simmim", SimMIMSide), ("aim", AIMSide))}}
 
 
 def build_lightly_side(method: str, backbone: nn.Module, dim: int, image_size: int,
@@ -204,4 +221,5 @@ def build_lightly_side(method: str, backbone: nn.Module, dim: int, image_size: i
     """Lightly's model, transform and optimizer recipe for `method` around the shared `backbone` (`dim` wide)."""
     side_cls, recipe = _SIDES[method]
     grid = map_side(backbone, dim, image_size) if method == "vicregl" else 0
-    return LightlySide(_transform(method, image_size, normalize, grid), side_cls(backbone, dim), recipe)
+    patch = getattr(backbone, "patch_size", None)
+    return LightlySide(_transform(method, image_size, normalize, grid, patch), side_cls(backbone, dim), recipe)

@@ -302,7 +302,7 @@ class MAESide(Side):
     def __init__(self, backbone: nn.Module, dim: int):
         from lightly.models.modules import MAEDecoderTIMM, MaskedVisionTransformerTIMM
 
-        vit = timm_vit_like(backbone)
+        vit = timm_vit_like(backbone, "MAE")
         super().__init__(MaskedVisionTransformerTIMM(vit=vit))
         self.mask_ratio = 0.75
         self.patch_size = int(vit.patch_embed.patch_size[0])
@@ -326,16 +326,20 @@ class MAESide(Side):
         return self.criterion(pred, target)
 
 
-def timm_vit_like(backbone: nn.Module) -> Any:
-    """A timm ``VisionTransformer`` of the architecture of unison's ViT `backbone` (image and patch size, width,
-    depth, heads): the same backbone in the class Lightly's ViT wrappers take."""
-    from timm.models.vision_transformer import VisionTransformer
-
+def vit_spec(backbone: nn.Module, method: str) -> dict[str, Any]:
+    """The architecture of unison's ViT `backbone` (image and patch size, width, depth, heads) as timm's arguments."""
     from unison.models.vit import ViT
 
     if not isinstance(backbone, ViT):
-        raise ValueError(f"Lightly's MAE side needs a unison ViT backbone (vit_*), got {type(backbone).__name__}")
-    heads = int(cast(Any, backbone.blocks[0]).attn.num_heads)
-    return VisionTransformer(img_size=backbone.grid * backbone.patch_size, patch_size=backbone.patch_size,
-                             embed_dim=backbone.embed_dim, depth=len(backbone.blocks), num_heads=heads,
-                             num_classes=0)
+        raise ValueError(f"Lightly's {method} side needs a unison ViT backbone (vit_*), got {type(backbone).__name__}")
+    return {"img_size": backbone.grid * backbone.patch_size, "patch_size": backbone.patch_size,
+            "embed_dim": backbone.embed_dim, "depth": len(backbone.blocks),
+            "num_heads": int(cast(Any, backbone.blocks[0]).attn.num_heads)}
+
+
+def timm_vit_like(backbone: nn.Module, method: str, **kwargs: Any) -> Any:
+    """A timm ``VisionTransformer`` of the architecture of unison's ViT `backbone` (`vit_spec`): the same backbone in
+    the class Lightly's ViT wrappers take (`kwargs`: timm's other arguments, e.g. ``dynamic_img_size``)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(**vit_spec(backbone, method), num_classes=0, **kwargs)

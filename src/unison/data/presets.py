@@ -117,3 +117,13 @@ PRESETS["digits_patches"] = {**PRESETS["digits"], "n_global": 20, "crop_scale": 
 # Fine-tuning and the standard linear protocol (`unison.eval.recipe`; SimCLR's appendix B.5 and its linear
 # evaluation): ONE view, random resized crop from 8 % and a flip, no colour ops. On the digits: digits_crop.
 PRESETS["classify"] = {**_COMMON, "n_global": 1, "jitter_p": 0.0, "grayscale_p": 0.0, "blur_p": 0.0}
+# MSN (Assran et al., 2022), its official ``make_transforms``: two random crops from 30 % of the image (the target and
+# the anchor view) and 10 focal crops of 5-30 % at 3/7 of the image size (96 px at 224), SimCLR's colour jitter at
+# strength 0.5 (brightness/contrast/saturation 0.4, hue 0.1, p 0.8), grey 0.2, blur 0.5. On the digits:
+# digits_multicrop.
+PRESETS["msn"] = {**_COMMON, "n_local": 10, "crop_scale": (0.3, 1.0), "local_crop_scale": (0.05, 0.3)}
+# SimMIM (Xie et al., 2022), its official ``SimMIMTransform``: ONE view, random resized crops from 67 % of the image,
+# flip, no colour ops. AIM (El-Nouby et al., 2024), as Lightly's ``AIMTransform``: the same from 40 %. On the digits:
+# digits_crop.
+PRESETS["simmim"] = {**PRESETS["crop"], "crop_scale": (0.67, 1.0)}
+PRESETS["aim"] = {**PRESETS["crop"], "crop_scale": (0.4, 1.0)}

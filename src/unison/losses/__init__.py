@@ -20,12 +20,12 @@ _EXPORTS: dict[str, str] = {
     "IJEPALoss": "ijepa",
     "KoLeoLoss": "koleo",
     "LeJEPALoss": "lejepa", "SIGRegLoss": "lejepa", "sigreg_directions": "lejepa",
-    "MAELoss": "mae", "patchify": "mae",
+    "MAELoss": "mae", "patchify": "mae", "normalize_patches": "mae",
     "MoCoLoss": "moco",
     "MoCoV3Loss": "mocov3",
     "NTXentLoss": "ntxent",
     "SimSiamLoss": "simsiam",
-    "SwAVLoss": "swav", "sinkhorn": "swav",
+    "SwAVLoss": "swav", "sinkhorn": "swav", "sinkhorn_balance": "swav",
     "VICRegLoss": "vicreg",
     "DCLLoss": "dcl", "DCLWLoss": "dcl",
     "FastSiamLoss": "fastsiam",
@@ -37,6 +37,10 @@ _EXPORTS: dict[str, str] = {
     "WMSELoss": "wmse",
     "VICRegLLoss": "vicregl",
     "DenseCLLoss": "densecl",
+    "MSNLoss": "msn",
+    "PMSNLoss": "pmsn",
+    "SimMIMLoss": "simmim",
+    "AIMLoss": "aim",
 }
 
 

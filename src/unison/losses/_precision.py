@@ -1,4 +1,4 @@
-"""Shared guard for losses built on batch statistics ([d, d] products, variances).
+"""Shared guard for losses built on batch statistics ([d, d] products, variances) or sharpened softmaxes (MSN).
 
 Those lose too much in half precision, so under AMP such a loss runs in float32: autocast
 off, float16/bfloat16 inputs upcast, float32/float64 inputs kept as they are.

@@ -38,6 +38,12 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
     return x.permute(0, 2, 4, 3, 5, 1).reshape(n, (h // patch) * (w // patch), patch * patch * c)
 
 
+def normalize_patches(patches: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Each patch (the last dimension) standardised with its own mean and unbiased variance: MAE's ``norm_pix``
+    targets, which AIM predicts too."""
+    return (patches - patches.mean(dim=-1, keepdim=True)) / (patches.var(dim=-1, keepdim=True) + eps).sqrt()
+
+
 class MAELoss(nn.Module):
     def __init__(self, norm_pix: bool = True, eps: float = 1e-6):
         super().__init__()
@@ -50,5 +56,5 @@ class MAELoss(nn.Module):
                              f"and {tuple(target.shape)}")
         target = target.detach()
         if self.norm_pix:
-            target = (target - target.mean(dim=-1, keepdim=True)) / (target.var(dim=-1, keepdim=True) + self.eps).sqrt()
+            target = normalize_patches(target, self.eps)
         return (pred - target).pow(2).mean()

@@ -62,7 +62,14 @@ def sinkhorn(scores: torch.Tensor, epsilon: float = 0.05, iterations: int = 3, g
     work = torch.float64 if float64 else (torch.float32 if scores.dtype in (torch.float16, torch.bfloat16)
                                           else scores.dtype)
     s = scores.detach().to(work)
-    q = torch.exp(s / epsilon).T                                  # [K, B_local]
+    return sinkhorn_balance(torch.exp(s / epsilon), iterations, gather_distributed).to(out_dtype)
+
+
+@torch.no_grad()
+def sinkhorn_balance(weights: torch.Tensor, iterations: int = 3, gather_distributed: bool = True) -> torch.Tensor:
+    """The Sinkhorn-Knopp iterations of the module docstring on non-negative `weights` [B_local, K] (SwAV's
+    exp(s / eps); MSN's sharpened probabilities): every prototype gets mass 1/K, rows of the result sum to 1."""
+    q = weights.detach().T.clone()                                # [K, B_local]
     k = q.shape[0]
     distributed = gather_distributed and world_size() > 1
     stats = torch.stack([q.sum(), q.new_tensor(float(q.shape[1]))])
@@ -79,7 +86,7 @@ def sinkhorn(scores: torch.Tensor, epsilon: float = 0.05, iterations: int = 3, g
         q /= _nonzero(q.sum(dim=0, keepdim=True))
         q /= b
     q *= b
-    return q.T.to(out_dtype)
+    return q.T
 
 
 class SwAVLoss(nn.Module):

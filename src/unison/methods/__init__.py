@@ -42,6 +42,10 @@ _MODULES: dict[str, tuple[str, str]] = {
     "empssl": ("empssl", "EMPSSL"),
     "vicregl": ("vicregl", "VICRegL"),
     "densecl": ("densecl", "DenseCL"),
+    "msn": ("msn", "MSN"),
+    "pmsn": ("pmsn", "PMSN"),
+    "simmim": ("simmim", "SimMIM"),
+    "aim": ("aim", "AIM"),
 }
 
 

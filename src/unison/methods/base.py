@@ -62,8 +62,9 @@ class Recipe:
         overrides."""
         if data != "digits":
             return self
-        preset = {"multicrop": "digits_multicrop", "crop": "digits_crop", "distill": "digits_crop",
-                  "fastsiam": "digits_fastsiam", "patches": "digits_patches"}.get(self.augmentation, "digits")
+        preset = {"multicrop": "digits_multicrop", "msn": "digits_multicrop", "crop": "digits_crop",
+                  "distill": "digits_crop", "simmim": "digits_crop", "aim": "digits_crop", "fastsiam": "digits_fastsiam",
+                  "patches": "digits_patches"}.get(self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 
@@ -113,6 +114,12 @@ class SSLMethod(nn.Module):
         fails; more where a batch statistic needs it (W-MSE's whitening). `check_run` refuses a smaller batch with
         the method's reason; `unison check` and the defaults' tests size their batches by it."""
         return 2
+
+    @classmethod
+    def init_backbone(cls, backbone: nn.Module, params: Any) -> None:
+        """Initialise parts of a backbone unison built as the method's paper does (AIM: fixed 2-D sin-cos positions).
+        The training layer calls it before ``--init``'s weights are read into the backbone, so that those win, and
+        not on a backbone you pass yourself (`unison.training.model.build_method`)."""
 
     @classmethod
     def check_views(cls, params: Any, patch: int | None, view_sizes: Sequence[int]) -> None:

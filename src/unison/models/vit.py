@@ -1,14 +1,15 @@
-"""Vision Transformers for the ViT-era methods (MAE, iBOT, I-JEPA, LeJEPA, MoCo v3), built from timm's parts.
+"""Vision Transformers for the ViT-era methods (MAE, iBOT, I-JEPA, LeJEPA, MoCo v3, MSN, SimMIM, AIM), from timm's parts.
 
 `ViT` takes the patch embedding, class token, positional embedding, transformer blocks and
 final norm of a timm ``VisionTransformer`` and exposes what masked-image methods need,
 which timm's ``forward`` does not:
 
 * ``patch_tokens(x)``: the patch embeddings with their positional embedding, [B, N, D];
-* ``forward_tokens(x, keep=None, mask=None, mask_token=None)``: the encoder on all patches, on
+* ``forward_tokens(x, keep=None, mask=None, mask_token=None, attn_mask=None)``: the encoder on all patches, on
   a per-sample subset ``keep`` [B, n] of patch indices (MAE, I-JEPA context), or with the
-  patches where ``mask`` [B, N] is True replaced by ``mask_token`` (iBOT); returns the
-  normalised tokens [B, 1 + n, D], class token first;
+  patches where ``mask`` [B, N] is True replaced by ``mask_token`` (iBOT, SimMIM), and with an
+  attention mask ``attn_mask`` [B, 1, 1 + n, 1 + n] (True: query row may attend to key column; AIM's prefix-causal
+  attention) given to every block; returns the normalised tokens [B, 1 + n, D], class token first;
 * ``forward(x)``: the pooled feature [B, D] (the class token, or the mean of the patch tokens
   with ``pool="mean"``); this is what kNN evaluation and `unison export` use.
 
@@ -22,8 +23,8 @@ The parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``po
 ``timm.models.vision_transformer.VisionTransformer(**vit_timm_kwargs(name))`` (``vit_tiny_p4``: ``img_size=32,
 patch_size=4, embed_dim=192, depth=12, num_heads=3, num_classes=0``), whose forward gives the same feature.
 
-Why timm (a dependency, ``timm>=1.0``): its ``Block`` (fused attention through
-``F.scaled_dot_product_attention``), ``PatchEmbed`` and ViT initialisation are the reference
+Why timm (a dependency, ``timm>=1.0.16``, whose ``Block`` takes an attention mask): its ``Block`` (fused attention
+through ``F.scaled_dot_product_attention``), ``PatchEmbed`` and ViT initialisation are the reference
 implementations that MAE, DINOv2, I-JEPA and MoCo v3 build on; only the token-level
 forward above is written here.
 
@@ -125,16 +126,17 @@ class ViT(nn.Module):
         return t + self._pos_embed(grid)[:, 1:]
 
     def forward_tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       mask_token: torch.Tensor | None = None) -> torch.Tensor:
+                       mask_token: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Normalised output tokens [B, 1 + n, D] (class token first) of the patches `keep` (default all);
-        patches where `mask` is True are replaced by `mask_token` (plus their positional embedding).
+        patches where `mask` is True are replaced by `mask_token` (plus their positional embedding); `attn_mask`
+        (boolean, [B, 1, 1 + n, 1 + n], True where a token may attend) restricts every block's attention.
 
         Goes through ``self(...)`` so that wrappers hooked on the forward (FSDP2's parameter gathering under
         ``--shard full``) run for token access too."""
-        return self(x, tokens=True, keep=keep, mask=mask, mask_token=mask_token)
+        return self(x, tokens=True, keep=keep, mask=mask, mask_token=mask_token, attn_mask=attn_mask)
 
     def _tokens(self, x: torch.Tensor, keep: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       mask_token: torch.Tensor | None = None) -> torch.Tensor:
+                mask_token: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """See `forward_tokens`."""
         t = self.patch_tokens(x)
         if mask is not None:
@@ -147,17 +149,34 @@ class ViT(nn.Module):
             t = t.gather(1, keep.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(t.shape[0], -1, -1)
         t = torch.cat([cls, t], dim=1)
-        for block in self.blocks:
-            t = block(t)
+        if attn_mask is None:
+            for block in self.blocks:
+                t = block(t)
+        else:
+            bias = additive_mask(attn_mask, t)
+            for block in self.blocks:
+                t = block(t, attn_mask=bias)
         return self.norm(t)
 
     def forward(self, x: torch.Tensor, *, tokens: bool = False, keep: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The pooled feature [B, D] (class token or patch mean); with ``tokens=True`` every output token."""
-        t = self._tokens(x, keep, mask, mask_token)
+        t = self._tokens(x, keep, mask, mask_token, attn_mask)
         if tokens:
             return t
         return t[:, 0] if self.pool == "cls" else t[:, 1:].mean(dim=1)
+
+
+def additive_mask(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as the additive bias timm's attention takes in both of its
+    paths (fused ``scaled_dot_product_attention`` and the explicit softmax): 0 where allowed, -inf elsewhere, in the
+    tokens' dtype. Every query must be allowed at least one key (its own), or its softmax is undefined."""
+    if allowed.dtype != torch.bool or allowed.dim() != 4 or allowed.shape[-1] != like.shape[1] \
+            or allowed.shape[-2] != like.shape[1]:
+        raise ValueError(f"attn_mask must be boolean [B, 1, {like.shape[1]}, {like.shape[1]}], got "
+                         f"{allowed.dtype} {tuple(allowed.shape)}")
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
 
 
 def auto_patch_size(image_size: int) -> int:

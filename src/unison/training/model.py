@@ -154,12 +154,17 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
         encoder, feature_dim = build_backbone(name, size, backbone_args=cfg.backbone_args, view_sizes=view_sizes)
         name = resolve_backbone(name, size)
     encoder.to(dtype)   # before --init's tensors are read into it: a float64 run keeps float64 weights' digits
+    try:
+        params = method_cls.Params(**cfg.method_params)
+        if own is None:   # the method's initialisation of the backbone unison built; --init's weights, read next, win
+            method_cls.init_backbone(encoder, params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{_method_named(cfg.method, cfg.method_params)}: {exc}") from None
     if kept is not None and init is not None:
         kept["random"] = copy.deepcopy(encoder)
     if setup is not None:
         setup.update(prepare_backbone(encoder, cfg, name, init))
     try:
-        params = method_cls.Params(**cfg.method_params)
         method = method_cls(encoder, feature_dim, params, gather_distributed=cfg.distributed.gather_distributed,
                             shared_queue=cfg.distributed.shared_queue, steps_total=total_steps, **extra)
     except (TypeError, ValueError) as exc:

@@ -15,12 +15,14 @@ from unison.errors import ConfigError
 
 pytest.importorskip("lightly")
 
+VIT_SIDES = ("mae", "msn", "pmsn", "simmim", "aim")   # trained on a ViT (the recipe's, `for_method`)
+
 
 @pytest.mark.parametrize("method", LIGHTLY_METHODS)
 def test_every_lightly_side_trains_two_steps(method, tmp_path):
     from unison.bench.lightly_compare import _lightly_child
 
-    backbone = "vit_nano_auto" if method == "mae" else "small_cnn"   # MAE: a ViT (`for_method`), tiny here
+    backbone = "vit_nano_auto" if method in VIT_SIDES else "small_cnn"   # a ViT (`for_method`), tiny here
     batch = 128 if method == "wmse" else 8   # Lightly's WMSELoss needs a batch of its w_size
     payload = {"method": method, "data": "digits", "val": None, "subset": max(40, 2 * batch), "val_subset": 20,
                "seed": 0, "batch_size": batch, "steps": 2, "backbone": backbone, "loader_workers": 0, "threads": 1,
@@ -33,8 +35,8 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
     r = json.loads((tmp_path / "side.json").read_text())
     assert r["steps"] == len(r["step_end_s"]) == 2, method
     assert math.isfinite(r["final_loss"]) and 0 <= r["knn_top1"] <= 1 and r["peak_memory_mib"] > 0, (method, r)
-    optimizer = {"swav": "adam ", "mae": "adamw ", "vicreg": "lars ", "tico": "lars ", "wmse": "adam ",
-                 "empssl": "lars "}.get(method, "sgd ")
+    optimizer = {"swav": "adam ", "vicreg": "lars ", "tico": "lars ", "wmse": "adam ", "empssl": "lars ",
+                 **dict.fromkeys(VIT_SIDES, "adamw ")}.get(method, "sgd ")
     assert r["recipe"].startswith(optimizer), (method, r["recipe"])
 
 
@@ -44,14 +46,14 @@ def test_lightly_sides_are_lightlys_modules():
 
     normalize = {"mean": [0.5] * 3, "std": [0.25] * 3}
     for method in LIGHTLY_METHODS:
-        backbone, dim = build_backbone("vit_nano_p4" if method == "mae" else "small_cnn")
+        backbone, dim = build_backbone("vit_nano_p4" if method in VIT_SIDES else "small_cnn")
         side = build_lightly_side(method, backbone, dim, 32, normalize)
         assert type(side.transform).__module__.startswith("lightly.transforms"), method
         heads = [type(m).__module__ for m in side.model.modules() if m is not side.model and m is not backbone]
         assert any(h.startswith("lightly.") for h in heads), (method, heads)
         if method in ("vicregl", "densecl"):   # the shared backbone, its pooling removed (its map is needed)
             assert side.model.backbone.net is backbone
-        elif method != "mae":   # MAE: Lightly's wrapper around a timm ViT of the same architecture
+        elif method not in VIT_SIDES:   # the ViT methods: Lightly's wrappers around a timm ViT of the same architecture
             assert side.model.backbone is backbone   # the shared backbone, as unison's side builds it
     assert build_lightly_side("simsiam", *build_backbone("small_cnn"), 32, normalize).recipe.peak_lr(512) == 0.06
     assert build_lightly_side("moco", *build_backbone("small_cnn"), 32, normalize).recipe.peak_lr(512) == 0.24

@@ -1,10 +1,13 @@
-"""`unison.models.vit`: the patch grid a ViT sees at an image size, and the names that pick the patch size."""
+"""`unison.models.vit`: the patch grid a ViT sees at an image size, the names that pick the patch size, and the
+attention mask (AIM's prefix-causal attention): given to every block, it restricts what each token sees; no mask, or
+one allowing everything, computes what the ViT computed before."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from unison.models.vit import AUTO_MIN_GRID, coarse_grid, pin_vit, vit_patch_size
+from unison.models.vit import AUTO_MIN_GRID, ViT, coarse_grid, pin_vit, vit_patch_size
 
 
 @pytest.mark.parametrize("backbone, pinned, size, fix", [
@@ -36,3 +39,40 @@ def test_a_timm_vit_is_told_the_patch_size_that_gives_the_grid():
     note = coarse_grid("timm:vit_tiny_patch16_224", 16, 32)
     assert note is not None and "give --backbone-arg patch_size=4 (8 x 8) or a larger --image-size" in note
     assert coarse_grid("small_cnn", None, 16) is None   # not patch-based
+
+
+def _vit() -> ViT:
+    torch.manual_seed(0)
+    return ViT(img_size=8, patch_size=2, embed_dim=16, depth=2, num_heads=2).double().eval()
+
+
+def _images(seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_a_mask_allowing_everything_is_no_mask():
+    vit, x = _vit(), _images()
+    everything = torch.ones(2, 1, 17, 17, dtype=torch.bool)
+    torch.testing.assert_close(vit.forward_tokens(x, attn_mask=everything), vit.forward_tokens(x), rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_a_causal_mask_hides_the_later_tokens():
+    vit, x = _vit(), _images()
+    causal = torch.ones(17, 17, dtype=torch.bool).tril().expand(2, 1, 17, 17)
+    before = vit.forward_tokens(x, attn_mask=causal)
+    changed = x.clone()
+    changed[:, :, 2:4, 4:6] += 5.0                       # patch 6 (row 1, column 2): token 7
+    after = vit.forward_tokens(changed, attn_mask=causal)
+    torch.testing.assert_close(after[:, :7], before[:, :7], rtol=1e-12, atol=1e-12)   # tokens before it: unchanged
+    assert (after[:, 7:] - before[:, 7:]).abs().amax(dim=-1).min() > 1e-6              # it and later ones: changed
+    unmasked = vit.forward_tokens(changed)
+    assert (unmasked[:, :7] - vit.forward_tokens(x)[:, :7]).abs().max() > 1e-6         # without the mask: seen
+
+
+def test_a_mask_of_the_wrong_shape_or_dtype_is_refused():
+    vit, x = _vit(), _images()
+    with pytest.raises(ValueError, match="attn_mask must be boolean"):
+        vit.forward_tokens(x, attn_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask must be boolean"):
+        vit.forward_tokens(x, attn_mask=torch.ones(2, 1, 17, 17))
