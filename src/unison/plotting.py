@@ -79,6 +79,14 @@ def _number(text: str, where: str) -> float | None:
     return value if math.isfinite(value) and abs(value) <= MAX_PLOTTED else None
 
 
+def _header_text(header: list[str] | None, shown: int = 6) -> str:
+    """A header as one short line: its first `shown` names, each cut to 40 characters."""
+    if not header:
+        return "empty"
+    names = ", ".join(name[:40] for name in header[:shown])
+    return names + (f", ... ({len(header) - shown} more)" if len(header) > shown else "")
+
+
 def read_metrics(path: Path) -> list[dict[str, float | None]]:
     """The rows of a ``metrics.csv`` (numbers, None where empty or not finite), one per step in step order, the later
     row of a step logged twice (`rows_by_step`); `DataError` if it is not one."""
@@ -86,8 +94,10 @@ def read_metrics(path: Path) -> list[dict[str, float | None]]:
     reader = csv.reader(io.StringIO(text))
     try:
         header = next(reader, None)
-        if not header or "epoch" not in header or "step" not in header:
-            raise DataError(f"metrics file {path} has no step and epoch columns; is it a unison metrics.csv?")
+        missing = [name for name in ("step", "epoch") if name not in (header or [])]
+        if not header or missing:   # named as missing, so that a file holding one of the two is not told it has neither
+            raise DataError(f"metrics file {path} has no {' and no '.join(map(repr, missing))} column (its header: "
+                            f"{_header_text(header)}); is it a unison metrics.csv?")
         twice = next((name for k, name in enumerate(header) if name in header[:k]), None)
         if twice is not None:   # one of the two would be read without a word
             columns = [k + 1 for k, name in enumerate(header) if name == twice]

@@ -64,3 +64,16 @@ def test_a_header_naming_a_column_twice_is_one_line(tmp_path, capsys, header):
     assert err.strip() == (f"unison: error: metrics file {path} names the column {name!r} twice (columns {first}, 4); "
                            "a unison metrics.csv names each column once"), err
     assert not (tmp_path / "page.png").exists()
+
+
+@pytest.mark.parametrize("header, missing", [("step,loss,lr,step", "no 'epoch' column"),
+                                             ("epoch,loss", "no 'step' column"), ("", "no 'step' and no 'epoch'")])
+def test_a_header_without_step_or_epoch_names_the_column_it_lacks(tmp_path, capsys, header, missing):
+    """A file holding one of the two columns is told which one it lacks, not that it has neither."""
+    path = tmp_path / "metrics.csv"
+    path.write_text(f"{header}\n1,4.0,0.1,2\n")
+    assert main(["plot", str(path), "--out", str(tmp_path / "page.png")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"unison: error: metrics file {path} has {missing}") and err.count("\n") == 0, err
+    assert f"(its header: {', '.join(header.split(',')) if header else 'empty'})" in err, err
+    assert not (tmp_path / "page.png").exists()

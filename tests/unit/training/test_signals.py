@@ -139,6 +139,7 @@ def test_unison_plot_bad_inputs_are_one_line(two_runs, tmp_path, capsys):
     bad.write_bytes(b"step,epoch\n\xff\xfe\n")
     _refused(["plot", str(bad), "--out", str(tmp_path / "x.png")], capsys, 3, "not UTF-8")
     bad.write_text("hello\n")
-    _refused(["plot", str(bad), "--out", str(tmp_path / "x.png")], capsys, 3, "no step and epoch columns")
+    _refused(["plot", str(bad), "--out", str(tmp_path / "x.png")], capsys, 3,
+             "has no 'step' and no 'epoch' column (its header: hello)")
     _refused(["plot", "/dev/null", "--out", str(tmp_path / "x.png")], capsys, 3, "not a regular file")
     assert not (tmp_path / "x.png").exists()
