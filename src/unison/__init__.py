@@ -7,7 +7,7 @@ with keyword arguments for the command's options:
     import unison
     from unison.config import TrainConfig
 
-    summary = unison.train(TrainConfig(method="byol", epochs=10))   # unison train --method byol --epochs 10
+    summary = unison.train(TrainConfig(method="moco", epochs=10))   # unison train --method moco --epochs 10
     print(summary.result_line())
     assert unison.check("byol", world_size=2).passed                # 2 workers == 1 worker on the global batch
     scores = unison.evaluate("runs/default")                        # kNN and linear-probe top-1

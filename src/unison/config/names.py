@@ -4,7 +4,9 @@ One rule for flags (``--max-step``), config-file keys (``learning_rate:``), ``--
 method's name, so each is answered the same way. Closeness is, in order:
 
 * a name other SSL code bases use for one of unison's (`SYNONYMS`: ``learning_rate`` is ``lr``, ``num_gpus`` is
-  ``world_size``): spelling alone cannot find these (``learning_rate`` is far from ``lr``);
+  ``world_size``): spelling alone cannot find these (``learning_rate`` is far from ``lr``). One name can stand for
+  several, in order (``ckpt`` is ``--checkpoint`` in ``unison eval``, ``--resume`` in ``unison train``, which has no
+  ``--checkpoint``): the first the command knows is suggested;
 * the same name written with dashes, or in another case (``max-steps``, ``Batch_Size``);
 * a known name that begins with what was given (``max_step``: ``max_steps``; abbreviations are suggested, never
   taken);
@@ -21,8 +23,9 @@ from collections.abc import Iterable
 __all__ = ["SYNONYMS", "closest", "did_you_mean"]
 
 # Names of other SSL code bases and trainers (timm, Lightning, solo-learn, the methods' official repositories) for
-# unison's options; a synonym is suggested only where its target is one of the names known there.
-SYNONYMS: dict[str, str] = {
+# unison's options; a synonym is suggested only where its target is one of the names known there (the first of
+# several that is).
+SYNONYMS: dict[str, str | tuple[str, ...]] = {
     "learning_rate": "lr", "base_lr": "lr", "blr": "lr", "lr_base": "lr",
     "wd": "weight_decay", "decay": "weight_decay",
     "num_epochs": "epochs", "max_epochs": "epochs", "n_epochs": "epochs", "epoch": "epochs",
@@ -46,7 +49,8 @@ SYNONYMS: dict[str, str] = {
     "mixed_precision": "amp", "fp16": "amp", "bf16": "amp", "autocast": "amp",
     "save_every": "checkpoint_every", "ckpt_every": "checkpoint_every", "save_freq": "checkpoint_every",
     "checkpoint_freq": "checkpoint_every",
-    "resume_from": "resume", "ckpt": "resume", "ckpt_path": "resume",
+    "resume_from": "resume", "ckpt": ("checkpoint", "resume"), "ckpt_path": ("checkpoint", "resume"),
+    "ckpt_dir": ("checkpoint", "resume"), "weights": ("checkpoint", "init"), "pretrained": "init",
     "random_seed": "seed",
     "syncbn": "sync_batchnorm", "sync_bn": "sync_batchnorm",
     "fsdp": "shard", "zero": "shard",
@@ -68,8 +72,9 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     for k in names:
         by_key.setdefault(_key(k), k)
     key = _key(name)
-    for candidate in (SYNONYMS.get(key), key):
-        if candidate is not None and candidate in by_key and by_key[candidate] != name:
+    meant = SYNONYMS.get(key, ())
+    for candidate in (*((meant,) if isinstance(meant, str) else meant), key):
+        if candidate in by_key and by_key[candidate] != name:
             return by_key[candidate]
     longer = sorted((k for k in by_key if key and k.startswith(key) and k != key), key=len)
     if longer:

@@ -7,7 +7,7 @@ left at ``None`` (optimizer, lr, weight decay, augmentation) take the method's r
 
 Example::
 
-    cfg = TrainConfig(method="byol", epochs=10, distributed=DistributedConfig(world_size=4))
+    cfg = TrainConfig(method="moco", epochs=10, distributed=DistributedConfig(world_size=4))
     cfg.validate()
     TrainConfig.from_dict(cfg.to_dict()) == cfg
 """

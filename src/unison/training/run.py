@@ -8,7 +8,7 @@ failure is a `unison.errors` exception with a one-line message.
 
 Example::
 
-    summary = run_training(TrainConfig(method="byol", epochs=10))   # -> Summary (rank 0's)
+    summary = run_training(TrainConfig(method="moco", epochs=10))   # -> Summary (rank 0's)
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def build_run(plan: RunPlan | TrainConfig, device: torch.device, *, train_set: I
     cfg = plan.cfg
     dtype = getattr(torch, cfg.precision)
     data = build_data(plan, device, train_set, val_set, own)
-    if not cfg.knn and data.knn is not None:
+    if not cfg.knn:   # the reason is the flag, even where held-out data would also have been missing
         data.knn, data.knn_skipped = None, "--no-knn"
     image_size, augment, source = data.image_size, data.augment, data.source
     recipe = plan.recipe if image_size == plan.image_size else plan.recipe.at_size(cfg, image_size)

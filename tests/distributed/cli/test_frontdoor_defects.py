@@ -80,22 +80,32 @@ def test_the_readmes_library_snippet_imports_and_guards_its_main():
     assert where_users_look is DistributedConfig
 
 
-# the example of the README, the guide and the API's docstring: unison.train(TrainConfig(method=M, epochs=N, ...))
+# the example of the README: unison.train(TrainConfig(method=M, epochs=N, ...))
 TRAIN_CALL = re.compile(r"unison\.train\((TrainConfig\(method=\"\w+\", epochs=\d+[^#\n]*\))\)")
+# a training of the same kind anywhere a user reads one: a page, a docstring (help(unison)), an example
+TRAIN_EXAMPLE = re.compile(r"TrainConfig\(method=\"\w+\", epochs=\d+")
+
+
+def _pages_with_train_examples() -> dict[str, list[str]]:
+    files = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "src" / "unison").rglob("*.py"),
+             *(REPO / "examples").rglob("*.py")]
+    found = {str(f.relative_to(REPO)): TRAIN_EXAMPLE.findall(f.read_text()) for f in files}
+    return {page: calls for page, calls in found.items() if calls}
 
 
 def test_the_library_example_beats_random_init_and_every_page_shows_that_one(tmp_path):
     """The first number a library user sees must show the point: the README's `unison.train(...)` line, run as
     written (only its run directory moved here), ends clearly above the random encoder's kNN (BYOL at 10 epochs had
-    ended below it: 0.7493 against 0.7577). The guide and the API's docstring show the same method and length."""
+    ended below it: 0.7493 against 0.7577). Every page, docstring and example that trains one the same way shows the
+    same method and length (help(unison) showed BYOL after the README moved on)."""
     from unison.config import DistributedConfig, TrainConfig
 
     (call,) = TRAIN_CALL.findall(_library_snippet())
-    shown = {page: TRAIN_CALL.findall((REPO / page).read_text()) for page in ("docs/guides/own-pieces.md",
-                                                                               "src/unison/api.py")}
-    want = call.split(", distributed")[0].rstrip(")")   # TrainConfig(method="...", epochs=N
-    assert all(calls and all(c.split(", distributed")[0].rstrip(")") == want for c in calls)
-               for calls in shown.values()), (want, shown)
+    want = TRAIN_EXAMPLE.match(call).group(0)   # TrainConfig(method="...", epochs=N
+    shown = _pages_with_train_examples()
+    assert {"README.md", "docs/guides/own-pieces.md", "src/unison/api.py", "src/unison/__init__.py"} <= set(shown)
+    other = {page: calls for page, calls in shown.items() if any(c != want for c in calls)}
+    assert not other, (want, other)
     cfg = eval(call, {"TrainConfig": TrainConfig, "DistributedConfig": DistributedConfig})
     cfg.out, cfg.progress = str(tmp_path / "run"), False
     summary = unison.train(cfg)

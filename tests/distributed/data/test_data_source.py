@@ -31,10 +31,13 @@ def test_streamed_training_run_with_knn_on_held_out_data(folders, tmp_path, capf
     assert all(0 <= float(r["data_wait"]) <= 1 for r in rows if r["loss"])
 
 
-@pytest.mark.parametrize("layout, why", [("flat", "has no labels"), ("train", "no --val held-out data")])
-def test_knn_is_skipped_with_one_line_without_labelled_held_out_data(folders, tmp_path, capfd, layout, why):
+@pytest.mark.parametrize("layout, given, why", [
+    ("flat", [], "has no labels"), ("train", [], "no --val held-out data"),
+    ("train", ["--no-knn"], "skipped: --no-knn"),   # the reason is the flag, not a --val to give
+], ids=["flat", "no-val", "no-knn"])
+def test_knn_is_skipped_with_one_line_without_labelled_held_out_data(folders, tmp_path, capfd, layout, given, why):
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--data", folders[layout], "--max-steps", "1", "--out", str(out)]) == 0
+    assert main(["train", *TINY, *given, "--data", folders[layout], "--max-steps", "1", "--out", str(out)]) == 0
     captured = capfd.readouterr()
     assert sum("kNN evaluation skipped" in line for line in captured.err.splitlines()) == 1
     assert why in captured.err and "kNN not measured" in captured.out

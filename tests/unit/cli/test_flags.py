@@ -63,6 +63,17 @@ def test_a_flag_named_as_elsewhere_gets_unisons_name(capsys):
     assert line == "unison eval: error: unrecognized arguments: --chekpoint runs/a (did you mean --checkpoint?)"
 
 
+@pytest.mark.parametrize("command, given, meant", [
+    ("eval", "--ckpt", "--checkpoint"), ("embed", "--ckpt", "--checkpoint"), ("train", "--ckpt", "--resume"),
+    ("export", "--weights", "--checkpoint"), ("train", "--weights", "--init"), ("train", "--pretrained", "--init"),
+])
+def test_a_name_for_several_options_gets_the_one_this_command_has(command, given, meant, capsys):
+    """``--ckpt`` is how other trainers name both the weights to read and the run to resume: each command is told
+    its own option (``unison eval --ckpt`` was told ``--resume``, its flag to resume a fine-tuning)."""
+    line = _usage_error([command, given, "runs/a"], capsys)
+    assert line.endswith(f"unrecognized arguments: {given} runs/a (did you mean {meant}?)"), line
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["train", "--lr", "abc"], "unison train: error: argument --lr: invalid float value: 'abc'"),
     (["train", "--amp", "bf61"],
