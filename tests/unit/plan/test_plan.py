@@ -17,7 +17,8 @@ from unison.plan import cuda_check, simulate, step_host_syncs
 from unison.plan.syncs import explain
 from unison.training.resolve import validate_run
 
-VIT_ONLY = {"ibot", "ijepa", "mae"}   # need patch tokens
+# the methods whose recipe trains a ViT plan on one (several need its patch tokens); the others on the small CNN
+VIT_ONLY = {m for m in METHODS if METHODS[m].recipe.backbone.startswith("vit_")}
 # The every-method tests' ViT: 2 blocks, not nano's 6: the same code paths (blocks wrapped one by one), a third of the
 # fake-tensor dispatch, which made them the suite's longest file.
 SMALL_VIT = "vit_micro_p4"
