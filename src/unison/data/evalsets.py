@@ -44,6 +44,7 @@ from unison.distributed.collectives import contiguous_share, rank, world_size
 from unison.errors import ConfigError, DataError
 from unison.progress import Progress
 
+from .decode import decode_centre
 from .files import decode_reason
 from .samples import Catalog
 from .spec import BUILTIN, DataSpec
@@ -163,7 +164,6 @@ class LazyImages:
             progress(min(i + batch_size, share.stop) - share.start)
 
     def _decode(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from .decode import decode_centre  # files only: a set already in memory imports no decoder
 
         chosen = self.indices[start:stop]
         out = np.zeros((len(chosen), self.size, self.size, 3), dtype=np.uint8)

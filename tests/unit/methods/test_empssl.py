@@ -20,7 +20,7 @@ def test_patches_are_fixed_size_squares_and_their_number_is_the_parameter():
     assert (recipe.augmentation, recipe.global_views) == ("patches", 6)
     assert resolve_recipe(TrainConfig(method="empssl")).augmentation == "digits_patches"
     assert resolve_recipe(TrainConfig(method="empssl", data="/data/images")).global_views == 20   # CIFAR-scale
-    aug = ViewAugmenter("patches", 32, (0.5,) * 3, (0.25,) * 3, **data_spec(cfg, 32).augment_overrides())
+    aug = ViewAugmenter("patches", 32, (0.5,) * 3, (0.25,) * 3, **data_spec(cfg, recipe.at_size(cfg, 32)).augment_overrides())
     assert aug.view_sizes == [32] * 6
     u = aug.uniforms(torch.arange(5), epoch=0, seed=0, view=3)
     width, height = aug.crop_fractions(u, 3, 32, 32)[:2]

@@ -24,7 +24,7 @@ def test_the_augmentation_makes_the_views_the_parameter_asks_for(given, views):
     cfg = TrainConfig(method="mmcr", data="/data/images", method_params=given)
     assert resolve_recipe(cfg).global_views == views
     aug = ViewAugmenter(resolve_recipe(cfg).augmentation, 16, (0.5,) * 3, (0.25,) * 3,
-                        **data_spec(cfg, 16).augment_overrides())
+                        **data_spec(cfg, resolve_recipe(cfg).at_size(cfg, 16)).augment_overrides())
     assert aug.view_sizes == [16] * views
     assert resolve_recipe(TrainConfig(method="simclr", data="/data/images")).global_views is None   # the preset's
 
