@@ -3,9 +3,8 @@
 The first plan (`unison.training.budget`) comes from the few steps timed before the run (as few as two on a loaded
 machine, where they can be off by a factor), so the run times its own steps and checks:
 
-* **When** (`next_check`): as soon as `MIN_TIMED_STEPS` steps are timed, inside the warm-up where it is longer
-  (its length is still open there); then every `CHECK_SHARE` of the plan, up to `MIN_TIMED_STEPS` steps before its
-  end. Each check times the
+* **When** (`next_check`): at the end of the warm-up, or as soon as `MIN_TIMED_STEPS` steps are timed if that is
+  later; then every `CHECK_SHARE` of the plan, up to `MIN_TIMED_STEPS` steps before its end. Each check times the
   steps since the one before (`window_step_s`: the periodic work planned among them taken out). Steps that do not
   show the run's pace are not timed, and the window starts again after them: the first step of each attempt (first
   allocations, data start) and the steps ``--profile-steps`` records (the profiler's overhead and the trace it
@@ -13,11 +12,10 @@ machine, where they can be off by a factor), so the run times its own steps and 
 * **Whether** (`far_from_plan`): the steps that fit what is left of the budget at that pace (`plan_steps` from
   the step reached: the first plan's rule) differ from the plan by more than `TOLERANCE` of the steps left (and by
   more than a step). Each check also sets the clock's reserve for the end from the pace it measured.
-* **How** (`replanned`): inside the warm-up, the run is planned again for the new count as if from step 0, its
-  warm-up by the first plan's rule (`unison.training.length.budget_warmup`: at most a tenth of the run), never
-  shorter than the steps already trained (the learning rate would jump from its ramp into the cosine's decay) nor
-  longer than the first plan's (it would fall back from where the ramp stands). At or past the end of the warm-up,
-  which has then been trained, the steps left are laid onto what is left of the
+* **How** (`replanned`): at the end of the warm-up, the run is planned again for the new count as if from step 0,
+  its warm-up by the first plan's rule (`unison.training.length.budget_warmup`), so that it is still at most a
+  tenth of the run, and never longer than the warm-up trained (a longer one would take the learning rate back down
+  from its peak). Past the warm-up, which has then been trained, the steps left are laid onto what is left of the
   schedules (`unison.optim.schedule.Stretch`): the learning rate, the momentum and the
   teacher temperature go on from where they stand, without a jump, and end at the new last step.
 
@@ -52,11 +50,11 @@ MIN_STEP_SHARE = 0.5   # a window's pace is at least this share of its plain mea
 
 def next_check(steps: int, warmup: int, timed_from: int) -> int | None:
     """The step of the next check of a `steps`-step plan warming up for `warmup` steps, when the steps are timed
-    from step `timed_from`: `MIN_TIMED_STEPS` steps on, inside the warm-up or not; past the warm-up,
+    from step `timed_from`: the end of the warm-up, or `MIN_TIMED_STEPS` steps on if later; past the warm-up,
     `CHECK_SHARE` of the plan on (at least `MIN_TIMED_STEPS`). None: no check left, none in the last
     `MIN_TIMED_STEPS` steps (a new count would change no more than those; the clock ends the run on time)."""
     if timed_from < warmup:
-        at = timed_from + MIN_TIMED_STEPS
+        at = max(timed_from + MIN_TIMED_STEPS, warmup)
     else:
         at = timed_from + max(MIN_TIMED_STEPS, math.ceil(CHECK_SHARE * steps))
     return at if at <= steps - MIN_TIMED_STEPS else None
@@ -78,9 +76,9 @@ def replanned(plan: dict[str, Any], run: Run, at: int, steps: int, step_s: float
     """The plan of `run` after a check at step `at` found that `steps` steps of `step_s` fit (timed over `timed`
     steps), and the sentence that says so (the module docstring's **How**)."""
     cfg, was, warmup = run.cfg, int(plan["steps"]), int(plan["warmup_steps"])
-    if at < warmup and "stretch" not in plan:   # inside the warm-up: planned again as from step 0
-        # the first plan's rule, between the steps trained on the ramp and the first plan's warm-up
-        warmup = max(at, min(budget_warmup(steps, cfg.warmup_epochs, run.steps_per_epoch), warmup))
+    if at <= warmup and "stretch" not in plan:   # the warm-up not past: planned again as from step 0
+        # the first plan's rule; never longer than the warm-up trained (the rate would fall back from its peak)
+        warmup = min(budget_warmup(steps, cfg.warmup_epochs, run.steps_per_epoch), warmup)
         why = (f"re-planned after step {at} from {timed} trained steps of {step_s:.4g} s: {steps} steps, "
                f"{warmup} of them warm-up (first plan: {was} steps, {plan['warmup_steps']} warm-up, of "
                f"{plan['measured']['step_s']:.4g} s)")

@@ -1,7 +1,6 @@
-"""A budgeted run checks its plan against the steps it trains (as soon as a few steps are timed, then every tenth of
-the plan) and plans again when they run far from it: inside the warm-up as from step 0 (the warm-up by the first
-plan's rule, never shorter than the steps trained), from its end on by laying the steps left onto its schedules
-(no jump). Steps
+"""A budgeted run checks its plan against the steps it trains (at the end of its warm-up, or as soon as a few steps are
+timed, then every tenth of the plan) and plans again when they run far from it: at the end of the warm-up as from
+step 0 (the warm-up by the first plan's rule), later by laying the steps left onto its schedules (no jump). Steps
 ``--profile-steps`` records are not timed. The budget's clock is faked: the steps take what each test says."""
 
 from dataclasses import asdict
@@ -61,8 +60,8 @@ def _hook(monkeypatch, cfg, now, start_s=0.0, untimed=lambda step: False):
     return hook, clock, lines, written
 
 
-def test_the_checks_come_once_five_steps_are_timed_then_every_tenth():
-    assert next_check(100, 10, timed_from=1) == 6               # inside the warm-up: its length still open
+def test_the_checks_come_at_the_end_of_the_warmup_or_once_steps_are_timed_then_every_tenth():
+    assert next_check(100, 10, timed_from=1) == 10              # the end of the warm-up
     assert next_check(44, 4, timed_from=1) == 6                 # a short warm-up: as soon as 5 steps are timed
     assert next_check(100, 10, timed_from=10) == 20             # then a tenth of the plan on
     assert next_check(1000, 10, timed_from=10) == 110
@@ -96,57 +95,36 @@ def test_the_steps_that_fit_are_the_first_plans_rule_from_the_step_reached():
     assert plan_steps(600.0, BudgetCosts(**{**asdict(costs), "spent_s": 599.0}), cadence, at=10) == 10
 
 
-def test_a_slower_run_replans_inside_its_warmup_for_the_steps_that_fit(tmp_path, local_group, monkeypatch):
-    """Planned for 100 steps of 1 s, the steps take 2 s: after step 6 (five timed steps, inside the 10-step warm-up)
-    the run plans the steps that fit, and the lr's cosine and BYOL's momentum end exactly there; the warm-up, by the
-    first plan's rule, stays 10 steps, so the rates trained so far are those of the new plan."""
+def test_a_slower_run_replans_at_the_end_of_its_warmup_for_the_steps_that_fit(tmp_path, local_group, monkeypatch):
+    """Planned for 100 steps of 1 s, the steps take 2 s: after step 10 (the warm-up's end) the run plans 288 steps,
+    and the lr's cosine and BYOL's momentum end exactly there; the warm-up's rates are those of the first plan."""
     cfg, run = _run(tmp_path, _plan(100, 10))
     warmup_lrs = [run.schedule.lr(s) for s in range(10)]
     now = [10.0]                                   # start-up, data, the first measurement
     hook, _, lines, written = _hook(monkeypatch, cfg, now)
     hook.start(run, 0)
-    _steps(hook, run, now, range(1, 8), lambda step: 2.0)
-    expected = plan_steps(600, BudgetCosts(**{**asdict(FIRST), "spent_s": 22.0, "step_s": 2.0}), NO_WORK, at=6)
-    assert 250 < expected < 300 and run.total_steps == run.method.steps_total == cfg.time_budget_plan["steps"] == expected
-    assert cfg.time_budget_plan["replanned"] == {"after_step": 6, "first_steps": 100, "step_s": 2.0}
+    _steps(hook, run, now, range(1, 13), lambda step: 2.0)
+    expected = plan_steps(600, BudgetCosts(**{**asdict(FIRST), "spent_s": 30.0, "step_s": 2.0}), NO_WORK, at=10)
+    assert expected == 288 and run.total_steps == run.method.steps_total == cfg.time_budget_plan["steps"] == 288
+    assert cfg.time_budget_plan["replanned"] == {"after_step": 10, "first_steps": 100, "step_s": 2.0}
     assert run.schedule.warmup_steps == cfg.time_budget_plan["warmup_steps"] == 10
     assert [run.schedule.lr(s) for s in range(10)] == warmup_lrs
-    assert run.schedule.lr(expected - 1) > 0 and run.schedule.lr(expected) == 0.0 and run.method.momentum(expected) == 1.0
-    assert len(written) == 1 and f"re-planned after step 6 from 5 trained steps of 2 s: {expected} steps" in lines[0]
+    assert run.schedule.lr(287) > 0 and run.schedule.lr(288) == 0.0 and run.method.momentum(288) == 1.0
+    assert len(written) == 1 and "re-planned after step 10 from 9 trained steps of 2 s: 288 steps" in lines[0]
 
 
 def test_a_replan_from_step_0_takes_the_first_plans_rule_for_the_warmup(tmp_path, local_group, monkeypatch):
-    """A first plan of 180 steps warms up for 18 (a tenth); its steps take 20 s, not 1: after step 6 few fit, and
-    their warm-up is the first plan's rule for them, but never shorter than the 6 steps already trained on the ramp
-    (a shorter one would jump from the ramp into the cosine's decay)."""
+    """A first plan of 180 steps warms up for 18 (a tenth); its steps take 20 s, not 1: 27 fit, and their warm-up is
+    a tenth of them, as a first plan of 27 steps would have it (it kept the 18 steps, two thirds of the run)."""
     cfg, run = _run(tmp_path, _plan(180, 18), warmup_epochs=9.0)
     now = [10.0]
     hook, _, lines, _ = _hook(monkeypatch, cfg, now)
     hook.start(run, 0)
-    _steps(hook, run, now, range(1, 7), lambda step: 20.0)
+    _steps(hook, run, now, range(1, 19), lambda step: 20.0)
     plan = cfg.time_budget_plan
-    steps = plan["steps"]
-    assert steps == run.total_steps < 40 and plan["replanned"]["after_step"] == 6
-    assert budget_warmup(steps, 9.0, 2) < 6 == plan["warmup_steps"] == run.schedule.warmup_steps
-    lrs = [run.schedule.lr(s) for s in range(steps + 1)]
-    assert all(b >= a for a, b in zip(lrs[:7], lrs[1:7])) and lrs[steps] == 0.0   # the ramp never falls back
-    assert f"{steps} steps, 6 of them warm-up" in lines[0]
-
-
-def test_a_replan_at_the_end_of_the_warmup_goes_on_from_the_peak(tmp_path, local_group, monkeypatch):
-    """A check that falls on the warm-up's last step (a 6-step warm-up, steps timed from step 1) finds the warm-up
-    trained: the steps left are laid onto the schedules, which go on from the peak, without a fall."""
-    cfg, run = _run(tmp_path, _plan(100, 6), warmup_epochs=3.0)
-    before = [run.schedule.lr(s) for s in range(7)]
-    now = [10.0]
-    hook, _, lines, _ = _hook(monkeypatch, cfg, now)
-    hook.start(run, 0)
-    _steps(hook, run, now, range(1, 7), lambda step: 3.0)
-    plan = cfg.time_budget_plan
-    assert "stretch" in plan and "replanned" not in plan and plan["warmup_steps"] == 6
-    assert [run.schedule.lr(s) for s in range(7)] == before
-    assert 0.9 * before[6] < run.schedule.lr(7) <= before[6] and run.schedule.lr(plan["steps"]) == 0.0
-    assert "the schedules go on from where they are" in lines[0]
+    assert plan["steps"] == run.total_steps == 27 and plan["replanned"]["after_step"] == 18
+    assert plan["warmup_steps"] == run.schedule.warmup_steps == budget_warmup(27, 9.0, 2) == 2
+    assert run.schedule.lr(27) == 0.0 and "27 steps, 2 of them warm-up" in lines[0]
 
 
 def test_a_run_far_slower_than_measured_replans_once_five_steps_are_timed(tmp_path, local_group, monkeypatch):
@@ -169,17 +147,17 @@ def test_a_run_far_slower_than_measured_replans_once_five_steps_are_timed(tmp_pa
 
 
 def test_profiled_steps_are_not_timed(tmp_path, local_group, monkeypatch):
-    """Steps 2 to 4 are profiled and take 6 s more each (the profiler, its trace): the check at step 9 times the
-    five steps after them, 1 s each, and plans the steps those fit in what the profile left of the budget."""
+    """Steps 2 to 4 are profiled and take 6 s more each (the profiler, its trace): the check at step 10 times the
+    steps after them, 1 s each, and plans the steps those fit in what the profile left of the budget."""
     steps = plan_steps(120, FIRST, NO_WORK)   # the first plan, right for 1-second steps
     cfg, run = _run(tmp_path, _plan(steps, 10, budget_s=120.0))
     now = [10.0]
     hook, clock, lines, _ = _hook(monkeypatch, cfg, now, untimed=lambda step: 2 <= step <= 4)
     hook.start(run, 0)
-    _steps(hook, run, now, range(1, 10), lambda step: 7.0 if 2 <= step <= 4 else 1.0)
+    _steps(hook, run, now, range(1, 11), lambda step: 7.0 if 2 <= step <= 4 else 1.0)
     plan = cfg.time_budget_plan
-    assert plan["replanned"]["step_s"] == 1.0 and "re-planned after step 9 from 5 trained steps of 1 s" in lines[0]
-    expected = plan_steps(120, BudgetCosts(**{**asdict(FIRST), "spent_s": clock.spent_s()}), NO_WORK, at=9)
+    assert plan["replanned"]["step_s"] == 1.0 and "from 6 trained steps of 1 s" in lines[0]
+    expected = plan_steps(120, BudgetCosts(**{**asdict(FIRST), "spent_s": clock.spent_s()}), NO_WORK, at=10)
     assert plan["steps"] == expected == steps - 18
 
 
