@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from .lars import LARS
+from .lars import LARS
 
 __all__ = ["LARS", "OPTIMIZER_NAMES", "build_optimizer", "constructor_args"]
 
@@ -41,20 +40,9 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, weight_decay: f
     if key == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if key == "lars":
-        from .lars import LARS  # a LARS run's: no other run imports it
-
         return LARS(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if key == "adam":
         return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if key == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; known optimizers are {', '.join(OPTIMIZER_NAMES)}")
-
-
-def __getattr__(name: str) -> Any:
-    """``unison.optim.LARS``, imported when first named."""
-    if name == "LARS":
-        from .lars import LARS
-
-        return LARS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

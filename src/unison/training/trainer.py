@@ -320,16 +320,17 @@ class Trainer:
         run, cfg = self.run, self.cfg
         self.stop_mid_step = MidStepStop(run)
         self.agreement = StopAgreement()   # collective: every rank builds it at the same point
-        if cfg.profile_steps or self.budget is not None:   # imported by the runs that use them
+        self.profile, self.replan = None, None   # each imported by the runs that use it
+        if cfg.profile_steps:
             from unison.training.profile import ProfileHook
-            from unison.training.replan import ReplanHook
-        self.profile = ProfileHook(cfg.out, cfg.profile_steps, C.rank(), self._say) if cfg.profile_steps else None
-        if self.profile is not None:
+
+            self.profile = ProfileHook(cfg.out, cfg.profile_steps, C.rank(), self._say)
             self.profile.start(run, step)
-        self.replan = (ReplanHook(self.budget, self._say, self._write_config,
-                                  untimed=self.profile.records if self.profile is not None else lambda step: False)
-                       if self.budget is not None else None)
-        if self.replan is not None:
+        if self.budget is not None:
+            from unison.training.replan import ReplanHook
+
+            self.replan = ReplanHook(self.budget, self._say, self._write_config,
+                                     untimed=self.profile.records if self.profile is not None else lambda step: False)
             self.replan.start(run, step)
         self.unreadable = UnreadableImages(run, self.runlog)
         self.unreadable.exchange()
