@@ -36,6 +36,7 @@ class Setting:
     """What a data set's files share: the data, its image size, the schedule and a backbone per family."""
 
     title: str
+    short: str          # the link's text in the guide's table
     image_size: int
     data: str
     val: str
@@ -55,7 +56,7 @@ class Setting:
 
 SETTINGS = {
     "cifar10": Setting(
-        title="CIFAR-10 (32 px)", image_size=32, data="cifar10", val="cifar10",
+        title="CIFAR-10 (32 px)", short="32 px", image_size=32, data="cifar10", val="cifar10",
         data_comment="torchvision's CIFAR-10 (val: its test set); or your copy's ImageFolder directories",
         epochs=200, batch_size=512, warmup_epochs=10, eval_every=20, cnn="resnet18", vit="vit_tiny_auto",
         source="Lightly's CIFAR-10 benchmark (ResNet-18, batch 512, 200 epochs)",
@@ -64,7 +65,7 @@ SETTINGS = {
                        "small_cnn": "unison's small CNN (the student: small enough to deploy anywhere)"},
         distill_student="small_cnn", distill_teacher="runs/byol_cifar10"),
     "imagenet": Setting(
-        title="an ImageNet-style folder (224 px)", image_size=224, data="/data/imagenet/train",
+        title="an ImageNet-style folder (224 px)", short="224 px", image_size=224, data="/data/imagenet/train",
         val="/data/imagenet/val",
         data_comment="replace with your ImageFolder directories (<split>/<class>/<image>.JPEG, as ImageNet's "
                      "train/ and val/ are usually laid out); any --data layout works (file lists, tar shards)",
@@ -201,16 +202,19 @@ def render(method: str, dataset: str) -> str:
 
 def guide_table(guide: str) -> str:
     """`guide` (the methods guide's text) with its table of the files, between `TABLE_START` and `TABLE_END`, as
-    this script writes it: one row per method, a link to each of its files."""
+    this script writes it: three methods a row, a link to each of its files."""
     from unison.methods import METHODS
 
     if TABLE_START not in guide or TABLE_END not in guide:
         raise SystemExit(f"write_configs: {GUIDE.relative_to(ROOT)} lost its lines {TABLE_START} and {TABLE_END}")
     link = f"../../{CONFIG_DIR.relative_to(ROOT).as_posix()}"
-    rows = ["| `--method` | " + " | ".join(s.title for s in SETTINGS.values()) + " |",
-            "|---|" + "---|" * len(SETTINGS)]
-    rows += [f"| `{m}` | " + " | ".join(f"[`{m}_{d}.yaml`]({link}/{m}_{d}.yaml)" for d in SETTINGS) + " |"
+    cells = [f"`{m}` | " + " · ".join(f"[{s.short}]({link}/{m}_{d}.yaml)" for d, s in SETTINGS.items())
              for m in sorted(METHODS)]
+    per_row = 3   # three methods a row: the table stays short enough to read beside the guide's steps
+    rows = ["| " + " | ".join(["`--method` | files"] * per_row) + " |", "|" + "---|---|" * per_row]
+    for first in range(0, len(cells), per_row):
+        row = cells[first:first + per_row]
+        rows.append("| " + " | ".join(row + [" | "] * (per_row - len(row))) + " |")
     before, rest = guide.split(TABLE_START, 1)
     return before + TABLE_START + "\n" + "\n".join(rows) + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1]
 
