@@ -42,12 +42,13 @@ def describe_data(run: Run) -> None:
 
 def describe_backbone(run: Run) -> None:
     """A warning on rank 0 when the run's ViT (unison's or timm's) has fewer than 8 x 8 patches at the run's image
-    size (`unison.models.vit.coarse_grid`): ``--backbone vit_tiny`` at 32 px trains on 4 tokens."""
+    size (`unison.models.vit.coarse_grid`): ``--backbone vit_tiny`` at 32 px trains on 4 tokens. Only for a
+    backbone the user named: a recipe's own choice (the embedded digits' ``vit_nano_p4``) was set for its data."""
     cfg = run.cfg
     name = run.resolved["backbone"]
-    if not (name.startswith("vit_") or name.startswith("timm:")):
+    if cfg.backbone is None or not (name.startswith("vit_") or name.startswith("timm:")):
         return
-    note = coarse_grid(cfg.backbone or name, patch_size_of(name, run.image_size, cfg.backbone_args), run.image_size)
+    note = coarse_grid(cfg.backbone, patch_size_of(name, run.image_size, cfg.backbone_args), run.image_size)
     if note:
         print(f"unison: warning: {note}", file=sys.stderr, flush=True)
 
