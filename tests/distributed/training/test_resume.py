@@ -190,3 +190,25 @@ def test_a_resume_that_would_walk_the_data_otherwise_is_refused(two_runs, flag, 
     assert (f"was trained with {flag} {saved}, this run has {flag} {value}: a resumed run keeps the images of each "
             f"step and their order") in error_line(err), err
     assert f"resume with {flag} {saved}" in err and _files(run) == before
+
+
+# ------------------------------------------------------------------ run directories of earlier code
+EARLIER_RUNS = Path(__file__).resolve().parents[2] / "data" / "runs"
+EARLIER_ARGS = ["train", "--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5", "--no-progress",
+                "--world-size", "1", "--checkpoint-every", "2", "--signal-images", "0", "--no-random-init-knn",
+                "--no-knn", "--param", "proj_hidden_dim=64", "--param", "proj_dim=32"]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EARLIER_RUNS.iterdir() if p.is_dir()))
+def test_a_run_directory_written_by_earlier_code_resumes_where_it_stopped(name, tmp_path):
+    """A run directory kept from an earlier version (moved since: its config.json names another folder) continues
+    as the same run: from its step, under its run id, nothing set aside, config.json keeping every key it had."""
+    run = _copy_run(EARLIER_RUNS / name, tmp_path / "run")
+    before = json.loads((run / "config.json").read_text())
+    step = load_checkpoint(run)["step"]
+    assert main([*EARLIER_ARGS, "--max-steps", str(step + 1), "--resume", "auto", "--out", str(run)]) == 0
+    after = load_checkpoint(run)
+    assert after["step"] == step + 1 and after["resolved"]["run_id"] == before["resolved"]["run_id"]
+    assert not (run / "earlier-runs").exists()
+    config = json.loads((run / "config.json").read_text())
+    assert set(before) <= set(config) and set(before["resolved"]) <= set(config["resolved"])
