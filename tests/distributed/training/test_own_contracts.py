@@ -6,14 +6,14 @@ process" with its traceback); a ``__len__`` that differs between ranks is named 
 from __future__ import annotations
 
 import pytest
-from helpers.hostile_pieces import LengthPerRank, RaisesAt, ShortOnRank1
+from helpers.faulty_pieces import LengthPerRank, RaisesAt, ShortOnRank1
 
 import unison
 from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
 from unison.errors import UnisonError
 
-FRAME = "hostile_pieces.py:"
+FRAME = "faulty_pieces.py:"
 
 CASES = {  # name: (dataset, world size, loader processes, fragments of the one line)
     "raises in a loader process": (RaisesAt(where="loader"), 1, 1,

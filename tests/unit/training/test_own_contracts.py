@@ -6,7 +6,7 @@ and at two workers: tests/distributed/training/test_own_contracts.py."""
 from __future__ import annotations
 
 import pytest
-from helpers.hostile_pieces import Length, NaNOut, RaisesAt, StreamRaises, WiderInTraining
+from helpers.faulty_pieces import Length, NaNOut, RaisesAt, StreamRaises, WiderInTraining
 from helpers.own_pieces import WIDTH, Photos
 
 import unison
@@ -14,7 +14,7 @@ from unison.config import TrainConfig
 from unison.config.distributed import DistributedConfig
 from unison.errors import ConfigError, DataError, UnisonError
 
-FRAME = "hostile_pieces.py:"   # the user's file, with the line that raised
+FRAME = "faulty_pieces.py:"   # the user's file, with the line that raised
 
 
 class _LiesAboutLength(Photos):

@@ -1,10 +1,6 @@
-"""The front door as a new user meets it (issue 15): each defect and friction, checked as the user would.
-
-Defects 1, 3-6 and 8 (2 and 7 are tested beside the data and the signal handling) and the frictions
-9-16 (18: `test_cifar10_download_failure_is_a_clear_error` in tests/unit/data/test_data.py). One real 2-worker
-run (`two_workers`, a subprocess, as a user starts it) is shared by the checks that read its output;
-torchrun is started for real.
-"""
+"""What `unison train` writes and prints, as a user starts it: one real 2-worker run (a subprocess, shared by the checks
+that read its output) for config.json, the export, the train log and leaked semaphores; torchrun started for real;
+the loggers (none, wandb), timm's settings reaching the model, the random-init kNN skipped."""
 
 from __future__ import annotations
 
@@ -22,7 +18,6 @@ import pytest
 
 from unison.cli import main
 from unison.cli.train_args import parse_train_args
-from unison.config.distributed import gpu_device_node_found
 
 TINY = ["--no-progress", "--batch-size", "32", "--subset", "128", "--val-subset", "32", "--knn-k", "5"]
 
@@ -54,7 +49,7 @@ def two_workers(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 
 @pytest.mark.distributed
-def test_3_config_json_holds_the_resolved_values(two_workers):
+def test_config_json_holds_the_resolved_values(two_workers):
     out, _ = two_workers
     config = json.loads((out / "config.json").read_text())
     assert config["lr"] is None and config["optimizer"] is None          # as given: the recipe's
@@ -67,7 +62,7 @@ def test_3_config_json_holds_the_resolved_values(two_workers):
 
 
 @pytest.mark.distributed
-def test_4_export_carries_its_preprocessing_and_a_normal_file_mode(two_workers, tmp_path):
+def test_export_carries_its_preprocessing_and_a_normal_file_mode(two_workers, tmp_path):
     pytest.importorskip("safetensors")
     from safetensors import safe_open
 
@@ -96,7 +91,7 @@ def test_4_export_carries_its_preprocessing_and_a_normal_file_mode(two_workers, 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not TORCHRUN.exists() and not shutil.which("torchrun"), reason="torchrun is not installed")
-def test_5_torchrun_prints_the_result_once_and_refuses_another_world_size(tmp_path):
+def test_torchrun_prints_the_result_once_and_refuses_another_world_size(tmp_path):
     torchrun = str(TORCHRUN) if TORCHRUN.exists() else "torchrun"
     env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     base = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "unison.cli", "train", "--max-steps", "2", *TINY]
@@ -114,52 +109,14 @@ def test_5_torchrun_prints_the_result_once_and_refuses_another_world_size(tmp_pa
 
 
 @pytest.mark.distributed
-def test_8_no_leaked_semaphore_after_a_multi_worker_run(two_workers):
+def test_no_leaked_semaphore_after_a_multi_worker_run(two_workers):
     _, proc = two_workers
     assert "simclr x2:" in proc.stderr                            # the progress bar was drawn
     assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
     assert "resource_tracker" not in proc.stderr
 
 
-# ------------------------------------------------------------------ frictions
-def test_9_help_lists_methods_params_presets_and_says_defaults_once(capsys):
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    text = capsys.readouterr().out
-    assert "default: method recipe" in text and "(default: None)" not in text
-    for fragment in ("simclr       temperature=0.5", "dino ", "momentum_base=0.99", "augmentation presets",
-                     "multicrop", "timm:<model>", "examples/configs/simclr_cifar10.yaml"):
-        assert fragment in text, fragment
-    for command in (["eval"], ["export", "--out", "x.pt"]):
-        with pytest.raises(SystemExit) as info:
-            main(command)
-        assert info.value.code == 2
-        assert "the following arguments are required: --checkpoint" in capsys.readouterr().err
-
-
-def test_12_each_bench_part_has_its_own_help(capsys):
-    with pytest.raises(SystemExit):
-        main(["bench", "lightly", "--help"])
-    text = capsys.readouterr().out
-    assert "--lightly-steps" in text and "--comm-steps" not in text and "--scaling-steps" not in text
-    assert f"{sys.executable}-mpipinstall'lightly>=1.5'" in "".join(text.split())   # as wrapped, without spaces
-    assert "(default: cores / workers) (default:" not in text
-    with pytest.raises(SystemExit):
-        main(["bench", "comm", "--help"])
-    text = capsys.readouterr().out
-    assert "--comm-steps" in text and "--lightly-steps" not in text
-
-
-def test_12_bench_lightly_without_lightly_says_what_to_install(capfd, monkeypatch):
-    # the suite installs Lightly (its benchmark sides are tested): hide it, as on a machine without it
-    for name in [m for m in sys.modules if m == "lightly" or m.startswith("lightly.")] + ["lightly"]:
-        monkeypatch.setitem(sys.modules, name, None)   # `import lightly` then raises ImportError
-    assert main(["bench", "lightly"]) == 2
-    err = capfd.readouterr().err
-    assert "bench lightly needs Lightly SSL" in err and f"{sys.executable} -m pip install 'lightly>=1.5'" in err
-
-
-def test_13_logger_none_writes_no_metrics_and_tensorboard_is_not_implied(tmp_path, capsys):
+def test_logger_none_writes_no_metrics_and_tensorboard_is_not_implied(tmp_path, capsys):
     assert main(["train", *W1, "--logger", "none", "--out", str(tmp_path / "none")]) == 0
     assert not (tmp_path / "none" / "metrics.csv").exists() and not (tmp_path / "none" / "plot.png").exists()
     assert (tmp_path / "none" / "summary.json").exists()
@@ -167,7 +124,7 @@ def test_13_logger_none_writes_no_metrics_and_tensorboard_is_not_implied(tmp_pat
     assert (tmp_path / "csv" / "metrics.csv").exists() and not (tmp_path / "csv" / "tensorboard").exists()
 
 
-def test_13_logger_wandb_logs_through_wandb(tmp_path, monkeypatch):
+def test_logger_wandb_logs_through_wandb(tmp_path, monkeypatch):
     import importlib.machinery
     import types
 
@@ -189,7 +146,7 @@ def test_13_logger_wandb_logs_through_wandb(tmp_path, monkeypatch):
     assert any(c[0] == "log" and "loss" in c[2] for c in calls) and calls[-1] == ("finish",)
 
 
-def test_13_logger_wandb_without_wandb_is_one_line(capfd, monkeypatch):
+def test_logger_wandb_without_wandb_is_one_line(capfd, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)   # as if not installed
     import importlib.util
 
@@ -200,7 +157,7 @@ def test_13_logger_wandb_without_wandb_is_one_line(capfd, monkeypatch):
             in capfd.readouterr().err)
 
 
-def test_14_timm_settings_and_image_size_reach_the_model(capfd):
+def test_timm_settings_and_image_size_reach_the_model(capfd):
     pytest.importorskip("timm")
     import torch
 
@@ -223,7 +180,7 @@ def test_14_timm_settings_and_image_size_reach_the_model(capfd):
         assert f"unison: error: {message}" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
-def test_15_the_random_init_knn_can_be_skipped(tmp_path, capsys):
+def test_the_random_init_knn_can_be_skipped(tmp_path, capsys):
     assert main(["train", *W1, "--no-random-init-knn", "--out", str(tmp_path / "r")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "kNN top-1" in line and "random init" not in line
@@ -234,7 +191,7 @@ def test_15_the_random_init_knn_can_be_skipped(tmp_path, capsys):
 
 
 @pytest.mark.distributed
-def test_16_loss_from_the_first_step_and_a_train_log(two_workers):
+def test_loss_from_the_first_step_and_a_train_log(two_workers):
     out, proc = two_workers
     assert re.search(r"\bloss \d", proc.stderr)   # the bar shows a loss ("..., loss 4.0027, ...")
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
@@ -248,64 +205,7 @@ def test_16_loss_from_the_first_step_and_a_train_log(two_workers):
     assert log[-1].endswith(result)                                            # the line the console ended with
 
 
-def test_16_train_log_records_an_error_of_a_started_run(tmp_path, capsys):
+def test_train_log_records_an_error_of_a_started_run(tmp_path, capsys):
     out = tmp_path / "diverged"
     assert main(["train", *W1, "--lr", "1e30", "--max-steps", "4", "--out", str(out)]) == 5
     assert "unison: error: non-finite loss" in (out / "train.log").read_text().splitlines()[-1]
-
-
-def test_help_version_and_a_mistyped_option_import_no_torch():
-    """`unison --help` and `--version` list every subcommand without importing torch (seconds): only the
-    subcommand being run is imported, the version reads no torch module, and train's epilog (the registries) is
-    made only for ``train --help``, so a mistyped option's error comes at once (0.3 s, not 2.6 s). So does a value
-    out of its range, where no GPU device node says that torch must be asked whether CUDA is there."""
-    probe = ("import sys\nfrom unison.cli import main\n"
-             "for argv in (['--help'], ['--version'], ['train', '--batch-size', 'x'], None,\n"
-             "             ['train', '--epochs', '-1'], ['train', '--world-size', '2', '--batch-size', '3']):\n"
-             "    if argv is None:\n        print('torch' in sys.modules, file=sys.stderr)\n        continue\n"
-             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-             "print('torch' in sys.modules, file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    *_, before, epochs, batch, after = proc.stderr.strip().splitlines()
-    assert before == "False", proc.stderr
-    assert epochs == "unison: error: epochs=-1 must be an integer >= 1 and <= 1000000000", proc.stderr
-    assert batch.startswith("unison: error: batch_size=3 (global) cannot be split evenly over world_size=2"), batch
-    assert after == str(gpu_device_node_found()), proc.stderr   # no GPU device node: torch not asked, not imported
-    for name in ("train", "plan", "check", "eval", "embed", "export", "plot", "bench"):
-        assert name in proc.stdout
-    assert "unison train: error: argument --batch-size: invalid int value: 'x'" in proc.stderr, proc.stderr
-    assert re.search(r"unison \S+ \(torch \d+\.\d+", proc.stdout)
-
-
-_STOP_WHILE_THE_COMMAND_STARTS = """
-import os
-import signal
-import sys
-
-import unison.cli as cli
-
-original = getattr(cli, sys.argv[2])
-
-
-def then_stop(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)   # a cluster's stop while the command starts
-    return original(*args, **kwargs)
-
-
-setattr(cli, sys.argv[2], then_stop)
-sys.exit(cli.main(["train", "--out", sys.argv[1], "--max-steps", "1", "--world-size", "1", "--no-progress"]))
-"""
-
-
-@pytest.mark.parametrize("moment", ["make_parser", "build_train_config"])
-def test_a_stop_while_train_starts_up_is_one_line_and_exit_75(moment, tmp_path):
-    """While train builds its parser (a second) and reads its options, SIGTERM's default ended the command with
-    143 and no line: a job script that requeues on 75 would not have requeued it."""
-    script = tmp_path / "stop_at_start.py"
-    script.write_text(_STOP_WHILE_THE_COMMAND_STARTS)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), moment], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 75, (proc.returncode, proc.stderr[-2000:])
-    assert proc.stderr.strip().splitlines()[-1] == ("unison: error: stopped by SIGTERM before training started: "
-                                                     "nothing to save; run the same command again"), proc.stderr

@@ -241,7 +241,7 @@ def _fill(argv: list[str], files: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.parametrize("case_id, argv, fragment", YAML_CASES, ids=[c[0] for c in YAML_CASES])
-def test_hostile_config_file(case_id, argv, fragment, files, capfd, tmp_path, no_training):
+def test_a_malformed_config_file_is_one_line(case_id, argv, fragment, files, capfd, tmp_path, no_training):
     code, err = _run([*W1, "--out", str(tmp_path / "run"), *_fill(argv, files)], capfd)
     line = _line(err)
     assert code == 2, err[-3000:]
@@ -250,7 +250,7 @@ def test_hostile_config_file(case_id, argv, fragment, files, capfd, tmp_path, no
 
 
 @pytest.mark.parametrize("case_id, argv, fragment", NUMBER_CASES, ids=[c[0] for c in NUMBER_CASES])
-def test_hostile_number(case_id, argv, fragment, capfd, tmp_path, no_training):
+def test_a_number_out_of_range_is_one_line(case_id, argv, fragment, capfd, tmp_path, no_training):
     code, err = _run([*W1, "--out", str(tmp_path / "run"), *argv], capfd)
     line = _line(err)
     assert code == 2, err[-3000:]
@@ -258,7 +258,7 @@ def test_hostile_number(case_id, argv, fragment, capfd, tmp_path, no_training):
 
 
 @pytest.mark.parametrize("case_id, argv, fragment", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
-def test_hostile_launch_address(case_id, argv, fragment, capfd, tmp_path):
+def test_a_bad_launch_address_is_one_line(case_id, argv, fragment, capfd, tmp_path):
     code, err = _run([*W1, "--world-size", "2", "--out", str(tmp_path / "run"), *argv], capfd, seconds=60)
     line = _line(err)
     assert code == 2, err[-3000:]
@@ -273,7 +273,7 @@ ENV_CASES = [
 
 
 @pytest.mark.parametrize("case_id, env, fragment", ENV_CASES, ids=[c[0] for c in ENV_CASES])
-def test_hostile_environment(case_id, env, fragment, capfd, monkeypatch, tmp_path, no_training):
+def test_a_bad_launch_environment_is_one_line(case_id, env, fragment, capfd, monkeypatch, tmp_path, no_training):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     code, err = _run([*W1, "--out", str(tmp_path / "run")], capfd)

@@ -3,7 +3,7 @@
 
 The pre-flight (`open_checked`) finds each of these in the launching process, so no worker process
 starts (the cases run in well under a second each). The in-process cases of each rule are
-tests/unit/data/test_hostile_sources.py.
+tests/unit/data/test_source_refusals.py.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _no_image_cache(monkeypatch):
     ("parent-of-the-splits", ["--data", "{tmp}/splits"], "/splits holds the splits train/ and val/, not class "
                                                          "folders: give --data "),
 ])
-def test_hostile_data_ends_in_one_line_and_exit_3(hostile, tmp_path, capfd, case, argv, fragment):
+def test_bad_data_ends_in_one_line_and_exit_3(hostile, tmp_path, capfd, case, argv, fragment):
     argv = [a.replace("{tmp}", str(hostile)) for a in argv]
     box: dict = {}
     capfd.readouterr()

@@ -169,7 +169,7 @@ WORKER_CASES = [
 
 
 @pytest.mark.parametrize("case_id,edit,fragment", HEADER_CASES + WORKER_CASES, ids=[c[0] for c in HEADER_CASES + WORKER_CASES])
-def test_hostile_checkpoint_is_refused_on_resume(case_id, edit, fragment, good, tmp_path, capfd):
+def test_a_damaged_checkpoint_is_refused_on_resume(case_id, edit, fragment, good, tmp_path, capfd):
     bad = _edited(good, tmp_path, edit)
     out = tmp_path / "out"
     code, err = _run(["train", *W1, "--max-steps", "3", "--resume", str(bad), "--out", str(out)], capfd)
@@ -225,7 +225,7 @@ def test_checkpoint_past_this_runs_steps_is_refused(good, capfd):
 @pytest.mark.parametrize("command", ["eval", "export"])
 @pytest.mark.parametrize("case_id", ["step-huge", "config-distributed-scalar", "config-method-params-list",
                                      "resolved-image-size", "resolved-mean-huge", "model-missing", "model-nan"])
-def test_hostile_checkpoint_is_refused_by_eval_and_export(command, case_id, good, tmp_path, capfd):
+def test_a_damaged_checkpoint_is_refused_by_eval_and_export(command, case_id, good, tmp_path, capfd):
     _, edit, fragment = next(c for c in HEADER_CASES + WORKER_CASES if c[0] == case_id)
     bad = _edited(good, tmp_path, edit)
     out = tmp_path / ("backbone.pt" if command == "export" else "report.json")
@@ -240,7 +240,7 @@ def _dcp(tmp_path: Path) -> Path:
     return small_sharded_checkpoint(tmp_path / "sharded", 3)
 
 
-def test_hostile_dcp_header_is_refused(good, tmp_path, capfd):
+def test_a_damaged_dcp_header_is_refused(good, tmp_path, capfd):
     path = _dcp(tmp_path)
     header = torch.load(path / "unison.pt", weights_only=True)
     header["step"] = 10**18
