@@ -80,6 +80,7 @@ LONGEST_FILES = (
     "distributed/equivalence/test_check.py",
     "distributed/cluster/test_hosts.py",
     "distributed/cli/test_terminal.py",
+    "distributed/cli/test_setup_script.py",
     "distributed/training/test_time_budget.py",
     "distributed/bench/test_bench_methods.py",
     "distributed/training/test_train.py",
