@@ -128,3 +128,18 @@ def pytest_collection_finish(session):
     every full collection from now on. Each pytest worker's garbage collection took 47 s of a 141 s run of
     tests/unit/{training,data,methods} on two workers, 19 s with this (129 s)."""
     gc.freeze()
+
+
+@pytest.fixture
+def run_env(monkeypatch):
+    """The environment a test's `unison` run starts from, for the test files that start runs
+    (``pytestmark = pytest.mark.usefixtures("run_env")``): no image cache (inherited by spawned workers, so that
+    runs do not share decoded images through the cache folder), no fault injected and not a restart (a variable left
+    by the shell or another test would change what the run does), and tests/fault_injection.py's hook registered
+    for the workers a test injects faults into."""
+    import fault_injection
+
+    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+    for var in (fault_injection.FAULT_ENV, "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    fault_injection.register(monkeypatch)

@@ -120,9 +120,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
     return {"tmp": str(tmp), "run": str(run), "y": str(y), "c": str(c)}
 
 
-@pytest.fixture(autouse=True)
-def _no_image_cache(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")  # also inherited by spawned workers
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def _run(argv: list[str], capfd) -> tuple[int, str]:

@@ -16,9 +16,7 @@ W1 = ["--world-size", "1", "--batch-size", "8", "--max-steps", "2", "--no-random
       "--subset", "64", "--val-subset", "16", "--knn-k", "5"]
 
 
-@pytest.fixture(autouse=True)
-def _no_image_cache(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,7 @@ def hostile(tmp_path_factory) -> Path:
     return tmp
 
 
-@pytest.fixture(autouse=True)
-def _no_image_cache(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @pytest.mark.parametrize("case, argv, fragment", [

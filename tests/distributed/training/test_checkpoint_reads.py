@@ -25,11 +25,7 @@ TINY = ["--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k"
         "--precision", "float64", "--checkpoint-every", "2", "--log-every", "1", "--world-size", "1", *QUIET]
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv("UNISON_FAULT_INJECT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def test_a_resume_reads_the_full_checkpoint_once_and_the_yaml_once(tmp_path, monkeypatch):

@@ -32,11 +32,7 @@ from unison.version import __version__
 W1 = ["--world-size", "1", "--batch-size", "8", "--no-random-init-knn", "--no-progress"]
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv("UNISON_FAULT_INJECT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @pytest.fixture(scope="module")

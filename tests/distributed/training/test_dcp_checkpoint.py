@@ -29,11 +29,7 @@ TINY = ["--batch-size", "32", "--subset", "256", "--val-subset", "32", "--knn-k"
         "--precision", "float64", "--log-every", "1", *QUIET]
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv("UNISON_FAULT_INJECT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import fault_injection
 import pytest
 from fault_helpers import FAULT, TINY, children, error_line, load_intact, temporaries
 
@@ -27,11 +26,7 @@ from unison.cli import main
 FLOAT32 = [a if a != "float64" else "float32" for a in TINY]   # 3 MB checkpoints (small CNN, SimCLR head, SGD)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv(FAULT, raising=False)
-    fault_injection.register(monkeypatch)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @contextlib.contextmanager

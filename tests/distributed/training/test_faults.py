@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import fault_injection
 import pytest
 from fault_helpers import QUIET, assert_same_training_state, children, error_line, fault_time, load_intact
 from helpers.faults import FAULT
@@ -45,11 +44,7 @@ def reference(tmp_path_factory) -> dict:
     return load_checkpoint(out)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv(FAULT, raising=False)
-    fault_injection.register(monkeypatch)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @pytest.mark.slow

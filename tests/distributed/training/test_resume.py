@@ -16,7 +16,6 @@ import os
 import shutil
 from pathlib import Path
 
-import fault_injection
 import pytest
 import torch
 from fault_helpers import error_line, run_cli
@@ -33,12 +32,7 @@ TINY = ["--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k"
         "--precision", "float64", "--max-steps", "4", "--checkpoint-every", "2", "--log-every", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv(FAULT, raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    fault_injection.register(monkeypatch)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 @pytest.mark.parametrize("method, how", [("moco", "resume-auto"), ("dino", "torchrun-restart")])

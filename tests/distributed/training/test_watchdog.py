@@ -13,7 +13,6 @@ import sys
 import textwrap
 import time
 
-import fault_injection
 import pytest
 from fault_helpers import FAULT, TINY, children, error_line, fault_time, load_intact
 
@@ -26,11 +25,7 @@ WATCHDOG_S = 6
 MARGIN_S = 20
 
 
-@pytest.fixture(autouse=True)
-def _quiet_env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv(FAULT, raising=False)
-    fault_injection.register(monkeypatch)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def _stuck_run(tmp_path, fault: str, capfd, monkeypatch) -> tuple[str, float]:

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-
-@pytest.fixture(autouse=True)
-def _no_image_cache(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")  # also inherited by spawned workers
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def test_integral_numbers_in_scientific_notation_are_integers():

@@ -24,12 +24,7 @@ from unison.training.checkpoint import (
     save_checkpoint,
 )
 
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv("UNISON_FAULT_INJECT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def _sharded_checkpoint(run_dir: Path, step: int = 3) -> Path:

@@ -12,12 +12,7 @@ from helpers.dcp_checkpoint import _Payload
 
 from unison.errors import CheckpointError
 
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv("UNISON_FAULT_INJECT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def test_non_tensor_entries_with_code_are_refused(tmp_path):

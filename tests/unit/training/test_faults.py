@@ -8,16 +8,9 @@ batch 64, 8 steps, float64) so that "resumed == uninterrupted" can be checked at
 
 from __future__ import annotations
 
-import fault_injection
 import pytest
-from helpers.faults import FAULT
 
-
-@pytest.fixture(autouse=True)
-def _quiet_env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv(FAULT, raising=False)
-    fault_injection.register(monkeypatch)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 def test_resuming_a_run_killed_before_its_first_metrics_row(tmp_path):

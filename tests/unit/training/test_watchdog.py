@@ -7,18 +7,11 @@ never returns (a hung filesystem); the decision rule and the in-process watcher 
 
 from __future__ import annotations
 
-import fault_injection
 import pytest
-from fault_helpers import FAULT
 
 from unison.distributed.watchdog import stuck_report
 
-
-@pytest.fixture(autouse=True)
-def _quiet_env(monkeypatch):
-    monkeypatch.setenv("UNISON_NO_CACHE", "1")
-    monkeypatch.delenv(FAULT, raising=False)
-    fault_injection.register(monkeypatch)
+pytestmark = pytest.mark.usefixtures("run_env")   # tests/conftest.py: no image cache, no fault, not a restart
 
 
 # ------------------------------------------------------------------ the rule
