@@ -3,8 +3,9 @@
 ``UNISON_TEST_BUDGET="skew=50,plan=4,replan=3,late=4"``: on rank 1, the budget's clock runs `skew` times fast
 (its own measurement would plan far fewer steps than rank 0's). On rank 0, which decides, the budget's clock counts
 each step of the loop as `plan` times the step measured before the run, whatever it really took (slower than
-measured: the check at the end of the warm-up sees it, `unison.training.replan`), `replan` times that after the
-re-plan there (the next check sees it) and `late` times that after the last check (`next_check`, followed here as
+measured: the first check, five steps timed inside the warm-up, sees it and re-plans from step 0,
+`unison.training.replan`), `replan` times that after that re-plan (the next check sees it and lays the steps left
+onto the schedules) and `late` times that after the last check (`next_check` of `open_warmup`, followed here as
 the run follows it), so only the clock can end the run on time. The step times the clock sees are then set by
 the test, not by the machine's load, which once made a re-plan plan more steps, not fewer, and another run out of
 budget before its late check; a slow step costs no wall time.
@@ -27,7 +28,7 @@ from typing import Any
 from unison.config import TrainConfig
 from unison.training import budget
 from unison.training.hooks import HOOKS_ENV, StepEnd, TrainHook
-from unison.training.replan import next_check
+from unison.training.replan import next_check, open_warmup
 from unison.training.step import Run
 
 ENV = "UNISON_TEST_BUDGET"
@@ -58,7 +59,7 @@ class BudgetProbe(TrainHook):
     def _follow_checks(self, run: Run, step: int) -> None:
         """Where the run checks its plan (the loop's hook ran first): after its last check, `checked` is True."""
         if step == self.first or step == self.check:
-            self.check = next_check(run.total_steps, run.schedule.warmup_steps, step)
+            self.check = next_check(run.total_steps, open_warmup(run), step)
             self.checked = self.check is None and step != self.first
 
     def after_step(self, run: Run, end: StepEnd) -> None:

@@ -2,7 +2,7 @@
 
 `Schedule`: a linear warm-up to the peak over ``warmup_steps``, then a cosine to 0 at the schedule's end::
 
-    lr(t) = peak (t + 1) / W                                              t < W
+    lr(t) = peak min(t + 1, W) / W                                        t < W
     lr(t) = peak (r + (1 - r) (1 + cos(pi min(1, (t - W) / (T - W)))) / 2)  otherwise
 
 with r the share of the peak it ends at (``--final-lr-ratio``, default 0).
@@ -85,7 +85,8 @@ class Schedule:
     def lr(self, step: float) -> float:
         t = self.stretch.position(step) if self.stretch is not None else step
         if self.warmup_steps and t < self.warmup_steps:
-            return self.peak_lr * (t + 1) / self.warmup_steps
+            # a stretched step can fall inside the ramp's last step: capped, it does not pass the peak
+            return self.peak_lr * min(t + 1, self.warmup_steps) / self.warmup_steps
         progress = (t - self.warmup_steps) / max(1, self.length - self.warmup_steps)
         cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return self.peak_lr * (cosine if not self.final_ratio else self.final_ratio + (1 - self.final_ratio) * cosine)

@@ -16,7 +16,8 @@ WARMUP_SHARE_MAX = 0.1       # the warm-up of a budgeted run is at most this sha
 
 def budget_warmup(steps: int, warmup_epochs: float, steps_per_epoch: int) -> int:
     """The warm-up of a budgeted run of `steps` steps: ``--warmup-epochs``, at most `WARMUP_SHARE_MAX` of its
-    steps; the one rule of the first plan, of a re-plan that starts its schedules again and of a ``--max-steps``
+    steps; the one rule of the first plan, of a re-plan that starts its schedules again (held there between the
+    steps already trained on the ramp and the warm-up planned: `unison.training.replan`) and of a ``--max-steps``
     cap given on resume."""
     if steps <= 1:
         return 0

@@ -3,8 +3,9 @@
 The first plan (`unison.training.budget`) comes from the few steps timed before the run (as few as two on a loaded
 machine, where they can be off by a factor), so the run times its own steps and checks:
 
-* **When** (`next_check`): at the end of the warm-up, or as soon as `MIN_TIMED_STEPS` steps are timed if that is
-  later; then every `CHECK_SHARE` of the plan, up to `MIN_TIMED_STEPS` steps before its end. Each check times the
+* **When** (`next_check`): as soon as `MIN_TIMED_STEPS` steps are timed, and every `MIN_TIMED_STEPS` steps while
+  the warm-up is open (`open_warmup`: not planned again yet, its end not reached), so that a check can still plan
+  it; then every `CHECK_SHARE` of the plan, up to `MIN_TIMED_STEPS` steps before its end. Each check times the
   steps since the one before (`window_step_s`: the periodic work planned among them taken out). Steps that do not
   show the run's pace are not timed, and the window starts again after them: the first step of each attempt (first
   allocations, data start) and the steps ``--profile-steps`` records (the profiler's overhead and the trace it
@@ -12,12 +13,18 @@ machine, where they can be off by a factor), so the run times its own steps and 
 * **Whether** (`far_from_plan`): the steps that fit what is left of the budget at that pace (`plan_steps` from
   the step reached: the first plan's rule) differ from the plan by more than `TOLERANCE` of the steps left (and by
   more than a step). Each check also sets the clock's reserve for the end from the pace it measured.
-* **How** (`replanned`): at the end of the warm-up, the run is planned again for the new count as if from step 0,
-  its warm-up by the first plan's rule (`unison.training.length.budget_warmup`), so that it is still at most a
-  tenth of the run, and never longer than the warm-up trained (a longer one would take the learning rate back down
-  from its peak). Past the warm-up, which has then been trained, the steps left are laid onto what is left of the
-  schedules (`unison.optim.schedule.Stretch`): the learning rate, the momentum and the
-  teacher temperature go on from where they stand, without a jump, and end at the new last step.
+* **How** (`replanned`): a check inside the open warm-up (after step ``at < W``) plans the run again for the new
+  count as if from step 0, once, its warm-up
+
+      W' = max(at, min(budget_warmup(S'), W))
+
+  the first plan's rule (`unison.training.length.budget_warmup`: at most a tenth of the run), never longer than
+  the warm-up planned (the ramp would fall back below the rate trained) and never shorter than the steps already
+  trained on it (the rate would leave the ramp for the cosine's decay before the peak), so that the learning rate
+  never falls while it warms up. A check at or past the warm-up's end (``at >= W``, the peak reached), or after
+  the one re-plan from step 0, lays the steps left onto what is left of the schedules
+  (`unison.optim.schedule.Stretch`): the learning rate, the momentum and the teacher temperature go on from where
+  they stand, without a jump, and end at the new last step.
 
 Rank 0 decides and broadcasts; every rank applies the plan (`unison.training.step.apply_plan`). ``config.json``
 and the checkpoints record each re-plan and why (``replanned``: the one from step 0; ``late``: those laid onto
@@ -48,13 +55,22 @@ TOLERANCE = 0.02       # a check keeps the plan when the steps that fit are this
 MIN_STEP_SHARE = 0.5   # a window's pace is at least this share of its plain mean (`window_step_s`)
 
 
+def open_warmup(run: Run) -> int:
+    """The warm-up a check of `run` may still plan again as from step 0: the plan's own until its first re-plan,
+    then none. One start from step 0 is enough: it comes from the first five steps timed, and the later checks,
+    which time a tenth of the plan, lay what they find onto the schedules instead of moving the ramp again."""
+    plan = run.cfg.time_budget_plan or {}
+    return 0 if "replanned" in plan or "stretch" in plan else run.schedule.warmup_steps
+
+
 def next_check(steps: int, warmup: int, timed_from: int) -> int | None:
-    """The step of the next check of a `steps`-step plan warming up for `warmup` steps, when the steps are timed
-    from step `timed_from`: the end of the warm-up, or `MIN_TIMED_STEPS` steps on if later; past the warm-up,
-    `CHECK_SHARE` of the plan on (at least `MIN_TIMED_STEPS`). None: no check left, none in the last
-    `MIN_TIMED_STEPS` steps (a new count would change no more than those; the clock ends the run on time)."""
+    """The step of the next check of a `steps`-step plan whose open warm-up (`open_warmup`) is `warmup` steps, when
+    the steps are timed from step `timed_from`: `MIN_TIMED_STEPS` steps on inside the warm-up (a check there can
+    still plan it again), else `CHECK_SHARE` of the plan on (at least `MIN_TIMED_STEPS`). None: no check left, none
+    in the last `MIN_TIMED_STEPS` steps (a new count would change no more than those; the clock ends the run on
+    time)."""
     if timed_from < warmup:
-        at = max(timed_from + MIN_TIMED_STEPS, warmup)
+        at = timed_from + MIN_TIMED_STEPS
     else:
         at = timed_from + max(MIN_TIMED_STEPS, math.ceil(CHECK_SHARE * steps))
     return at if at <= steps - MIN_TIMED_STEPS else None
@@ -74,11 +90,10 @@ def far_from_plan(at: int, steps: int, fit: int) -> bool:
 
 def replanned(plan: dict[str, Any], run: Run, at: int, steps: int, step_s: float, timed: int) -> tuple[dict[str, Any], str]:
     """The plan of `run` after a check at step `at` found that `steps` steps of `step_s` fit (timed over `timed`
-    steps), and the sentence that says so (the module docstring's **How**)."""
+    steps), and the sentence that says so, naming the warm-up the run trains (the module docstring's **How**)."""
     cfg, was, warmup = run.cfg, int(plan["steps"]), int(plan["warmup_steps"])
-    if at <= warmup and "stretch" not in plan:   # the warm-up not past: planned again as from step 0
-        # the first plan's rule; never longer than the warm-up trained (the rate would fall back from its peak)
-        warmup = min(budget_warmup(steps, cfg.warmup_epochs, run.steps_per_epoch), warmup)
+    if at < open_warmup(run):   # inside the warm-up, not planned again yet: as from step 0
+        warmup = max(at, min(budget_warmup(steps, cfg.warmup_epochs, run.steps_per_epoch), warmup))
         why = (f"re-planned after step {at} from {timed} trained steps of {step_s:.4g} s: {steps} steps, "
                f"{warmup} of them warm-up (first plan: {was} steps, {plan['warmup_steps']} warm-up, of "
                f"{plan['measured']['step_s']:.4g} s)")
@@ -88,6 +103,10 @@ def replanned(plan: dict[str, Any], run: Run, at: int, steps: int, step_s: float
     stretch = (run.schedule.stretch or no_stretch(run.total_steps)).replanned(at, steps)
     why = (f"re-planned after step {at} from its last {timed} steps, {step_s:.4g} s each: {steps} steps (were "
            f"{was}); the schedules go on from where they are and end at step {steps}")
+    knot_at, position = stretch.knots[-1]
+    if position < run.schedule.warmup_steps:   # still on the ramp: it is laid onto the steps left too
+        ramp_end = knot_at + (run.schedule.warmup_steps - position) * (steps - knot_at) / (stretch.length - position)
+        why += f", its warm-up now ending at step {math.ceil(ramp_end)}"
     late = [*plan.get("late", []), {"after_step": at, "steps_before": was, "step_s": round(step_s, 6)}]
     return {**plan, "steps": steps, "stretch": stretch.as_record(), "late": late, "why": f"{why}; {plan['why']}"}, why
 
@@ -119,7 +138,7 @@ class ReplanHook(TrainHook):
     def _time_from(self, run: Run, step: int) -> None:
         sync_device(run)
         self.timed_from = (step, clocks.clock())
-        self.at = next_check(run.total_steps, run.schedule.warmup_steps, step)
+        self.at = next_check(run.total_steps, open_warmup(run), step)
 
     def _check(self, run: Run, at: int) -> None:
         plan, budget = run.cfg.time_budget_plan, self.budget

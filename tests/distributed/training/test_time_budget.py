@@ -25,8 +25,9 @@ TINY = ["--batch-size", "32", "--subset", "512", "--val-subset", "64", "--knn-k"
 def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch):
     """Rank 1's clock runs 50x fast: alone it would plan ~50x fewer steps (or none); rank 0 decides for both.
     Rank 0's budget clock counts every step as 4x the step measured before the run (`budget_hooks`: set by the
-    test, whatever the step really took, so the machine's load cannot move the plans): the re-plan at the end of
-    the warm-up plans fewer steps, and every rank trains them. After it the steps take 3x longer again: the next
+    test, whatever the step really took, so the machine's load cannot move the plans): the first check, once five
+    steps are timed inside the warm-up, re-plans fewer steps from step 0 (its warm-up never shorter than the steps
+    trained on it), and every rank trains them. After it the steps take 3x longer again: the next
     check re-plans fewer steps again, and the schedules go on from where they were to end at its last step. After
     the last check they take 4x longer again: the clock, not the plan, ends the run, and the result line says that
     the schedule did not finish. Resumed on one worker, the reserve for the end is scaled to it. (Real sleeps, and then
@@ -41,8 +42,11 @@ def test_ranks_agree_on_the_plan_and_the_run_ends_on_time(tmp_path, monkeypatch)
     replanned = plan["replanned"]   # the steps were 4x slower than measured: fewer of them fit
     assert replanned["first_steps"] > plan["late"][0]["steps_before"]
     assert replanned["step_s"] > 1.5 * plan["measured"]["step_s"], plan
-    assert f"re-planned after step {replanned['after_step']}" in (out / "train.log").read_text()
     late = plan["late"][0]   # 3x slower again: fewer steps, the schedules laid onto what was left of them
+    at = replanned["after_step"]   # the first check, inside the warm-up: the warm-up covers the steps trained
+    assert plan["warmup_steps"] >= at and late["after_step"] > plan["warmup_steps"], plan
+    assert (f"re-planned after step {at} from {at - 1} trained steps of {replanned['step_s']:.4g} s: "
+            f"{late['steps_before']} steps, {plan['warmup_steps']} of them warm-up") in (out / "train.log").read_text()
     # (a later late check may plan a step more or less: what it sees is the load, not a change of step time)
     after_late = plan["late"][1]["steps_before"] if len(plan["late"]) > 1 else plan["steps"]
     assert late["steps_before"] > after_late and late["step_s"] > 1.5 * replanned["step_s"], plan

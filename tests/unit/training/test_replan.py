@@ -1,8 +1,11 @@
-"""A budgeted run checks its plan against the steps it trains (at the end of its warm-up, or as soon as a few steps are
-timed, then every tenth of the plan) and plans again when they run far from it: at the end of the warm-up as from
-step 0 (the warm-up by the first plan's rule), later by laying the steps left onto its schedules (no jump). Steps
-``--profile-steps`` records are not timed. The budget's clock is faked: the steps take what each test says."""
+"""A budgeted run checks its plan against the steps it trains (as soon as a few steps are timed, every few steps while
+its warm-up is open, then every tenth of the plan) and plans again when they run far from it: inside the warm-up,
+once, as from step 0 (the warm-up by the first plan's rule, never shorter than the steps trained on it), from the
+warm-up's end on by laying the steps left onto its schedules (no jump: the learning rate never falls from the ramp
+or the peak). Steps ``--profile-steps`` records are not timed. The budget's clock is faked: the steps take what
+each test says."""
 
+import math
 from dataclasses import asdict
 
 import pytest
@@ -16,7 +19,7 @@ from unison.training import budget
 from unison.training.budget import BudgetClock, BudgetCosts, Cadence, plan_steps, reserve_of
 from unison.training.hooks import StepEnd
 from unison.training.length import budget_warmup
-from unison.training.replan import ReplanHook, far_from_plan, next_check, window_step_s
+from unison.training.replan import ReplanHook, far_from_plan, next_check, open_warmup, replanned, window_step_s
 from unison.training.step import apply_plan, build_run
 
 FIRST = BudgetCosts(spent_s=10.0, step_s=1.0, knn_s=0.0, signals_s=0.0, checkpoint_copy_s=0.0, checkpoint_s=0.0)
@@ -44,9 +47,12 @@ def _run(tmp_path, plan: dict, method: str = "byol", warmup_epochs: float = 5.0)
     return cfg, build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
 
 
-def _steps(hook, run, now, steps, seconds):
-    """Steps `steps` through the hook, each `seconds(step)` long on the budget's clock."""
+def _steps(hook, run, now, steps, seconds, trained=None):
+    """Steps `steps` through the hook, each `seconds(step)` long on the budget's clock; `trained` collects the
+    learning rate each step trained at (1-based step `k` is optimiser step ``k - 1``)."""
     for step in steps:
+        if trained is not None:
+            trained.append(run.schedule.lr(step - 1))
         now[0] += seconds(step)
         hook.after_step(run, StepEnd(step, 0.1, torch.zeros(()), epoch_done=False, last=False))
 
@@ -60,14 +66,26 @@ def _hook(monkeypatch, cfg, now, start_s=0.0, untimed=lambda step: False):
     return hook, clock, lines, written
 
 
-def test_the_checks_come_at_the_end_of_the_warmup_or_once_steps_are_timed_then_every_tenth():
-    assert next_check(100, 10, timed_from=1) == 10              # the end of the warm-up
+def test_the_checks_come_once_five_steps_are_timed_every_five_in_the_open_warmup_then_every_tenth():
+    assert next_check(100, 10, timed_from=1) == 6               # inside the warm-up: its length still open
+    assert next_check(100, 10, timed_from=6) == 11              # kept: the warm-up is still open
+    assert next_check(100, 10, timed_from=8) == 13              # the first check past the warm-up's end
     assert next_check(44, 4, timed_from=1) == 6                 # a short warm-up: as soon as 5 steps are timed
     assert next_check(100, 10, timed_from=10) == 20             # then a tenth of the plan on
+    assert next_check(100, 0, timed_from=6) == 16               # the warm-up planned again: a tenth on
     assert next_check(1000, 10, timed_from=10) == 110
     assert next_check(30, 0, timed_from=3) == 8                 # at least 5 steps timed
     assert next_check(100, 10, timed_from=85) == 95
     assert next_check(100, 10, timed_from=86) is None           # none in the last 5 steps
+
+
+def test_the_warmup_is_open_until_the_first_replan(tmp_path, local_group):
+    cfg, run = _run(tmp_path, _plan(100, 10))
+    assert open_warmup(run) == 10
+    cfg.time_budget_plan = {**_plan(100, 10), "replanned": {"after_step": 6, "first_steps": 120, "step_s": 1.0}}
+    assert open_warmup(run) == 0
+    cfg.time_budget_plan = {**_plan(100, 10), "stretch": {"knots": [[6, 6]], "length": 120}}
+    assert open_warmup(run) == 0
 
 
 def test_far_from_plan_is_more_than_a_fiftieth_of_the_steps_left_and_more_than_a_step():
@@ -95,36 +113,84 @@ def test_the_steps_that_fit_are_the_first_plans_rule_from_the_step_reached():
     assert plan_steps(600.0, BudgetCosts(**{**asdict(costs), "spent_s": 599.0}), cadence, at=10) == 10
 
 
-def test_a_slower_run_replans_at_the_end_of_its_warmup_for_the_steps_that_fit(tmp_path, local_group, monkeypatch):
-    """Planned for 100 steps of 1 s, the steps take 2 s: after step 10 (the warm-up's end) the run plans 288 steps,
-    and the lr's cosine and BYOL's momentum end exactly there; the warm-up's rates are those of the first plan."""
+def test_a_slower_run_replans_inside_its_warmup_for_the_steps_that_fit(tmp_path, local_group, monkeypatch):
+    """Planned for 100 steps of 1 s, the steps take 2 s: after step 6 (five timed steps, inside the 10-step warm-up)
+    the run plans the steps that fit, and the lr's cosine and BYOL's momentum end exactly there; the warm-up, by the
+    first plan's rule, stays 10 steps, so the rates trained so far are those of the new plan. The next check times a
+    tenth of the new plan and keeps it."""
     cfg, run = _run(tmp_path, _plan(100, 10))
     warmup_lrs = [run.schedule.lr(s) for s in range(10)]
     now = [10.0]                                   # start-up, data, the first measurement
     hook, _, lines, written = _hook(monkeypatch, cfg, now)
     hook.start(run, 0)
-    _steps(hook, run, now, range(1, 13), lambda step: 2.0)
-    expected = plan_steps(600, BudgetCosts(**{**asdict(FIRST), "spent_s": 30.0, "step_s": 2.0}), NO_WORK, at=10)
-    assert expected == 288 and run.total_steps == run.method.steps_total == cfg.time_budget_plan["steps"] == 288
-    assert cfg.time_budget_plan["replanned"] == {"after_step": 10, "first_steps": 100, "step_s": 2.0}
+    _steps(hook, run, now, range(1, 8), lambda step: 2.0)
+    expected = plan_steps(600, BudgetCosts(**{**asdict(FIRST), "spent_s": 22.0, "step_s": 2.0}), NO_WORK, at=6)
+    assert 250 < expected < 300 and run.total_steps == run.method.steps_total == cfg.time_budget_plan["steps"] == expected
+    assert cfg.time_budget_plan["replanned"] == {"after_step": 6, "first_steps": 100, "step_s": 2.0}
     assert run.schedule.warmup_steps == cfg.time_budget_plan["warmup_steps"] == 10
     assert [run.schedule.lr(s) for s in range(10)] == warmup_lrs
-    assert run.schedule.lr(287) > 0 and run.schedule.lr(288) == 0.0 and run.method.momentum(288) == 1.0
-    assert len(written) == 1 and "re-planned after step 10 from 9 trained steps of 2 s: 288 steps" in lines[0]
+    assert run.schedule.lr(expected - 1) > 0 and run.schedule.lr(expected) == 0.0 and run.method.momentum(expected) == 1.0
+    assert len(written) == 1 and lines == [f"time budget 600s: re-planned after step 6 from 5 trained steps of 2 s: "
+                                           f"{expected} steps, 10 of them warm-up (first plan: 100 steps, 10 warm-up, "
+                                           "of 1 s)"]
+    assert hook.at == 6 + max(5, math.ceil(expected / 10))   # not every five steps any more
+    _steps(hook, run, now, range(8, hook.at + 1), lambda step: 2.0)
+    assert len(lines) == 1 and cfg.time_budget_plan["steps"] == expected
 
 
 def test_a_replan_from_step_0_takes_the_first_plans_rule_for_the_warmup(tmp_path, local_group, monkeypatch):
-    """A first plan of 180 steps warms up for 18 (a tenth); its steps take 20 s, not 1: 27 fit, and their warm-up is
-    a tenth of them, as a first plan of 27 steps would have it (it kept the 18 steps, two thirds of the run)."""
+    """A first plan of 180 steps warms up for 18 (a tenth); its steps take 20 s, not 1: after step 6 few fit, and
+    their warm-up is the first plan's rule for them, but never shorter than the 6 steps already trained on the ramp
+    (a shorter one would leave the ramp for the cosine's decay before the peak): the rate trained never falls
+    while it warms up, and the line names the warm-up trained."""
     cfg, run = _run(tmp_path, _plan(180, 18), warmup_epochs=9.0)
     now = [10.0]
     hook, _, lines, _ = _hook(monkeypatch, cfg, now)
     hook.start(run, 0)
-    _steps(hook, run, now, range(1, 19), lambda step: 20.0)
+    trained: list[float] = []
+    _steps(hook, run, now, range(1, 7), lambda step: 20.0, trained)
     plan = cfg.time_budget_plan
-    assert plan["steps"] == run.total_steps == 27 and plan["replanned"]["after_step"] == 18
-    assert plan["warmup_steps"] == run.schedule.warmup_steps == budget_warmup(27, 9.0, 2) == 2
-    assert run.schedule.lr(27) == 0.0 and "27 steps, 2 of them warm-up" in lines[0]
+    steps = plan["steps"]
+    assert steps == run.total_steps < 40 and plan["replanned"]["after_step"] == 6
+    assert budget_warmup(steps, 9.0, 2) < 6 == plan["warmup_steps"] == run.schedule.warmup_steps
+    trained += [run.schedule.lr(s) for s in range(6, steps + 1)]
+    assert all(b >= a for a, b in zip(trained[:7], trained[1:7])) and trained[6] == run.schedule.peak_lr
+    assert trained[steps] == 0.0 and f"{steps} steps, 6 of them warm-up" in lines[0]
+
+
+def test_a_check_at_the_end_of_the_warmup_keeps_it_and_goes_on_from_the_peak(tmp_path, local_group, monkeypatch):
+    """The user's case: a check that falls on the warm-up's last step (a 6-step warm-up, steps timed from step 1)
+    finds the warm-up trained: it is not planned again (shortened there, the rate would fall from the peak into
+    the cosine); the steps left are laid onto the schedules, which go on from the peak."""
+    first = plan_steps(120, FIRST, NO_WORK)   # right for 1-second steps
+    cfg, run = _run(tmp_path, _plan(first, 6, budget_s=120.0), warmup_epochs=3.0)
+    before = [run.schedule.lr(s) for s in range(7)]
+    now = [10.0]
+    hook, _, lines, _ = _hook(monkeypatch, cfg, now)
+    hook.start(run, 0)
+    trained: list[float] = []
+    _steps(hook, run, now, range(1, 7), lambda step: 3.0, trained)
+    plan = cfg.time_budget_plan
+    assert "stretch" in plan and "replanned" not in plan and plan["warmup_steps"] == run.schedule.warmup_steps == 6
+    assert plan["steps"] < first / 2 and plan["late"][0]["after_step"] == 6 and [run.schedule.lr(s) for s in range(7)] == before
+    trained += [run.schedule.lr(s) for s in range(6, plan["steps"] + 1)]
+    assert all(b >= a for a, b in zip(trained[:7], trained[1:7])) and trained[6] == run.schedule.peak_lr
+    assert 0.9 * trained[6] < trained[7] < trained[6] and trained[plan["steps"]] == 0.0
+    assert "the schedules go on from where they are" in lines[0] and "warm-up" not in lines[0]
+
+
+def test_a_late_replan_on_the_ramp_names_where_its_warmup_now_ends(tmp_path, local_group):
+    """Planned again from step 0 once (its warm-up no longer open), a check still on the ramp lays it onto the
+    steps left with the rest: the rate goes on rising from where it stands, and the line says where it peaks."""
+    plan = {**_plan(100, 10), "replanned": {"after_step": 2, "first_steps": 120, "step_s": 1.0}}
+    cfg, run = _run(tmp_path, plan)
+    lr_4 = run.schedule.lr(4)
+    cfg.time_budget_plan, why = replanned(plan, run, 5, 50, 2.0, 3)
+    apply_plan(run)
+    assert cfg.time_budget_plan["stretch"] == {"knots": [[5, 5]], "length": 100}
+    assert run.schedule.lr(4) == lr_4 and "its warm-up now ending at step 8" in why   # 5 + 5 * 45 / 95
+    ramp = [run.schedule.lr(s) for s in range(4, 8)]   # the ramp's positions: 4, 5, 7.1, 9.2 (capped at the peak)
+    assert all(b > a for a, b in zip(ramp, ramp[1:])) and ramp[-1] == run.schedule.peak_lr > run.schedule.lr(8)
 
 
 def test_a_run_far_slower_than_measured_replans_once_five_steps_are_timed(tmp_path, local_group, monkeypatch):
@@ -147,18 +213,19 @@ def test_a_run_far_slower_than_measured_replans_once_five_steps_are_timed(tmp_pa
 
 
 def test_profiled_steps_are_not_timed(tmp_path, local_group, monkeypatch):
-    """Steps 2 to 4 are profiled and take 6 s more each (the profiler, its trace): the check at step 10 times the
-    steps after them, 1 s each, and plans the steps those fit in what the profile left of the budget."""
+    """Steps 2 to 4 are profiled and take 6 s more each (the profiler, its trace): the check at step 9 times the
+    five steps after them, 1 s each, and plans the steps those fit in what the profile left of the budget."""
     steps = plan_steps(120, FIRST, NO_WORK)   # the first plan, right for 1-second steps
     cfg, run = _run(tmp_path, _plan(steps, 10, budget_s=120.0))
     now = [10.0]
     hook, clock, lines, _ = _hook(monkeypatch, cfg, now, untimed=lambda step: 2 <= step <= 4)
     hook.start(run, 0)
-    _steps(hook, run, now, range(1, 11), lambda step: 7.0 if 2 <= step <= 4 else 1.0)
+    _steps(hook, run, now, range(1, 10), lambda step: 7.0 if 2 <= step <= 4 else 1.0)
     plan = cfg.time_budget_plan
-    assert plan["replanned"]["step_s"] == 1.0 and "from 6 trained steps of 1 s" in lines[0]
-    expected = plan_steps(120, BudgetCosts(**{**asdict(FIRST), "spent_s": clock.spent_s()}), NO_WORK, at=10)
+    assert plan["replanned"]["step_s"] == 1.0 and "re-planned after step 9 from 5 trained steps of 1 s" in lines[0]
+    expected = plan_steps(120, BudgetCosts(**{**asdict(FIRST), "spent_s": clock.spent_s()}), NO_WORK, at=9)
     assert plan["steps"] == expected == steps - 18
+    assert plan["warmup_steps"] == max(9, budget_warmup(expected, 5.0, 2))   # never shorter than the steps trained
 
 
 def test_a_run_on_plan_keeps_it_and_its_reserve_follows_the_pace(tmp_path, local_group, monkeypatch):
