@@ -218,11 +218,17 @@ def race(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> dict[st
     print(f"unison bench: race, scoring {len(list(snapshots.glob('*.pt')))} snapshots (load "
           f"{format_load(loadavg())}) ...", flush=True)
     points = score_snapshots(cfg, data, val, snapshots)
-    return summarise(sides, points)
+    return summarise(sides, points, held_out_name(data, val))
 
 
-def summarise(sides: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Final accuracies (each side's last point) and the time unison took to reach Lightly's final one."""
+def held_out_name(data: str, val: str | None) -> str:
+    """The images the race scores on, as the user gave them: ``--val``'s path, or those held back from ``--data``."""
+    return str(val) if val else f"images held back from {data}"
+
+
+def summarise(sides: list[dict[str, Any]], points: list[dict[str, Any]], held_out: str) -> dict[str, Any]:
+    """Final accuracies (each side's last point), the time unison took to reach Lightly's final one, and the
+    held-out set they were scored on."""
     curve = {s["side"]: sorted((p for p in points if p["side"] == s["side"]), key=lambda p: p["time_s"])
              for s in sides}
     for s in sides:
@@ -231,7 +237,7 @@ def summarise(sides: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict
     passed = None
     if final.get("lightly") is not None:
         passed = next((p["time_s"] for p in curve.get("unison", []) if p["knn_top1"] >= final["lightly"]), None)
-    return {"sides": sides, "points": points, "unison_passes_lightly_s": passed}
+    return {"sides": sides, "points": points, "unison_passes_lightly_s": passed, "held_out": held_out}
 
 
 def race_markdown(result: dict[str, Any]) -> str:
@@ -242,12 +248,13 @@ def race_markdown(result: dict[str, Any]) -> str:
              f"{s['steps']} x {s['global_batch']}", "n/a" if s["knn_top1"] is None else f"{s['knn_top1']:.4f}",
              f"{s['load_1m'] if s['load_1m'] is not None else 'n/a'} / {s['load_1m_after'] or 'n/a'}"]
             for s in sides]
-    text = markdown_table(headers, body)
+    text = f"kNN top-1 on {result['held_out']}.\n\n" + markdown_table(headers, body)
     budget = sides[0]["budget_s"]
     text += ("\n**unison passed Lightly's final kNN after " + (
         f"{fmt_duration(passed)} ({passed / budget:.0%} of the budget)**" if passed is not None else
         "- (not within its evaluation points)**") + ": its first evaluation point at or above it.\n")
-    text += "\nEvaluation points (kNN of each snapshot, scored after both sides finished):\n\n"
+    text += (f"\nEvaluation points (kNN of each snapshot on {result['held_out']}, scored "
+             "after both sides finished):\n\n")
     text += markdown_table(["Side", "Wall time", "Step", "kNN top-1"],
                            [[p["side"], fmt_duration(p["time_s"]), p["step"], f"{p['knn_top1']:.4f}"]
                             for p in sorted(result["points"], key=lambda p: (p["side"], p["time_s"]))])
@@ -268,7 +275,8 @@ def plot_race(result: dict[str, Any], path: Path) -> None:
     if result["unison_passes_lightly_s"] is not None:
         ax.axvline(result["unison_passes_lightly_s"] / 60, color="grey", ls=":", label="unison passes Lightly's final")
     ax.set_xlabel("wall-clock time (min)")
-    ax.set_ylabel("kNN top-1 (val)")
+    held_out = result["held_out"]
+    ax.set_ylabel(f"kNN top-1 on {held_out if len(held_out) <= 40 else '...' + held_out[-37:]}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

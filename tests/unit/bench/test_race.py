@@ -4,7 +4,7 @@ accuracy, the report and the plot; and the options (budget, points)."""
 import pytest
 
 from unison.bench.config import config_from_overrides
-from unison.bench.race import summarise, write_race
+from unison.bench.race import held_out_name, summarise, write_race
 from unison.errors import ConfigError
 
 SIDES = [{"side": s, "version": "v", "pipeline": "p", "budget_s": 60.0, "used_s": 59.0, "steps": 10,
@@ -19,20 +19,23 @@ def _points(unison, lightly):
 def test_time_to_pass_lightly_is_unisons_first_point_at_or_above_its_final(tmp_path):
     # points out of order on purpose: the curve is sorted by time
     result = summarise([dict(s) for s in SIDES], _points([(30, 0.5), (10, 0.3), (60, 0.6), (20, 0.45)],
-                                                         [(20, 0.3), (60, 0.45), (40, 0.4)]))
+                                                         [(20, 0.3), (60, 0.45), (40, 0.4)]), "/data/cifar10/test")
     assert result["unison_passes_lightly_s"] == 20
     assert [s["knn_top1"] for s in result["sides"]] == [0.6, 0.45]
     paths = write_race(result, tmp_path)
     md = paths["md"].read_text()
     assert "passed Lightly's final kNN after 20.0 s (33% of the budget)" in md and "| unison | v | p |" in md
+    assert md.startswith("kNN top-1 on /data/cifar10/test.") and "snapshot on /data/cifar10/test," in md  # as given
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(paths["csv"].read_text().splitlines()) == 1 + 7
 
 
 def test_unison_never_passing_is_said_so(tmp_path):
-    result = summarise([dict(s) for s in SIDES], _points([(10, 0.3), (60, 0.4)], [(60, 0.45)]))
+    result = summarise([dict(s) for s in SIDES], _points([(10, 0.3), (60, 0.4)], [(60, 0.45)]),
+                       held_out_name("train", None))
     assert result["unison_passes_lightly_s"] is None
-    assert "not within its evaluation points" in write_race(result, tmp_path)["md"].read_text()
+    md = write_race(result, tmp_path)["md"].read_text()
+    assert "not within its evaluation points" in md and "kNN top-1 on images held back from train." in md
 
 
 def test_race_options():
