@@ -15,7 +15,7 @@ from unison.config import TrainConfig
 from unison.distributed.tagging import rank_local_state_names
 from unison.errors import ConfigError
 from unison.methods import METHODS, SampleKeys
-from unison.methods.capi import CAPI, MASK_STREAM, CAPIParams, masked_count
+from unison.methods.capi import CAPI, CAPIParams, masked_count
 from unison.methods.masking import inverse_block_masking
 from unison.models.vit import ViT
 from unison.rng import sample_uniform
