@@ -22,10 +22,11 @@ token), and the predictor adds fixed 2-D sin-cos positions to its queries and to
 
 Defaults (official ViT-L/14 configuration ``default_pretrain_config.yaml``): mask ratio 0.65, temperatures 0.12
 (student, clustering) and 0.06 (Sinkhorn targets), 3 Sinkhorn iterations, momentum 0.999 with a warm-up from 1 over
-10 % of the steps; K = 1024 clusters and 4 predictor blocks (official 16384 and 12, reduced for CPU);
-every masked patch predicted (official: 5 % of them, which at 14 x 14 patches is 8 an image and at 8 x 8 would be
-2). Recipe: AdamW, lr 1e-3 at the official global batch of 16384 = 1.5625e-5 per 256 images, weight decay 0.1,
-crops from 60 % and flips (preset ``capi``), ``vit_tiny_auto``. The clustering head is trained with the same
+10 % of the steps; K = 1024 clusters and 4 predictor blocks (official 16384 and 12, reduced for CPU); every
+masked patch predicted (official: 5 % of them, which at ViT-L/14's 16 x 16 patches is 8 an image and at 8 x 8
+would be 2). Recipe: AdamW, lr 1e-3 at the official global batch of 16384 = 1.5625e-5 per 256 images, weight decay 0.1,
+crops from 60 % and flips (preset ``capi``), ``vit_tiny_auto``; on the embedded digits ``vit_nano_p2`` (8 x 8
+patches of 2 px) and lr 1e-3, the short-schedule rate of the other ViT methods. The clustering head is trained with the same
 optimizer and schedule as the student (official: its own AdamW, lr 5e-4 with the same warm-up). Not implemented:
 AdamW's betas (0.9, 0.95), the lr multipliers of the patch embedding (0.2) and the weight-decay factor of the
 norms (0.1), the cosine cut at 0.8 for the learning rate, drop-path 0.2.
@@ -74,7 +75,7 @@ COSINE_CUT = 0.8              # official ``truncate_cos``: the momentum's cosine
 class CAPIParams:
     n_clusters: int = 1024               # official num_clusters: 16384 (reduced for CPU)
     mask_ratio: float = 0.65             # official
-    prediction_subsampling: float = 1.0  # official: 0.05 (a speed-up at 14 x 14 patches and a batch of 16384)
+    prediction_subsampling: float = 1.0  # official: 0.05 (a speed-up at 16 x 16 patches and a batch of 16384)
     predictor_depth: int = 4             # official: 12 (half of ViT-L's 24 blocks; reduced for CPU)
     student_temp: float = 0.12           # official
     teacher_temp: float = 0.06           # official target_temp (the Sinkhorn targets)

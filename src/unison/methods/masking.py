@@ -97,7 +97,8 @@ def inverse_block_masking(keys: SampleKeys, stream: int, grid: int, n_masked: in
     keep the block on the grid); h = ceil(sqrt(v a)), w = ceil(sqrt(v / a)) (w also at least ceil(v / h), so that
     the rectangle holds v patches where rounding clips h to the grid); top-left corner uniform; the first v
     patches of the rectangle in row-major order stay visible; the pattern is rolled by a uniform shift of rows and
-    columns (wrapping around). Five uniforms per sample from `stream`, no loop: the same in every mode of tensor.
+    columns (wrapping around). Five uniforms per sample from `stream` and a fixed sequence of tensor operations, no
+    data-dependent loop: `unison plan`'s fake tensors run it as real ones do.
     """
     n_patches = grid * grid
     n_visible = n_patches - n_masked
