@@ -45,7 +45,7 @@ _WHAT = {
              "(the gradient in bytes); W real gloo/NCCL workers, random images."),
     "lightly": ("Side by side with Lightly SSL",
                 "Each --method (seed: Lightly's six; all: also vicreg, dino, mae, nnclr, dcl, dclw, tico, fastsiam, mmcr, "
-                "wmse, smog, empssl, vicregl, densecl, msn, pmsn, simmim, aim) with "
+                "wmse, smog, empssl, vicregl, densecl, msn, pmsn, simmim, aim, capi) with "
                 "the same backbone type, data, global batch, steps and schedule, each side its own recipe (Lightly's: "
                 "its modules, transforms and CIFAR-10 settings); one training process per side (Lightly's with its "
                 "DataLoader workers); kNN of both encoders by the same code, throughput and peak memory."),

@@ -36,7 +36,7 @@ SEED_METHODS = ("simclr", "moco", "simsiam", "barlowtwins", "byol", "swav")   # 
 # with a Lightly side (`unison.bench.lightly_methods`)
 LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae", "nnclr", "dcl", "dclw", "tico", "fastsiam", "mmcr", "wmse",
                    "smog", "empssl", "vicregl", "densecl", "msn", "pmsn",
-                   "simmim", "aim")
+                   "simmim", "aim", "capi")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -55,7 +55,7 @@ class BenchConfig:
     method: str = field(default="simclr", metadata={
         "help": "the Lightly comparison's method(s): a name, comma-separated names, 'seed' (the six of Lightly's "
                 "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae, nnclr, dcl, dclw, "
-                "tico, fastsiam, mmcr, wmse, smog, empssl, vicregl, densecl, msn, pmsn, simmim, aim)"})
+                "tico, fastsiam, mmcr, wmse, smog, empssl, vicregl, densecl, msn, pmsn, simmim, aim, capi)"})
     backbone: str = field(default="small_cnn", metadata={"help": "backbone of every run (same module type on both "
                                                                  "sides of the Lightly comparison)"})
     data: str = field(default=f"{SHARED_CIFAR10}/train", metadata={

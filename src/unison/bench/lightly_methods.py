@@ -38,7 +38,8 @@ architecture, with the example's AdamW 1.5e-4 and ``MAETransform``; its comparis
 backbone when the bench's is a CNN). So do MSN, PMSN, SimMIM and AIM (`unison.bench.lightly_vit_models`), each with
 its example's AdamW 1.5e-4: MSN and PMSN Lightly's MSN example (``MSNTransform``, its focal views at unison's local
 crop size; PMSN with ``PMSNLoss``, as Lightly's PMSN page builds it), SimMIM its SimMIM benchmark's pieces (MAE's
-transform from 67 %), AIM its AIM example (``AIMTransform``). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
+transform from 67 %), AIM its AIM example (``AIMTransform``), CAPI its CAPI example (``CAPITransform``, crops from
+60 %). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
 I-JEPA, LeJEPA and distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare
 against.
 
@@ -76,7 +77,7 @@ from .lightly_models import (
     TiCoSide,
     VICRegSide,
 )
-from .lightly_vit_models import AIMSide, MSNSide, PMSNSide, SimMIMSide
+from .lightly_vit_models import AIMSide, CAPISide, MSNSide, PMSNSide, SimMIMSide
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,8 @@ def _transform(method: str, size: int, normalize: dict[str, list[float]], grid: 
         return T.MAETransform(input_size=size, min_scale=0.67, normalize=normalize)
     if method == "aim":
         return T.AIMTransform(input_size=size, normalize=normalize)
+    if method == "capi":
+        return T.CAPITransform(input_size=size, normalize=normalize)
     raise ValueError(f"Lightly has no CIFAR-10 side here for {method!r}; use one of {', '.join(LIGHTLY_METHODS)}")
 
 
@@ -213,7 +216,8 @@ _SIDES: dict[str, tuple[type[Side], LightlyRecipe]] = {
     "vicregl": (VICRegLSide, LightlyRecipe("sgd", 6e-2, 0.0)),   # the example's SGD(lr=0.06, momentum=0.9)
     "densecl": (DenseCLSide, SGD),
     **{m: (side, LightlyRecipe("adamw", 1.5e-4, 0.01, scale_lr=False))       # their examples' AdamW(lr=1.5e-4)
-       for m, side in (("msn", MSNSide), ("pmsn", PMSNSide), ("simmim", SimMIMSide), ("aim", AIMSide))}}
+       for m, side in (("msn", MSNSide), ("pmsn", PMSNSide), ("simmim", SimMIMSide), ("aim", AIMSide),
+                       ("capi", CAPISide))}}
 
 
 def build_lightly_side(method: str, backbone: nn.Module, dim: int, image_size: int,

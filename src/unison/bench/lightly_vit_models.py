@@ -1,4 +1,4 @@
-"""Lightly SSL's model of MSN, PMSN, SimMIM and AIM for `unison bench lightly`, the ViT methods whose loss reads
+"""Lightly SSL's model of MSN, PMSN, SimMIM, AIM and CAPI for `unison bench lightly`, the ViT methods whose loss reads
 patch tokens: each side is Lightly's ViT wrapper around a timm ViT of the shared ViT's architecture (as MAE's,
 `unison.bench.lightly_models.MAESide`), its heads, loss and training step, from Lightly's modules only.
 
@@ -136,3 +136,49 @@ class AIMSide(Side):
         features = vit._pos_embed(vit.forward_features(images, mask=mask))   # the example's positions before the head
         patches = utils.normalize_mean_var(utils.patchify(images, self.patch_size), dim=-1)
         return self.criterion(self.projection_head(features), patches)
+
+
+class CAPISide(Side):
+    """Lightly's CAPI example: `MaskedVisionTransformerTIMM` (the student, on the visible patches of
+    ``random_inverse_block_mask`` at 65 %) and its EMA copy for the whole image (momentum 0.996 -> 1 by a cosine),
+    `CAPIPredictorTIMM` of 2 blocks (the example's 6 heads are ViT-S's; here the shared ViT's), the weight-normalised
+    student `CAPIProjectionHead` and the teacher's with a bias, 1024 clusters, `CAPILoss` for the student's targets
+    and, on the teacher's logits alone, for the clustering; the two losses summed, as the example trains them."""
+
+    def __init__(self, backbone: nn.Module, dim: int):
+        import lightly.loss
+        from lightly.models.modules import CAPIPredictorTIMM, CAPIProjectionHead, MaskedVisionTransformerTIMM
+
+        vit = timm_vit_like(backbone, "CAPI")
+        super().__init__(MaskedVisionTransformerTIMM(vit=vit))
+        encoder = cast(Any, self.backbone)
+        self.sequence_length = int(encoder.sequence_length)
+        self.num_prefix_tokens = int(vit.num_prefix_tokens)
+        heads = int(cast(Any, vit.blocks[0]).attn.num_heads)
+        self.student_head = CAPIProjectionHead(input_dim=vit.embed_dim, num_clusters=1024, weight_norm=True)
+        self.predictor = CAPIPredictorTIMM(embed_dim=vit.embed_dim, grid_size=int(vit.patch_embed.grid_size[0]),
+                                           depth=2, num_heads=heads)
+        self.teacher_backbone = lightly_momentum_copy(self.backbone)
+        self.teacher_head = CAPIProjectionHead(input_dim=vit.embed_dim, num_clusters=1024, bias=True)
+        self.criterion = lightly.loss.CAPILoss()
+
+    def training_loss(self, views: list[torch.Tensor], step: int, steps: int) -> torch.Tensor:
+        from lightly.models import utils
+        from lightly.utils.scheduler import cosine_schedule
+
+        utils.update_momentum(self.backbone, self.teacher_backbone,
+                              cosine_schedule(step=step, max_steps=steps, start_value=0.996, end_value=1.0))
+        images, prefix = views[0], self.num_prefix_tokens
+        idx_keep, idx_mask = utils.random_inverse_block_mask(size=(images.shape[0], self.sequence_length),
+                                                             mask_ratio=0.65, num_prefix_tokens=prefix,
+                                                             device=images.device)
+        visible = cast(Any, self.backbone).encode(images=images, idx_keep=idx_keep)
+        predicted = self.predictor(context=visible[:, prefix:], context_positions=idx_keep[:, prefix:] - prefix,
+                                   query_positions=idx_mask - prefix)
+        student_logits = self.student_head(predicted)
+        with torch.no_grad():
+            features = cast(Any, self.teacher_backbone).encode(images=images)
+        teacher_logits = self.teacher_head(features)[:, prefix:]
+        student_loss = self.criterion(teacher_logits=teacher_logits, student_logits=student_logits,
+                                      teacher_index=idx_mask - prefix)
+        return student_loss + self.criterion(teacher_logits=teacher_logits, student_logits=teacher_logits)

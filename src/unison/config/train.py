@@ -121,7 +121,7 @@ class TrainConfig:
         "help": "small_cnn | resnet18 | resnet50 (stem by image size; _cifar / _imagenet pin it) | "
                 "vit_<micro|nano|tiny|small|base>[_p8|_p4|_p2|_auto] (_auto: patches from the image size) | timm:<name>; "
                 "default: the method's recipe (small_cnn; vit_tiny_auto for mae, ibot, ijepa, lejepa, mocov3, msn, pmsn, "
-                "simmim, aim)"})
+                "simmim, aim, capi)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
     # ---- continued pre-training: start from weights on disk, per-block lr, frozen blocks

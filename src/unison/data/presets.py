@@ -127,3 +127,6 @@ PRESETS["msn"] = {**_COMMON, "n_local": 10, "crop_scale": (0.3, 1.0), "local_cro
 # digits_crop.
 PRESETS["simmim"] = {**PRESETS["crop"], "crop_scale": (0.67, 1.0)}
 PRESETS["aim"] = {**PRESETS["crop"], "crop_scale": (0.4, 1.0)}
+# CAPI (Darcet et al., 2025), its official pretraining transform: ONE view, random resized crops from 60 % of the
+# image, flip, no colour ops. On the digits: digits_crop.
+PRESETS["capi"] = {**PRESETS["crop"], "crop_scale": (0.6, 1.0)}

@@ -176,6 +176,15 @@ def all_reduce_no_grad(x: torch.Tensor, average: bool = False) -> torch.Tensor:
     return y
 
 
+def all_reduce_max_no_grad(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of `x` over ranks without autograd; returns a new tensor (CAPI's Sinkhorn-Knopp
+    shifts its exponent by the global batch's maximum, so every rank exponentiates on one scale)."""
+    y = x.detach().clone()
+    if _active():
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    return y
+
+
 @torch.no_grad()
 def broadcast_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Overwrite `x` in place with rank `src`'s value."""

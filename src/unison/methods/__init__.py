@@ -46,6 +46,7 @@ _MODULES: dict[str, tuple[str, str]] = {
     "pmsn": ("pmsn", "PMSN"),
     "simmim": ("simmim", "SimMIM"),
     "aim": ("aim", "AIM"),
+    "capi": ("capi", "CAPI"),
 }
 
 

@@ -56,7 +56,7 @@ def _all_reduce_worker():
     loss = (s * s).sum() * (C.rank() + 1)          # rank-dependent loss of the global value
     loss.backward()
     return {"s": s.detach(), "grad": x.grad, "no_grad_sum": C.all_reduce_no_grad(x.detach(), average=True),
-            "gathered": C.gather_no_grad(x)}
+            "gathered": C.gather_no_grad(x), "max": C.all_reduce_max_no_grad(x)}
 
 
 def test_all_reduce_backward_and_no_grad_helpers():
@@ -68,3 +68,5 @@ def test_all_reduce_backward_and_no_grad_helpers():
     torch.testing.assert_close(torch.cat([out[0]["grad"], out[1]["grad"]]), x.grad)
     torch.testing.assert_close(out[0]["no_grad_sum"], (GLOBAL[:3] + GLOBAL[3:]) / 2)
     torch.testing.assert_close(out[1]["gathered"], GLOBAL)
+    for r in (0, 1):
+        assert torch.equal(out[r]["max"], torch.maximum(GLOBAL[:3], GLOBAL[3:])) and not out[r]["max"].requires_grad

@@ -15,7 +15,7 @@ from unison.errors import ConfigError
 
 pytest.importorskip("lightly")
 
-VIT_SIDES = ("mae", "msn", "pmsn", "simmim", "aim")   # trained on a ViT (the recipe's, `for_method`)
+VIT_SIDES = ("mae", "msn", "pmsn", "simmim", "aim", "capi")   # trained on a ViT (the recipe's, `for_method`)
 
 
 @pytest.mark.parametrize("method", LIGHTLY_METHODS)
