@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "PMSNLoss": "pmsn",
     "SimMIMLoss": "simmim",
     "AIMLoss": "aim",
+    "GramAnchoringLoss": "gram", "gram_matrix": "gram",
 }
 
 

@@ -46,6 +46,8 @@ _MODULES: dict[str, tuple[str, str]] = {
     "pmsn": ("pmsn", "PMSN"),
     "simmim": ("simmim", "SimMIM"),
     "aim": ("aim", "AIM"),
+    "dinov2": ("dinov2", "DINOv2"),
+    "dinov3": ("dinov3", "DINOv3"),
 }
 
 

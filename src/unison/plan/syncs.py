@@ -47,6 +47,8 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
               "scheduled by the step counter"),
     KnownSync("src/unison/methods/ibot.py (forward)", "", "iBOT's teacher temperature",
               "scheduled by the step counter"),
+    KnownSync("src/unison/methods/dinov3.py (forward)", "", "DINOv3's teacher temperature and Gram anchoring",
+              "scheduled by the step counter (and the count of Gram teacher loads)"),
     KnownSync("src/unison/methods/lejepa.py (forward)", "", "LeJEPA's random directions",
               "seeded by the step counter"),
     KnownSync("src/unison/methods/swav.py (forward)", "", "SwAV's prototypes",
