@@ -139,7 +139,7 @@ def mask_width(params: DINOv2Params, n_patches: int) -> int:
 class DINOv2(IBOT):
     name = "dinov2"
     label = "DINOv2"
-    Params = DINOv2Params   # type: ignore[assignment]  # IBOT's Params, with DINOv2's masks and defaults
+    Params = DINOv2Params
     recipe = Recipe(optimizer="adamw", base_lr=1e-3, weight_decay=0.04, augmentation="dinov2",
                     backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4"})
 
@@ -157,7 +157,7 @@ class DINOv2(IBOT):
         """DINOv2's masks of the 2 global crops (module docstring), padded to `mask_width` with weights."""
         p = self.params
         width = max(1, mask_width(p, grid * grid))
-        is_masked = torch.cat([dinov2_masking(keys, MASK_STREAM + i, grid, p.mask_probability,
-                                              (p.mask_ratio_min, p.mask_ratio_max), device) for i in range(2)])
+        is_masked = dinov2_masking(keys, MASK_STREAM, grid, p.mask_probability, (p.mask_ratio_min, p.mask_ratio_max),
+                                   device, crops=2)
         at, weights = padded_masked(is_masked, width)
         return PatchMasks(is_masked, at, weights)

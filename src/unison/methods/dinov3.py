@@ -16,8 +16,8 @@ The schedule is DINOv3's Gram anchoring of its ViT-7B (``dinov3_vit7b16_gram_anc
 teacher there, refreshed every ``update_frequency`` 10,000 iterations from ``it_first_update`` 1,010,000,
 ``max_updates`` 3), as fractions of unison's run: start ``gram_start_fraction`` 5/6, refresh period
 ``gram_refresh_fraction`` 1/120, ``gram_refreshes`` 3, ``gram_weight`` 2. The start is rounded down, so a run of
-a handful of steps (``unison check``'s) anchors its last steps; the official weight rises to 2 by a cosine over
-a thousandth of the run, taken here as a step.
+a handful of steps (``unison check``'s) anchors its last steps; the official weight rises from 0 to 2 by a cosine
+over 1000 iterations (1/1200 of the run), taken here as a step.
 
 DINOv3's other changes taken: separate DINO and iBOT heads (``ibot.separate_head: true``, both of the DINO head's
 shape here; the ViT-7B's are 8192 / 512 / 262144 and 4096 / 384 / 98304, reduced for CPU), Sinkhorn-Knopp,

@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn as nn
@@ -53,7 +54,7 @@ from unison.losses.ibot import CENTERINGS
 
 from ._common import check_multicrop, multicrop_features, require_vit
 from .base import Recipe, SampleKeys
-from .distillation import SelfDistillation
+from .distillation import DistillationParams, SelfDistillation
 from .masking import random_masking
 from .params import check_params, check_trains
 
@@ -112,15 +113,26 @@ class Distilled:
     global_crops: torch.Tensor           # [2n, C, H, W]: the 2 global crops, concatenated
 
 
+class IBOTLikeParams(DistillationParams, Protocol):
+    """What `IBOT` reads of its parameters besides the head's and the schedules': `IBOTParams`, and DINOv2's."""
+
+    student_temp: float
+    center_momentum: float
+    centering: str
+    cls_weight: float
+    patch_weight: float
+    koleo_weight: float
+
+
 class IBOT(SelfDistillation):
     name = "ibot"
     label = "iBOT"                       # the method as messages name it
-    Params = IBOTParams
+    Params: ClassVar[type] = IBOTParams   # DINOv2 and DINOv3 give their own
     needs_sample_keys = True
     recipe = Recipe(optimizer="adamw", base_lr=5e-4, weight_decay=0.04, augmentation="multicrop",
                     backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
 
-    def __init__(self, backbone: nn.Module, feature_dim: int, params: IBOTParams, **kw):
+    def __init__(self, backbone: nn.Module, feature_dim: int, params: IBOTLikeParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
         require_vit(backbone, self.label)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, feature_dim))

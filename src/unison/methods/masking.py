@@ -75,13 +75,14 @@ MAX_MASK_TRIES = 64   # the vectorised generator's tries per sample (`dinov2_mas
 
 
 def dinov2_masking(keys: SampleKeys, stream: int, grid: int, probability: float, ratio_range: tuple[float, float],
-                   device: torch.device | None = None, tries: int = MAX_MASK_TRIES) -> torch.Tensor:
-    """bool [n, grid * grid]: DINOv2's block mask of each sample (module docstring), row-major patches."""
+                   device: torch.device | None = None, tries: int = MAX_MASK_TRIES, crops: int = 1) -> torch.Tensor:
+    """bool [crops * n, grid * grid]: DINOv2's block mask of each sample (module docstring), row-major patches, for
+    `crops` crops of every sample (crop-major; crop c from stream ``stream + c``), all drawn in one loop."""
     lo, hi = ratio_range
     if not 0.0 <= lo <= hi < 1.0:
         raise ValueError(f"mask ratios must satisfy 0 <= min <= max < 1, got {ratio_range}")
     n_patches = grid * grid
-    u = _uniform(keys, stream, 2 + 4 * tries, device).double()
+    u = torch.cat([_uniform(keys, stream + c, 2 + 4 * tries, device) for c in range(crops)]).double()
     n = u.shape[0]
     target = torch.where(u[:, 0] < probability, (n_patches * (lo + (hi - lo) * u[:, 1])).floor(),
                          torch.zeros_like(u[:, 0])).long()

@@ -45,7 +45,7 @@ KNOWN_SYNCS: tuple[KnownSync, ...] = (
               "drops empty ranks with a boolean mask (torch's design, per BN layer)"),
     KnownSync("src/unison/methods/dino.py (forward)", "", "DINO's teacher temperature",
               "scheduled by the step counter"),
-    KnownSync("src/unison/methods/ibot.py (forward)", "", "iBOT's teacher temperature",
+    KnownSync("src/unison/methods/ibot.py (forward)", "", "iBOT's (and DINOv2's) teacher temperature",
               "scheduled by the step counter"),
     KnownSync("src/unison/methods/dinov3.py (forward)", "", "DINOv3's teacher temperature and Gram anchoring",
               "scheduled by the step counter (and the count of Gram teacher loads)"),

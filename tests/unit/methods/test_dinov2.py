@@ -147,6 +147,8 @@ def test_masks_are_dinov2s_block_generator_drawn_per_sample(grid):
     assert counts.max() <= n_patches // 2 and 0.4 < (counts > 0).double().mean() < 0.6   # half the crops masked
     halves = [dinov2_masking(SampleKeys(3, 1, part), 77, grid, 0.5, (0.1, 0.5)) for part in keys.indices.split(100)]
     assert torch.equal(torch.cat(halves), got)           # a sample's mask does not depend on its batch (or rank)
+    both = dinov2_masking(keys, 76, grid, 0.5, (0.1, 0.5), crops=2)                # crop c from stream 76 + c
+    assert torch.equal(both[300:], got) and torch.equal(both[:300], dinov2_masking(keys, 76, grid, 0.5, (0.1, 0.5)))
 
 
 def test_masked_patches_are_listed_at_one_width_with_weights():
