@@ -39,9 +39,9 @@ backbone when the bench's is a CNN). So do MSN, PMSN, SimMIM and AIM (`unison.be
 its example's AdamW 1.5e-4: MSN and PMSN Lightly's MSN example (``MSNTransform``, its focal views at unison's local
 crop size; PMSN with ``PMSNLoss``, as Lightly's PMSN page builds it), SimMIM its SimMIM benchmark's pieces (MAE's
 transform from 67 %), AIM its AIM example (``AIMTransform``), CAPI its CAPI example (``CAPITransform``, crops from
-60 %). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), and iBOT,
-I-JEPA, LeJEPA and distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare
-against.
+60 %). Not here: MoCo v3 (Lightly ships no MoCo v3 heads or example), iBOT, DINOv2, I-JEPA, LeJEPA and
+distillation, whose Lightly examples are ImageNet ViT recipes with no CIFAR-10 setting to compare against (DINOv2's
+loss terms are compared with Lightly's in the unit tests instead), and DINOv3, which Lightly does not have.
 
 Example::
 

@@ -121,7 +121,7 @@ class TrainConfig:
         "help": "small_cnn | resnet18 | resnet50 (stem by image size; _cifar / _imagenet pin it) | "
                 "vit_<micro|nano|tiny|small|base>[_p8|_p4|_p2|_auto] (_auto: patches from the image size) | timm:<name>; "
                 "default: the method's recipe (small_cnn; vit_tiny_auto for mae, ibot, ijepa, lejepa, mocov3, msn, pmsn, "
-                "simmim, aim, capi)"})
+                "simmim, aim, capi, dinov2, dinov3)"})
     backbone_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "settings of a timm backbone (--backbone-arg NAME=VALUE), e.g. drop_path_rate=0.1, patch_size=4"})
     # ---- continued pre-training: start from weights on disk, per-block lr, frozen blocks
@@ -143,8 +143,9 @@ class TrainConfig:
         "help": "training crop size; default: the data's shorter side (its first image's), at most 224"})
     local_crops: int | None = field(default=None, metadata={
         "range": Range(0, MAX_LOCAL_CROPS),
-        "help": "multi-crop methods (dino, ibot, swav, lejepa): number of local crops besides the 2 global ones; "
-                "default: the augmentation's (4); none for swav and dino at 32 px and below, lejepa at 16"})
+        "help": "multi-crop methods (dino, ibot, dinov2, dinov3, swav, lejepa): number of local crops besides the 2 "
+                "global ones; default: the augmentation's (4; 8 for dinov2, dinov3); none for swav and dino at 32 px "
+                "and below, lejepa at 16"})
     local_crop_size: int | None = field(default=None, metadata={
         "range": Range(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, hint=" pixels"),
         "help": "multi-crop methods: side of the local crops; default: 3/7 of the image size (96 for 224, 14 for "

@@ -130,3 +130,11 @@ PRESETS["aim"] = {**PRESETS["crop"], "crop_scale": (0.4, 1.0)}
 # CAPI (Darcet et al., 2025), its official pretraining transform: ONE view, random resized crops from 60 % of the
 # image, flip, no colour ops. On the digits: digits_crop.
 PRESETS["capi"] = {**PRESETS["crop"], "crop_scale": (0.6, 1.0)}
+
+# DINOv2 / DINOv3 (Oquab et al., 2024), their official ``DataAugmentationDINO`` settings: 2 global crops from 32 % of
+# the image and 8 local crops of 5-32 % at 3/7 of its size (96 px at 224), colour jitter 0.8 (brightness/contrast
+# 0.4, saturation 0.2, hue 0.1), grey 0.2. Their blur (1.0 / 0.1 on the global crops, 0.5 on the local ones) and
+# solarisation (0.2, second global crop) are per view, which --local-crops would have to follow: blur 0.5 on every
+# view and no solarisation instead. On the digits: digits_multicrop.
+PRESETS["dinov2"] = {**_COMMON, "n_local": 8, "crop_scale": (0.32, 1.0), "local_crop_scale": (0.05, 0.32),
+                     "saturation": 0.2}

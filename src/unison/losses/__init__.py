@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "SimMIMLoss": "simmim",
     "AIMLoss": "aim",
     "CAPILoss": "capi", "positionwise_sinkhorn": "capi",
+    "GramAnchoringLoss": "gram", "gram_matrix": "gram",
 }
 
 

@@ -34,6 +34,11 @@ exp(s / eps) stays within [e^-20, e^20]; ``float64=True`` runs Sinkhorn in doubl
 (as VISSL offers; half-precision scores are always processed in float32), and a zero row or column sum (a prototype that receives no mass
 after underflow) is left at zero instead of producing NaNs.
 
+Padded columns: ``valid`` (bool [B_local]) marks the rows of `scores` that are samples; the others (the padding
+of a batch whose samples have different numbers of rows, DINOv2's masked patches) get zero weight and a zero
+code, and B counts the valid rows only (all-reduced like the total), so the codes of the valid rows are those
+of Sinkhorn on the valid rows alone.
+
 Example::
 
     loss_fn = SwAVLoss(temperature=0.1, epsilon=0.05, iterations=3)
@@ -56,23 +61,31 @@ def _nonzero(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sinkhorn(scores: torch.Tensor, epsilon: float = 0.05, iterations: int = 3, gather_distributed: bool = True,
-             float64: bool = False) -> torch.Tensor:
-    """Codes [B_local, K] (rows sum to 1) for scores [B_local, K]; see the module docstring."""
+             float64: bool = False, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes [B_local, K] (rows sum to 1) for scores [B_local, K]; see the module docstring. `valid`: the rows
+    that are samples (the others padding: zero codes)."""
     out_dtype = scores.dtype
     work = torch.float64 if float64 else (torch.float32 if scores.dtype in (torch.float16, torch.bfloat16)
                                           else scores.dtype)
     s = scores.detach().to(work)
-    return sinkhorn_balance(torch.exp(s / epsilon), iterations, gather_distributed).to(out_dtype)
+    return sinkhorn_balance(torch.exp(s / epsilon), iterations, gather_distributed, valid).to(out_dtype)
 
 
 @torch.no_grad()
-def sinkhorn_balance(weights: torch.Tensor, iterations: int = 3, gather_distributed: bool = True) -> torch.Tensor:
+def sinkhorn_balance(weights: torch.Tensor, iterations: int = 3, gather_distributed: bool = True,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
     """The Sinkhorn-Knopp iterations of the module docstring on non-negative `weights` [B_local, K] (SwAV's
-    exp(s / eps); MSN's sharpened probabilities): every prototype gets mass 1/K, rows of the result sum to 1."""
+    exp(s / eps); MSN's sharpened probabilities): every prototype gets mass 1/K, rows of the result sum to 1
+    (the rows `valid` marks, when given; the others are 0)."""
     q = weights.detach().T.clone()                                # [K, B_local]
     k = q.shape[0]
     distributed = gather_distributed and world_size() > 1
-    stats = torch.stack([q.sum(), q.new_tensor(float(q.shape[1]))])
+    if valid is None:
+        count = q.new_tensor(float(q.shape[1]))
+    else:   # padding weighs nothing (where, not a product: an inf there would be NaN) and is not counted
+        q = torch.where(valid.unsqueeze(0), q, torch.zeros((), dtype=q.dtype, device=q.device))
+        count = valid.sum().to(q.dtype)
+    stats = torch.stack([q.sum(), count])
     if distributed:
         stats = all_reduce_no_grad(stats)
     total, b = stats[0], stats[1]
@@ -84,7 +97,7 @@ def sinkhorn_balance(weights: torch.Tensor, iterations: int = 3, gather_distribu
         q /= _nonzero(rows)
         q /= k
         q /= _nonzero(q.sum(dim=0, keepdim=True))
-        q /= b
+        q /= _nonzero(b)   # no valid row anywhere (all padding): codes 0, not 0 / 0
     q *= b
     return q.T
 

@@ -47,6 +47,8 @@ _MODULES: dict[str, tuple[str, str]] = {
     "simmim": ("simmim", "SimMIM"),
     "aim": ("aim", "AIM"),
     "capi": ("capi", "CAPI"),
+    "dinov2": ("dinov2", "DINOv2"),
+    "dinov3": ("dinov3", "DINOv3"),
 }
 
 

@@ -62,9 +62,10 @@ class Recipe:
         overrides."""
         if data != "digits":
             return self
-        preset = {"multicrop": "digits_multicrop", "msn": "digits_multicrop", "crop": "digits_crop",
-                  "distill": "digits_crop", "simmim": "digits_crop", "aim": "digits_crop", "capi": "digits_crop",
-                  "fastsiam": "digits_fastsiam", "patches": "digits_patches"}.get(self.augmentation, "digits")
+        preset = {"multicrop": "digits_multicrop", "msn": "digits_multicrop", "dinov2": "digits_multicrop",
+                  "crop": "digits_crop", "distill": "digits_crop", "simmim": "digits_crop", "aim": "digits_crop",
+                  "capi": "digits_crop", "fastsiam": "digits_fastsiam", "patches": "digits_patches"}.get(
+                      self.augmentation, "digits")
         return replace(self, **{"augmentation": preset, **self.embedded})
 
 

@@ -80,14 +80,21 @@ class SelfDistillation(SSLMethod):
     """A method with a DINO head, its momentum teacher and a step counter; see the module docstring."""
 
     head: DINOHead
+    ibot_head: DINOHead        # with a separate patch head (DINOv2's ``ibot.separate_head``) only
     teacher: MomentumTeacher
     step_count: torch.Tensor   # buffer: optimiser steps taken (rank-local, checkpointed)
 
-    def build_distillation(self, params: DistillationParams) -> None:
-        """Register the head, the teacher of (backbone, head) and the step counter, in this order."""
+    def build_distillation(self, params: DistillationParams, patch_head: bool = False) -> None:
+        """Register the head, with `patch_head` a second head of the same shape for patch tokens (``ibot_head``),
+        the teacher of (backbone, head[, ibot_head]) and the step counter, in this order."""
         self.head = DINOHead(self.feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
                              params.head_layers, params.head_batch_norm)
-        self.teacher = MomentumTeacher(backbone=self.backbone, head=self.head)
+        heads = {"head": self.head}
+        if patch_head:
+            self.ibot_head = DINOHead(self.feature_dim, params.out_dim, params.hidden_dim, params.bottleneck_dim,
+                                      params.head_layers, params.head_batch_norm)
+            heads["ibot_head"] = self.ibot_head
+        self.teacher = MomentumTeacher(backbone=self.backbone, **heads)
         self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
         mark_rank_local_state(self, ["step_count"])
 

@@ -11,9 +11,9 @@
     tau_t: linear warm-up 0.04 -> 0.07 over the first ``teacher_temp_warmup_fraction`` of the steps
 
 Masks: a fixed number of random patches per crop (iBOT's "rand" shape with a fixed ratio;
-its default block-shaped masks with a ratio drawn per image, and DINOv2's masking of half
-of the images, give every image a different count, which would make shapes depend on the
-batch). The head is shared between class and patch tokens (DINOv2's default).
+its default block-shaped masks with a ratio drawn per image give every image a different
+count: `unison.methods.dinov2` pads such masks to one width, with weights). The head is
+shared between class and patch tokens (the default of DINOv2's ``ssl_default_config.yaml``).
 
 Defaults: iBOT's ViT head (3 layers, no batch norm, GELU, bottleneck 256) with width 512 and
 1024 prototypes (official: 2048 / 8192 for iBOT, 65536 for DINOv2; reduced for CPU), mask
@@ -30,6 +30,8 @@ centres and the step counter are rank-local state (never broadcast by DDP, saved
 checkpoints); rank 0's teacher is copied to every rank on the first forward.
 
 Head, teacher, step counter and both schedules live in `unison.methods.distillation` (shared with DINO).
+`unison.methods.dinov2.DINOv2` is this method with DINOv2's masks and recipe: it overrides `IBOT.patch_masks`
+(the masks as a `PatchMasks`), and `IBOT.distill` gives DINOv3 the tokens its Gram anchoring reads.
 
 Example::
 
@@ -41,6 +43,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn as nn
@@ -51,7 +54,7 @@ from unison.losses.ibot import CENTERINGS
 
 from ._common import check_multicrop, multicrop_features, require_vit
 from .base import Recipe, SampleKeys
-from .distillation import SelfDistillation
+from .distillation import DistillationParams, SelfDistillation
 from .masking import random_masking
 from .params import check_params, check_trains
 
@@ -91,57 +94,105 @@ class IBOTParams:
                             self.patch_weight > 0 and self.mask_ratio > 0, "koleo_weight": self.koleo_weight > 0})
 
 
+@dataclass
+class PatchMasks:
+    """The masks of a step's 2 global crops (crop-major: crop 0's n samples, then crop 1's)."""
+
+    is_masked: torch.Tensor              # bool [2n, N]: where the student sees the mask token
+    at: torch.Tensor                     # long [2n, m]: the masked patches the patch loss reads
+    weights: torch.Tensor | None = None  # [2n, m]: 1 / the crop's count, 0 at padding; None: every crop masks m
+
+
+@dataclass
+class Distilled:
+    """What `IBOT.distill` computed: the loss, the step its schedules read, and what DINOv3 adds a term on."""
+
+    loss: torch.Tensor
+    step: int
+    student_tokens: torch.Tensor         # [2n, 1 + N, D]: the student's output tokens of the masked global crops
+    global_crops: torch.Tensor           # [2n, C, H, W]: the 2 global crops, concatenated
+
+
+class IBOTLikeParams(DistillationParams, Protocol):
+    """What `IBOT` reads of its parameters besides the head's and the schedules': `IBOTParams`, and DINOv2's."""
+
+    student_temp: float
+    center_momentum: float
+    centering: str
+    cls_weight: float
+    patch_weight: float
+    koleo_weight: float
+
+
 class IBOT(SelfDistillation):
     name = "ibot"
-    Params = IBOTParams
+    label = "iBOT"                       # the method as messages name it
+    Params: ClassVar[type] = IBOTParams   # DINOv2 and DINOv3 give their own
     needs_sample_keys = True
     recipe = Recipe(optimizer="adamw", base_lr=5e-4, weight_decay=0.04, augmentation="multicrop",
                     backbone="vit_tiny_auto", embedded={"backbone": "vit_nano_p4", "base_lr": 1e-3})
 
-    def __init__(self, backbone: nn.Module, feature_dim: int, params: IBOTParams, **kw):
+    def __init__(self, backbone: nn.Module, feature_dim: int, params: IBOTLikeParams, **kw):
         super().__init__(backbone, feature_dim, params, **kw)
-        require_vit(backbone, "iBOT")
+        require_vit(backbone, self.label)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, feature_dim))
-        self.build_distillation(params)   # head, teacher, step counter (`unison.methods.distillation`)
+        # head, teacher, step counter (`unison.methods.distillation`); DINOv2 may give patches their own head
+        self.build_distillation(params, patch_head=getattr(params, "separate_head", False))
         self.loss_fn = IBOTLoss(params.out_dim, params.student_temp, params.center_momentum, params.centering,
                                 gather_distributed=self.gather_distributed)
         self.koleo = KoLeoLoss(gather_distributed=self.gather_distributed)
 
     def forward(self, views: list[torch.Tensor], keys: SampleKeys | None = None) -> torch.Tensor:
-        if keys is None:
-            raise ValueError("iBOT draws its masks per sample: call it with keys=SampleKeys(seed, epoch, indices)")
-        n = check_multicrop(views, "iBOT")
-        p = self.params
-        vit, teacher_vit = require_vit(self.backbone, "iBOT"), require_vit(self.teacher.backbone, "iBOT")
-        grid = vit.grid_size(views[0].shape[-1])
+        return self.distill(views, keys, int(self.step_count)).loss
+
+    def patch_masks(self, keys: SampleKeys, grid: int, device: torch.device) -> PatchMasks:
+        """The student's masks of the 2 global crops: m = round(mask_ratio * N) random patches each."""
         n_patches = grid * grid
-        n_masked = round(p.mask_ratio * n_patches)
+        n_masked = round(self.params.mask_ratio * n_patches)
         if not 1 <= n_masked <= n_patches:
-            raise ConfigError(f"iBOT mask_ratio={p.mask_ratio} masks {n_masked} of {n_patches} patches; mask at least one "
-                              "(--param mask_ratio=VALUE)")
-        masked = torch.cat([random_masking(keys, MASK_STREAM + i, n_patches, n_masked, views[0].device)[1]
+            raise ConfigError(f"iBOT mask_ratio={self.params.mask_ratio} masks {n_masked} of {n_patches} patches; mask "
+                              "at least one (--param mask_ratio=VALUE)")
+        masked = torch.cat([random_masking(keys, MASK_STREAM + i, n_patches, n_masked, device)[1]
                             for i in range(2)])                                        # [2n, m]
-        is_masked = torch.zeros(2 * n, n_patches, dtype=torch.bool, device=masked.device).scatter_(1, masked, True)
-        at_masked = masked.unsqueeze(-1).expand(-1, -1, self.feature_dim)
+        is_masked = torch.zeros(masked.shape[0], n_patches, dtype=torch.bool,
+                                device=masked.device).scatter_(1, masked, True)
+        return PatchMasks(is_masked, masked)
+
+    def distill(self, views: list[torch.Tensor], keys: SampleKeys | None, step: int) -> Distilled:
+        """The loss of the module docstring at optimiser step `step` (its teacher temperature)."""
+        if keys is None:
+            raise ValueError(f"{self.label} draws its masks per sample: call it with "
+                             "keys=SampleKeys(seed, epoch, indices)")
+        n = check_multicrop(views, self.label)
+        p = self.params
+        vit, teacher_vit = require_vit(self.backbone, self.label), require_vit(self.teacher.backbone, self.label)
+        masks = self.patch_masks(keys, vit.grid_size(views[0].shape[-1]), views[0].device)
+        m = masks.at.shape[1]
+        at_masked = masks.at.unsqueeze(-1).expand(-1, -1, self.feature_dim)
+        separate = hasattr(self, "ibot_head")
+        patch_head = self.ibot_head if separate else self.head
+        teacher_patch_head = self.teacher.ibot_head if separate else self.teacher.head
 
         self.teacher.sync_once()
         globals_ = torch.cat(views[:2])
         with torch.no_grad():
             t = teacher_vit.forward_tokens(globals_)
             t_cls = self.teacher.head(t[:, 0]).split(n)
-            t_patch = self.teacher.head(t[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, n_masked, -1)
-        s = vit.forward_tokens(globals_, mask=is_masked, mask_token=self.mask_token)
+            t_patch = teacher_patch_head(t[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, m, -1)
+        s = vit.forward_tokens(globals_, mask=masks.is_masked, mask_token=self.mask_token)
         s_global_cls = s[:, 0]
         s_cls = [s_global_cls] + ([multicrop_features(self.backbone, views[2:])] if len(views) > 2 else [])
         s_cls_out = self.head(torch.cat(s_cls)).split(n)
-        s_patch = self.head(s[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, n_masked, -1)
+        s_patch = patch_head(s[:, 1:].gather(1, at_masked).flatten(0, 1)).view(2 * n, m, -1)
 
+        weights = None if masks.weights is None else \
+            list(masks.weights.to(torch.promote_types(s.dtype, torch.float32)).split(n))
         loss_cls, loss_patch = self.loss_fn(list(s_cls_out), list(t_cls), list(s_patch.split(n)),
-                                            list(t_patch.split(n)), self.teacher_temp(int(self.step_count)))
+                                            list(t_patch.split(n)), self.teacher_temp(step), patch_weights=weights)
         loss = p.cls_weight * loss_cls + p.patch_weight * loss_patch
         if p.koleo_weight > 0:
             loss = loss + p.koleo_weight * sum(self.koleo(c) for c in s_global_cls.split(n))
-        return loss
+        return Distilled(loss, step, s, globals_)
 
     def exactness_note(self) -> str | None:
         if not self.gather_distributed:

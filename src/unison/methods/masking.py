@@ -1,4 +1,4 @@
-"""Per-sample patch masks for MAE, iBOT and I-JEPA, drawn from (seed, epoch, sample index) only.
+"""Per-sample patch masks for MAE, iBOT, DINOv2 and I-JEPA, drawn from (seed, epoch, sample index) only.
 
 Every draw goes through `unison.rng.sample_uniform(seed, epoch, indices, stream,
 count)`, a pure function of its coordinates, so the mask of a sample is the same whatever
@@ -13,6 +13,17 @@ the batch, which makes a sample's mask depend on the other samples, hence on the
 
 * `random_masking`: MAE / iBOT. A random priority per patch; the ``n_masked`` lowest are
   masked, the others visible (both returned in ascending patch order).
+* `dinov2_masking`: DINOv2 / DINOv3. With probability ``probability`` a sample is masked, with a
+  target of ``floor(N * r)`` patches for r uniform in ``ratio_range`` (else none), by BEiT's block
+  generator as DINOv2's ``MaskingGenerator`` runs it: rectangles of area uniform in
+  [4, what is left] (at most N / 2 patches per rectangle) and aspect ratio log-uniform in
+  [0.3, 1 / 0.3], each kept when it adds between 1 and what is left, until the target is met
+  or 10 rectangles in a row fail. The count of masked patches differs from sample to sample;
+  `padded_masked` lists them at one width, with weights 1 / count and 0 for the padding.
+  Here the generator's tries are a fixed number (`MAX_MASK_TRIES`) of vectorised steps, a
+  sample that is done ignoring the rest: no loop that reads tensor values on the host (a
+  device sync per try, and a loop that never ends on `unison plan`'s fake tensors). The
+  official loop stops on its own well before that many tries.
 * `block_masking`: I-JEPA. ``num_blocks`` target blocks of ``h x w`` patches, each transposed
   to ``w x h`` with probability 1/2 (the aspect-ratio range ``(h/w, w/h)`` of the paper with a
   fixed patch count), at uniform positions; blocks may overlap. The context is a random
@@ -29,6 +40,8 @@ Example::
     visible, masked = random_masking(keys, stream=MAE_STREAM, n_patches=64, n_masked=48)   # [2, 16], [2, 48]
     targets, context = block_masking(keys, stream=IJEPA_STREAM, grid=8, num_blocks=4, block=(3, 4))
     visible, masked = inverse_block_masking(keys, stream=CAPI_STREAM, grid=8, n_masked=41)   # [2, 23], [2, 41]
+    is_masked = dinov2_masking(keys, stream=DINOV2_STREAM, grid=8, probability=0.5, ratio_range=(0.1, 0.5))
+    masked, weights = padded_masked(is_masked, width=32)                                  # [2, 32], [2, 32]
 """
 
 from __future__ import annotations
@@ -55,6 +68,64 @@ def random_masking(keys: SampleKeys, stream: int, n_patches: int, n_masked: int,
     order = _uniform(keys, stream, n_patches, device).argsort(dim=1, stable=True)
     masked, visible = order[:, :n_masked], order[:, n_masked:]
     return visible.sort(dim=1).values, masked.sort(dim=1).values
+
+
+# DINOv2's MaskingGenerator (data/masking.py): the smallest rectangle it draws, its aspect-ratio range, and the
+# tries in a row after which a sample stops short of its target
+MIN_BLOCK_PATCHES = 4
+MIN_BLOCK_ASPECT = 0.3
+BLOCK_TRIES_IN_A_ROW = 10
+MAX_MASK_TRIES = 64   # the vectorised generator's tries per sample (`dinov2_masking`)
+
+
+def dinov2_masking(keys: SampleKeys, stream: int, grid: int, probability: float, ratio_range: tuple[float, float],
+                   device: torch.device | None = None, tries: int = MAX_MASK_TRIES, crops: int = 1) -> torch.Tensor:
+    """bool [crops * n, grid * grid]: DINOv2's block mask of each sample (module docstring), row-major patches, for
+    `crops` crops of every sample (crop-major; crop c from stream ``stream + c``), all drawn in one loop."""
+    lo, hi = ratio_range
+    if not 0.0 <= lo <= hi < 1.0:
+        raise ValueError(f"mask ratios must satisfy 0 <= min <= max < 1, got {ratio_range}")
+    n_patches = grid * grid
+    u = torch.cat([_uniform(keys, stream + c, 2 + 4 * tries, device) for c in range(crops)]).double()
+    n = u.shape[0]
+    target = torch.where(u[:, 0] < probability, (n_patches * (lo + (hi - lo) * u[:, 1])).floor(),
+                         torch.zeros_like(u[:, 0])).long()
+    k = torch.arange(n_patches, device=u.device)
+    row, col = (k // grid).unsqueeze(0), (k % grid).unsqueeze(0)
+    mask = torch.zeros(n, n_patches, dtype=torch.bool, device=u.device)
+    count = torch.zeros(n, dtype=torch.long, device=u.device)
+    failed = torch.zeros(n, dtype=torch.long, device=u.device)   # failed tries in a row
+    done = count >= target
+    log_aspect = (math.log(MIN_BLOCK_ASPECT), math.log(1 / MIN_BLOCK_ASPECT))
+    for t in range(tries):
+        ua, ur, ut, ul = u[:, 2 + 4 * t:6 + 4 * t].unbind(1)
+        left_over = torch.minimum(target - count, torch.full_like(target, n_patches // 2)).double()
+        area = MIN_BLOCK_PATCHES + (left_over - MIN_BLOCK_PATCHES) * ua    # random.uniform(4, left_over)
+        aspect = torch.exp(log_aspect[0] + (log_aspect[1] - log_aspect[0]) * ur)
+        h, w = torch.sqrt(area * aspect).round().long(), torch.sqrt(area / aspect).round().long()
+        fits = (h < grid) & (w < grid)
+        top = (ut * (grid - h + 1).clamp(min=1)).floor().long().unsqueeze(1)
+        left = (ul * (grid - w + 1).clamp(min=1)).floor().long().unsqueeze(1)
+        rect = (row >= top) & (row < top + h.unsqueeze(1)) & (col >= left) & (col < left + w.unsqueeze(1))
+        added = (rect & ~mask).sum(dim=1)
+        kept = fits & (added > 0) & (added <= left_over) & ~done
+        mask |= rect & kept.unsqueeze(1)
+        count = count + torch.where(kept, added, 0)
+        failed = torch.where(kept, 0, torch.where(done, failed, failed + 1))
+        done = done | (count >= target) | (failed >= BLOCK_TRIES_IN_A_ROW)
+    return mask
+
+
+def padded_masked(is_masked: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices [n, width], weights [n, width]) of each sample's masked patches, ascending, then padding: the
+    weight of a masked patch is 1 / the sample's count, of the padding 0 (its index a masked or any patch)."""
+    count = is_masked.sum(dim=1, keepdim=True)
+    if is_masked.shape[1] < width:
+        raise ValueError(f"cannot list up to {width} masked patches of {is_masked.shape[1]}")
+    order = (~is_masked).to(torch.uint8).argsort(dim=1, stable=True)[:, :width]     # masked first, ascending
+    slot = torch.arange(width, device=is_masked.device).unsqueeze(0)
+    weights = torch.where(slot < count, 1.0 / count.clamp(min=1).double(), 0.0)
+    return order, weights
 
 
 def block_masking(keys: SampleKeys, stream: int, grid: int, num_blocks: int, block: tuple[int, int],

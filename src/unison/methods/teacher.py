@@ -62,3 +62,13 @@ class MomentumTeacher(nn.Module):
         """teacher.<name> <- momentum * teacher.<name> + (1 - momentum) * method.<name>, for every copy."""
         for name, target in self.named_children():
             ema_update_(target, getattr(method, name), momentum)
+
+    @torch.no_grad()
+    def load_from(self, source: nn.Module) -> None:
+        """teacher.<name> <- source.<name> exactly (parameters and buffers), for every copy: a snapshot of another
+        teacher (DINOv3's Gram teacher of the EMA teacher). Under FSDP both are sharded alike: local shards."""
+        for name, target in self.named_children():
+            other = getattr(source, name)
+            for a, b in zip([*target.parameters(), *target.buffers()], [*other.parameters(), *other.buffers()],
+                            strict=True):
+                a.copy_(b)
