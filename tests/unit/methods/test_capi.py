@@ -42,7 +42,7 @@ def test_registered_with_the_official_recipe():
         ("capi", "adamw", 0.1, "vit_tiny_auto")
     assert CAPI.recipe.base_lr == pytest.approx(1e-3 * 256 / 16384)   # 1e-3 at the official batch of 16384
     digits = resolve_recipe(TrainConfig(method="capi"), 16)
-    assert (digits.augmentation, digits.backbone) == ("digits_crop", "vit_nano_p2")   # 8 x 8 patches of 2 px
+    assert (digits.augmentation, digits.backbone) == ("digits_crop", "vit_nano_p4")   # as the other ViT methods
 
 
 def _official_visible(u: list[float], grid: int, n_visible: int) -> np.ndarray:
