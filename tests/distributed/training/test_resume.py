@@ -194,7 +194,7 @@ def test_a_resume_that_would_walk_the_data_otherwise_is_refused(two_runs, flag, 
 
 
 # ------------------------------------------------------------------ run directories of earlier code
-EARLIER_RUNS = Path(__file__).resolve().parents[2] / "data" / "runs"
+EARLIER_RUNS = Path(__file__).resolve().parents[2] / "data" / "run_dirs"
 EARLIER_ARGS = ["train", "--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5", "--no-progress",
                 "--world-size", "1", "--checkpoint-every", "2", "--signal-images", "0", "--no-random-init-knn",
                 "--no-knn", "--param", "proj_hidden_dim=64", "--param", "proj_dim=32"]
