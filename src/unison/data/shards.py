@@ -53,8 +53,8 @@ import numpy as np
 
 from unison.config.fields import shown
 from unison.errors import DataError
+from unison.paths import cache_root
 
-from .cache import cache_root
 from .files import MAX_LABEL_BYTES, check_regular, parse_label, resolved
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, integer_classes
 
