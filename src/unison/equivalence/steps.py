@@ -281,7 +281,7 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
 
     `record` is the worker body (tests pass a deliberately broken copy to see the check fail); `own`: the user's
     backbone, dataset and transform, checked as `unison.train` checks them and sent to the workers pickled."""
-    from unison.distributed.main_guard import refuse_reentered_main
+    from unison.distributed.start import refuse_reentered_main
     from unison.distributed.testing import run_in_workers
     from unison.training.init_read import check_backbone_setup
     from unison.training.own import check_picklable, check_pieces

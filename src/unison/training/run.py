@@ -20,8 +20,7 @@ from unison.config import TrainConfig
 from unison.config.distributed import as_distributed
 from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
-from unison.distributed.main_guard import refuse_reentered_main
-from unison.distributed.start import refuse_unimportable_main
+from unison.distributed.start import refuse_reentered_main, refuse_unimportable_main
 from unison.distributed.watchdog import watched_startup
 
 from .footprint import check_model_memory
