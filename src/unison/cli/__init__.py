@@ -33,7 +33,7 @@ from unison.errors import (
     exit_code_of,
     one_line_warnings,
 )
-from unison.training.runlog import append_run_log
+from unison.training.metrics import append_run_log
 
 from .help_texts import CHECK, DESCRIPTION, EPILOG, PLAN, TRAIN
 from .train_args import (

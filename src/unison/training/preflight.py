@@ -37,11 +37,11 @@ from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.checkpoint.header import structure
 from unison.training.init_read import check_backbone_setup
+from unison.training.metrics import append_run_log
 from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
 from unison.training.resolve import RunPlan, resumed_checkpoint_of, resumes_its_teacher
-from unison.training.runlog import append_run_log
 from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
 
 

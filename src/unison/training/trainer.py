@@ -68,12 +68,11 @@ from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
 from unison.training.describe import UnreadableImages, describe_backbone, describe_data, describe_init
 from unison.training.hooks import StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
-from unison.training.metrics import MetricsLogger
+from unison.training.metrics import MetricsLogger, RunLog
 from unison.training.preemption import MidStepStop, StopAgreement, preempted, save_failed_elsewhere
 from unison.training.progress_bar import progress_bar
 from unison.training.resolve import RunPlan, plan_run
 from unison.training.run_files import run_file_error
-from unison.training.runlog import RunLog
 from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, HeldBack, OnlineProbe, measure_signals
 from unison.training.step import (
     Batch,
