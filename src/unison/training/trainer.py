@@ -70,7 +70,6 @@ from unison.training.hooks import StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
 from unison.training.metrics import MetricsLogger, RunLog
 from unison.training.preemption import MidStepStop, StopAgreement, preempted, save_failed_elsewhere
-from unison.training.progress_bar import progress_bar
 from unison.training.resolve import RunPlan, plan_run
 from unison.training.run_files import run_file_error
 from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, HeldBack, OnlineProbe, measure_signals
@@ -342,8 +341,11 @@ class Trainer:
         self.wait_s = self.wait_since_log = self.train_time_s = 0.0
         self.images_since_log = 0
         self.waits = DataWaitWarning(run) if self.master else None
-        self.progress = (progress_bar(run.total_steps, step, f"{cfg.method} x{C.world_size()}")
-                         if self.master and cfg.progress else None)
+        self.progress = None
+        if self.master and cfg.progress:
+            from unison.training.progress_bar import progress_bar  # tqdm: for the runs that draw the bar
+
+            self.progress = progress_bar(run.total_steps, step, f"{cfg.method} x{C.world_size()}")
         self.t_start = self.t_log = time.perf_counter()
         # the signals' held-back images; collapse is judged on MIN_COLLAPSE_IMAGES or more (fewer: RankMe stays
         # below its floor even for a healthy network)
