@@ -21,8 +21,7 @@ from unison.methods.base import SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.training.init import InitWeights, prepare_backbone
-from unison.training.resolve import resolve_recipe, resumes_its_teacher
-from unison.training.teacher import build_teacher, needs_teacher
+from unison.training.resolve import needs_teacher, resolve_recipe, resumes_its_teacher
 
 __all__ = ["CompileFailuresReported", "build_method", "compiled", "seed_everything"]
 
@@ -140,6 +139,8 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     method_cls = get_method(cfg.method)
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
+        from unison.training.teacher import build_teacher  # it reads checkpoints and weights files: distill only
+
         seed_everything(cfg.seed, cfg.deterministic)
         if teacher_weights is None:   # a resumed run's checkpoint holds its teacher's weights: not read again
             teacher_weights = not resumes_its_teacher(cfg)

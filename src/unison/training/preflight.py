@@ -41,8 +41,7 @@ from unison.training.metrics import append_run_log
 from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
-from unison.training.resolve import RunPlan, resumed_checkpoint_of, resumes_its_teacher
-from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
+from unison.training.resolve import TEACHER_RANDOM, RunPlan, resumed_checkpoint_of, resumes_its_teacher
 
 
 def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> None:
@@ -94,12 +93,15 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     """distill's ``--teacher``: apart from ``--out``; a teacher run's checkpoint read as a resume reads it (every
     field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
     workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
+    if cfg.teacher is None:   # no teacher to read: every method but distill (`validate_teacher`)
+        return
+    from unison.training.teacher import build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
+
     if resumes_its_teacher(cfg):   # the teacher its checkpoint holds: not read again
         keep_resumed_teacher(cfg)
         return
-    if cfg.teacher in (None, RANDOM):
-        if cfg.teacher == RANDOM:   # head parameters given with --param: DINO's default head's
-            _record_head(cfg, teacher_head_spec(cfg, None))
+    if cfg.teacher == TEACHER_RANDOM:   # head parameters given with --param: DINO's default head's
+        _record_head(cfg, teacher_head_spec(cfg, None))
         return
     out = Path(cfg.out)
     if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
@@ -131,7 +133,7 @@ def keep_resumed_teacher(cfg: TrainConfig) -> None:
     if not isinstance(teacher, str):   # not a distilled run's checkpoint: the method check refuses it
         return
     given = cfg.teacher
-    if not (given == teacher or same_file(given, teacher) or (given != RANDOM and is_inside(teacher, given))):
+    if not (given == teacher or same_file(given, teacher) or (given != TEACHER_RANDOM and is_inside(teacher, given))):
         raise ConfigError(f"--teacher {given} is not the teacher of the run resumed from {resumed} ({teacher}, "
                           "whose weights its checkpoint holds): a resumed run keeps its teacher; leave --teacher "
                           f"out, or distil from {given} in a new run (a new --out, without --resume)")
