@@ -38,7 +38,6 @@ from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name,
 from unison.training.checkpoint.header import structure
 from unison.training.init_read import check_backbone_setup
 from unison.training.metrics import append_run_log
-from unison.training.own import check_pieces
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
 from unison.training.resolve import TEACHER_RANDOM, RunPlan, resumed_checkpoint_of, resumes_its_teacher
@@ -51,7 +50,10 @@ def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> No
     own = own or OwnPieces()
     cfg = plan.cfg
     sizes = list(plan.view_sizes) if own.dataset is None else None
-    check_pieces(plan, own, sizes)
+    if own.given:   # the user's own pieces: their whole check (a run of unison's own has nothing of it to run)
+        from unison.training.own import check_pieces
+
+        check_pieces(plan, own, sizes)
     out = Path(cfg.out)
     check_init_not_replaced(cfg, out)
     if own.backbone is None:   # unison's backbone against the views, and --init, --freeze, --layer-decay against it

@@ -24,7 +24,6 @@ from unison.distributed.start import refuse_reentered_main, refuse_unimportable_
 from unison.distributed.watchdog import watched_startup
 
 from .footprint import check_model_memory
-from .own import check_picklable
 from .owner import RunDirLock
 from .pieces import OwnPieces
 from .preflight import preflight, set_aside_other_run
@@ -54,6 +53,8 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
                          "its first images or your dataset's first items)"):
         plan = resolve_run(cfg, own=own)   # the run, decided once: the workers build from it
         if own is not None and not in_process:
+            from .own import check_picklable
+
             check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
         if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
             check_model_memory(plan)   # a model that cannot fit: one line here, not a huge failed allocation per worker
