@@ -56,7 +56,6 @@ from unison.optim import build_optimizer, constructor_args
 from unison.optim.groups import layer_scales, param_groups
 from unison.optim.schedule import Schedule
 from unison.parallel.ddp import comm_hook_checkpoint_state, grad_sync_context, unwrap, wrap_ddp
-from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync
 from unison.training.checkpoint.extra_state import ExtraState  # the submodule: the package imports step
 from unison.training.init import InitWeights
 from unison.training.length import planned_schedule
@@ -320,6 +319,8 @@ def accumulated_forward_backward(run: Run, micro_batches: Sequence[Batch],
                 before_micro(batch)
             losses.append(forward_backward(run, batch))
         return torch.stack(losses).mean()
+    from unison.training.accumulate import ExactAccumulation, average_gradients, no_sync  # K > 1 micro-batches only
+
     first = micro_batches[0]
     views = [torch.cat([b.views[v] for b in micro_batches]) for v in range(len(first.views))]
     if run.cfg.nhwc:
