@@ -55,7 +55,6 @@ from unison.distributed.watchdog import Stuck, Watchdog
 from unison.errors import ConfigError, WatchdogTimeout
 from unison.eval.knn import knn_accuracy
 from unison.paths import is_inside, same_file, write_text_atomic
-from unison.training.budget import USED_KEY, BudgetClock, adopt_plan, end_budget, start_budget, used_line
 from unison.training.checkpoint import (
     Checkpointer,
     latest_checkpoint,
@@ -86,6 +85,7 @@ from unison.training.step import (
 from unison.training.summary import Summary, peak_memory_mib, steady_heap
 
 if TYPE_CHECKING:   # annotations only
+    from unison.training.budget import BudgetClock
     from unison.training.pieces import OwnPieces
     from unison.training.profile import ProfileHook
     from unison.training.replan import ReplanHook
@@ -167,7 +167,11 @@ class Trainer:
     def __init__(self, plan: RunPlan, device: torch.device, hooks: Sequence[TrainHook] = ()) -> None:
         cfg = self.cfg = plan.cfg
         self.plan, self.device, self.master = plan, device, C.rank() == 0
-        self.budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's)
+        self.budget: BudgetClock | None = None
+        if cfg.time_budget:   # a budgeted run's clock, counting from here (rank 0's); only such a run imports it
+            from unison.training.budget import BudgetClock
+
+            self.budget = BudgetClock(cfg.time_budget)
         self.hooks = [*hooks, *hooks_from_env(cfg, C.rank())]
         install_stop_handlers()   # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
         # no launcher: the process is the caller's (a notebook's kernel), and a stuck run raises here, not ending it
@@ -184,7 +188,8 @@ class Trainer:
             self.probe = OnlineProbe(run)
             run.extra_state.register("online_probe", self.probe)   # before the restore: a resumed probe continues
             step = self._restore()
-            self._say(start_budget(run, self.budget, step, self.history))   # measure and plan, or keep the plan
+            if self.budget is not None:
+                self._say(self.budget.start(run, step, self.history))   # measure and plan, or keep the plan
             self._write_config()   # after the restore: a checkpoint refused by it leaves config.json as it was
             self.logger = MetricsLogger(self.cfg.out, enabled=self.master, kind=self.cfg.logger,
                                         config=self.cfg.to_dict(), error=self._file_error)
@@ -201,7 +206,8 @@ class Trainer:
         torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
         join_elastic(cfg.out, self.device)   # torchrun: a re-formed group of this job resumes like a restart
         resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
-        adopt_plan(cfg)   # a budgeted run resumed by a restart: the checkpoint's plan, not a new measurement
+        if self.budget is not None:   # resumed by a restart: the checkpoint's plan, not a new measurement
+            self.budget.adopt_plan(cfg)
         run = build_run(self.plan, self.device, init=init_weights_of(cfg), own=own)   # the step reads no checkpoint
         if self.master:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -268,7 +274,7 @@ class Trainer:
             if self.held is not None and not end.last and end.step % self.signals_every == 0:
                 self._signals(end)
             if self.budget is not None and self.replan is not None:
-                self.history[USED_KEY] = self.budget.spent_s()   # a checkpoint (and the run resumed from it) carries it
+                self.budget.keep_spent(self.history)   # a checkpoint (and the run resumed from it) carries it
                 self.replan.after_step(run, end)
             if self._checkpoint_due(end):
                 end.saved = True
@@ -494,22 +500,22 @@ class Trainer:
 
     def _end(self, step: int) -> Summary:
         """The final kNN and signals, the last checkpoint, the budget's account and the run's `Summary`."""
-        run, cfg, history = self.run, self.cfg, self.history
+        run, history = self.run, self.history
         self.unreadable.final()
         history["knn_top1"] = self._evaluate(step)
         if self.held is not None and self.signals_latest.get("step") != step:
             self._measure_signals(step)
         if self.budget is not None:   # the final kNN counted in the last checkpoint: a resumed run goes on from here
-            history[USED_KEY] = self.budget.spent_s()
+            self.budget.keep_spent(history)
         with self.watch.phase("checkpoint", step):
             save_run_checkpoint(run, self.checkpointer, step, history)
             self.checkpointer.wait()   # complete on disk before the run returns
         note_progress(step, done=True)   # a torchrun job with this id that starts later is a new run
         self.watch.enter("done", step)
         history["signals"] = self._signals_summary()
-        history["time_budget"] = used = end_budget(run, self.budget, step)
-        if self.budget is not None and used is not None:
-            self._say(used_line(str(cfg.time_budget), used, self.budget.spent_on_resume))
+        if self.budget is not None:
+            history["time_budget"], line = self.budget.end(run, step)
+            self._say(line)
         return self._summary(step)
 
     def _signals_summary(self) -> dict[str, Any]:
