@@ -33,9 +33,8 @@ from unison.methods import get_method
 from unison.models.backbones import check_backbone, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import Input, is_inside, same_file
-from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_header
+from unison.training.checkpoint import latest_checkpoint, list_checkpoints
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
-from unison.training.checkpoint.header import structure
 from unison.training.init_read import check_backbone_setup
 from unison.training.metrics import append_run_log
 from unison.training.owner import check_run_dir, set_aside_earlier_run
@@ -68,6 +67,8 @@ def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> No
         raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
                             f"a new one, or --resume {out.parent} to continue that run")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
+        from unison.training.checkpoint.header import read_header, structure
+
         header = read_header(cfg.resume, expect_method=structure(cfg))   # header only (method, backbone): no weights
         if restart_reason() is None and not recorded_here(out):   # restarted, requeued, re-formed: its own directory
             check_resume_target(Path(cfg.resume), int(header.step), out)
@@ -97,6 +98,7 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
     if cfg.teacher is None:   # no teacher to read: every method but distill (`validate_teacher`)
         return
+    from unison.training.checkpoint import load_checkpoint, read_header
     from unison.training.teacher import build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
 
     if resumes_its_teacher(cfg):   # the teacher its checkpoint holds: not read again
@@ -130,6 +132,8 @@ def keep_resumed_teacher(cfg: TrainConfig) -> None:
     taken, any other is refused (one line), and the run records the checkpoint's teacher."""
     resumed = resumed_checkpoint_of(cfg)
     assert resumed is not None and cfg.teacher is not None
+    from unison.training.checkpoint import read_header
+
     recorded = read_header(resumed).config
     teacher = recorded.get("teacher")
     if not isinstance(teacher, str):   # not a distilled run's checkpoint: the method check refuses it

@@ -56,7 +56,6 @@ from unison.distributed import collectives as C
 from unison.errors import CheckpointError, NonFiniteLossError
 from unison.eval.signals import all_signals
 from unison.rng import epoch_permutation
-from unison.training.checkpoint.contents import check_optimizer_state
 from unison.training.nonfinite import non_finite_cause
 from unison.training.step import Batch, Run
 
@@ -253,6 +252,8 @@ class OnlineProbe:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The probe as the checkpoint left it; one that does not fit this run's classes starts fresh."""
+        from unison.training.checkpoint.contents import check_optimizer_state  # what a resume reads is checked
+
         counts = state.get("counts") if isinstance(state, dict) else None
         if not (isinstance(counts, torch.Tensor) and counts.shape == (2,)):
             raise CheckpointError("the checkpoint's online_probe state is malformed; the file is damaged")

@@ -55,13 +55,7 @@ from unison.distributed.watchdog import Stuck, Watchdog
 from unison.errors import ConfigError, WatchdogTimeout
 from unison.eval.knn import knn_accuracy
 from unison.paths import is_inside, same_file, write_text_atomic
-from unison.training.checkpoint import (
-    Checkpointer,
-    latest_checkpoint,
-    read_header,
-    resume_run,
-    save_run_checkpoint,
-)
+from unison.training.checkpoint import Checkpointer, latest_checkpoint
 from unison.training.checkpoint.files import CHECKPOINT_DIR, step_of
 from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
 from unison.training.describe import UnreadableImages, describe_backbone, describe_data, describe_init
@@ -222,7 +216,12 @@ class Trainer:
         """The steps already done: from ``--resume`` or the run directory after a restart, else 0, with the
         random-initialisation kNN baseline measured (never of a trained encoder)."""
         run, cfg = self.run, self.cfg
-        step, self.history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
+        if cfg.resume:
+            from unison.training.checkpoint import resume_run
+
+            step, self.history = resume_run(run, cfg.resume)
+        else:
+            step, self.history = 0, {}
         name_run(run)
         self.runlog.line(start_line(run, C.world_size(), step))
         if "resumed_from_total_steps" in run.resolved:
@@ -279,7 +278,7 @@ class Trainer:
             if self._checkpoint_due(end):
                 end.saved = True
                 with self.watch.phase("checkpoint", end.step):
-                    save_run_checkpoint(run, self.checkpointer, end.step, self.history)
+                    self._save(end.step)
                 self.last_save = time.monotonic()
             self._agree_to_stop(end)
             for hook in hooks:
@@ -485,12 +484,19 @@ class Trainer:
             return
         with self.watch.phase("checkpoint", step):
             if not end.saved:
-                save_run_checkpoint(run, checkpointer, step, self.history)
+                self._save(step)
             path = checkpointer.wait()         # the preemption checkpoint is complete before anyone exits
             if path is None and self.master:   # --shard full: written by every rank through DCP
                 path = latest_checkpoint(checkpointer.run_dir)
             C.barrier()
         raise preempted(decision, step, run.total_steps, str(path) if path is not None else None)
+
+    def _save(self, step: int) -> None:
+        """The run's checkpoint at `step`, with its history (`unison.training.checkpoint.run_state`; the first save
+        imports the writer's format)."""
+        from unison.training.checkpoint import save_run_checkpoint
+
+        save_run_checkpoint(self.run, self.checkpointer, step, self.history)
 
     def _on_checkpoint_write(self, step: int, written: int) -> None:
         for hook in self.hooks:
@@ -508,7 +514,7 @@ class Trainer:
         if self.budget is not None:   # the final kNN counted in the last checkpoint: a resumed run goes on from here
             self.budget.keep_spent(history)
         with self.watch.phase("checkpoint", step):
-            save_run_checkpoint(run, self.checkpointer, step, history)
+            self._save(step)
             self.checkpointer.wait()   # complete on disk before the run returns
         note_progress(step, done=True)   # a torchrun job with this id that starts later is a new run
         self.watch.enter("done", step)
@@ -720,6 +726,8 @@ def resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
         return
     latest = latest_checkpoint(run_dir) if C.rank() == 0 else None   # rank 0 decides, every rank follows
     if latest is not None and cfg.resume and not same_file(cfg.resume, run_dir):
+        from unison.training.checkpoint import read_header
+
         latest = latest if step_of(latest) >= read_header(cfg.resume).step else None
     chosen = C.all_gather_object(None if latest is None else str(latest))[0]
     if chosen is None:
