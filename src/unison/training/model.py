@@ -1,8 +1,8 @@
 """A run's model: the backbone (unison's or the user's own; ``--init`` weights loaded, ``--freeze`` and
 ``--layer-decay`` checked against it, `unison.training.init`), distill's frozen teacher (`unison.training.teacher`),
 and the method built around them, seeded identically on every rank. `unison.training.step.build_run` wraps it
-(SyncBN, channels_last, DDP/FSDP); `unison.training.load`, the footprint, ``unison plan`` and the
-benchmarks build it alone."""
+(SyncBN, channels_last, DDP/FSDP); `unison.training.load`, the memory estimate (`unison.training.preflight`),
+``unison plan`` and the benchmarks build it alone."""
 
 from __future__ import annotations
 

@@ -23,10 +23,9 @@ from unison.distributed.launch import launch
 from unison.distributed.start import refuse_reentered_main, refuse_unimportable_main
 from unison.distributed.watchdog import watched_startup
 
-from .footprint import check_model_memory
 from .owner import RunDirLock
 from .pieces import OwnPieces
-from .preflight import preflight, set_aside_other_run
+from .preflight import check_model_memory, preflight, set_aside_other_run
 from .resolve import resolve_run
 from .summary import Summary
 from .trainer import train_worker, train_worker_own
