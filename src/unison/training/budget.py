@@ -14,7 +14,7 @@
 3. Apply: the plan goes into ``cfg.time_budget_plan`` (``config.json`` and every checkpoint record it, with the
    measured costs and the world size they were measured at: why N) and `unison.training.step.apply_plan` plans
    the learning rate and every schedule of the method for N steps, the one rule `build_run` and a resumed run
-   use (`unison.training.length.plan_length`, which a ``--max-steps`` given on resume caps). A resumed run reads
+   use (`unison.training.step.plan_length`, which a ``--max-steps`` given on resume caps). A resumed run reads
    the plan from its checkpoint's configuration and does not measure again; at another world size the reserve
    for its end is scaled to it (`costs_at`).
 4. Stop in time (`BudgetClock`): rank 0's clock says when the step loop must end to leave room for the final
@@ -53,9 +53,17 @@ from unison.training.budget_advice import short_budget, too_short
 from unison.training.budget_plan import MARGIN_SHARE, BudgetCosts, Cadence, costs_at, final_s, plan_steps, reserve_of
 from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
-from unison.training.length import budget_warmup
 from unison.training.signals import PROBE_IMAGES, OnlineProbe
-from unison.training.step import Batch, Run, accumulated_forward_backward, apply_plan, batches, grouped, optimizer_step
+from unison.training.step import (
+    Batch,
+    Run,
+    accumulated_forward_backward,
+    apply_plan,
+    batches,
+    budget_warmup,
+    grouped,
+    optimizer_step,
+)
 
 clock = time.perf_counter   # one clock for the whole module (the 2-rank test skews it on one rank)
 WARMUP_MEASURE_STEPS = 3     # not timed: compile, first allocations, loader start
