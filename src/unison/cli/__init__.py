@@ -205,7 +205,8 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     cast(LazyEpilogParser, p_train).lazy_epilog = train_epilog   # for --help only: the registries import torch
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
-    for name, declare, help_text in (*_BUILT_IN, *SUBCOMMANDS):
+    commands: tuple[tuple[str, Callable[[Any, str], None] | str, str], ...] = (*_BUILT_IN, *SUBCOMMANDS)
+    for name, declare, help_text in commands:
         if command is not None and command != name:   # listed in `unison --help`; declared when it is the command run
             sub.add_parser(name, help=help_text)
         elif callable(declare):
