@@ -14,9 +14,15 @@ command applies the same check (``train --out`` is a run directory, with rules o
 * an `OSError` while writing (full disk, read-only, a file where a folder should be) is one line naming the
   file (`write_error`), not a traceback.
 
+The caches follow a rule of the same kind (`cache_root`): what unison derives from the data (decoded images, tar
+shard indexes) goes to ``$UNISON_CACHE_DIR`` (default ``~/.cache/unison``), and nothing is cached when
+``UNISON_NO_CACHE`` is set or when the cache would lie inside the data's own folder (unison never writes into the
+data).
+
 Example::
 
     out = check_output("bb.pt", "--out", inputs=[Input("--checkpoint", ckpt)], overwrite=opts.overwrite)
+    root = cache_root(Path("/data/in1k"))        # None: do not cache
 """
 
 from __future__ import annotations
@@ -164,3 +170,20 @@ def write_text_atomic(path: str | Path, text: str, flag: str = "--out",
             pass
         raise (error(p, e) if error is not None else write_error(p, e, flag)) from None
     return p
+
+
+# ---- where the data package caches what it derives from the data
+
+def cache_dir() -> Path:
+    """``$UNISON_CACHE_DIR``, else ``~/.cache/unison`` (also the default download folder of CIFAR-10)."""
+    return Path(os.environ.get("UNISON_CACHE_DIR") or Path.home() / ".cache" / "unison").expanduser()
+
+
+def cache_root(data_folder: Path) -> Path | None:
+    """The resolved cache folder for data in `data_folder`, or None when caching is off or would write into it."""
+    if os.environ.get("UNISON_NO_CACHE", "") not in ("", "0"):
+        return None
+    cache = cache_dir().resolve()
+    if cache == data_folder or data_folder in cache.parents:
+        return None
+    return cache

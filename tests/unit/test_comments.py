@@ -52,9 +52,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("config/train.py", "30s"): "an example of ``--checkpoint-every``'s syntax",
     ("training/budget_advice.py", "95s"): "the format of a suggested ``--time-budget``",
     # examples of what a command writes (its format, not its figures)
-    ("training/runlog.py", "*"): "the module docstring's example of a train.log, time-stamped lines",
+    ("training/metrics.py", "2025-01-01"): "the module docstring's example of a train.log, time-stamped lines",
+    ("training/metrics.py", "31 s"): "the module docstring's example of a train.log's last line (its format)",
     ("eval/knn.py", "12 s"): "an example of the kNN's progress line",
-    ("training/footprint.py", "8.0 TiB"): "an example of the refusal's message",
+    ("training/preflight.py", "8.0 TiB"): "an example of the memory check's refusal",
 }
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace
@@ -33,7 +34,7 @@ from unison.errors import (
     exit_code_of,
     one_line_warnings,
 )
-from unison.training.runlog import append_run_log
+from unison.training.metrics import append_run_log
 
 from .help_texts import CHECK, DESCRIPTION, EPILOG, PLAN, TRAIN
 from .train_args import (
@@ -193,9 +194,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def make_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The `unison` parser; with `command`, the other `SUBCOMMANDS` are listed but their modules not imported."""
-    from unison.config.check import CheckSpec, CurveSpec  # not unison.equivalence: torch is not needed for --help
-
+    """The `unison` parser; with `command`, the other commands are listed but their options not declared (nor the
+    `SUBCOMMANDS`' modules imported): a command parses only its own options."""
     parser = LazyEpilogParser(prog="unison", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,9 +205,22 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     cast(LazyEpilogParser, p_train).lazy_epilog = train_epilog   # for --help only: the registries import torch
     add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
+    commands: tuple[tuple[str, Callable[[Any, str], None] | str, str], ...] = (*_BUILT_IN, *SUBCOMMANDS)
+    for name, declare, help_text in commands:
+        if command is not None and command != name:   # listed in `unison --help`; declared when it is the command run
+            sub.add_parser(name, help=help_text)
+        elif callable(declare):
+            declare(sub, help_text)
+        else:
+            import importlib
 
-    p_plan = sub.add_parser("plan", help="what a run needs per GPU (memory, FLOPs, bytes, host syncs), simulated here",
-                            description=PLAN, formatter_class=argparse.RawDescriptionHelpFormatter)
+            importlib.import_module(declare).add_subcommand(sub, help_text)
+    return parser
+
+
+def _add_plan(sub: Any, help_text: str) -> None:
+    p_plan = sub.add_parser("plan", help=help_text, description=PLAN,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(p_plan)
     p_plan.add_argument("--gpu", default="h100", metavar="NAME|GIB",
                         help="target GPU: h100 (default), h100-pcie, h200, a100-80, a100-40, l40s, l4, 4090, "
@@ -216,21 +229,23 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     p_plan.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p_plan.set_defaults(func=cmd_plan)
 
-    p_check = sub.add_parser("check", help="prove W workers == 1 worker on the global batch (loss, grads, params)",
-                             description=CHECK, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _add_check(sub: Any, help_text: str) -> None:
+    from unison.config.check import CheckSpec, CurveSpec  # not unison.equivalence: torch is not needed for --help
+
+    p_check = sub.add_parser("check", help=help_text, description=CHECK,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p_check.add_argument("--param", action="append", metavar="NAME=VALUE", help="method hyper-parameter")
     add_dataclass_arguments(p_check, CheckSpec, skip=("method_params",))
     add_dataclass_arguments(p_check, CurveSpec, group_title="whole training runs (--run)")
     p_check.set_defaults(func=cmd_check)
 
-    for name, module, help_text in SUBCOMMANDS:
-        if command is None or command == name:
-            import importlib
 
-            importlib.import_module(module).add_subcommand(sub, help_text)
-        else:   # listed in `unison --help`; its options are declared when it is the command run
-            sub.add_parser(name, help=help_text)
-    return parser
+# the commands this module declares besides train: (name, the function that declares its options, one-line help)
+_BUILT_IN: tuple[tuple[str, Callable[[Any, str], None], str], ...] = (
+    ("plan", _add_plan, "what a run needs per GPU (memory, FLOPs, bytes, host syncs), simulated here"),
+    ("check", _add_check, "prove W workers == 1 worker on the global batch (loss, grads, params)"),
+)
 
 
 def version_text() -> str:

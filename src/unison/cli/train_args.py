@@ -19,27 +19,21 @@ from typing import Any
 from unison.config import DistributedConfig, TrainConfig
 from unison.config.budget import parse_duration
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace, shown
-from unison.config.files import (
-    Sexagesimal,
-    decode_utf8,
-    load_yaml_text,
-    plain,
-    read_regular_file,
-    sexagesimal_problem,
-    yaml_error,
-)
 from unison.config.parser import Parser
-from unison.config.problems import check_file
 from unison.errors import ConfigError
 
 
 def parse_assignments(items: list[str] | None, flag: str, example: str) -> dict[str, Any]:
     """``NAME=VALUE`` items, each VALUE read as YAML (``0.2``, ``true``, ``[1, 2]``; never a Python object, no
     aliases, bounded numbers: `unison.config.files.StrictLoader`)."""
+    values: dict[str, Any] = {}
+    if not items:
+        return values
     import yaml
 
-    values: dict[str, Any] = {}
-    for item in items or []:
+    from unison.config.files import Sexagesimal, load_yaml_text, plain, sexagesimal_problem, yaml_error
+
+    for item in items:
         if "=" not in item:
             raise ConfigError(f"{flag} {shown(item)} must look like NAME=VALUE, e.g. {flag} {example}")
         key, value = item.split("=", 1)
@@ -64,6 +58,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     """The mapping of YAML file `path`: a regular file of at most 1 MiB, UTF-8, parsed strictly (no aliases,
     string keys given once: `unison.config.files`)."""
     import yaml
+
+    from unison.config.files import decode_utf8, load_yaml_text, plain, read_regular_file, yaml_error
+    from unison.config.problems import check_file
 
     if not path.strip():   # `--config "$CFG"` with CFG unset: not silently the defaults
         raise ConfigError("--config is empty; give a YAML file (or leave --config out for the defaults)")

@@ -15,14 +15,16 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from unison.config.budget import check_plan, duration_with_units, parse_duration
 from unison.config.distributed import DistributedConfig, as_distributed, cuda_found
-from unison.config.extras import check_logger_packages
+from unison.config.extras import install_command
 from unison.config.fields import Range, ascii_digits, check_fields, coerce_fields, shown, unknown_keys_message
 from unison.config.limits import KNN_REFERENCE, MAX_IMAGE_SIZE, MAX_LOCAL_CROPS, MIN_IMAGE_SIZE
 from unison.config.presets import PRESETS, with_preset
@@ -38,6 +40,8 @@ ON_CORRUPT = ("skip", "error")
 DATA_MODES = ("auto", "memory", "stream")
 DECODERS = ("cpu", "gpu")
 LOGGERS = ("none", "csv", "tensorboard", "wandb", "mlflow")
+# the package each --logger needs beyond unison's own (csv and none: nothing)
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 OPTIMIZERS = ("sgd", "lars", "adam", "adamw")
 TEACHER_DTYPES = ("float32", "bf16")
 MAX_EPOCHS = 10**9       # epochs and warm-up epochs: any real run is far below; past it, step counts overflow
@@ -428,6 +432,22 @@ class TrainConfig:
         if not isinstance(dist, dict):
             raise ConfigError("'distributed' must be a mapping of distributed options")
         return cls(**data, distributed=dist)  # type: ignore[arg-type]  # converted by __post_init__
+
+
+def check_logger_packages(logger: str) -> None:
+    """`ConfigError` naming the install command when ``--logger`` `logger` lacks a package it needs: before any worker
+    starts, not an ImportError on rank 0 after the model was built. MLflow's client alone (mlflow-skinny) logs to a
+    tracking server; the run's own SQLite store (no ``MLFLOW_TRACKING_URI``) also needs its SQL packages."""
+    package = LOGGER_PACKAGES.get(logger)
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"--logger {logger} needs the {package} package: {install_command(package)} "
+                          "(or use --logger csv)")
+    local_store = logger == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI")
+    lacking = [p for p in ("sqlalchemy", "alembic") if local_store and importlib.util.find_spec(p) is None]
+    if lacking:
+        raise ConfigError(f"--logger mlflow keeps the run in a SQLite store under --out, which needs "
+                          f"{' and '.join(lacking)}: {install_command('mlflow')} (or name a tracking server: "
+                          "MLFLOW_TRACKING_URI=http://HOST:5000)")
 
 
 # id -> (the configuration, its values when `TrainConfig.validate` passed, the CUDA answer it was checked for); kept

@@ -59,10 +59,9 @@ import numpy as np
 
 from unison.errors import DataError
 
-from .files import MAX_LIST_BYTES, check_regular, file_kind, read_regular, resolved
+from .files import MAX_LIST_BYTES, SHARD_SUFFIXES, check_regular, file_kind, is_shard_pattern, read_regular, resolved
 from .pack import PACK_SUFFIX, open_pack
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, label_indices, stat_all
-from .shards import SHARD_SUFFIXES, is_shard_pattern, open_shards, shard_paths
 
 __all__ = ["IMG_EXTENSIONS", "Catalog", "PackedStrings", "open_catalog", "scan_folder"]
 
@@ -80,7 +79,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
         raise DataError(f"{what} {spec!r} is not a path; give a folder, a file list, .tar shards or the name "
                         "'digits' or 'cifar10'")
     if is_shard_pattern(spec):
-        return open_shards(shard_paths(spec))
+        return _open_shards(spec)
     path = resolved(spec, what)
     try:
         st = path.stat()
@@ -96,7 +95,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
             return open_pack(path)
         shard = spec.endswith(SHARD_SUFFIXES) or path.name.endswith(SHARD_SUFFIXES)  # the name given, or linked to
         check_regular(spec, "tar shard" if shard else "file list")
-        return open_shards(shard_paths(str(path))) if shard else _open_list(path)
+        return _open_shards(str(path)) if shard else _open_list(path)
     entries = _list_dir(path)
     if not entries:
         raise DataError(f"data folder {path} is empty (expected {LAYOUTS.format(path)})")
@@ -110,7 +109,7 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
         _check_not_splits(spec, folders, what)
         return _open_image_folder(path)
     if any(e.name.endswith(SHARD_SUFFIXES) for e in entries):
-        return open_shards(shard_paths(str(path)))
+        return _open_shards(str(path))
     if not images:
         exts = ", ".join(IMG_EXTENSIONS[:3])
         raise DataError(f"no image files ({exts}, ...) in {path} (expected {LAYOUTS.format(path)})")
@@ -121,6 +120,13 @@ def open_catalog(spec: str, what: str = "data") -> Catalog:
 
 TRAIN_SPLITS = ("train", "training")
 HELD_OUT_SPLITS = ("val", "valid", "validation", "test", "testing", "eval")
+
+
+def _open_shards(spec: str) -> Catalog:
+    """The catalog of the tar shards `spec` names (`unison.data.shards`: imported by the runs that read shards)."""
+    from .shards import open_shards, shard_paths
+
+    return open_shards(shard_paths(spec))
 
 
 def _check_not_splits(spec: str, folders: list[str], what: str) -> None:

@@ -31,9 +31,9 @@ from __future__ import annotations
 import dataclasses
 
 from unison.errors import DataError
+from unison.paths import cache_dir
 
 from .builtin import CIFAR10_MEAN, CIFAR10_STD, load_cifar10, load_digits
-from .cache import cache_dir
 from .catalog import IMG_EXTENSIONS, open_catalog, scan_folder
 from .memory import load_catalog
 from .spec import BUILTIN

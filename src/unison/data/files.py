@@ -18,6 +18,8 @@ hang, a traceback or memory exhaustion:
   size as shown, from the header alone) and `upright` (the decoded pixels turned).
 * `decode_reason`: why an image failed, as one short line (PIL's "cannot identify image file
   <_io.BytesIO object at 0x...>" becomes "not an image PIL can read").
+* `is_shard_pattern`, `SHARD_SUFFIXES`: what names tar shards (a brace pattern, a ``.tar`` file), the rule the
+  layouts' dispatcher (`unison.data.catalog`) reads a data spec by before any shard is opened (`unison.data.shards`).
 
 Limits: an image file at most `MAX_IMAGE_BYTES` (256 MiB), a file list `MAX_LIST_BYTES` (1 GiB),
 a label member `MAX_LABEL_BYTES`, class indices below `MAX_CLASSES` (100,000), images at most
@@ -39,19 +41,27 @@ from pathlib import Path
 from unison.config.fields import ascii_digits
 from unison.errors import DataError
 
-__all__ = ["MAX_CLASSES", "MAX_IMAGE_BYTES", "MAX_LABEL_BYTES", "MAX_LIST_BYTES", "MAX_PIXELS", "check_regular",
-           "decode_reason", "file_kind", "open_image", "orientation", "parse_label", "read_regular", "resolved",
-           "upright", "upright_size"]
+__all__ = ["COMPRESSED", "MAX_CLASSES", "MAX_IMAGE_BYTES", "MAX_LABEL_BYTES", "MAX_LIST_BYTES", "MAX_PIXELS",
+           "SHARD_SUFFIXES", "check_regular", "decode_reason", "file_kind", "is_shard_pattern", "open_image",
+           "orientation", "parse_label", "read_regular", "resolved", "upright", "upright_size"]
 
 MAX_IMAGE_BYTES = 256 * 2**20
 MAX_LIST_BYTES = 2**30
 MAX_LABEL_BYTES = 64
 MAX_CLASSES = 100_000
 MAX_PIXELS = 178_956_970     # PIL raises DecompressionBombError above this (2 x Image.MAX_IMAGE_PIXELS)
+COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+SHARD_SUFFIXES = (".tar", *COMPRESSED)
 _ORIENTATION_TAG = 0x0112
 # EXIF orientation -> the PIL transpose that shows the image upright (PIL.ImageOps.exif_transpose's table).
 _TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
               7: "TRANSVERSE", 8: "ROTATE_90"}
+
+
+def is_shard_pattern(spec: str) -> bool:
+    """`spec` is a brace pattern to expand (``train-{0000..0146}.tar``): it has one, and names nothing that exists. A
+    folder or file named so (``br{1..2}``) is what it is: the one rule of every reader of a data option."""
+    return "{" in spec and ".." in spec and not os.path.lexists(os.path.expanduser(spec))
 
 
 def resolved(path: str, what: str) -> Path:

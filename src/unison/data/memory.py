@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 from unison.distributed.collectives import rank
 from unison.errors import DataError
+from unison.paths import cache_root
 from unison.progress import Progress
 
-from .cache import cache_root
 from .files import decode_reason, open_image, orientation, upright, upright_size
 from .samples import Catalog
 from .subsets import balanced_subset, channel_stats

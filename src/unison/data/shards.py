@@ -53,27 +53,19 @@ import numpy as np
 
 from unison.config.fields import shown
 from unison.errors import DataError
+from unison.paths import cache_root
 
-from .cache import cache_root
-from .files import MAX_LABEL_BYTES, check_regular, parse_label, resolved
+from .files import COMPRESSED, MAX_LABEL_BYTES, SHARD_SUFFIXES, check_regular, is_shard_pattern, parse_label, resolved
 from .samples import IMG_EXTENSIONS, Catalog, PackedStrings, integer_classes
 
 __all__ = ["MAX_SHARDS", "SHARD_SUFFIXES", "index_shard", "is_shard_pattern", "open_shards", "shard_paths"]
 
-COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
-SHARD_SUFFIXES = (".tar", *COMPRESSED)
 _IMAGE_EXTS = {e[1:] for e in IMG_EXTENSIONS}
 _LABEL_EXTS = ("cls", "label", "cls.txt", "label.txt")
 _INDEX_VERSION = 4   # 2: labels parsed strictly and bounded; 3: image members sharing a name refused; 4: one image per key
 MAX_SHARDS = 100_000
 _INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")
 _NO_LABEL = -1
-
-
-def is_shard_pattern(spec: str) -> bool:
-    """`spec` is a brace pattern to expand (``train-{0000..0146}.tar``): it has one, and names nothing that exists. A
-    folder or file named so (``br{1..2}``) is what it is: the one rule of every reader of a data option."""
-    return "{" in spec and ".." in spec and not os.path.lexists(os.path.expanduser(spec))
 
 
 def shard_paths(spec: str) -> list[str]:

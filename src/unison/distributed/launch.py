@@ -29,7 +29,7 @@ launcher (`unison.distributed.watchdog`); when no rank has made progress for
 the launcher kills them all and raises `WatchdogTimeout` naming every rank's phase and step.
 
 A worker that re-ran the user's script (no ``if __name__ == "__main__":``) is one `ConfigError` naming the guard
-(`unison.distributed.main_guard`).
+(`unison.distributed.start.refuse_reentered_main`).
 
 Hand-written rather than `torch.multiprocessing.spawn` because we need the error text of
 the *first* failure, the bounded shutdown, the death signal, signal forwarding and the watchdog.
@@ -56,7 +56,6 @@ from unison.errors import ConfigError, Preempted, WatchdogTimeout, WorkerFailure
 
 from . import watchdog
 from .env import exit_worker
-from .main_guard import REENTERED_MAIN_EXIT, WORKER_NAME, reentered_main_message
 from .signals import (
     ForwardStopSignals,
     die_with_launcher,
@@ -65,7 +64,14 @@ from .signals import (
     stop_signals_blocked,
     unblock_stop_signals,
 )
-from .start import LauncherStream, release_fork_server, start_context
+from .start import (
+    REENTERED_MAIN_EXIT,
+    WORKER_NAME,
+    LauncherStream,
+    reentered_main_message,
+    release_fork_server,
+    start_context,
+)
 
 
 def find_free_port(addr: str = "127.0.0.1") -> int:

@@ -95,10 +95,11 @@ def train_config_for(spec: CheckSpec, world_size: int, own: OwnPieces | None = N
     from unison.config.distributed import DistributedConfig
     from unison.data.augment import PRESETS
     from unison.methods import get_method
+    from unison.training.resolve import TEACHER_RANDOM, needs_teacher
 
     # distill: a seeded random-init teacher (the check is about the student's gradient); another method given
     # --teacher-backbone is refused by the pre-flight, as unison train refuses it
-    teacher: dict[str, Any] = {"teacher": "random"} if getattr(get_method(spec.method), "needs_teacher", False) else {}
+    teacher: dict[str, Any] = {"teacher": TEACHER_RANDOM} if needs_teacher(spec.method) else {}
     teacher["teacher_backbone"] = spec.teacher_backbone
     # SwAV, DINO and LeJEPA drop their local crops at the check's small images by default
     # (`Recipe.global_views_up_to`): the check keeps them, since the local-crop path is what needs checking
@@ -281,7 +282,7 @@ def run_equivalence_all(methods: list[str], world_size: int = 2, *,
 
     `record` is the worker body (tests pass a deliberately broken copy to see the check fail); `own`: the user's
     backbone, dataset and transform, checked as `unison.train` checks them and sent to the workers pickled."""
-    from unison.distributed.main_guard import refuse_reentered_main
+    from unison.distributed.start import refuse_reentered_main
     from unison.distributed.testing import run_in_workers
     from unison.training.init_read import check_backbone_setup
     from unison.training.own import check_picklable, check_pieces

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from .lars import LARS
-
 __all__ = ["LARS", "OPTIMIZER_NAMES", "build_optimizer", "constructor_args"]
 
 OPTIMIZER_NAMES = ("sgd", "lars", "adam", "adamw")
@@ -40,9 +38,20 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, weight_decay: f
     if key == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if key == "lars":
+        from .lars import LARS
+
         return LARS(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if key == "adam":
         return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if key == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; known optimizers are {', '.join(OPTIMIZER_NAMES)}")
+
+
+def __getattr__(name: str) -> Any:
+    """`LARS`, imported on first use: the runs of the other optimizers never read it."""
+    if name == "LARS":
+        from .lars import LARS
+
+        return LARS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@
 3. Apply: the plan goes into ``cfg.time_budget_plan`` (``config.json`` and every checkpoint record it, with the
    measured costs and the world size they were measured at: why N) and `unison.training.step.apply_plan` plans
    the learning rate and every schedule of the method for N steps, the one rule `build_run` and a resumed run
-   use (`unison.training.length.plan_length`, which a ``--max-steps`` given on resume caps). A resumed run reads
+   use (`unison.training.step.plan_length`, which a ``--max-steps`` given on resume caps). A resumed run reads
    the plan from its checkpoint's configuration and does not measure again; at another world size the reserve
    for its end is scaled to it (`costs_at`).
 4. Stop in time (`BudgetClock`): rank 0's clock says when the step loop must end to leave room for the final
@@ -53,9 +53,17 @@ from unison.training.budget_advice import short_budget, too_short
 from unison.training.budget_plan import MARGIN_SHARE, BudgetCosts, Cadence, costs_at, final_s, plan_steps, reserve_of
 from unison.training.checkpoint import read_header
 from unison.training.checkpoint.rng_state import pack_rng_state, restore_rng_state
-from unison.training.length import budget_warmup
 from unison.training.signals import PROBE_IMAGES, OnlineProbe
-from unison.training.step import Batch, Run, accumulated_forward_backward, apply_plan, batches, grouped, optimizer_step
+from unison.training.step import (
+    Batch,
+    Run,
+    accumulated_forward_backward,
+    apply_plan,
+    batches,
+    budget_warmup,
+    grouped,
+    optimizer_step,
+)
 
 clock = time.perf_counter   # one clock for the whole module (the 2-rank test skews it on one rank)
 WARMUP_MEASURE_STEPS = 3     # not timed: compile, first allocations, loader start
@@ -73,7 +81,9 @@ def cadence_of(run: Run) -> Cadence:
 
 class BudgetClock:
     """Rank 0's clock of a budgeted run: started with `unison.training.trainer.Trainer`; `spent_before_s` is what
-    earlier attempts of a resumed run spent (its history)."""
+    earlier attempts of a resumed run spent (its history). The trainer's whole budget: its plan taken from a
+    restarted run's checkpoint (`adopt_plan`), measured and planned or resumed (`start`), the end of the step loop
+    (`out_of_time`), the budget spent kept in the history (`keep_spent`) and the account at the end (`end`)."""
 
     def __init__(self, budget: str) -> None:
         self.budget_s = parse_duration(budget)
@@ -91,6 +101,69 @@ class BudgetClock:
         if C.rank() == 0 and self.spent_s() >= self.budget_s - self.reserve_s:
             self.ended_by_clock = True
         return self.ended_by_clock
+
+    def adopt_plan(self, cfg: Any) -> None:
+        """A budgeted run resumed from a checkpoint whose configuration did not come with the command (a torchrun
+        restart or SLURM requeue of the original command, ``train(cfg)`` with ``cfg.resume``): the checkpoint's plan,
+        before the run is built, so that its schedules are planned for it from the start."""
+        if cfg.time_budget is None or cfg.time_budget_plan is not None or not cfg.resume:
+            return
+        plan = read_header(cfg.resume).config.get("time_budget_plan")
+        if plan is not None:
+            check_plan(plan, cfg.time_budget)
+            cfg.time_budget_plan = plan
+
+    def start(self, run: Run, step: int, history: dict[str, Any]) -> str:
+        """Before the step loop: a new budgeted run measures and plans; a resumed one keeps its plan and what it has
+        spent. Returns the line for ``train.log``."""
+        plan = run.cfg.time_budget_plan
+        if plan is None:
+            if step:
+                raise ConfigError("--time-budget was not given when this run started, so it has no plan to resume; "
+                                  "resume without --time-budget (or start a new run directory with it)")
+            plan = plan_budget(run, self, history.get("random_init_knn_s"))
+            short = short_budget(plan["budget_s"], *_fixed(plan, cadence_of(run)), plan["steps"], MARGIN_SHARE)
+            return (f"time budget {run.cfg.time_budget}: planned {plan['steps']} steps: {plan['why']}"
+                    + (f"; warning: {short}" if short else ""))
+        self.spent_before_s = float(history.get(USED_KEY, 0.0))
+        notes = []
+        if "measured" in plan:   # the end's reserve as this attempt will spend it (its world size)
+            costs, scaled = costs_at(plan, C.world_size())
+            self.reserve_s = reserve_of(costs, cadence_of(run))
+            if scaled:
+                notes.append(f"the reserve for the end (final kNN, signals, checkpoint, one step) {scaled}: "
+                             f"{self.reserve_s:.1f} s (was {float(plan['reserve_s']):.1f} s)")
+        else:
+            self.reserve_s = float(plan.get("reserve_s", 0.0))
+        if run.total_steps < int(plan["steps"]):   # --max-steps given on resume caps the plan (`plan_length`)
+            notes.append(f"capped at {run.total_steps} steps by --max-steps {run.cfg.max_steps}")
+            run.cfg.time_budget_plan = {**{k: v for k, v in plan.items() if k != "stretch"}, "steps": run.total_steps,
+                                        "warmup_steps": run.schedule.warmup_steps,
+                                        "why": f"capped at {run.total_steps} steps by --max-steps on resume; {plan['why']}"}
+        # decided before the loop: the per-step stop exchange would act a step late, after the first step's start-up
+        self.spent_on_resume = bool(C.broadcast_object(self.out_of_time() if C.rank() == 0 else None))
+        if self.spent_on_resume:
+            notes.append("nothing is left for steps: the run goes on to its end")
+        return (f"time budget {run.cfg.time_budget}: resuming the plan of {plan['steps']} steps at step {step}, "
+                f"{self.spent_before_s:.1f} s of {self.budget_s:g} s spent before" + "".join(f"; {n}" for n in notes))
+
+    def keep_spent(self, history: dict[str, Any]) -> None:
+        """The budget spent so far into the run's `history` (`USED_KEY`): a checkpoint, and the run resumed from it,
+        carries it."""
+        history[USED_KEY] = self.spent_s()
+
+    def end(self, run: Run, step: int) -> tuple[dict[str, Any], str]:
+        """After the final checkpoint: the budget used (rank 0's clock, broadcast), whether rank 0's clock ended the
+        loop, and where the learning rate stands when the schedule did not reach its end; and the result line that
+        says it (`used_line`)."""
+        used, by_clock = C.broadcast_object((self.spent_s(), self.ended_by_clock) if C.rank() == 0 else None)
+        planned = run.total_steps
+        record = {"budget_s": self.budget_s, "used_s": round(used, 3), "planned_steps": planned, "steps": step,
+                  "stopped_by_clock": bool(by_clock) and step < planned, "over_s": round(max(0.0, used - self.budget_s), 3),
+                  "schedule_finished": step >= planned}
+        if step < planned:   # the rate of its last step, as a share of the peak
+            record["last_lr_share"] = round(run.schedule.lr(max(0, step - 1)) / max(run.schedule.peak_lr, 1e-30), 4)
+        return record, used_line(str(run.cfg.time_budget), record, self.spent_on_resume)
 
 
 class Snapshot:
@@ -278,77 +351,13 @@ def _fixed(plan: dict[str, Any], cadence: Cadence) -> tuple[float, float, float]
     return costs.spent_s, final_s(costs, cadence), costs.step_s
 
 
-def adopt_plan(cfg: Any) -> None:
-    """A budgeted run resumed from a checkpoint whose configuration did not come with the command (a torchrun
-    restart or SLURM requeue of the original command, ``train(cfg)`` with ``cfg.resume``): the checkpoint's plan,
-    before the run is built, so that its schedules are planned for it from the start."""
-    if cfg.time_budget is None or cfg.time_budget_plan is not None or not cfg.resume:
-        return
-    plan = read_header(cfg.resume).config.get("time_budget_plan")
-    if plan is not None:
-        check_plan(plan, cfg.time_budget)
-        cfg.time_budget_plan = plan
-
-
-def start_budget(run: Run, budget: BudgetClock | None, step: int, history: dict[str, Any]) -> str | None:
-    """Before the step loop: a new budgeted run measures and plans; a resumed one keeps its plan and what it has
-    spent. Returns the line for ``train.log`` (None without a budget)."""
-    if budget is None:
-        return None
-    plan = run.cfg.time_budget_plan
-    if plan is None:
-        if step:
-            raise ConfigError("--time-budget was not given when this run started, so it has no plan to resume; "
-                              "resume without --time-budget (or start a new run directory with it)")
-        plan = plan_budget(run, budget, history.get("random_init_knn_s"))
-        short = short_budget(plan["budget_s"], *_fixed(plan, cadence_of(run)), plan["steps"], MARGIN_SHARE)
-        return (f"time budget {run.cfg.time_budget}: planned {plan['steps']} steps: {plan['why']}"
-                + (f"; warning: {short}" if short else ""))
-    budget.spent_before_s = float(history.get(USED_KEY, 0.0))
-    notes = []
-    if "measured" in plan:   # the end's reserve as this attempt will spend it (its world size)
-        costs, scaled = costs_at(plan, C.world_size())
-        budget.reserve_s = reserve_of(costs, cadence_of(run))
-        if scaled:
-            notes.append(f"the reserve for the end (final kNN, signals, checkpoint, one step) {scaled}: "
-                         f"{budget.reserve_s:.1f} s (was {float(plan['reserve_s']):.1f} s)")
-    else:
-        budget.reserve_s = float(plan.get("reserve_s", 0.0))
-    if run.total_steps < int(plan["steps"]):   # --max-steps given on resume caps the plan (`plan_length`)
-        notes.append(f"capped at {run.total_steps} steps by --max-steps {run.cfg.max_steps}")
-        run.cfg.time_budget_plan = {**{k: v for k, v in plan.items() if k != "stretch"}, "steps": run.total_steps,
-                                    "warmup_steps": run.schedule.warmup_steps,
-                                    "why": f"capped at {run.total_steps} steps by --max-steps on resume; {plan['why']}"}
-    # decided before the loop: the per-step stop exchange would act a step late, after the first step's start-up
-    budget.spent_on_resume = bool(C.broadcast_object(budget.out_of_time() if C.rank() == 0 else None))
-    if budget.spent_on_resume:
-        notes.append("nothing is left for steps: the run goes on to its end")
-    return (f"time budget {run.cfg.time_budget}: resuming the plan of {plan['steps']} steps at step {step}, "
-            f"{budget.spent_before_s:.1f} s of {budget.budget_s:g} s spent before" + "".join(f"; {n}" for n in notes))
-
-
-def end_budget(run: Run, budget: BudgetClock | None, step: int) -> dict[str, Any] | None:
-    """After the final checkpoint: the budget used (rank 0's clock, broadcast), whether rank 0's clock ended the
-    loop, and where the learning rate stands when the schedule did not reach its end."""
-    if budget is None:
-        return None
-    used, by_clock = C.broadcast_object((budget.spent_s(), budget.ended_by_clock) if C.rank() == 0 else None)
-    planned = run.total_steps
-    record = {"budget_s": budget.budget_s, "used_s": round(used, 3), "planned_steps": planned, "steps": step,
-              "stopped_by_clock": bool(by_clock) and step < planned, "over_s": round(max(0.0, used - budget.budget_s), 3),
-              "schedule_finished": step >= planned}
-    if step < planned:   # the rate of its last step, as a share of the peak
-        record["last_lr_share"] = round(run.schedule.lr(max(0, step - 1)) / max(run.schedule.peak_lr, 1e-30), 4)
-    return record
-
-
 def over_text(over_s: float) -> str:
     """An overrun in seconds for the result line: never rounded to nothing."""
     return f"{over_s:.1f} s" if over_s >= 0.1 else "less than 0.1 s"
 
 
 def used_line(budget: str, used: dict[str, Any], spent_on_resume: bool) -> str:
-    """The result line of a budgeted run (`used`: `end_budget`'s record): every figure on it as measured, an
+    """The result line of a budgeted run (`used`: `BudgetClock.end`'s record): every figure on it as measured, an
     overrun said as one, and a schedule that did not reach its end said with where its learning rate stands."""
     line = (f"time budget {budget}: used {used['used_s']:.1f} s of {used['budget_s']:g} s"
             + (f", {over_text(used['over_s'])} over budget" if used["over_s"] > 0 else "")

@@ -13,7 +13,7 @@ from unison.config.fields import count
 from unison.distributed import collectives as C
 from unison.models.backbones import patch_size_of
 from unison.models.vit import coarse_grid
-from unison.training.runlog import RunLog
+from unison.training.metrics import RunLog
 from unison.training.step import Run
 
 __all__ = ["describe_backbone", "describe_data", "describe_init"]

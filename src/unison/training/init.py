@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 
 from unison.config import TrainConfig
-from unison.models.weights import load_state
 from unison.optim.groups import freeze, layer_scales
 
 
@@ -42,6 +41,8 @@ def prepare_backbone(backbone: nn.Module, cfg: TrainConfig, name: str,
     """Load `weights`, freeze ``--freeze``, check ``--layer-decay`` against the backbone; the record for ``resolved``."""
     record: dict[str, Any] = {}
     if weights is not None:
+        from unison.models.weights import load_state  # the weights reader: runs given --init only
+
         report = load_state(backbone, weights.state, weights.path, weights.source, name=name)
         report.skipped = weights.skipped + report.skipped
         record["init"] = {"path": weights.path, "source": report.source[:200], "matched": report.matched,

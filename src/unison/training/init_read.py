@@ -18,9 +18,6 @@ from pathlib import Path
 import torch
 
 from unison.config import TrainConfig
-from unison.models.weights import describe_file, read_backbone_state, unwrap
-from unison.training.checkpoint import load_checkpoint
-from unison.training.checkpoint.files import is_checkpoint_name
 
 from .init import InitWeights, prepare_backbone
 from .pieces import OWN
@@ -28,6 +25,10 @@ from .pieces import OWN
 
 def read_init(path: str | Path, option: str = "--init") -> InitWeights:
     """The tensors of `path` (a weights file, or a unison run directory / checkpoint); one line on failure."""
+    from unison.models.weights import describe_file, read_backbone_state, unwrap  # the readers: runs given --init
+    from unison.training.checkpoint import load_checkpoint
+    from unison.training.checkpoint.files import is_checkpoint_name
+
     path = Path(path)
     if not (path.is_dir() or is_checkpoint_name(path)):
         state = read_backbone_state(path, option)

@@ -1,8 +1,8 @@
 """A run's model: the backbone (unison's or the user's own; ``--init`` weights loaded, ``--freeze`` and
 ``--layer-decay`` checked against it, `unison.training.init`), distill's frozen teacher (`unison.training.teacher`),
 and the method built around them, seeded identically on every rank. `unison.training.step.build_run` wraps it
-(SyncBN, channels_last, DDP/FSDP); `unison.training.load`, the footprint, ``unison plan`` and the
-benchmarks build it alone."""
+(SyncBN, channels_last, DDP/FSDP); `unison.training.load`, the memory estimate (`unison.training.preflight`),
+``unison plan`` and the benchmarks build it alone."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from unison.methods.base import SSLMethod
 from unison.models import build_backbone
 from unison.models.backbones import resolve_backbone
 from unison.training.init import InitWeights, prepare_backbone
-from unison.training.resolve import resolve_recipe, resumes_its_teacher
-from unison.training.teacher import build_teacher, needs_teacher
+from unison.training.resolve import needs_teacher, resolve_recipe, resumes_its_teacher
 
 __all__ = ["CompileFailuresReported", "build_method", "compiled", "seed_everything"]
 
@@ -140,6 +139,8 @@ def build_method(cfg: TrainConfig, total_steps: int, dtype: torch.dtype, device:
     method_cls = get_method(cfg.method)
     extra: dict[str, Any] = {}
     if needs_teacher(cfg.method):
+        from unison.training.teacher import build_teacher  # it reads checkpoints and weights files: distill only
+
         seed_everything(cfg.seed, cfg.deterministic)
         if teacher_weights is None:   # a resumed run's checkpoint holds its teacher's weights: not read again
             teacher_weights = not resumes_its_teacher(cfg)

@@ -45,9 +45,7 @@ def check_pieces(plan: RunPlan, pieces: OwnPieces, sizes: list[int] | None = Non
     """The pieces against the run `plan` (`resolve_run`'s, `OwnPieces.apply` done): the dataset's first item and its
     views, then the backbone on a dummy batch of every view size (those of the views, else `sizes`, else the
     configuration's). Raises `ConfigError`/`DataError` with one line."""
-    if not pieces.given:
-        return
-    from unison.data.own import OwnBatches, seeded_rngs  # a run given its own pieces: no other run imports them
+    from unison.data.own import OwnBatches, seeded_rngs
 
     cfg, augmentation = plan.cfg, plan.recipe.augmentation
     if pieces.dataset is not None:

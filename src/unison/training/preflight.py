@@ -12,6 +12,17 @@ directory whose later checkpoints a resume from an earlier one would overwrite (
 A run's own outputs are the files of its run directory; the directory has one owner while it runs
 (`unison.training.owner`). Image decoding and model shapes are checked by the workers, whose errors still
 reach the user as one line naming the rank.
+
+`check_model_memory(plan)` estimates the memory the run's model needs and refuses, in one line, a model that cannot
+fit. The model is the production one (`unison.training.step.build_method`, what train, check, plan and the
+benchmarks build), built on the ``meta`` device: shapes and dtypes, nothing allocated. Its parameters, buffers,
+gradients and optimizer state must fit in this machine's memory: RAM for every worker process the run starts here
+(the model is built on the CPU first), and the GPU's memory when the workers train on GPUs. Activations come on top,
+so a run that passes can still run out of memory; one that fails here would have failed (the traceback of an
+allocation of terabytes, or the kernel's out-of-memory kill) after start-up in every worker::
+
+    check_model_memory(resolve_run(cfg))
+    # ConfigError: "the model needs about 8.0 TiB ... lower --param proj_hidden_dim=..."
 """
 
 from __future__ import annotations
@@ -25,24 +36,24 @@ from pathlib import Path
 import torch
 
 from unison.config import TrainConfig
+from unison.config.fields import ascii_digits
 from unison.data.files import MAX_CLASSES
+from unison.data.memory import physical_memory
 from unison.distributed.elastic import recorded_here
-from unison.distributed.env import restart_reason
+from unison.distributed.env import detect_launch_env, restart_reason
 from unison.errors import ConfigError, RunDirRefused
 from unison.methods import get_method
 from unison.models.backbones import check_backbone, resolve_backbone
 from unison.models.vit import VIT_BACKBONES, vit_patch_size
 from unison.paths import Input, is_inside, same_file
-from unison.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_header
+from unison.training.checkpoint import latest_checkpoint, list_checkpoints
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
-from unison.training.checkpoint.header import structure
 from unison.training.init_read import check_backbone_setup
-from unison.training.own import check_pieces
+from unison.training.metrics import append_run_log
+from unison.training.model import build_method
 from unison.training.owner import check_run_dir, set_aside_earlier_run
 from unison.training.pieces import OwnPieces
-from unison.training.resolve import RunPlan, resumed_checkpoint_of, resumes_its_teacher
-from unison.training.runlog import append_run_log
-from unison.training.teacher import RANDOM, build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
+from unison.training.resolve import TEACHER_RANDOM, RunPlan, resumed_checkpoint_of, resumes_its_teacher
 
 
 def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> None:
@@ -52,7 +63,10 @@ def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> No
     own = own or OwnPieces()
     cfg = plan.cfg
     sizes = list(plan.view_sizes) if own.dataset is None else None
-    check_pieces(plan, own, sizes)
+    if own.given:   # the user's own pieces: their whole check (a run of unison's own has nothing of it to run)
+        from unison.training.own import check_pieces
+
+        check_pieces(plan, own, sizes)
     out = Path(cfg.out)
     check_init_not_replaced(cfg, out)
     if own.backbone is None:   # unison's backbone against the views, and --init, --freeze, --layer-decay against it
@@ -67,6 +81,8 @@ def preflight(plan: RunPlan, launched: bool, own: OwnPieces | None = None) -> No
         raise RunDirRefused(f"--out {out} is the checkpoints folder of the run in {out.parent}; give a run directory: "
                             f"a new one, or --resume {out.parent} to continue that run")
     if cfg.resume:  # missing, truncated, foreign, unsafe or other-method checkpoints fail here, not in W workers
+        from unison.training.checkpoint.header import read_header, structure
+
         header = read_header(cfg.resume, expect_method=structure(cfg))   # header only (method, backbone): no weights
         if restart_reason() is None and not recorded_here(out):   # restarted, requeued, re-formed: its own directory
             check_resume_target(Path(cfg.resume), int(header.step), out)
@@ -94,12 +110,16 @@ def resolve_teacher(cfg: TrainConfig) -> None:
     """distill's ``--teacher``: apart from ``--out``; a teacher run's checkpoint read as a resume reads it (every
     field; a damaged, unsafe or foreign one is one line), ``--teacher`` pinned to that checkpoint file (the
     workers read it, whatever the run writes meanwhile) and its backbone recorded in ``teacher_backbone``."""
+    if cfg.teacher is None:   # no teacher to read: every method but distill (`validate_teacher`)
+        return
+    from unison.training.checkpoint import load_checkpoint, read_header
+    from unison.training.teacher import build_teacher, is_teacher_run, teacher_head_spec, teacher_run_backbone
+
     if resumes_its_teacher(cfg):   # the teacher its checkpoint holds: not read again
         keep_resumed_teacher(cfg)
         return
-    if cfg.teacher in (None, RANDOM):
-        if cfg.teacher == RANDOM:   # head parameters given with --param: DINO's default head's
-            _record_head(cfg, teacher_head_spec(cfg, None))
+    if cfg.teacher == TEACHER_RANDOM:   # head parameters given with --param: DINO's default head's
+        _record_head(cfg, teacher_head_spec(cfg, None))
         return
     out = Path(cfg.out)
     if is_inside(out, cfg.teacher) or is_inside(Path(cfg.teacher), out):
@@ -126,12 +146,14 @@ def keep_resumed_teacher(cfg: TrainConfig) -> None:
     taken, any other is refused (one line), and the run records the checkpoint's teacher."""
     resumed = resumed_checkpoint_of(cfg)
     assert resumed is not None and cfg.teacher is not None
+    from unison.training.checkpoint import read_header
+
     recorded = read_header(resumed).config
     teacher = recorded.get("teacher")
     if not isinstance(teacher, str):   # not a distilled run's checkpoint: the method check refuses it
         return
     given = cfg.teacher
-    if not (given == teacher or same_file(given, teacher) or (given != RANDOM and is_inside(teacher, given))):
+    if not (given == teacher or same_file(given, teacher) or (given != TEACHER_RANDOM and is_inside(teacher, given))):
         raise ConfigError(f"--teacher {given} is not the teacher of the run resumed from {resumed} ({teacher}, "
                           "whose weights its checkpoint holds): a resumed run keeps its teacher; leave --teacher "
                           f"out, or distil from {given} in a new run (a new --out, without --resume)")
@@ -248,3 +270,73 @@ def check_resume_target(resume: Path, step: int, out: Path) -> None:
     raise RunDirRefused(f"{what}: resuming into {out} would overwrite its later checkpoints; pass a new --out DIR to "
                       f"branch from step {step}, or --resume {out} to continue {'its' if own else 'that run from its'} "
                       "latest")
+
+
+# ---- the model's memory
+
+OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adam": 2, "adamw": 2}   # state tensors per parameter (momentum; m and v)
+
+
+def model_bytes(plan: RunPlan) -> tuple[int, int, str]:
+    """(bytes of the model's parameters and buffers, bytes of its gradients and optimizer state, the name of its
+    largest tensor) for the resolved run `plan`, from a build on the meta device."""
+    cfg, recipe = plan.cfg, plan.recipe
+    meta = torch.device("meta")
+    with meta:
+        method = build_method(cfg, 1, getattr(torch, cfg.precision), meta, cfg.image_size, backbone=recipe.backbone,
+                              teacher_weights=False)
+    tensors = {**dict(method.named_parameters()), **dict(method.named_buffers())}
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    slots = 1 + OPTIMIZER_SLOTS.get(recipe.optimizer, 2)
+    training = slots * sum(p.numel() * p.element_size() for p in method.parameters() if p.requires_grad)
+    largest = max(tensors, key=lambda name: tensors[name].numel(), default="")
+    return weights, training, largest
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _gpu_memory(cfg: TrainConfig) -> int | None:
+    """Memory of one GPU when the workers train on GPUs (as `init_distributed` decides), else None."""
+    d = cfg.distributed
+    if not torch.cuda.is_available() or not (d.communication_backend() == "nccl" or d.resolved_backend() == "local"):
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def _local_workers(cfg: TrainConfig) -> int:
+    """Worker processes on this machine: unison's launcher starts them all here; under torchrun/srun/mpirun only
+    torchrun says how many (LOCAL_WORLD_SIZE), else one is assumed (the others may be on other machines)."""
+    if detect_launch_env() is None:
+        return cfg.distributed.world_size
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if ascii_digits(local) and 1 <= int(local) <= cfg.distributed.world_size else 1
+
+
+def check_model_memory(plan: RunPlan) -> None:
+    """Raise a one-line `ConfigError` when the model of the resolved run `plan` (parameters, buffers, gradients and
+    optimizer state) cannot fit in this machine's memory, naming the size and what to lower."""
+    cfg = plan.cfg
+    weights, training, largest = model_bytes(plan)
+    shards = cfg.distributed.world_size if cfg.distributed.shard == "full" else 1
+    per_worker = weights + training // shards
+    local = _local_workers(cfg)
+    gpu = _gpu_memory(cfg)
+    ram = physical_memory()
+    if gpu is not None and per_worker > gpu:
+        need, have, where = per_worker, gpu, "one GPU has"
+    elif ram is not None and (weights if gpu is not None else per_worker) * local > ram:
+        need, have = (weights if gpu is not None else per_worker) * local, ram
+        where = "this machine has" if local == 1 else f"its {local} worker processes share"
+    else:
+        return
+    given = [f"{k}={v}" for k, v in cfg.method_params.items() if isinstance(v, int) and not isinstance(v, bool)]
+    lower = (f"lower --param {', '.join(given)}" if given else "choose a smaller --backbone") + \
+        (" or --world-size" if local > 1 and gpu is None else "")
+    raise ConfigError(f"the model needs about {_size(need)} (parameters, gradients and optimizer state; the largest "
+                      f"tensor is {largest}) and {where} {_size(have)} of memory; {lower}")

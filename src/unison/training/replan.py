@@ -18,7 +18,7 @@ machine, where they can be off by a factor), so the run times its own steps and 
 
       W' = max(at, min(budget_warmup(S'), W))
 
-  the first plan's rule (`unison.training.length.budget_warmup`: at most a tenth of the run), never longer than
+  the first plan's rule (`unison.training.step.budget_warmup`: at most a tenth of the run), never longer than
   the warm-up planned (the ramp would fall back below the rate trained) and never shorter than the steps already
   trained on it (the rate would leave the ramp for the cosine's decay before the peak), so that the learning rate
   never falls while it warms up. A check at or past the warm-up's end (``at >= W``, the peak reached), or after
@@ -46,8 +46,7 @@ from unison.training import budget as clocks  # its `clock`, read at each call (
 from unison.training.budget import BudgetClock, cadence_of, sync_device
 from unison.training.budget_plan import costs_at, plan_steps, reserve_of
 from unison.training.hooks import StepEnd, TrainHook
-from unison.training.length import budget_warmup
-from unison.training.step import Run, apply_plan
+from unison.training.step import Run, apply_plan, budget_warmup
 
 MIN_TIMED_STEPS = 5    # the fewest steps a check times
 CHECK_SHARE = 0.1      # a check every this share of the plan's steps (after the first)

@@ -220,7 +220,13 @@ def _validate_accumulation(cfg: TrainConfig) -> None:
                           "--accumulation independent (a loss per micro-batch: not one big batch)")
 
 
-TEACHER_RANDOM = "random"   # unison.training.teacher.RANDOM (that module reads checkpoints: not imported here)
+TEACHER_RANDOM = "random"   # ``--teacher random``: a seeded random-init teacher (`unison.training.teacher.RANDOM`)
+
+
+def needs_teacher(method: str) -> bool:
+    """Whether `method` trains against a frozen teacher (distill): the one rule of which runs take ``--teacher``
+    (`validate_teacher`) and build one (`unison.training.model.build_method`)."""
+    return bool(getattr(get_method(method), "needs_teacher", False))
 
 
 def resumes_its_teacher(cfg: TrainConfig) -> bool:
@@ -245,7 +251,7 @@ def validate_teacher(cfg: TrainConfig) -> None:
     only distill takes them, distill needs ``--teacher``, a weights file needs ``--teacher-backbone``, which must
     be a backbone name; ``--teacher random`` defaults to ``small_cnn``."""
     given = [o for o, v in (("--teacher", cfg.teacher), ("--teacher-backbone", cfg.teacher_backbone)) if v]
-    if not getattr(get_method(cfg.method), "needs_teacher", False):
+    if not needs_teacher(cfg.method):
         if given or cfg.teacher_dtype != "float32":
             given = given or ["--teacher-dtype"]
             raise ConfigError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for --method distill; "

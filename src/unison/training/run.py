@@ -20,15 +20,12 @@ from unison.config import TrainConfig
 from unison.config.distributed import as_distributed
 from unison.distributed.env import apply_launch_env, check_backend_launcher, check_gpu_per_worker, detect_launch_env
 from unison.distributed.launch import launch
-from unison.distributed.main_guard import refuse_reentered_main
-from unison.distributed.start import refuse_unimportable_main
+from unison.distributed.start import refuse_reentered_main, refuse_unimportable_main
 from unison.distributed.watchdog import watched_startup
 
-from .footprint import check_model_memory
-from .own import check_picklable
 from .owner import RunDirLock
 from .pieces import OwnPieces
-from .preflight import preflight, set_aside_other_run
+from .preflight import check_model_memory, preflight, set_aside_other_run
 from .resolve import resolve_run
 from .summary import Summary
 from .trainer import train_worker, train_worker_own
@@ -55,6 +52,8 @@ def run_training(cfg: TrainConfig, *, isolated: bool = False, own: OwnPieces | N
                          "its first images or your dataset's first items)"):
         plan = resolve_run(cfg, own=own)   # the run, decided once: the workers build from it
         if own is not None and not in_process:
+            from .own import check_picklable
+
             check_picklable(own)   # before anything is written: the pieces travel to the workers pickled
         if own is None or own.backbone is None:   # the user's backbone is checked by one forward (`check_pieces`)
             check_model_memory(plan)   # a model that cannot fit: one line here, not a huge failed allocation per worker

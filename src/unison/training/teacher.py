@@ -44,13 +44,10 @@ from unison.models.backbones import build_backbone, resolve_backbone
 from unison.models.weights import load_backbone_weights, load_state, unwrap
 from unison.training.checkpoint.files import first_loadable, is_checkpoint_name, latest_checkpoint, named_checkpoint
 from unison.training.checkpoint.safe_load import load_file
+from unison.training.resolve import TEACHER_RANDOM
 
-RANDOM = "random"
+RANDOM = TEACHER_RANDOM
 DEFAULT_RANDOM_BACKBONE = "small_cnn"
-
-
-def needs_teacher(method: str) -> bool:
-    return bool(getattr(get_method(method), "needs_teacher", False))
 
 
 def is_teacher_run(teacher: str) -> bool:

@@ -55,25 +55,16 @@ from unison.distributed.watchdog import Stuck, Watchdog
 from unison.errors import ConfigError, WatchdogTimeout
 from unison.eval.knn import knn_accuracy
 from unison.paths import is_inside, same_file, write_text_atomic
-from unison.training.budget import USED_KEY, BudgetClock, adopt_plan, end_budget, start_budget, used_line
-from unison.training.checkpoint import (
-    Checkpointer,
-    latest_checkpoint,
-    read_header,
-    resume_run,
-    save_run_checkpoint,
-)
+from unison.training.checkpoint import Checkpointer, latest_checkpoint
 from unison.training.checkpoint.files import CHECKPOINT_DIR, step_of
 from unison.training.collapse import COLLAPSE_ADVICE, COLLAPSE_EVALS, collapsed
 from unison.training.describe import UnreadableImages, describe_backbone, describe_data, describe_init
 from unison.training.hooks import StepEnd, TrainHook, hooks_from_env
 from unison.training.init_read import init_weights_of
-from unison.training.metrics import MetricsLogger
+from unison.training.metrics import MetricsLogger, RunLog
 from unison.training.preemption import MidStepStop, StopAgreement, preempted, save_failed_elsewhere
-from unison.training.progress_bar import progress_bar
 from unison.training.resolve import RunPlan, plan_run
 from unison.training.run_files import run_file_error
-from unison.training.runlog import RunLog
 from unison.training.signals import AUTO_EVALUATIONS, AUTO_MIN_EVERY, HeldBack, OnlineProbe, measure_signals
 from unison.training.step import (
     Batch,
@@ -88,6 +79,7 @@ from unison.training.step import (
 from unison.training.summary import Summary, peak_memory_mib, steady_heap
 
 if TYPE_CHECKING:   # annotations only
+    from unison.training.budget import BudgetClock
     from unison.training.pieces import OwnPieces
     from unison.training.profile import ProfileHook
     from unison.training.replan import ReplanHook
@@ -169,7 +161,11 @@ class Trainer:
     def __init__(self, plan: RunPlan, device: torch.device, hooks: Sequence[TrainHook] = ()) -> None:
         cfg = self.cfg = plan.cfg
         self.plan, self.device, self.master = plan, device, C.rank() == 0
-        self.budget = BudgetClock(cfg.time_budget) if cfg.time_budget else None   # counts from here (rank 0's)
+        self.budget: BudgetClock | None = None
+        if cfg.time_budget:   # a budgeted run's clock, counting from here (rank 0's); only such a run imports it
+            from unison.training.budget import BudgetClock
+
+            self.budget = BudgetClock(cfg.time_budget)
         self.hooks = [*hooks, *hooks_from_env(cfg, C.rank())]
         install_stop_handlers()   # SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (unison.training.preemption)
         # no launcher: the process is the caller's (a notebook's kernel), and a stuck run raises here, not ending it
@@ -186,7 +182,8 @@ class Trainer:
             self.probe = OnlineProbe(run)
             run.extra_state.register("online_probe", self.probe)   # before the restore: a resumed probe continues
             step = self._restore()
-            self._say(start_budget(run, self.budget, step, self.history))   # measure and plan, or keep the plan
+            if self.budget is not None:
+                self._say(self.budget.start(run, step, self.history))   # measure and plan, or keep the plan
             self._write_config()   # after the restore: a checkpoint refused by it leaves config.json as it was
             self.logger = MetricsLogger(self.cfg.out, enabled=self.master, kind=self.cfg.logger,
                                         config=self.cfg.to_dict(), error=self._file_error)
@@ -203,7 +200,8 @@ class Trainer:
         torch.set_num_threads(threads_per_worker(cfg, C.world_size()))
         join_elastic(cfg.out, self.device)   # torchrun: a re-formed group of this job resumes like a restart
         resume_after_restart(cfg, Path(cfg.out))   # before the build: a restarted run does not read --init again
-        adopt_plan(cfg)   # a budgeted run resumed by a restart: the checkpoint's plan, not a new measurement
+        if self.budget is not None:   # resumed by a restart: the checkpoint's plan, not a new measurement
+            self.budget.adopt_plan(cfg)
         run = build_run(self.plan, self.device, init=init_weights_of(cfg), own=own)   # the step reads no checkpoint
         if self.master:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -218,7 +216,12 @@ class Trainer:
         """The steps already done: from ``--resume`` or the run directory after a restart, else 0, with the
         random-initialisation kNN baseline measured (never of a trained encoder)."""
         run, cfg = self.run, self.cfg
-        step, self.history = resume_run(run, cfg.resume) if cfg.resume else (0, {})
+        if cfg.resume:
+            from unison.training.checkpoint import resume_run
+
+            step, self.history = resume_run(run, cfg.resume)
+        else:
+            step, self.history = 0, {}
         name_run(run)
         self.runlog.line(start_line(run, C.world_size(), step))
         if "resumed_from_total_steps" in run.resolved:
@@ -270,12 +273,12 @@ class Trainer:
             if self.held is not None and not end.last and end.step % self.signals_every == 0:
                 self._signals(end)
             if self.budget is not None and self.replan is not None:
-                self.history[USED_KEY] = self.budget.spent_s()   # a checkpoint (and the run resumed from it) carries it
+                self.budget.keep_spent(self.history)   # a checkpoint (and the run resumed from it) carries it
                 self.replan.after_step(run, end)
             if self._checkpoint_due(end):
                 end.saved = True
                 with self.watch.phase("checkpoint", end.step):
-                    save_run_checkpoint(run, self.checkpointer, end.step, self.history)
+                    self._save(end.step)
                 self.last_save = time.monotonic()
             self._agree_to_stop(end)
             for hook in hooks:
@@ -343,8 +346,11 @@ class Trainer:
         self.wait_s = self.wait_since_log = self.train_time_s = 0.0
         self.images_since_log = 0
         self.waits = DataWaitWarning(run) if self.master else None
-        self.progress = (progress_bar(run.total_steps, step, f"{cfg.method} x{C.world_size()}")
-                         if self.master and cfg.progress else None)
+        self.progress = None
+        if self.master and cfg.progress:
+            from unison.training.progress_bar import progress_bar  # tqdm: for the runs that draw the bar
+
+            self.progress = progress_bar(run.total_steps, step, f"{cfg.method} x{C.world_size()}")
         self.t_start = self.t_log = time.perf_counter()
         # the signals' held-back images; collapse is judged on MIN_COLLAPSE_IMAGES or more (fewer: RankMe stays
         # below its floor even for a healthy network)
@@ -478,12 +484,19 @@ class Trainer:
             return
         with self.watch.phase("checkpoint", step):
             if not end.saved:
-                save_run_checkpoint(run, checkpointer, step, self.history)
+                self._save(step)
             path = checkpointer.wait()         # the preemption checkpoint is complete before anyone exits
             if path is None and self.master:   # --shard full: written by every rank through DCP
                 path = latest_checkpoint(checkpointer.run_dir)
             C.barrier()
         raise preempted(decision, step, run.total_steps, str(path) if path is not None else None)
+
+    def _save(self, step: int) -> None:
+        """The run's checkpoint at `step`, with its history (`unison.training.checkpoint.run_state`; the first save
+        imports the writer's format)."""
+        from unison.training.checkpoint import save_run_checkpoint
+
+        save_run_checkpoint(self.run, self.checkpointer, step, self.history)
 
     def _on_checkpoint_write(self, step: int, written: int) -> None:
         for hook in self.hooks:
@@ -493,22 +506,22 @@ class Trainer:
 
     def _end(self, step: int) -> Summary:
         """The final kNN and signals, the last checkpoint, the budget's account and the run's `Summary`."""
-        run, cfg, history = self.run, self.cfg, self.history
+        run, history = self.run, self.history
         self.unreadable.final()
         history["knn_top1"] = self._evaluate(step)
         if self.held is not None and self.signals_latest.get("step") != step:
             self._measure_signals(step)
         if self.budget is not None:   # the final kNN counted in the last checkpoint: a resumed run goes on from here
-            history[USED_KEY] = self.budget.spent_s()
+            self.budget.keep_spent(history)
         with self.watch.phase("checkpoint", step):
-            save_run_checkpoint(run, self.checkpointer, step, history)
+            self._save(step)
             self.checkpointer.wait()   # complete on disk before the run returns
         note_progress(step, done=True)   # a torchrun job with this id that starts later is a new run
         self.watch.enter("done", step)
         history["signals"] = self._signals_summary()
-        history["time_budget"] = used = end_budget(run, self.budget, step)
-        if self.budget is not None and used is not None:
-            self._say(used_line(str(cfg.time_budget), used, self.budget.spent_on_resume))
+        if self.budget is not None:
+            history["time_budget"], line = self.budget.end(run, step)
+            self._say(line)
         return self._summary(step)
 
     def _signals_summary(self) -> dict[str, Any]:
@@ -713,6 +726,8 @@ def resume_after_restart(cfg: TrainConfig, run_dir: Path) -> None:
         return
     latest = latest_checkpoint(run_dir) if C.rank() == 0 else None   # rank 0 decides, every rank follows
     if latest is not None and cfg.resume and not same_file(cfg.resume, run_dir):
+        from unison.training.checkpoint import read_header
+
         latest = latest if step_of(latest) >= read_header(cfg.resume).step else None
     chosen = C.all_gather_object(None if latest is None else str(latest))[0]
     if chosen is None:

@@ -1,4 +1,4 @@
-"""torchrun's shared store and unison's store per restart attempt (`unison.distributed.network.
+"""torchrun's shared store and unison's store per restart attempt (`unison.distributed.env.
 torchrun_attempt_store`), in this process: rank 0 and rank 1 in two threads, a dead attempt's announcement left in
 the agent's store."""
 
@@ -11,7 +11,7 @@ import threading
 import torch.distributed as dist
 
 from unison.config.distributed import DistributedConfig
-from unison.distributed import network as N
+from unison.distributed import env as N
 
 
 def _timeout(seconds: float = 20) -> datetime.timedelta:

@@ -13,7 +13,7 @@ import pytest
 
 from unison.cli import main
 from unison.errors import PREEMPTED_EXIT_CODE
-from unison.training.length import budget_warmup
+from unison.training.step import budget_warmup
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

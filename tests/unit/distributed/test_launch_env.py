@@ -14,7 +14,6 @@ import pytest
 from unison.config.distributed import DistributedConfig
 from unison.distributed import env as E
 from unison.distributed import launch_env as L
-from unison.distributed import network as N
 from unison.errors import ConfigError
 
 OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
@@ -77,13 +76,13 @@ def test_backend_mpi_needs_an_mpi_launcher(environ):
 
 def test_gloo_uses_the_interface_towards_the_rendezvous(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    loopback = N._interface_with("127.0.0.1")
-    assert loopback and N._source_address("127.0.0.1") == "127.0.0.1"
-    assert N.gloo_interface("127.0.0.1") == loopback   # one machine: loopback, as before
+    loopback = E._interface_with("127.0.0.1")
+    assert loopback and E._source_address("127.0.0.1") == "127.0.0.1"
+    assert E.gloo_interface("127.0.0.1") == loopback   # one machine: loopback, as before
     assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")   # the user's choice stands
-    assert N.gloo_interface("127.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
-    assert N._interface_with("198.18.255.254") is None and N._source_address("no-such-host.invalid") is None
+    assert E.gloo_interface("127.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert E._interface_with("198.18.255.254") is None and E._source_address("no-such-host.invalid") is None
 
 
 def test_full_sharding_on_one_cuda_worker_is_refused_where_the_device_is_known(monkeypatch):

@@ -149,11 +149,11 @@ def test_a_restarted_run_takes_its_plan_from_the_checkpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(budget, "read_header", lambda path: Header)
     cfg = _cfg(tmp_path, time_budget="10m", resume=str(tmp_path))
-    budget.adopt_plan(cfg)
+    BudgetClock(cfg.time_budget).adopt_plan(cfg)
     assert cfg.time_budget_plan == plan
     other = _cfg(tmp_path, time_budget="20m", resume=str(tmp_path))
     with pytest.raises(ConfigError, match="planned for a 600 s budget"):
-        budget.adopt_plan(other)
+        BudgetClock(other.time_budget).adopt_plan(other)
 
 
 def test_a_run_capped_below_the_measurement_does_not_time_its_first_steps(tmp_path, local_group, monkeypatch):
@@ -235,7 +235,8 @@ def test_the_end_record_is_rank_0s_clock_and_schedule(tmp_path, local_group, mon
     now[0] = 56.0
     assert clock.out_of_time()   # the clock ends the loop: said at the end
     now[0] = 61.2
-    used = budget.end_budget(run, clock, 15)
+    used, line = clock.end(run, 15)
+    assert line.startswith("time budget 60s: used 61.2 s of 60 s, 1.2 s over budget, 15 of 44 planned steps")
     assert used["used_s"] == 61.2 and used["over_s"] == pytest.approx(1.2) and used["stopped_by_clock"]
     assert not used["schedule_finished"] and used["last_lr_share"] == pytest.approx(
         run.schedule.lr(14) / run.schedule.peak_lr, abs=1e-4) and 0.5 < used["last_lr_share"] < 0.9
@@ -266,7 +267,7 @@ def test_max_steps_given_on_resume_caps_the_plan_and_its_warmup(tmp_path, local_
     run = build_run(cfg, torch.device("cpu"), train_set=synthetic_dataset(8, 16, 0))
     assert run.total_steps == run.method.steps_total == 30 and run.schedule.warmup_steps == budget_warmup(30, 5.0, 2)
     assert run.schedule.stretch is None and run.schedule.lr(29) > 0 and run.schedule.lr(30) == 0.0
-    line = budget.start_budget(run, BudgetClock("10m"), 12, {budget.USED_KEY: 100.0})
+    line = BudgetClock("10m").start(run, 12, {budget.USED_KEY: 100.0})
     assert "capped at 30 steps by --max-steps 30" in line
     assert cfg.time_budget_plan["steps"] == 30 and cfg.time_budget_plan["warmup_steps"] == 3
     assert "stretch" not in cfg.time_budget_plan and cfg.time_budget_plan["why"].startswith("capped at 30 steps")
@@ -303,12 +304,12 @@ def test_a_budget_that_is_mostly_start_up_names_the_smallest_sensible_one_measur
     now[0] = spent
     if refused:
         with pytest.raises(ConfigError) as info:
-            budget.start_budget(run, clock, 0, {})
+            clock.start(run, 0, {})
         message = str(info.value)
         assert "leaves no time to train" in message and "on this machine the start and the end of a run take" in message
         assert "(half of it for steps)" in message and "\n" not in message
         return
-    line = budget.start_budget(run, clock, 0, {})
+    line = clock.start(run, 0, {})
     plan = cfg.time_budget_plan
     measured = plan["measured"]
     end = final_s(BudgetCosts(**measured), budget.cadence_of(run))

@@ -19,7 +19,7 @@ mlflow = pytest.importorskip("mlflow", reason="the mlflow extra (pip install '.[
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from unison.config.extras import check_logger_packages  # noqa: E402
+from unison.config.train import check_logger_packages  # noqa: E402
 from unison.training.metrics import MetricsLogger  # noqa: E402
 from unison.training.mlflow_run import MLFLOW_DIR, local_store  # noqa: E402
 

@@ -18,9 +18,8 @@ from unison.errors import ConfigError
 from unison.training import budget
 from unison.training.budget import BudgetClock, BudgetCosts, Cadence, plan_steps, reserve_of
 from unison.training.hooks import StepEnd
-from unison.training.length import budget_warmup
 from unison.training.replan import ReplanHook, far_from_plan, next_check, open_warmup, replanned, window_step_s
-from unison.training.step import apply_plan, build_run
+from unison.training.step import apply_plan, budget_warmup, build_run
 
 FIRST = BudgetCosts(spent_s=10.0, step_s=1.0, knn_s=0.0, signals_s=0.0, checkpoint_copy_s=0.0, checkpoint_s=0.0)
 NO_WORK = Cadence(steps_per_epoch=2, signals=False)   # the synthetic runs below: 8 images, batch 4, nothing periodic

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from unison.cli import main
-from unison.eval.signals import alignment, embedding_std, rankme, uniformity
 from unison.training.checkpoint import load_checkpoint
-from unison.training.signals import held_back_indices
+from unison.training.signals import alignment, embedding_std, held_back_indices, rankme, uniformity
 
 TINY = ["train", "--world-size", "1", "--batch-size", "64", "--subset", "256", "--val-subset", "64", "--knn-k", "5",
         "--no-progress", "--no-random-init-knn", "--signal-images", "128"]

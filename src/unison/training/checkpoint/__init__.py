@@ -22,7 +22,7 @@ Example::
     check_compatible(model, ckpt["model"])
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .background import Checkpointer, SaveAborted, snapshot
 from .compat import check_compatible
@@ -35,24 +35,36 @@ from .files import (
     list_checkpoints,
     write_failure_message,
 )
-from .header import FORMAT, VERSION, CheckpointHeader, read_header
-from .pt import load_checkpoint, save_checkpoint
-from .rng_state import pack_rng_state, restore_rng_state, restore_run_rng
-from .run_state import resume_run, resume_sharded, resumes_sharded, save_run_checkpoint
-from .safe_load import read_metadata_safely
 
-_DCP_NAMES = ("load_consolidated", "load_safely", "save_sharded")
+if TYPE_CHECKING:   # for annotations and mypy; at run time `__getattr__` imports them
+    from .dcp import save_sharded
+    from .dcp_read import load_consolidated, load_safely
+    from .header import FORMAT, VERSION, CheckpointHeader, read_header
+    from .pt import load_checkpoint, save_checkpoint
+    from .rng_state import pack_rng_state, restore_rng_state, restore_run_rng
+    from .run_state import resume_run, resume_sharded, resumes_sharded, save_run_checkpoint
+    from .safe_load import read_metadata_safely
+
+# Imported on first use (what a run does before it saves or reads a checkpoint needs none of them): the header, the
+# readers and the run's state, each name from its module; torch.distributed.checkpoint (with DTensor), which
+# ``--shard full`` needs, is a slow import, which the launcher's parent process, the CLI and ``unison eval`` of a
+# ``.pt`` need not pay (a DDP worker imports it anyway: DDP's constructor imports torch._dynamo, which imports them).
+_LAZY = {**dict.fromkeys(("FORMAT", "VERSION", "CheckpointHeader", "read_header"), "header"),
+         **dict.fromkeys(("load_checkpoint", "save_checkpoint"), "pt"),
+         **dict.fromkeys(("pack_rng_state", "restore_rng_state", "restore_run_rng"), "rng_state"),
+         **dict.fromkeys(("resume_run", "resume_sharded", "resumes_sharded", "save_run_checkpoint"), "run_state"),
+         "read_metadata_safely": "safe_load", "save_sharded": "dcp", "load_consolidated": "dcp_read",
+         "load_safely": "dcp_read"}
 
 
 def __getattr__(name: str) -> Any:
-    """The ``--shard full`` functions, imported on first use: torch.distributed.checkpoint (with DTensor) is a
-    slow import, which the launcher's parent process, the CLI and ``unison eval`` of a ``.pt`` need not pay
-    (a DDP worker imports it anyway: DDP's constructor imports torch._dynamo, which imports them)."""
-    if name in _DCP_NAMES:
-        from . import dcp, dcp_read
+    """The names of `_LAZY`, each imported from its module on first use."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(dcp_read if hasattr(dcp_read, name) else dcp, name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CHECKPOINT_DIR", "FORMAT", "LATEST", "VERSION", "CheckpointHeader", "Checkpointer", "ExtraState", "SaveAborted",

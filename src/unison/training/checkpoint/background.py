@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from .files import latest_checkpoint
-from .pt import save_checkpoint
 
 
 class SaveAborted(BaseException):
@@ -78,18 +77,21 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict, step: int) -> None:
+        from .pt import save_checkpoint  # the file's format: imported by the first save, on the loop's thread
+
         self.wait()
         if self.asynchronous:
             copy = snapshot(state)
             self._done = threading.Event()
-            self._thread = threading.Thread(target=self._write, args=(copy, step, self._done), name="unison-checkpoint",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._write, args=(save_checkpoint, copy, step, self._done),
+                                            name="unison-checkpoint", daemon=True)
             self._thread.start()
         else:
-            self._write(state, step)
+            self._write(save_checkpoint, state, step)
             self._raise_error()
 
-    def _write(self, state: dict, step: int, done: threading.Event | None = None) -> None:
+    def _write(self, save_checkpoint: Callable[..., Path], state: dict, step: int,
+               done: threading.Event | None = None) -> None:
         def on_write(written: int) -> None:
             if self._abort.is_set():
                 raise SaveAborted(f"checkpoint of step {step} aborted")
