@@ -23,9 +23,9 @@ thousand images), with ``--time-budget 5m`` unless one is given.
 Hyper-parameters. Shared: SimCLR, SGD with momentum 0.9, weight decay 5e-4, one epoch of warm-up (at most a tenth
 of a budgeted run's steps), as Lightly's CIFAR-10 benchmark; NT-Xent temperature 0.2, learning rate 0.45 per 256
 images, crops from 20 % of the image (the ``mocov2`` augmentation: SimCLR's colour jitter, MoCo v2's crops)
-instead of Lightly's 0.5, 0.12 and 8 %. Chosen on the CIFAR-10 ``val`` split only, on a CPU, one value at a time,
-at 5-minute budgets of the small CNN and in a many-epoch proxy of a GPU's regime; docs/benchmarks.md ("How the
-speed-run recipe was chosen") has every run, its command and its result.
+instead of Lightly's 0.5, 0.12 and 8 %. Chosen on the CIFAR-10 ``val`` split only, at the preset's
+own budget with the small CNN and in a many-epoch proxy of a GPU's regime; docs/benchmarks.md ("How the speed-run
+recipe was chosen") has every run, its command and its result.
 
 * On a GPU (`SPEEDRUN_GPU`): a ResNet-18 (CIFAR stem) at batch 512 (lr 0.9), the values above.
 * On a CPU (`SPEEDRUN_CPU`): the small CNN at batch 256. Not a ResNet-18: a CPU's ResNet-18 step and start-up
