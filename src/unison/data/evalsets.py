@@ -193,8 +193,8 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 def _pool() -> ThreadPoolExecutor:
     """This process's decoding threads, kept for its life. Why not a pool per batch: every new thread may get
-    a malloc arena of its own, and the freed decode buffers left in up to 8 x cores arenas made the peak memory
-    of a kNN grow with the number of batches it decoded."""
+    a malloc arena of its own, and the freed decode buffers left in up to 8 x cores arenas would make the peak
+    memory of a kNN grow with the number of batches it decodes."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():   # a forked child has none of its parent's threads
         _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),

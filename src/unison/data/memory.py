@@ -5,8 +5,8 @@ The in-memory path for data that fits (CIFAR-scale): every image decoded once in
 
 * Decoding uses PIL for every format (as the streamed and kNN paths do), in a thread pool; images
   are converted to RGB and shown upright (EXIF orientation applied, as `PIL.ImageOps.exif_transpose`).
-  torchvision's decoders are not used: its PNG decoder crashed the process (SIGSEGV) on a corrupt
-  PNG after printing ``libpng error:`` lines, and libjpeg's warnings went straight to stderr.
+  torchvision's decoders are not used: its PNG decoder can crash the process (SIGSEGV) on a corrupt
+  PNG after printing ``libpng error:`` lines, and libjpeg's warnings go straight to stderr.
 * All images must share one size: images of another size are resized (bilinear,
   antialiased) to one (a training run's: `unison.data.source.stored_size`, the sampled image of median shorter
   side; else the first image's in sample order), with one warning.

@@ -18,8 +18,8 @@ sample is in exactly one global batch per epoch (apart from the ``n mod B`` left
 drop-last, a different few each epoch).
 
 The trade-off: random reads instead of sequential ones. On local disks, SSDs and page-cached
-or parallel file systems (Lustre, GPFS, NFS with read-ahead off) a pread of a ~110 KB
-ImageNet JPEG costs about what reading it from its own file does, without the per-file open;
+or parallel file systems (Lustre, GPFS, NFS with read-ahead off) a pread of an ImageNet-sized
+JPEG costs about what reading it from its own file does, without the per-file open;
 on object stores behind a FUSE mount that only stream well, stage the shards locally or use
 a folder. Compressed tars (``.tar.gz``) cannot be read by offset and are refused. Indexing
 costs one pass over the headers, done once: the

@@ -35,7 +35,7 @@ trained on).
 
 kNN evaluation needs labelled held-out data, and never scores training images:
 
-* ``digits`` / ``cifar10``: their held-out split, as before;
+* ``digits`` / ``cifar10``: their own held-out split;
 * otherwise the ``--val`` data (classes the training data has, `unison.data.evalsets.map_labels`);
   without ``--val``, or when either side has no labels, kNN is skipped and `TrainData.knn_skipped` says why;
 * in both data modes the sets are bounded the same way (`unison.data.evalsets`: at most `KNN_REFERENCE`

@@ -117,8 +117,8 @@ def job_loader(decode: Any, order: EpochOrder, batch_number: int, workers: int, 
     """A DataLoader of this rank's jobs ``(epoch, [indices])`` of `order` from global batch `batch_number` on, each
     job turned into one batch by ``decode(job)`` in one of `workers` loader processes (0: this process)."""
     # The loader processes die with this one (a SIGKILLed run leaves none, nor the resource tracker they hold
-    # open). Forked on Linux: a spawned one re-imports torch for seconds before it could ask, and outlived a
-    # killed run that long; a forked one asks at once.
+    # open). Forked on Linux: a spawned one re-imports torch before it can ask, and outlives a killed run for
+    # as long; a forked one asks at once.
     fork = workers > 0 and sys.platform.startswith("linux")
     return torch.utils.data.DataLoader(
         _JobDataset(decode), sampler=_RankJobs(order, batch_number), batch_size=None, collate_fn=_as_is,
