@@ -10,8 +10,8 @@
   command began (no lock another thread could hold, no OpenMP pool), and no GPU device on the machine (CUDA is
   not fork-safe: a parent that only asked how many devices there are poisons it, and the command's parent asks).
   The command has imported torch already,
-  so the fork server would import it a second time, which on a machine of few cores is most of a short
-  ``unison train``'s start. A GPU machine, or any other process, keeps the fork server.
+  so the fork server would import it a second time, a CPU-bound import that a short ``unison train`` would pay
+  in its start again. A GPU machine, or any other process, keeps the fork server.
 
 The workers of both get the launcher's environment as it is at launch (`unison.distributed.launch`).
 
