@@ -29,9 +29,10 @@ _EAGER: Callable[..., torch.Tensor] | None = None
 
 def keep_losses_eager() -> None:
     """Make the float32 losses run eager inside torch.compile'd code (`torch.compiler.disable`). Called by the run
-    that compiles, before it compiles: on an H100 (torch 2.11, Triton 3.6) Triton failed to compile NT-Xent's
-    float32 cross-entropy ("PassManager::run failed", make_ttgir), and the loss is a few small kernels on [n, d]
-    embeddings. Not at import: making the wrapper imports Dynamo (and FSDP with it), which eager runs never need."""
+    that compiles, before it compiles: Triton 3.6 (torch 2.11's) can fail to compile NT-Xent's float32
+    cross-entropy for a GPU ("PassManager::run failed", make_ttgir), and the loss is a few small kernels on
+    [n, d] embeddings: eager, it costs next to nothing. Not at import: making the wrapper imports Dynamo (and FSDP
+    with it), which eager runs never need."""
     global _EAGER
     _EAGER = torch.compiler.disable(_full_precision)
 
@@ -39,7 +40,7 @@ def keep_losses_eager() -> None:
 def _full_precision(loss: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
     tensors = tuple(z.float() if z.dtype in _HALF else z for z in tensors)
     # Meta tensors (FLOP counts) have no autocast to turn off. A plain device test, because torch.compile cannot
-    # trace torch.amp.is_autocast_available: it broke the compiled forward in two there.
+    # trace torch.amp.is_autocast_available: it would break the compiled forward in two there.
     if tensors[0].device.type == "meta":
         return loss(*tensors)
     with torch.autocast(tensors[0].device.type, enabled=False):
