@@ -53,7 +53,7 @@ class Recipe:
     # the methods whose view count is a hyper-parameter (MMCR's views, EMP-SSL's patches); None: the preset's
     views_param: str | None = None
     # Overrides of the fields above for the embedded digits default, a 150-step schedule on which
-    # some published CIFAR settings barely move (measured with benchmarks/methods_digits.sh).
+    # some published CIFAR settings barely move (benchmarks/methods_digits.sh runs them).
     embedded: dict[str, Any] = field(default_factory=dict)
 
     def for_data(self, data: str) -> Recipe:

@@ -61,7 +61,7 @@ class BYOL(SSLMethod):
     name = "byol"
     Params = BYOLParams
     # Embedded default (150 steps): Adam moves the online network far enough for the target to follow;
-    # the SGD recipe stays at random-init accuracy there (kNN 0.83 vs 0.75, benchmarks/methods_digits.sh).
+    # the SGD recipe stays at random-init accuracy there (docs/archive/benchmarks-history.md has both runs).
     recipe = Recipe(optimizer="sgd", base_lr=0.06, weight_decay=1e-3, augmentation="byol",
                     embedded={"optimizer": "adam", "base_lr": 2e-3, "weight_decay": 1e-6})
 

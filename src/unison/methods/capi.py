@@ -26,8 +26,8 @@ Defaults (official ViT-L/14 configuration ``default_pretrain_config.yaml``): mas
 masked patch predicted (official: 5 % of them, which at ViT-L/14's 16 x 16 patches is 8 an image and at 8 x 8
 would be 2). Recipe: AdamW, lr 1e-3 at the official global batch of 16384 = 1.5625e-5 per 256 images, weight decay 0.1,
 crops from 60 % and flips (preset ``capi``), ``vit_tiny_auto``; on the embedded digits ``vit_nano_p4`` and lr 1e-3, the
-short-schedule setting of the other ViT methods (on ``vit_nano_p2``'s 8 x 8 patches the representation collapsed
-there within the digits' 150 steps). The clustering head is trained with the same
+short-schedule setting of the other ViT methods (on ``vit_nano_p2``'s 8 x 8 patches the representation collapses
+within the digits' 150 steps). The clustering head is trained with the same
 optimizer and schedule as the student (official: its own AdamW, lr 5e-4 with the same warm-up). Not implemented:
 AdamW's betas (0.9, 0.95), the lr multipliers of the patch embedding (0.2) and the weight-decay factor of the
 norms (0.1), the cosine cut at 0.8 for the learning rate, drop-path 0.2.

@@ -35,7 +35,7 @@ from unison.errors import ConfigError
 MAX_SIZE = 2**20
 # A softmax temperature t scales unit-norm similarities to logits up to 1/t; the loss and its gradient grow as 1/t
 # and an optimizer's squared gradient as 1/t**2. At t >= 1e-4 the logits stay finite in float16 (65504) and the
-# squares in float32 (3.4e38); SimCLR's loss was NaN at step 1 with t = 1e-20 (1/t**2 past float32).
+# squares in float32 (3.4e38); at t = 1e-20, 1/t**2 is past float32 and SimCLR's loss is NaN at step 1.
 MIN_TEMPERATURE = 1e-4
 # Sinkhorn-Knopp exponentiates scores <= 1 as exp(score / epsilon) in float32 and sums up to 2**40 of them:
 # exp(1 / 0.02) * 2**40 = 5.7e33 stays finite, while with epsilon = 0.01 a score of 1 (a prototype the embedding

@@ -92,8 +92,8 @@ def bank_size_check(params: SMoGParams, global_batch: int) -> None:
 class SMoG(SSLMethod):
     name = "smog"
     Params = SMoGParams
-    # Embedded default (150 steps): the SGD recipe stays below random-init accuracy there, Adam moves it (kNN 0.74 and
-    # 0.83 against 0.76, docs/benchmarks.md), as for BYOL.
+    # Embedded default (150 steps): the SGD recipe stays below random-init accuracy there, Adam moves it
+    # (docs/benchmarks.md), as for BYOL.
     recipe = Recipe(optimizer="sgd", base_lr=0.01 / 2, weight_decay=1e-6, augmentation="smog",
                     embedded={"optimizer": "adam", "base_lr": 2e-3, "weight_decay": 1e-6})
 
