@@ -56,7 +56,7 @@ import torch.nn as nn
 
 from unison.errors import CheckpointError
 
-MAX_WEIGHTS_BYTES = 1 << 37       # 128 GiB: past the largest public ViT (ViT-22B in bf16 is 44 GB)
+MAX_WEIGHTS_BYTES = 1 << 37       # 128 GiB: past the largest public ViT (ViT-22B: 22e9 weights of 2 bytes in bf16)
 MAX_TENSORS = 1_000_000           # tensors in one state dict
 MAX_KEY = 1000                    # characters of a tensor name
 MAX_SIDECAR_BYTES = 1 << 20       # an export's .json sidecar is a few hundred bytes
