@@ -17,7 +17,7 @@ rank sums the squares of its slices, one all-reduce per step sums them over the 
 all parameters at once, and ||p|| = sqrt of the sum; the update itself is elementwise and
 applied to the local slices. The momentum buffer has the parameter's type (a DTensor with
 the same sharding), so `torch.distributed.checkpoint` can reshard it to another world size.
-For plain tensors the norms are ``torch.linalg.vector_norm`` as before.
+For plain tensors the norms are plain ``torch.linalg.vector_norm`` calls.
 
 Hand-written because torch has no LARS and the packaged ones (e.g. in lightly, solo-learn)
 compute ``torch.norm`` of whatever tensor they are given, which is the local-slice bug under

@@ -17,7 +17,7 @@ the schedule: at each such re-plan (step s_i, where the schedule stood at positi
 
 where P is the schedule's length. The learning rate, the momentum and the teacher temperature continue from the
 values they had and end exactly at the run's last step. Without a late re-plan there is no stretch, and a step is
-its own position (the same floats as before: nothing is computed).
+its own position (the same floats as an unstretched run's: nothing is computed).
 
 Example::
 
