@@ -2,7 +2,7 @@
 machine, from what the run measured (`unison.training.budget`'s costs), never a fixed figure.
 
 A run spends some time whatever its length: the start (data, model, the random-initialisation kNN, the step
-measurement) and the end (final kNN, signals, checkpoint). On a CPU that is a minute or more, so a short budget
+measurement) and the end (final kNN, signals, checkpoint). On a CPU these are slow enough that a short budget
 trains for a small share of itself. `sensible_budget_s` is the smallest budget whose steps get
 `SENSIBLE_STEP_SHARE` of it; `too_short` is the clause of the refusal of a budget with no room for a step,
 `short_budget` the warning for one whose steps get less than that share.

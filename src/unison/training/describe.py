@@ -67,7 +67,7 @@ class UnreadableImages:
     """Training images skipped as unreadable (``--on-corrupt skip``), reported once over all ranks.
 
     In memory every rank decodes all the images, and streamed each rank meets a file in whichever epoch its slice
-    holds it: a warning per rank named the same file once per worker, and nothing recorded it. Here the ranks add
+    holds it: a warning per rank would name the same file once per worker, and record it nowhere. Here the ranks add
     up how many they found (one integer all-reduced, at every logged step, the end of each epoch and the start);
     when that changed, they exchange the new names, and rank 0 names the first `NAMED` files (then a count every
     100 more) on standard error and in ``train.log``. At the end: one line with the total, in both, and the count

@@ -69,7 +69,7 @@ class ResolvedRecipe:
         crops = cfg.local_crops
         if crops is None and cfg.local_crop_size is None and multicrop and size is not None \
                 and size <= self.global_views_up_to:
-            crops = 0   # small images: the 2 global views only (the measurements: `unison.methods._common`)
+            crops = 0   # small images: the 2 global views only (why: `unison.methods._common`)
         local = cfg.local_crop_size
         if local is None and size is not None and multicrop and crops != 0 and not self.backbone.startswith("own:"):
             local = PRESETS[self.augmentation]["local_size"] or default_local_size(
