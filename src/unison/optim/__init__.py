@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["LARS", "OPTIMIZER_NAMES", "build_optimizer", "constructor_args"]
+__all__ = ["LARS", "OPTIMIZER_NAMES", "build_optimizer", "constructor_args", "state_per_parameter"]
 
 OPTIMIZER_NAMES = ("sgd", "lars", "adam", "adamw")
 
@@ -45,6 +45,18 @@ def build_optimizer(name: str, params: Iterable[Any], lr: float, weight_decay: f
         return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if key == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; known optimizers are {', '.join(OPTIMIZER_NAMES)}")
+
+
+def state_per_parameter(name: str, momentum: float = 0.9) -> tuple[int, int]:
+    """(tensors the size of the parameter, scalar tensors) that `build_optimizer(name, ...)` keeps for each
+    trainable parameter once it has stepped: SGD and LARS a momentum buffer unless `momentum` is 0; Adam and AdamW
+    both moments and a step counter. The one rule the memory estimate (`unison.training.memory`) counts by."""
+    key = name.lower()
+    if key in ("sgd", "lars"):
+        return (1 if momentum != 0 else 0), 0
+    if key in ("adam", "adamw"):
+        return 2, 1
     raise ValueError(f"unknown optimizer {name!r}; known optimizers are {', '.join(OPTIMIZER_NAMES)}")
 
 

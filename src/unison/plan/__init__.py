@@ -8,7 +8,8 @@ under torch's `MemTracker`, `FlopCounterMode` and `CommMeter`. The data is check
 pre-flight does it (`planned_data`: it exists, a batch and a step fit in it, the image size is the data's), then
 synthetic views of that size stand in for its images:
 
-* memory per rank at the step's peak: parameters, gradients, optimizer state, activations (+ temporaries);
+* memory per rank at the step's peak: activations (+ temporaries) and the peak as measured, parameters, gradients
+  and optimizer state as `unison.training.memory.model_state` estimates them (the pre-flight's check shares it);
 * the largest local batch that fits the GPU: a linear fit of the simulated peak at two local batches
   (peak = fixed + per-image x batch; activations are linear in the batch);
 * matrix FLOPs per step (the `FlopCounterMode` count `unison.bench.flops` uses) and bytes handed to collectives
@@ -41,6 +42,7 @@ from unison.config.budget import parse_duration
 from unison.distributed.comm_meter import CommMeter
 from unison.errors import ConfigError
 from unison.progress import Stages
+from unison.training.memory import model_state
 
 from .batches import micro_batches, step_images, synthetic_train_set
 from .fake import HostSync, HostSyncRecorder, fake_cluster
@@ -51,9 +53,6 @@ from .tracking import (
     activations_and_peak,
     ddp_grad_bytes,
     fsdp_bytes,
-    grad_bytes,
-    optimizer_bytes,
-    param_bytes,
     params_and_buffers_at_peak,
     tracker_class,
 )
@@ -93,7 +92,6 @@ def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None
         flops = FlopCounterMode(display=False)
         with tracker, CommMeter() as meter, flops, HostSyncRecorder() as syncs:
             accumulated_forward_backward(run, micro)
-            grads = grad_bytes(run)
             optimizer_step(run, micro[0].step)
         peak = tracker.get_tracker_snapshot("peak")
         comm = dict(meter.bytes)
@@ -103,9 +101,10 @@ def simulate(cfg: TrainConfig, warmup: bool = True, *, images: int | None = None
             comm["all_reduce"] = comm.get("all_reduce", 0) + ddp_grad_bytes(run)
         buckets = 0 if cfg.distributed.shard == "full" else ddp_grad_bytes(run)
         params_at_peak, buffers = params_and_buffers_at_peak(peak)
-        params = param_bytes(run)
-        return StepFigures(local, params, buffers, grads, optimizer_bytes(run), *activations_and_peak(peak), int(
-            flops.get_total_flops()), comm, syncs.syncs, buckets, max(0, params_at_peak - params))
+        state = model_state(run.method, cfg, run.resolved["optimizer"])   # the pre-flight memory check's estimate
+        return StepFigures(local, state.params, buffers, state.grads, state.optimizer, *activations_and_peak(peak),
+                           int(flops.get_total_flops()), comm, syncs.syncs, buckets,
+                           max(0, params_at_peak - state.params))
 
 
 def step_host_syncs(cfg: TrainConfig) -> list[HostSync]:

@@ -49,6 +49,7 @@ from unison.paths import Input, is_inside, same_file
 from unison.training.checkpoint import latest_checkpoint, list_checkpoints
 from unison.training.checkpoint.files import CHECKPOINT_DIR, is_checkpoint_name, step_of
 from unison.training.init_read import check_backbone_setup
+from unison.training.memory import ModelState, model_state
 from unison.training.metrics import append_run_log
 from unison.training.model import build_method
 from unison.training.owner import check_run_dir, set_aside_earlier_run
@@ -274,23 +275,15 @@ def check_resume_target(resume: Path, step: int, out: Path) -> None:
 
 # ---- the model's memory
 
-OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adam": 2, "adamw": 2}   # state tensors per parameter (momentum; m and v)
-
-
-def model_bytes(plan: RunPlan) -> tuple[int, int, str]:
-    """(bytes of the model's parameters and buffers, bytes of its gradients and optimizer state, the name of its
-    largest tensor) for the resolved run `plan`, from a build on the meta device."""
+def model_bytes(plan: RunPlan) -> ModelState:
+    """One rank's model state for the resolved run `plan` (`unison.training.memory.model_state`), from a build on
+    the meta device: shapes and dtypes, nothing allocated."""
     cfg, recipe = plan.cfg, plan.recipe
     meta = torch.device("meta")
     with meta:
         method = build_method(cfg, 1, getattr(torch, cfg.precision), meta, cfg.image_size, backbone=recipe.backbone,
                               teacher_weights=False)
-    tensors = {**dict(method.named_parameters()), **dict(method.named_buffers())}
-    weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    slots = 1 + OPTIMIZER_SLOTS.get(recipe.optimizer, 2)
-    training = slots * sum(p.numel() * p.element_size() for p in method.parameters() if p.requires_grad)
-    largest = max(tensors, key=lambda name: tensors[name].numel(), default="")
-    return weights, training, largest
+    return model_state(method, cfg, recipe.optimizer)
 
 
 def _size(n: float) -> str:
@@ -322,9 +315,9 @@ def check_model_memory(plan: RunPlan) -> None:
     """Raise a one-line `ConfigError` when the model of the resolved run `plan` (parameters, buffers, gradients and
     optimizer state) cannot fit in this machine's memory, naming the size and what to lower."""
     cfg = plan.cfg
-    weights, training, largest = model_bytes(plan)
-    shards = cfg.distributed.world_size if cfg.distributed.shard == "full" else 1
-    per_worker = weights + training // shards
+    state = model_bytes(plan)
+    # each worker builds the whole model before FSDP2 shards it; gradients and optimizer state come sharded
+    per_worker, weights, largest = state.built + state.grads + state.optimizer, state.built, state.largest
     local = _local_workers(cfg)
     gpu = _gpu_memory(cfg)
     ram = physical_memory()
