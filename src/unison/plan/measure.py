@@ -1,7 +1,7 @@
 """The measurement `unison plan` is validated against: the same configuration's step run for real on the CPU.
 
 One process (an in-process gloo group of one): step 0 creates the optimizer's state, as in the plan; step 1 is
-tracked by the plan's own `MemTracker`. Used by tests/unit/plan/test_plan.py and benchmarks/plan_validate.py.
+tracked by the plan's own `MemTracker`. Used by tests/plan/test_plan.py and benchmarks/plan_validate.py.
 """
 
 from __future__ import annotations
