@@ -13,6 +13,8 @@ import pytest
 from unison.bench import commands
 from unison.errors import Preempted
 
+pytestmark = pytest.mark.distributed   # signals to the test process, a side process
+
 
 def _cmd(tmp_path, monkeypatch, run_part) -> None:
     monkeypatch.setattr(commands, "_run_part", run_part)

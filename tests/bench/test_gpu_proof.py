@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.distributed   # the proof's phases run as subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 CIFAR = REPO.parent / "shared/data/cifar10"
 WHEELS_MIB = 2.0   # the carried wheels measured 0.7 MiB (simplejpeg, braceexpand, lightly, lightning-utilities)
