@@ -5,8 +5,8 @@ How strict, and why. A file goes stale in three ways, and each fails here:
 * **a method without its files** (a method added to `unison.methods.METHODS`): every method must have
   ``<method>_cifar10.yaml`` and ``<method>_imagenet.yaml``;
 * **a key that is no option any more, or a value unison refuses**: each file is read by ``unison train``'s own
-  ``--config`` reader and validated whole (`validate_run`), and trains one step through ``unison train --config
-  FILE`` itself (tests/cli/test_example_configs.py);
+  ``--config`` reader and validated whole (`validate_run`), and each ``*_cifar10.yaml`` trains one step through
+  ``unison train --config FILE`` itself (below);
 * **a value that no longer matches the recipe**: every recipe value a file spells out (optimizer, lr, weight
   decay, momentum, augmentation, local crops and every field of ``method_params``) must equal what unison
   resolves with that key left out, exactly (the files hold the recipe's floats as written); and ``method_params``
@@ -15,12 +15,20 @@ How strict, and why. A file goes stale in three ways, and each fails here:
   Finally each file's text must be what ``python scripts/write_configs.py`` writes now, comments included (the
   comment beside ``lr`` quotes the peak learning rate), so the one fix for every failure above is that command.
 
+The step each file trains: ``unison train`` itself (`unison.cli.main`, in this process: one worker) loads the file,
+with flags after ``--config`` that make the run small, as a user overrides a file: 16 px stand-in images, a global
+batch of 4, one step, the small CNN or ``vit_micro_auto`` in place of the file's ResNet or ViT (the file's own
+backbone is validated at the file's image size above), a random teacher for distill, and no kNN, signals or metrics
+files; W-MSE, whose whitening needs more images than a batch of 4, shrinks its covariance (`AT_BATCH_4`).
+Everything else (optimizer, lr, weight decay, augmentation, crops, method parameters, schedule) is the file's, and
+the run's config.json must show it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,7 @@ from typing import Any
 import pytest
 import yaml
 
+from unison.cli import main
 from unison.cli.train_args import parse_train_args
 from unison.config import TrainConfig
 from unison.data.augment import PRESETS
@@ -137,3 +146,52 @@ def test_a_value_off_the_recipe_is_found(tmp_path, edit):
     changed.write_text(text.replace(edit[0], edit[1]))
     assert recipe_mismatches(CONFIGS / "simclr_cifar10.yaml") == []
     assert recipe_mismatches(changed)
+
+
+# ------------------------------------------------------------------ runs and processes (marked distributed)
+
+# One file per method: with the small-run flags below, a method's files for the other data sets train the same code
+# (their values differ, and the tests above hold each of them to the recipe at its own image size).
+CIFAR10_FILES = sorted((ROOT / "examples" / "configs").glob("*_cifar10.yaml"))
+# parameters whose file value asks the run to size them from the data (config.json records the size it chose)
+SIZED_BY_THE_RUN = {"distill": {"queue_size"}}
+# what a method needs beyond the common flags to train at a global batch of 4: W-MSE whitens its 64-wide embedding
+# over more than 64 images, or with shrinkage, which its own refusal at this batch names
+AT_BATCH_4 = {"wmse": {"w_eps": 0.1}}
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory) -> Path:
+    """A labelled ImageFolder of 16 px images, train/ and val/, standing in for CIFAR-10 and ImageNet."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("stand_in")
+    for split, per_class in (("train", 4), ("val", 2)):
+        for c in range(2):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (16, 16), (40 * i, 120 * c, 200 - 30 * i)).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", CIFAR10_FILES, ids=[p.stem for p in CIFAR10_FILES])
+def test_file_trains_a_step(path, stand_in, tmp_path, capsys):
+    data = yaml.safe_load(path.read_text())
+    vit = str(data["backbone"]).startswith("vit_")
+    small = ["--data", str(stand_in / "train"), "--val", str(stand_in / "val"), "--image-size", "16",
+             "--batch-size", "4", "--max-steps", "1", "--world-size", "1",
+             "--backbone", "vit_micro_auto" if vit else "small_cnn", "--amp", "none",
+             "--no-knn", "--no-random-init-knn", "--signal-images", "0", "--logger", "none", "--no-progress",
+             "--out", str(tmp_path / "run"), *(["--teacher", "random"] if data["method"] == "distill" else []),
+             *(["--local-crop-size", "8"] if "local_crop_size" in data else []),
+             *[f"--param={k}={v}" for k, v in AT_BATCH_4.get(data["method"], {}).items()]]
+    assert main(["train", "--config", str(path), *small]) == 0, capsys.readouterr().err[-2000:]
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert ran["method"] == data["method"]
+    changed = {k for k, v in data["method_params"].items() if ran["method_params"][k] != v}
+    assert changed <= SIZED_BY_THE_RUN.get(data["method"], set()) | set(AT_BATCH_4.get(data["method"], {})), changed
+    for key in ("optimizer", "lr", "weight_decay", "augmentation"):
+        assert ran["resolved"][key] == data[key], key
+    assert ran["epochs"] == data["epochs"] and ran["warmup_epochs"] == data["warmup_epochs"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from unison.cli import main
 from unison.config import TrainConfig
 from unison.data import source as S
 from unison.data.spec import DataSpec
@@ -16,6 +18,7 @@ from unison.training.metrics import MetricsLogger
 from unison.training.step import data_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def test_auto_mode_holds_small_data_in_memory_and_streams_the_rest(folders, monkeypatch):
     from unison.data.catalog import open_catalog
@@ -251,3 +254,41 @@ def test_an_existing_path_named_like_a_brace_pattern_is_what_it_is(tmp_path):
     assert len(open_catalog(str(tmp_path / "shards" / "p-{0..1}.tar"))) == 6   # a pattern: expanded
     with pytest.raises(DataError, match=r"tar shard .*p-2.tar of .*p-\{0..2\}.tar does not exist"):
         open_catalog(str(tmp_path / "shards" / "p-{0..2}.tar"))
+
+
+# ------------------------------------------------------------------ runs and processes (marked distributed)
+
+TINY = ["--world-size", "1", "--batch-size", "16", "--epochs", "1", "--no-progress", "--knn-k", "5",
+        "--image-size", "16", "--threads", "1"]
+
+
+@pytest.mark.distributed
+def test_streamed_training_run_with_knn_on_held_out_data(folders, tmp_path, capfd):
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--data", folders["train"], "--val", folders["val"], "--data-mode", "stream",
+            "--loader-workers", "1", "--out", str(out)]
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert "streaming 48 images" in err and "1 loader process(es)" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train_images"] == 48 and summary["val_images"] == 12 and summary["steps"] == 3
+    assert 0 <= summary["knn_top1"] <= 1 and 0 <= summary["data_wait_fraction"] <= 1
+    resolved = json.loads((out / "config.json").read_text())["resolved"]
+    assert resolved["data_mode"] == "stream" and resolved["image_size"] == 16
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert all(0 <= float(r["data_wait"]) <= 1 for r in rows if r["loss"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout, given, why", [
+    ("flat", [], "has no labels"), ("train", [], "no --val held-out data"),
+    ("train", ["--no-knn"], "skipped: --no-knn"),   # the reason is the flag, not a --val to give
+], ids=["flat", "no-val", "no-knn"])
+def test_knn_is_skipped_with_one_line_without_labelled_held_out_data(folders, tmp_path, capfd, layout, given, why):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, *given, "--data", folders[layout], "--max-steps", "1", "--out", str(out)]) == 0
+    captured = capfd.readouterr()
+    assert sum("kNN evaluation skipped" in line for line in captured.err.splitlines()) == 1
+    assert why in captured.err and "kNN not measured" in captured.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["knn_top1"] is None and summary["val_images"] == 0

@@ -1,4 +1,4 @@
-"""Helpers shared by the unit and distributed tests of test_checkpoint."""
+"""Helpers of tests/training/test_checkpoint.py, for its in-process tests and those that start processes."""
 
 from __future__ import annotations
 

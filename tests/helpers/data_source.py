@@ -1,4 +1,5 @@
-"""Helpers shared by the unit and distributed tests of test_data_source."""
+"""Fixtures of tests/data/test_data_source.py (a pytest plugin of tests/conftest.py), for its in-process tests and
+those that start processes."""
 
 from __future__ import annotations
 

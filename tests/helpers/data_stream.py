@@ -1,4 +1,5 @@
-"""Helpers shared by the unit and distributed tests of test_data_stream."""
+"""Fixtures of the streamed-data tests (tests/data/test_data_stream.py, test_exif.py; a pytest plugin of
+tests/conftest.py), for the in-process tests and those that start processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the unit and distributed tests of test_faults."""
+"""Helpers of the fault tests: tests/training/test_faults.py and the cluster tests (tests/cluster/)."""
 
 from __future__ import annotations
 
