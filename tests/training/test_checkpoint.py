@@ -387,14 +387,6 @@ def test_the_latest_pointer_file_means_its_runs_latest_checkpoint(tmp_path):
 
 
 # ------------------------------------------------------------------ runs and processes (marked distributed)
-
-try:
-    import numpy as np
-except ImportError:  # numpy is optional for unison
-    np = None
-
-
-# ------------------------------------------------------------------ real SIGKILL
 # Imports torch once, then per line "STEP" on stdin forks a writer that saves STEP+1, STEP+2, ...
 # (16 MB each, so most of the time is spent writing and fsyncing) until the test SIGKILLs it.
 _WRITER = """
