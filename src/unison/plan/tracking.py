@@ -1,5 +1,6 @@
 """What a simulated step holds, counted: torch's `MemTracker` (adapted to the training step) and the bytes of this
-rank's parameters, gradients, optimizer state and collectives. Used by `unison.plan` and `unison.plan.measure`."""
+rank's parameters, gradients, optimizer state and collectives. Used by `unison.plan` and by the real step the plan
+is validated against (tests/helpers/plan_measure.py)."""
 
 from __future__ import annotations
 

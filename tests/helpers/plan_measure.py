@@ -1,7 +1,8 @@
 """The measurement `unison plan` is validated against: the same configuration's step run for real on the CPU.
 
 One process (an in-process gloo group of one): step 0 creates the optimizer's state, as in the plan; step 1 is
-tracked by the plan's own `MemTracker`. Used by tests/unit/plan/test_plan.py and benchmarks/plan_validate.py.
+tracked by the plan's own `MemTracker`. Used by tests/unit/plan/test_plan.py, and by benchmarks/plan_validate.py and
+benchmarks/gpu_proof.py (as ``tests.helpers.plan_measure``, from the repository root).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ import torch.distributed as dist
 
 from unison.config import TrainConfig
 from unison.data.synthetic import synthetic_dataset
+from unison.plan.tracking import device_snapshot, grad_bytes, optimizer_bytes, tracker_class
 from unison.training.step import batches, build_run, forward_backward, optimizer_step
-
-from .tracking import device_snapshot, grad_bytes, optimizer_bytes, tracker_class
 
 
 def measure_cpu_step(cfg: TrainConfig, image_size: int) -> dict[str, int]:
