@@ -79,7 +79,7 @@ def user_loader_context(workers: int) -> dict[str, Any]:
     """The DataLoader argument that gives the Lightly side's workers the start method a Lightly user's get on
     Linux: fork, Python's default there. The side runs in a spawned process, whose default is spawn: every worker
     would then re-import torch and unpickle the whole data set at every epoch, a cost a Lightly user does not pay
-    (measured on an H100: the side did not finish 100 steps of CIFAR-10 in 170 s)."""
+    and that can leave the side far slower than the pipeline it stands for."""
     if workers == 0 or "fork" not in mp.get_all_start_methods():
         return {}
     return {"multiprocessing_context": mp.get_context("fork")}
