@@ -9,7 +9,7 @@
 Phases (each writes DIR/phase-NAME.json when it ends; `report` merges whatever exists):
 
 * ``tests``: ``pytest -m gpu`` (tests/gpu), each test's outcome and first line of its message;
-* ``throughput``: SimCLR ResNet-18 on the CIFAR-10 pack, unison against Lightly's pipeline (`unison.bench.
+* ``throughput``: SimCLR ResNet-18 on the CIFAR-10 pack, unison against Lightly's pipeline (`benchmarks.lab.
   lightly_compare`, bf16); ResNet-50 and ViT-B/16 at 224 px on synthetic images, both sides: images/s, MFU
   against the card's measured bf16 matmul rate, and the share of the loop spent waiting for data;
 * ``plan``: `unison plan`'s simulated peak against the measured `torch.cuda.max_memory_allocated`, 3 configs;
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(REPO))   # benchmarks.lab and tests.helpers, imported as from the repository root
 CARRY = "gpu_carry"                       # the ignored folder that travels (scripts/gpu_prepare.sh builds it)
 CARRY_LIMIT_MIB = 60                      # the prepared folder
 TRAVEL_LIMIT_MIB = 64                     # the working tree plus the carried paths
@@ -192,8 +193,8 @@ def matmul_bf16(device: str) -> float:
 
 
 def phase_throughput(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
-    from unison.bench.config import config_from_overrides
-    from unison.bench.lightly_compare import compare
+    from benchmarks.lab.config import config_from_overrides
+    from benchmarks.lab.lightly_compare import compare
 
     rate = matmul_bf16(args.device)
     train, val = data_paths(args)
@@ -289,7 +290,7 @@ def _lightly_synthetic(spec: dict[str, Any]) -> dict[str, Any]:
     from lightly.transforms import SimCLRTransform
     from torch.utils.data import DataLoader
 
-    from unison.bench.lightly_compare import PILImages, user_loader_context
+    from benchmarks.lab.lightly_compare import PILImages, user_loader_context
     from unison.models import build_backbone
 
     device = torch.device(spec["device"])
@@ -340,7 +341,7 @@ def phase_plan(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
             if args.device == "cuda":
                 measured = run_in_workers(_measured_peak, 1, args=(cfg, size), backend="local")[0]
             else:   # no allocator statistics on a CPU: the plan's own tracker on the real step
-                from unison.plan.measure import measure_cpu_step
+                from tests.helpers.plan_measure import measure_cpu_step
 
                 measured = {"measured_peak_mib": measure_cpu_step(cfg, size)["peak"] / MIB,
                             "measured_by": "MemTracker on the real CPU step"}

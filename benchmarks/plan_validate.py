@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # tests.helpers, as from the repository root
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tests.helpers.plan_measure import measure_cpu_step
     from unison.bench.flops import training_step_flops
     from unison.config import TrainConfig
     from unison.config.distributed import DistributedConfig
     from unison.plan import MIB, simulate
-    from unison.plan.measure import measure_cpu_step
     from unison.training.resolve import validate_run
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)

@@ -190,16 +190,18 @@ def train_lists(heading: str) -> list[str]:
 
 def bench_reference(heading: str = "###") -> str:
     """``unison bench``: its parts, then one table of every option with the parts that read it."""
-    from unison.bench.commands import PART_OPTIONS
-    from unison.bench.config import BenchConfig
+    from unison.bench.commands import config_class, part_options
+    from unison.bench.lab import find_lab
 
+    lab = find_lab()   # the lab's parts (lightly, race) and their options: this script runs from the repository
+    options = part_options(lab)
     bench = command_parser("bench")
     parts = _subparsers(bench)
     rows = ["| part | what it measures |", "|---|---|"]
     for name, part in parts.choices.items():
         rows.append(f"| `unison bench {name}` | {_description(part)} |")
-    all_fields = [f.name for f in dataclasses.fields(BenchConfig)]
-    readers = {f: [p for p, opts in PART_OPTIONS.items() if f in opts] for f in all_fields}
+    all_fields = [f.name for f in dataclasses.fields(config_class(lab))]
+    readers = {f: [p for p, opts in options.items() if f in opts] for f in all_fields}
     table = options_table(parts.choices["all"]._actions).splitlines()
     table[0], table[1] = "| option | default | what it does | parts |", "|---|---|---|---|"
     by_dest = {a.dest: a for a in parts.choices["all"]._actions}
@@ -207,7 +209,7 @@ def bench_reference(heading: str = "###") -> str:
              if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
     for i, action in enumerate(shown, 2):
         names = readers.get(action.dest, [])
-        table[i] += " " + ("all" if len(names) == len(PART_OPTIONS) else ", ".join(names)) + " |"
+        table[i] += " " + ("all" if len(names) == len(options) else ", ".join(names)) + " |"
     del by_dest
     return "\n\n".join([_description(bench), f"{heading} Parts", "\n".join(rows), f"{heading} Options",
                         "Each part takes the options it reads (`unison bench PART --help`); `unison bench all` "

@@ -1,4 +1,4 @@
-"""Comments and docstrings of `unison` say why (the constraint), never a measured figure: a figure goes to
+"""Comments and docstrings of `unison` and of its lab (benchmarks/lab) say why (the constraint), never a measured figure: a figure goes to
 docs/benchmarks.md, beside the command that reproduces it, where it can be rerun and dated.
 
 Read from the source: comments with `tokenize`, docstrings (module, class, function) with `ast`. A line fails when it
@@ -9,8 +9,7 @@ carries one of the clearest markers of a measurement:
 * a date (``2026-11-27``): the day a figure was taken, or a history.
 
 A figure written in words ("seconds", "a slow import") passes: the rule is about figures that go stale, and a
-test that flagged every number would flag the mathematics. Not scanned yet: ``bench/lightly_*.py``
-(`NOT_SCANNED_YET`), which another branch is editing; to be added once it lands.
+test that flagged every number would flag the mathematics.
 The rule is also run on a planted figure, and must name its file and line: a rule that cannot fail is no rule.
 """
 
@@ -22,10 +21,10 @@ import re
 import tokenize
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "unison"
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src" / "unison"
+LAB = REPO / "benchmarks" / "lab"   # the peer comparisons `unison bench lightly` and `race` run
 
-# Being edited on other branches: scanned once those have merged (remove the entry, fix what it finds).
-NOT_SCANNED_YET = ("bench/lightly_",)
 
 MEASURED = re.compile(
     r"(?<![\w.*])\d(?:[\d,]*\d)?(?:\.\d+)?(?:e-?\d+)?\s?(?:ms|µs|us|s|MiB|GiB|KiB|TiB|MB|GB|TB)\b"   # 6.6 s, 130 MiB
@@ -79,17 +78,15 @@ def allowed(relative: str, match: str) -> bool:
     return (relative, "*") in ALLOWED or (relative, match) in ALLOWED
 
 
-def figures(root: Path) -> list[str]:
+def figures(root: Path, shown_as: str = "src/unison") -> list[str]:
     """``file:line: text`` for every comment or docstring line under `root` that carries a measured figure."""
     found = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
-        if relative.startswith(NOT_SCANNED_YET):
-            continue
         for number, line in prose_lines(path):
             hits = [m.group(0) for m in MEASURED.finditer(line)]
             if any(not allowed(relative, hit) for hit in hits):
-                found.append(f"src/unison/{relative}:{number}: {line.strip()}")
+                found.append(f"{shown_as}/{relative}:{number}: {line.strip()}")
     return found
 
 
@@ -101,7 +98,7 @@ def allowed_hit(relative: str, phrase: str) -> bool:
 
 
 def test_no_comment_or_docstring_carries_a_measured_figure() -> None:
-    found = figures(SRC)
+    found = figures(SRC) + figures(LAB, "benchmarks/lab")
     assert not found, ("comments and docstrings say why, not what was measured: move the figure to "
                        "docs/benchmarks.md beside its command, or say the constraint instead:\n" + "\n".join(found))
 
@@ -122,9 +119,6 @@ def test_a_planted_figure_is_named_by_file_and_line(tmp_path: Path) -> None:
         "# its start took 6.6 s of CPU\n"
         "class Start:\n"
         '    """Seen on 2026-11-27 (it was slow then)."""\n')
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "lightly_simclr.py").write_text("# 12 s on an EPYC: not scanned yet\n")
-
     assert figures(tmp_path) == [
         "src/unison/data/files.py:4: \"\"\"Read it: on an H100 this took 0.13 s.\"\"\"",
         "src/unison/data/files.py:5: # 40 ms faster than PIL",

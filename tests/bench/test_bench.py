@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 
+from benchmarks.lab import config as lab_config
+from benchmarks.lab.lightly_compare import write_lightly
 from unison.bench.comm import CommSpec, run_comm_report, write_comm
 from unison.bench.config import PRESETS, BenchConfig, config_from_overrides, data_or_skip
-from unison.bench.lightly_compare import write_lightly
 from unison.bench.table import add_speedups, write_table
 from unison.errors import ConfigError
 
@@ -114,7 +115,7 @@ def test_bf16_peak_lookup_prefers_the_specific_name():
     assert bf16_peak_tflops("NVIDIA L40S") == 362.0 and bf16_peak_tflops("NVIDIA L4") == 121.0
     assert bf16_peak_tflops("NVIDIA GeForce GTX 1080") is None and bf16_peak_tflops(None) is None
     with pytest.raises(ConfigError, match="peak-tflops"):
-        config_from_overrides({"peak_tflops": 0})
+        lab_config.config_from_overrides({"peak_tflops": 0})
 
 
 def test_presets_and_overrides():

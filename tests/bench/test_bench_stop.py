@@ -53,7 +53,7 @@ def test_a_stopped_bench_ends_its_side_process(tmp_path):
     """The Lightly side is a spawned process: the bench waited for it (multiprocessing joins children at exit)."""
     import multiprocessing as mp
 
-    from unison.bench.lightly_compare import run_side_process
+    from benchmarks.lab.lightly_compare import run_side_process
     from unison.distributed.signals import stop_signals_raise
 
     before = set(p.pid for p in mp.active_children())

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from unison.bench.config import LIGHTLY_METHODS, SEED_METHODS, config_from_overrides
+from benchmarks.lab.config import LIGHTLY_METHODS, config_from_overrides
+from unison.bench.config import SEED_METHODS
 from unison.errors import ConfigError
 
 pytest.importorskip("lightly")
@@ -20,7 +21,7 @@ VIT_SIDES = ("mae", "msn", "pmsn", "simmim", "aim", "capi")   # trained on a ViT
 
 @pytest.mark.parametrize("method", LIGHTLY_METHODS)
 def test_every_lightly_side_trains_two_steps(method, tmp_path):
-    from unison.bench.lightly_compare import _lightly_child
+    from benchmarks.lab.lightly_compare import _lightly_child
 
     backbone = "vit_nano_auto" if method in VIT_SIDES else "small_cnn"   # a ViT (`for_method`), tiny here
     batch = 128 if method == "wmse" else 8   # Lightly's WMSELoss needs a batch of its w_size
@@ -41,7 +42,7 @@ def test_every_lightly_side_trains_two_steps(method, tmp_path):
 
 
 def test_lightly_sides_are_lightlys_modules():
-    from unison.bench.lightly_methods import build_lightly_side
+    from benchmarks.lab.lightly_methods import build_lightly_side
     from unison.models import build_backbone
 
     normalize = {"mean": [0.5] * 3, "std": [0.25] * 3}
@@ -63,7 +64,7 @@ def test_vicregs_lightly_side_uses_lars_without_decay_on_norms_and_biases():
     """Lightly's VICReg benchmark: LARS 0.2 x batch / 256, weight decay 1e-6 on the weights only."""
     from lightly.utils.lars import LARS
 
-    from unison.bench.lightly_methods import build_lightly_side
+    from benchmarks.lab.lightly_methods import build_lightly_side
     from unison.models import build_backbone
 
     side = build_lightly_side("vicreg", *build_backbone("small_cnn"), 32, {"mean": [0.5] * 3, "std": [0.25] * 3})
@@ -96,7 +97,7 @@ def test_dry_run_prints_each_methods_unison_side(capsys):
 
 
 def test_report_has_a_row_pair_and_a_ratio_line_per_method(tmp_path):
-    from unison.bench.lightly_compare import write_lightly
+    from benchmarks.lab.lightly_compare import write_lightly
 
     common = {"backbone": "small_cnn", "global_batch": 256, "steps": 40, "threads": 2, "train_time_s": 50.0,
               "wall_s": 70.0, "steady_from_step": 10, "peak_memory_mib": 900.0, "load_1m": 0.4, "version": "1",
@@ -110,8 +111,8 @@ def test_report_has_a_row_pair_and_a_ratio_line_per_method(tmp_path):
 
 
 def test_two_seeds_a_side_judge_the_knn_difference_against_their_spread(tmp_path, capsys):
+    from benchmarks.lab.lightly_compare import write_lightly
     from unison.bench.commands import _print_plan
-    from unison.bench.lightly_compare import write_lightly
 
     common = {"method": "moco", "backbone": "small_cnn", "global_batch": 256, "steps": 40, "threads": 2,
               "train_time_s": 50.0, "wall_s": 70.0, "steady_from_step": 10, "peak_memory_mib": 900.0,
@@ -140,7 +141,7 @@ def test_the_lightly_sides_loader_workers_fork_as_a_lightly_users_do():
     and unpickling the data set every epoch); a Lightly user on Linux gets fork, and so must the side."""
     import multiprocessing as mp
 
-    from unison.bench.lightly_compare import user_loader_context
+    from benchmarks.lab.lightly_compare import user_loader_context
 
     assert user_loader_context(0) == {}   # DataLoader refuses a context without workers
     if "fork" in mp.get_all_start_methods():

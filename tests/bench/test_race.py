@@ -3,8 +3,8 @@ accuracy, the report and the plot; and the options (budget, points)."""
 
 import pytest
 
-from unison.bench.config import config_from_overrides
-from unison.bench.race import held_out_name, summarise, write_race
+from benchmarks.lab.config import config_from_overrides
+from benchmarks.lab.race import held_out_name, summarise, write_race
 from unison.errors import ConfigError
 
 SIDES = [{"side": s, "version": "v", "pipeline": "p", "budget_s": 60.0, "used_s": 59.0, "steps": 10,

@@ -70,6 +70,27 @@ def test_bench_lightly_without_lightly_says_what_to_install(capfd, monkeypatch):
     assert "bench lightly needs Lightly SSL" in err and f"{sys.executable} -m pip install 'lightly>=1.5'" in err
 
 
+def test_the_peer_comparisons_without_the_lab_are_one_line_and_bench_all_leaves_them_out(capfd, monkeypatch):
+    """unison installed from a wheel has no benchmarks/lab: `bench lightly` and `bench race` say where they run,
+    whatever their flags (--help too), and `bench all` runs the other parts."""
+    from unison.bench import lab
+
+    monkeypatch.setattr(lab, "LAB", lab.REPO_ROOT / "no_such_folder" / "lab")
+    for argv in (["bench", "lightly"], ["bench", "lightly", "--method", "byol", "--lightly-steps", "3"],
+                 ["bench", "race", "--help"]):
+        assert main(argv) == 2, argv
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"unison: error: bench {argv[1]} runs from a clone of the "
+                                                        "repository: the peer comparisons"), err
+    assert main(["bench", "all", "--dry-run", "--data", "cifar10", "--val", "cifar10"]) == 0
+    captured = capfd.readouterr()
+    assert "bench all leaves it out" in captured.err and "# table" in captured.out, captured
+    assert "# lightly" not in captured.out and "lightly-cmp" not in captured.out and "Lightly SSL side" not in captured.out
+    with pytest.raises(SystemExit):
+        main(["bench", "all", "--help"])
+    assert "--lightly-steps" not in capfd.readouterr().out
+
+
 def test_help_version_and_a_mistyped_option_import_no_torch():
     """`unison --help` and `--version` list every subcommand without importing torch (seconds): only the
     subcommand being run is imported, the version reads no torch module, and train's epilog (the registries) is

@@ -151,8 +151,9 @@ def test_sharding_divides_the_parameters_per_rank():
 def test_figures_match_the_measured_cpu_step():
     """Parameters, gradients and optimizer state of the plan equal a real one-process CPU step's; FLOPs equal
     `unison.bench.flops` (the global batch's, here one rank's at W=1)."""
+    from helpers.plan_measure import measure_cpu_step
+
     from unison.bench.flops import training_step_flops
-    from unison.plan.measure import measure_cpu_step
 
     cfg = TrainConfig(method="simclr", data="synthetic", backbone="small_cnn", batch_size=4, image_size=16,
                       progress=False, channels_last=False, max_steps=2, distributed=DistributedConfig(backend="local", world_size=1))

@@ -2,9 +2,13 @@
 
 Options are generated from `BenchConfig` (``--preset cpu|gpu|gpu1`` picks the preset, every
 other flag overrides one field of it); each part offers the options it reads
-(`PART_OPTIONS`, ``unison bench lightly --help``), ``all`` every option. Each part prints its table and writes markdown and
+(`PART_OPTIONS`, ``unison bench comm --help``), ``all`` every option. Each part prints its table and writes markdown and
 CSV (the table also a PNG) into ``--out`` (default ``runs/bench/<preset>``); ``all`` runs
-the four parts and also writes ``report.md``, the sections one after another.
+the parts but the race and also writes ``report.md``, the sections one after another.
+
+``lightly`` and ``race``, the peer comparisons, are the lab's (``benchmarks/lab`` of a clone, `unison.bench.lab`):
+this module declares them with the lab's options (`LabConfig`) and hands them to it; where there is no lab they
+refuse in one line, and ``all`` leaves the Lightly comparison out.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from unison.config.extras import install_command
 from unison.config.fields import add_dataclass_arguments, overrides_from_namespace, shown
 from unison.distributed.signals import stop_signals_raise
 from unison.errors import BenchError, ConfigError, Preempted, WorkerFailure
@@ -34,6 +38,7 @@ from .config import (
     loadavg,
     machine_info,
 )
+from .lab import TITLES, find_lab, not_here
 from .report import result_paths
 
 _WHAT = {
@@ -43,20 +48,10 @@ _WHAT = {
     "comm": ("Communication per step",
              "Bytes each worker hands to collectives per step, counted at every collective call, against the ideal "
              "(the gradient in bytes); W real gloo/NCCL workers, random images."),
-    "lightly": ("Side by side with Lightly SSL",
-                "Each --method (seed: Lightly's six; all: also vicreg, dino, mae, nnclr, dcl, dclw, tico, fastsiam, mmcr, "
-                "wmse, smog, empssl, vicregl, densecl, msn, pmsn, simmim, aim, capi) with "
-                "the same backbone type, data, global batch, steps and schedule, each side its own recipe (Lightly's: "
-                "its modules, transforms and CIFAR-10 settings); one training process per side (Lightly's with its "
-                "DataLoader workers); kNN of both encoders by the same code, throughput and peak memory."),
     "data": ("Data loading at 224 px",
              "Images/s and images per CPU-second of SimCLR's two 224 px views from a JPEG folder: unison's "
              "streaming loader against the decode limit (libjpeg-turbo), torchvision's ImageFolder + Lightly's "
              "SimCLRTransform and DALI's CPU pipeline, the same number of loader processes."),
-    "race": ("Race against Lightly SSL at equal wall-clock time",
-             "SimCLR, same backbone type, images and global batch: unison (`--preset speedrun --time-budget`) and "
-             "Lightly's documented pipeline with its CIFAR-10 hyper-parameters, one after the other, the same budget "
-             "each (setup included); every snapshot scored by the same kNN code on the val images afterwards."),
     "scaling": ("Scaling on this machine",
                 "The same global batch and number of steps on 1 worker and on W workers, one thread each; "
                 "throughput ratio in images/s of the training loop."),
@@ -64,52 +59,83 @@ _WHAT = {
 
 
 # The options each part reads (the others keep the preset's value); `all` takes every option.
-_COMMON = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run", "overwrite")
-_DATA = ("data", "val", "subset", "val_subset", "knn_k")
-PART_OPTIONS = {
-    "table": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args"),
-    "comm": (*_COMMON, "methods", "batch_size", "workers", "backend", "comm_steps"),
-    "lightly": (*_COMMON, *_DATA, "method", "seeds", "epochs", "batch_size", "backend", "train_args", "lightly_steps",
-                "lightly_loader_workers", "lightly_threads", "peak_tflops"),
-    "scaling": (*_COMMON, *_DATA, "methods", "epochs", "batch_size", "workers", "threads", "backend", "train_args",
-                "scaling_steps"),
-    "race": (*_COMMON, "data", "val", "race_subset", "race_val_subset", "knn_k", "batch_size", "budget", "race_points",
-             "lightly_loader_workers", "lightly_threads", "train_args"),
-    "data": (*_COMMON, "data_folder", "data_images", "data_batch_size", "data_batches", "data_loader_workers",
+COMMON_OPTIONS = ("preset", "backbone", "seed", "out", "max_load", "load_wait_s", "dry_run", "overwrite")
+DATA_OPTIONS = ("data", "val", "subset", "val_subset", "knn_k")
+PART_OPTIONS = {   # and the lab's parts (`part_options`)
+    "table": (*COMMON_OPTIONS, *DATA_OPTIONS, "methods", "epochs", "batch_size", "workers", "threads", "backend",
+              "train_args"),
+    "comm": (*COMMON_OPTIONS, "methods", "batch_size", "workers", "backend", "comm_steps"),
+    "scaling": (*COMMON_OPTIONS, *DATA_OPTIONS, "methods", "epochs", "batch_size", "workers", "threads", "backend",
+                "train_args", "scaling_steps"),
+    "data": (*COMMON_OPTIONS, "data_folder", "data_images", "data_batch_size", "data_batches", "data_loader_workers",
              "data_repeats", "data_threads"),
 }
-LIGHTLY_EXTRA = install_command("bench")
+
+
+def part_options(lab: ModuleType | None) -> dict[str, tuple[str, ...]]:
+    """The options each part reads: `PART_OPTIONS` and, with the lab, its parts'."""
+    return {**PART_OPTIONS, **(lab.parts.OPTIONS if lab is not None else {})}
+
+
+def config_class(lab: ModuleType | None) -> type[BenchConfig]:
+    """The options of ``bench all`` and the lab's parts: every field of `LabConfig` with the lab, else `BenchConfig`."""
+    return lab.LabConfig if lab is not None else BenchConfig
+
+
+def _what(part: str, lab: ModuleType | None) -> tuple[str, str]:
+    if part in TITLES:
+        return TITLES[part], lab.parts.WHAT[part] if lab is not None else not_here(part)
+    return _WHAT.get(part, ("All parts", "table, comm, lightly and scaling, one after another, and a report.md of "
+                                         "their sections."))
 
 
 def add_subcommand(subparsers: Any, help_text: str) -> None:
-    import dataclasses
-
     p = subparsers.add_parser("bench", help=help_text,
                               description="Benchmarks of unison on this machine, and against Lightly SSL and "
                                           "torchvision. Each part has its own options: unison bench PART --help.")
     parts = p.add_subparsers(dest="part", required=True, metavar="PART")
-    all_fields = tuple(f.name for f in dataclasses.fields(BenchConfig))
+    lab = find_lab()
+    options_of = part_options(lab)
     for part in PARTS:
-        title, what = _WHAT.get(part, ("All parts", "table, comm, lightly and scaling, one after another, and a "
-                                                     "report.md of their sections."))
-        if part in ("lightly", "race", "all"):
-            what += (f" The Lightly side needs Lightly SSL ({LIGHTLY_EXTRA}); without it `bench lightly` stops "
-                     "with that hint and `bench all` reports the side as not measured.")
+        title, what = _what(part, lab)
+        if part in TITLES and lab is None:   # whatever its words (--help too), the one line of `not_here`
+            sp = parts.add_parser(part, help=title.lower(), description=what, prefix_chars="+", add_help=False)
+            sp.add_argument("words", nargs="*", help=argparse.SUPPRESS)
+            sp.set_defaults(func=_not_here)
+            continue
+        if part in (*TITLES, "all"):
+            what += lab.parts.NEEDS_LIGHTLY if lab is not None else (
+                " The Lightly comparison runs from a clone of the repository (its benchmarks/lab): without it "
+                "`bench all` leaves it out.")
         sp = parts.add_parser(part, help=title.lower(), description=f"{title}: {what}")
-        options = PART_OPTIONS.get(part, all_fields)
-        add_dataclass_arguments(sp, BenchConfig, skip=tuple(f for f in all_fields if f not in options))
+        cls = config_class(lab) if part in (*TITLES, "all") else BenchConfig
+        all_fields = tuple(f.name for f in dataclasses.fields(cls))
+        options = options_of.get(part, all_fields)
+        add_dataclass_arguments(sp, cls, skip=tuple(f for f in all_fields if f not in options))
         sp.set_defaults(func=cmd_bench)
 
 
+def _not_here(ns: argparse.Namespace) -> int:
+    raise ConfigError(not_here(ns.part))
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
-    cfg = config_from_overrides(overrides_from_namespace(ns, BenchConfig))
-    parts = [p for p in PARTS if p not in NOT_IN_ALL] if ns.part == "all" else [ns.part]
+    lab = find_lab() if ns.part in (*TITLES, "all") else None   # a lab part without the lab is `_not_here`'s
+    overrides = overrides_from_namespace(ns, config_class(lab))
+    cfg = lab.config.config_from_overrides(overrides) if lab is not None else config_from_overrides(overrides)
+    if ns.part != "all":
+        parts = [ns.part]
+    else:   # every part but the race; without the lab, without the Lightly comparison (said here, once)
+        parts = [p for p in PARTS if p not in NOT_IN_ALL and (lab is not None or p not in TITLES)]
+        if lab is None:
+            print(f"unison bench: warning: {not_here('all')}", file=sys.stderr, flush=True)
     check_train_args(cfg, parts)   # as `unison train` reads them, before any work (the dry run too)
     if cfg.dry_run:
         _print_plan(cfg, parts)
         return 0
     check_devices(cfg, parts)
-    _check_lightly(parts)
+    if lab is not None and set(parts) & set(TITLES):
+        lab.parts.check(parts)   # Lightly SSL imports, or the hint to install it
     check_outputs(cfg, parts, ns.part)   # nothing an earlier bench left is replaced without --overwrite
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -141,30 +167,13 @@ def _stopped(part: str, signal_name: str) -> str:
             "their files); run the same command again")
 
 
-def _check_lightly(parts: list[str]) -> None:
-    """`bench lightly` without Lightly SSL installed stops with the install hint; `bench all` says so up front."""
-    from .lightly_compare import lightly_available
-
-    if "race" in parts:
-        parts = ["lightly"]   # the race needs the Lightly side: stop with the hint
-    if "lightly" not in parts:
-        return
-    why_not = lightly_available()
-    if why_not is None:
-        return
-    if parts == ["lightly"]:
-        raise ConfigError(f"bench lightly needs Lightly SSL, which does not import ({why_not})")
-    print(f"unison bench: warning: Lightly SSL does not import ({why_not}); the Lightly side will be reported "
-          "as not measured", file=sys.stderr, flush=True)
-
-
 def check_devices(cfg: BenchConfig, parts: list[str]) -> None:
     import torch
 
     if cfg.backend != "nccl":
         return
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    needed = 1 if set(parts) <= {"lightly", "race"} else cfg.workers   # the Lightly comparison trains on one GPU
+    needed = 1 if set(parts) <= set(TITLES) else cfg.workers   # the lab's comparisons train on one GPU
     if n < needed:
         raise ConfigError(f"bench: the {cfg.preset} preset runs {cfg.workers} NCCL workers, one per GPU, but "
                           f"{n} GPU(s) are visible; use --workers {max(n, 2)} on a multi-GPU machine, --dry-run to "
@@ -174,7 +183,7 @@ def check_devices(cfg: BenchConfig, parts: list[str]) -> None:
 def _header(part: str, cfg: BenchConfig, machine: str, load_note: str) -> str:
     from .report import section_header
 
-    title, what = _WHAT[part]
+    title, what = _what(part, find_lab() if part in TITLES else None)
     return section_header(title, what, bench_command(part, cfg), machine, load_note)
 
 
@@ -193,7 +202,7 @@ def _run_part(part: str, cfg: BenchConfig, out: Path, machine: str) -> str:
     if isinstance(data, str):
         msg = f"unison bench: {part} skipped: {data}"
         print(msg, flush=True)
-        return f"## {_WHAT[part][0]}\n\nSkipped: {data}\n"
+        return f"## {_what(part, None)[0]}\n\nSkipped: {data}\n"
     train, val = data
     per_row = f"at start {start_load}; just before each run: the Load column"
     if part == "table":
@@ -210,18 +219,10 @@ def _run_part(part: str, cfg: BenchConfig, out: Path, machine: str) -> str:
 
         rows = measure(cfg, scaling_specs(cfg), train, val, out)
         return write_scaling(rows, out, _header(part, cfg, machine, per_row))["md"].read_text()
-    if part == "race":
-        from .race import race, write_race
-
-        result = race(cfg, train, val, out)
-        return write_race(result, out, _header(part, cfg, machine, "before each side and after: the Load "
-                                                "column"))["md"].read_text()
-    if part == "lightly":
-        from .lightly_compare import compare, write_lightly
-
-        rows = compare(cfg, train, val, out)
-        return write_lightly(rows, out, _header(part, cfg, machine, per_row))["md"].read_text()
-    raise ValueError(part)
+    lab = find_lab() if part in TITLES else None
+    if lab is None:
+        raise ValueError(part)
+    return lab.parts.run(part, cfg, train, val, out, lambda note: _header(part, cfg, machine, note), start_load)
 
 
 def _run_comm(cfg: BenchConfig, out: Path, machine: str, start_load: str) -> str:
@@ -240,18 +241,14 @@ def _run_comm(cfg: BenchConfig, out: Path, machine: str, start_load: str) -> str
 
 def _train_argvs(cfg: BenchConfig, part: str, train: str, val: str | None, out: Path) -> list[list[str]]:
     """The ``unison train`` arguments of every run of `part` (none for the parts that run no training)."""
-    from .lightly_compare import for_method, side_run_name, side_threads, unison_side_argv
-    from .race import unison_argv
     from .table import scaling_specs, table_specs, train_argv
 
     if part in ("table", "scaling"):
         specs = table_specs(cfg) if part == "table" else scaling_specs(cfg)
         return [train_argv(cfg, spec, train, val, out / "runs" / spec.name) for spec in specs]
-    if part == "lightly":
-        seeded = [(m, dataclasses.replace(cfg, seed=seed)) for m in cfg.lightly_method_list for seed in cfg.seed_list]
-        return [unison_side_argv(for_method(c, m), m, train, val, out / "runs" / side_run_name(c, m)) for m, c in seeded]
-    if part == "race":
-        return [unison_argv(cfg, train, out / "runs" / "race-unison", side_threads(cfg))]
+    lab = find_lab() if part in TITLES else None
+    if lab is not None:
+        return lab.parts.train_argvs(part, cfg, train, val, out)
     return []
 
 
@@ -264,8 +261,9 @@ def check_train_args(cfg: BenchConfig, parts: list[str]) -> None:
         return
     data = data_or_skip(cfg)
     train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
+    options_of = part_options(find_lab() if set(parts) & set(TITLES) else None)
     for part in parts:
-        if "train_args" not in PART_OPTIONS.get(part, ()):
+        if "train_args" not in options_of.get(part, ()):
             continue
         what = f"bench {part}: --train-args {shown(cfg.train_args)}"
         for argv in _train_argvs(cfg, part, train, val, cfg.out_dir)[:1]:   # the others differ in the bench's own
@@ -285,7 +283,7 @@ def check_outputs(cfg: BenchConfig, parts: list[str], command: str) -> None:
     out = cfg.out_dir
     data = data_or_skip(cfg)
     train, val = data if isinstance(data, tuple) else (cfg.data, cfg.val)
-    paths = [p for part in [*parts, *(["all"] if command == "all" else [])] for p in result_paths(out, part).values()]
+    paths = [p for part in [*parts, *(["all"] if command == "all" else [])] for p in _result_paths(out, part).values()]
     paths += [Path(argv[argv.index("--out") + 1]) for part in parts for argv in _train_argvs(cfg, part, train, val, out)]
     there = [p for p in paths if p.exists() or p.is_symlink()]
     if there:
@@ -294,6 +292,11 @@ def check_outputs(cfg: BenchConfig, parts: list[str], command: str) -> None:
         raise ConfigError(f"bench {command}: --out {out} already holds {named}{more} (an earlier bench's results "
                           "and runs); they are left as they are: pass --overwrite to replace them, or choose another "
                           "--out")
+
+
+def _result_paths(out: Path, part: str) -> dict[str, Path]:
+    lab = find_lab() if part in TITLES else None
+    return lab.parts.result_paths(out, part) if lab is not None else result_paths(out, part)
 
 
 def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
@@ -312,15 +315,10 @@ def _print_plan(cfg: BenchConfig, parts: list[str]) -> None:
         if part in ("table", "scaling"):
             for argv in argvs:
                 print("unison " + shlex.join(argv))
-        elif part == "lightly":
-            for argv, method in zip(argvs, (m for m in cfg.lightly_method_list for _ in cfg.seed_list)):
-                print("unison " + shlex.join(argv))
-                print(f"# + Lightly SSL side of {method}: its transform, heads and loss + DataLoader("
-                      f"{cfg.lightly_loader_workers} workers), {cfg.lightly_steps} steps of {cfg.batch_size}")
-        elif part == "race":
-            print("unison " + shlex.join(argvs[0]))
-            print(f"# + Lightly SSL side: SimCLRTransform + DataLoader({cfg.lightly_loader_workers} workers), "
-                  f"budget {cfg.budget}; then kNN of {cfg.race_points} + 1 snapshots per side")
+        elif part in TITLES:
+            lab = find_lab()
+            if lab is not None:
+                lab.parts.print_plan(part, cfg, argvs)
         elif part == "data":
             print(f"# data: {cfg.data_batches} batches of {cfg.data_batch_size} at 224 px, "
                   f"{cfg.data_loader_workers} loader workers per side, {cfg.data_folder or 'generated JPEGs'}")

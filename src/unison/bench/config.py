@@ -22,21 +22,17 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unison.config.budget import parse_duration
 from unison.config.fields import shown
 from unison.errors import ConfigError
 
-PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")
+PARTS = ("table", "comm", "lightly", "scaling", "data", "race", "all")   # lightly, race: the lab's (`unison.bench.lab`)
 NOT_IN_ALL = ("all", "race")   # `bench all` runs the others; the race (two budgets of 15 minutes) is its own
 SEED_METHODS = ("simclr", "moco", "simsiam", "barlowtwins", "byol", "swav")   # Lightly's distributed table
-# with a Lightly side (`unison.bench.lightly_methods`)
-LIGHTLY_METHODS = (*SEED_METHODS, "vicreg", "dino", "mae", "nnclr", "dcl", "dclw", "tico", "fastsiam", "mmcr", "wmse",
-                   "smog", "empssl", "vicregl", "densecl", "msn", "pmsn",
-                   "simmim", "aim", "capi")
 # src/unison/bench/config.py -> the repository root (relative data paths are tried from there too)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_CIFAR10 = "../shared/data/cifar10"
@@ -52,10 +48,6 @@ class BenchConfig:
     methods: str = field(default="simclr,moco", metadata={
         "help": "comma-separated methods for the table and comm report; 'seed': the six of Lightly's table (simclr, "
                 "moco, simsiam, barlowtwins, byol, swav)"})
-    method: str = field(default="simclr", metadata={
-        "help": "the Lightly comparison's method(s): a name, comma-separated names, 'seed' (the six of Lightly's "
-                "table) or 'all' (every method with a Lightly side: the six, vicreg, dino, mae, nnclr, dcl, dclw, "
-                "tico, fastsiam, mmcr, wmse, smog, empssl, vicregl, densecl, msn, pmsn, simmim, aim, capi)"})
     backbone: str = field(default="small_cnn", metadata={"help": "backbone of every run (same module type on both "
                                                                  "sides of the Lightly comparison)"})
     data: str = field(default=f"{SHARED_CIFAR10}/train", metadata={
@@ -71,29 +63,8 @@ class BenchConfig:
                                                    "choices": ("auto", "gloo", "nccl")})
     knn_k: int = field(default=200, metadata={"help": "kNN neighbours (Lightly's protocol: 200)"})
     seed: int = field(default=0, metadata={"help": "seed of every run"})
-    seeds: str = field(default="", metadata={
-        "help": "the Lightly comparison: comma-separated seeds, each side run once per seed (e.g. 0,1: the spread of "
-                "the two is the noise the kNN difference is judged against); default: --seed"})
     comm_steps: int = field(default=4, metadata={
         "help": "steps per comm-report configuration (PowerSGD compresses from step 3 on; steps 3+ are reported)"})
-    lightly_steps: int = field(default=200, metadata={
-        "help": "optimiser steps of each side of the Lightly comparison (enough that each side's warm-up is under "
-                "5 percent of its time, reported apart)"})
-    lightly_loader_workers: int = field(default=2, metadata={
-        "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
-    lightly_threads: int | None = field(default=None, metadata={
-        "help": "torch threads of the training process on each side of the Lightly comparison (unset: all cores)"})
-    peak_tflops: float | None = field(default=None, metadata={
-        "help": "dense bf16 peak of the GPU in TFLOPS, for the fraction of peak in the Lightly comparison "
-                "(default: the peak of the GPU's model, from a table of known GPUs)"})
-    budget: str = field(default="15m", metadata={
-        "help": "race: the wall-clock budget of each side (90s, 15m, 1h), setup included"})
-    race_points: int = field(default=10, metadata={
-        "help": "race: evaluation points per side (an encoder snapshot every budget / N seconds, and the last)"})
-    race_subset: int | None = field(default=None, metadata={
-        "help": "race: class-balanced subset of the training images (unset: all of them)"})
-    race_val_subset: int | None = field(default=None, metadata={
-        "help": "race: class-balanced subset of the val images (unset: all of them)"})
     scaling_steps: int = field(default=30, metadata={"help": "optimiser steps of each scaling run"})
     data_folder: str | None = field(default=None, metadata={
         "help": "bench data: an ImageFolder of JPEGs (default: ImageNet-like images generated under --out)"})
@@ -125,15 +96,7 @@ class BenchConfig:
                 raise ConfigError(f"bench: method {m!r} is unknown; use some of {', '.join(sorted(METHODS))} or 'seed'")
         if not self.method_list:
             raise ConfigError("bench: --methods is empty; give e.g. simclr,moco")
-        for m in self.lightly_method_list:
-            if m not in LIGHTLY_METHODS:
-                raise ConfigError(f"bench lightly: --method {m!r} has no Lightly side (Lightly ships CIFAR-10 pieces "
-                                  f"for {', '.join(LIGHTLY_METHODS)}); use some of them, 'seed' or 'all'")
-        if not self.lightly_method_list:
-            raise ConfigError("bench lightly: --method is empty; give e.g. simclr, or seed")
-        if not all(s.strip().isdigit() for s in self.seeds.split(",")) and self.seeds.strip():
-            raise ConfigError(f"bench lightly: --seeds {self.seeds!r} must be seeds separated by commas, e.g. 0,1")
-        for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "lightly_steps", "scaling_steps",
+        for name in ("epochs", "batch_size", "workers", "knn_k", "comm_steps", "scaling_steps",
                      "data_images", "data_batch_size", "data_batches", "data_repeats", "data_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench: {name}={getattr(self, name)} must be >= 1")
@@ -143,11 +106,6 @@ class BenchConfig:
             raise ConfigError(f"bench: batch_size={self.batch_size} must be divisible by workers={self.workers}")
         if self.data_loader_workers < 0:
             raise ConfigError(f"bench: data_loader_workers={self.data_loader_workers} must be >= 0")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"bench: --peak-tflops={self.peak_tflops} must be a positive number of TFLOPS")
-        if self.race_points < 1:
-            raise ConfigError(f"bench: race_points={self.race_points} must be >= 1")
-        parse_duration(self.budget, "--budget")
         if self.comm_steps < 3:
             raise ConfigError("bench: --comm-steps must be >= 3 (PowerSGD compresses from the third step)")
         self.train_words   # noqa: B018 (a command line that does not split is refused here, before any work)
@@ -167,16 +125,7 @@ class BenchConfig:
 
     @property
     def method_list(self) -> list[str]:
-        return _expand(self.methods)
-
-    @property
-    def lightly_method_list(self) -> list[str]:
-        return _expand(self.method)
-
-    @property
-    def seed_list(self) -> list[int]:
-        """--seeds, else --seed alone."""
-        return list(dict.fromkeys(int(s) for s in self.seeds.split(",") if s.strip())) or [self.seed]
+        return expand_methods(self.methods, {"seed": SEED_METHODS})
 
     @property
     def out_dir(self) -> Path:
@@ -185,10 +134,13 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def preset_defaults(self) -> BenchConfig:
+        """The preset this configuration starts from: what `bench_command` leaves out."""
+        return PRESETS[self.preset]
 
-def _expand(names: str) -> list[str]:
-    """Comma-separated method names, with 'seed' (Lightly's table's six) and 'all' (every Lightly side) expanded."""
-    groups = {"seed": SEED_METHODS, "all": LIGHTLY_METHODS}
+
+def expand_methods(names: str, groups: dict[str, tuple[str, ...]]) -> list[str]:
+    """Comma-separated method names, each name of `groups` (e.g. 'seed': Lightly's table's six) expanded."""
     out: list[str] = []
     for name in (n.strip() for n in names.split(",")):
         for m in groups.get(name, (name,) if name else ()):
@@ -202,22 +154,24 @@ PRESETS: dict[str, BenchConfig] = {
     # Lightly's distributed table: ResNet-18 (CIFAR stem), CIFAR-10, total batch 512, kNN k=200.
     "gpu": BenchConfig(preset="gpu", methods="simclr,moco,simsiam,barlowtwins,byol,swav", backbone="resnet18",
                        subset=None, val_subset=None, epochs=100, batch_size=512, workers=4, threads=None,
-                       backend="nccl", lightly_steps=200, lightly_loader_workers=8, scaling_steps=100),
+                       backend="nccl", scaling_steps=100),
     # One GPU: the Lightly comparison (same GPU, same work) and the communication report of the gpu preset's
     # configuration; the table and scaling parts need several GPUs and are refused on one.
     "gpu1": BenchConfig(preset="gpu1", methods="simclr,moco,simsiam,barlowtwins,byol,swav", backbone="resnet18",
                         subset=None, val_subset=None, epochs=100, batch_size=512, workers=4, threads=None,
-                        backend="nccl", lightly_steps=200, lightly_loader_workers=8, scaling_steps=100),
+                        backend="nccl", scaling_steps=100),
 }
 
 
-def config_from_overrides(overrides: dict[str, Any]) -> BenchConfig:
-    """The preset named in `overrides` (default cpu), then every other given field on top."""
+def config_from_overrides(overrides: dict[str, Any], presets: Mapping[str, BenchConfig] | None = None) -> BenchConfig:
+    """The preset named in `overrides` (default cpu) of `presets` (default `PRESETS`), then every other given field
+    on top."""
+    presets = PRESETS if presets is None else presets
     overrides = dict(overrides)
     preset = overrides.pop("preset", "cpu")
-    if preset not in PRESETS:
-        raise ConfigError(f"bench: preset {preset!r} is unknown; use one of {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[preset], **overrides).validate()
+    if preset not in presets:
+        raise ConfigError(f"bench: preset {preset!r} is unknown; use one of {', '.join(presets)}")
+    return dataclasses.replace(presets[preset], **overrides).validate()
 
 
 def resolve_data(path: str | None) -> str | None:
@@ -319,7 +273,7 @@ def bench_command(part: str, cfg: BenchConfig) -> str:
     """The `unison bench` command line that reproduces `cfg`: the preset plus every field that differs from it."""
     import shlex
 
-    base = PRESETS[cfg.preset]
+    base = cfg.preset_defaults()
     args = ["unison", "bench", part, "--preset", cfg.preset]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)

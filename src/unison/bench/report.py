@@ -13,17 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# The files each part writes into --out (`result_paths`), by kind; `bench all` adds report.md
+# The files each part writes into --out (`result_paths`), by kind; `bench all` adds report.md; the lab's parts
+# name theirs (`benchmarks.lab.parts.RESULT_FILES`)
 RESULT_FILES: dict[str, tuple[str, ...]] = {"table": ("md", "csv", "png"), "scaling": ("md", "csv"),
-                                            "comm": ("md", "csv"), "lightly": ("md", "csv"), "data": ("md", "csv"),
-                                            "race": ("md", "csv", "png", "json")}
+                                            "comm": ("md", "csv"), "data": ("md", "csv")}
 
 
-def result_paths(out_dir: Path, part: str) -> dict[str, Path]:
-    """The result files of `part` in `out_dir`, by kind: ``{"md": out_dir / "table.md", ...}``."""
+def result_paths(out_dir: Path, part: str, kinds: Sequence[str] | None = None) -> dict[str, Path]:
+    """The result files of `part` in `out_dir`, by kind (`kinds`, default `RESULT_FILES`'): ``{"md": out_dir /
+    "table.md", ...}``."""
     if part == "all":
         return {"md": out_dir / "report.md"}
-    return {kind: out_dir / f"{part}.{kind}" for kind in RESULT_FILES[part]}
+    return {kind: out_dir / f"{part}.{kind}" for kind in (RESULT_FILES[part] if kinds is None else kinds)}
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -1,5 +1,6 @@
-"""What a simulated step holds, counted: torch's `MemTracker` (adapted to the training step) and the bytes of this
-rank's parameters, gradients, optimizer state and collectives. Used by `unison.plan` and `unison.plan.measure`."""
+"""What a simulated step holds, counted: torch's `MemTracker` (adapted to the training step) and the bytes of the
+collectives. Used by `unison.plan` and by the real step the plan is validated against
+(tests/helpers/plan_measure.py); the model's state is `unison.training.memory`'s estimate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from unison.distributed.tagging import rank_local_state_names
 
-__all__ = ["device_snapshot", "grad_bytes", "optimizer_bytes", "param_bytes", "tracker_class"]
+__all__ = ["device_snapshot", "tracker_class"]
 
 
 class _NoHook:
@@ -73,11 +74,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t   # FSDP2: this rank's shard of a DTensor
 
 
-def grad_bytes(run: Any) -> int:
-    """This rank's gradient bytes (FSDP2: its shards)."""
-    return sum(_local(p.grad).numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
-
-
 def ddp_grad_bytes(run: Any) -> int:
     ignored = set(rank_local_state_names(run.method))
     return sum(p.numel() * p.element_size() for n, p in run.method.named_parameters()
@@ -90,20 +86,3 @@ def fsdp_bytes(run: Any, reshard_after_forward: bool) -> dict[str, int]:
     shards = sum(_local(p).numel() * p.element_size() for p in run.method.parameters())
     full = sum(p.numel() * p.element_size() for p in run.method.parameters() if p.requires_grad)
     return {"all_gather_into_tensor": shards * (2 if reshard_after_forward else 1), "reduce_scatter_tensor": full}
-
-
-def param_bytes(run: Any) -> int:
-    """This rank's parameter bytes (FSDP2: its shards), each storage once."""
-    from unison.parallel.zero import unique_bytes
-
-    return unique_bytes(_local(p) for p in run.method.parameters())
-
-
-def optimizer_bytes(run: Any) -> int:
-    """This rank's optimizer state bytes (ZeRO-1: the state of the parameters it owns; FSDP2: its shards)."""
-    from unison.parallel.zero import ShardedOptimizer, unique_bytes
-
-    if isinstance(run.optimizer, ShardedOptimizer):
-        return run.optimizer.local_state_bytes()
-    return unique_bytes(_local(v) for s in run.optimizer.state.values() for v in s.values()
-                         if isinstance(v, torch.Tensor))

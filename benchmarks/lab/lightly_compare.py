@@ -1,13 +1,13 @@
 """Each method side by side with Lightly SSL: the same backbone, data, global batch and steps, each its own recipe.
 
 ``unison bench lightly --method M`` (a name, names, ``seed`` for the six of Lightly's table, ``all`` for every
-method with a Lightly side: `unison.bench.lightly_methods`).
+method with a Lightly side: `benchmarks.lab.lightly_methods`).
 
 Lightly's side is its documented pipeline: a map-style dataset that turns each stored
 image into a PIL image (what ``torchvision.datasets.CIFAR10.__getitem__`` does) and applies
 the method's Lightly transform per sample, a ``torch.utils.data.DataLoader`` (shuffle,
 drop_last, worker processes), the backbone with Lightly's heads, loss, momentum updates and
-optimizer for the method (`unison.bench.lightly_methods`: Lightly's CIFAR-10 settings).
+optimizer for the method (`benchmarks.lab.lightly_methods`: Lightly's CIFAR-10 settings).
 
 unison's side is ``unison train --method M --world-size 1`` at the method's recipe (uint8
 tensor dataset, batched augmentation on the device) with the same backbone type
@@ -34,13 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from unison.bench.config import format_load, loadavg, wait_for_load
+from unison.bench.table import RunSpec, run_train, train_argv
 from unison.config import TrainConfig
 from unison.config.extras import install_command
 from unison.errors import BenchError
 
-from .config import BenchConfig, format_load, loadavg, wait_for_load
+from .config import LabConfig
 from .lightly_report import WARMUP_SHARE, lightly_markdown, write_lightly
-from .table import RunSpec, run_train, train_argv
 
 __all__ = ["WARMUP_SHARE", "compare", "lightly_available", "lightly_markdown", "write_lightly"]
 
@@ -78,7 +79,7 @@ def user_loader_context(workers: int) -> dict[str, Any]:
     """The DataLoader argument that gives the Lightly side's workers the start method a Lightly user's get on
     Linux: fork, Python's default there. The side runs in a spawned process, whose default is spawn: every worker
     would then re-import torch and unpickle the whole data set at every epoch, a cost a Lightly user does not pay
-    (measured on an H100: the side did not finish 100 steps of CIFAR-10 in 170 s)."""
+    and that can leave the side far slower than the pipeline it stands for."""
     if workers == 0 or "fork" not in mp.get_all_start_methods():
         return {}
     return {"multiprocessing_context": mp.get_context("fork")}
@@ -161,7 +162,7 @@ def _train_lightly(model, loader, optimizer, schedule, p: dict[str, Any], device
     return step_end, wait_s, float(loss.detach())
 
 
-def run_lightly_side(cfg: BenchConfig, method: str, data: str, val: str | None, out_dir: Path, threads: int,
+def run_lightly_side(cfg: LabConfig, method: str, data: str, val: str | None, out_dir: Path, threads: int,
                      device: str) -> tuple[dict[str, Any], float]:
     payload = {"method": method, "data": data, "val": val, "subset": cfg.subset, "val_subset": cfg.val_subset,
                "seed": cfg.seed,
@@ -205,12 +206,12 @@ def train_flag(words: list[str], flag: str) -> str | None:
     return None
 
 
-def side_threads(cfg: BenchConfig) -> int:
+def side_threads(cfg: LabConfig) -> int:
     """Torch threads of each side's training process: --lightly-threads, else every core."""
     return cfg.lightly_threads or (os.cpu_count() or 1)
 
 
-def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list[dict[str, Any]]:
+def compare(cfg: LabConfig, data: str, val: str | None, out_dir: Path) -> list[dict[str, Any]]:
     """For each method of ``--method``: measure unison, then Lightly (when installed); one row per side."""
     import torch
 
@@ -224,12 +225,12 @@ def compare(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> list
     return rows
 
 
-def side_run_name(cfg: BenchConfig, method: str) -> str:
+def side_run_name(cfg: LabConfig, method: str) -> str:
     """The unison side's run directory under ``runs/`` (one per method and, with --seeds, per seed)."""
     return f"lightly-cmp-{method}-unison" + (f"-seed{cfg.seed}" if len(cfg.seed_list) > 1 else "")
 
 
-def for_method(cfg: BenchConfig, method: str) -> BenchConfig:
+def for_method(cfg: LabConfig, method: str) -> LabConfig:
     """`cfg` for `method`'s comparison: a method that needs patch tokens (MAE) trains the ViT of its recipe on both
     sides when the bench's backbone is a CNN."""
     from unison.methods import get_method
@@ -240,7 +241,7 @@ def for_method(cfg: BenchConfig, method: str) -> BenchConfig:
     return cfg
 
 
-def unison_side_argv(cfg: BenchConfig, method: str, data: str, val: str | None, run_dir: Path) -> list[str]:
+def unison_side_argv(cfg: LabConfig, method: str, data: str, val: str | None, run_dir: Path) -> list[str]:
     """``unison train`` of the comparison's unison side: the method's recipe, no warm-up, and the work Lightly's
     side does, no more (no online probe, no label-free signals)."""
     spec = RunSpec(method, "unison", 1, threads=side_threads(cfg), max_steps=cfg.lightly_steps)
@@ -248,7 +249,7 @@ def unison_side_argv(cfg: BenchConfig, method: str, data: str, val: str | None, 
                                                         "--signal-images", "0"]
 
 
-def compare_method(cfg: BenchConfig, method: str, data: str, val: str | None, out_dir: Path,
+def compare_method(cfg: LabConfig, method: str, data: str, val: str | None, out_dir: Path,
                    device: str) -> list[dict[str, Any]]:
     threads = side_threads(cfg)
     common = {"method": method, "seed": cfg.seed, "backbone": cfg.backbone, "global_batch": cfg.batch_size,
@@ -302,7 +303,7 @@ def _add_warmup(rows: list[dict[str, Any]]) -> None:
         r["warmup_share"] = r["warmup_s"] / r["train_time_s"]
 
 
-def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, method: str, image_size: int, device: str) -> None:
+def _add_flops(rows: list[dict[str, Any]], cfg: LabConfig, method: str, image_size: int, device: str) -> None:
     """Achieved TFLOP/s of each measured side and, on a GPU with a known peak, the fraction of its bf16 peak.
 
     unison's count (`training_step_flops`) of the method's step; for SimCLR it serves both sides (same backbone,
@@ -310,7 +311,7 @@ def _add_flops(rows: list[dict[str, Any]], cfg: BenchConfig, method: str, image_
     """
     import torch
 
-    from .flops import bf16_peak_tflops, matmul_rate, training_step_flops
+    from unison.bench.flops import bf16_peak_tflops, matmul_rate, training_step_flops
 
     try:
         step_flops = training_step_flops(method, cfg.backbone, cfg.batch_size, image_size)

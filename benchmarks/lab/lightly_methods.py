@@ -31,11 +31,11 @@ patches of a quarter of the image from ``MultiCropTranform`` with the official c
 LARS 0.3 per 100 images, and Lightly's ``tcr_loss`` and ``invariance_loss`` with the paper's sign of the coding
 rate: Lightly's ``EMPSSLLoss`` adds it, which would minimise it).
 
-VICRegL and DenseCL, which need the backbone's feature map, follow Lightly's examples (`unison.bench.lightly_dense`).
+VICRegL and DenseCL, which need the backbone's feature map, follow Lightly's examples (`benchmarks.lab.lightly_dense`).
 
-MAE follows Lightly's MAE example (`unison.bench.lightly_models.MAESide`) on a timm ViT of the shared ViT's
+MAE follows Lightly's MAE example (`benchmarks.lab.lightly_models.MAESide`) on a timm ViT of the shared ViT's
 architecture, with the example's AdamW 1.5e-4 and ``MAETransform``; its comparison runs on a ViT (the method's recipe
-backbone when the bench's is a CNN). So do MSN, PMSN, SimMIM and AIM (`unison.bench.lightly_vit_models`), each with
+backbone when the bench's is a CNN). So do MSN, PMSN, SimMIM and AIM (`benchmarks.lab.lightly_vit_models`), each with
 its example's AdamW 1.5e-4: MSN and PMSN Lightly's MSN example (``MSNTransform``, its focal views at unison's local
 crop size; PMSN with ``PMSNLoss``, as Lightly's PMSN page builds it), SimMIM its SimMIM benchmark's pieces (MAE's
 transform from 67 %), AIM its AIM example (``AIMTransform``), CAPI its CAPI example (``CAPITransform``, crops from

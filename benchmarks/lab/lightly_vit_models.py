@@ -1,9 +1,9 @@
 """Lightly SSL's model of MSN, PMSN, SimMIM, AIM and CAPI for `unison bench lightly`, the ViT methods whose loss reads
 patch tokens: each side is Lightly's ViT wrapper around a timm ViT of the shared ViT's architecture (as MAE's,
-`unison.bench.lightly_models.MAESide`), its heads, loss and training step, from Lightly's modules only.
+`benchmarks.lab.lightly_models.MAESide`), its heads, loss and training step, from Lightly's modules only.
 
-As `unison.bench.lightly_models` (its `Side`): which Lightly example or benchmark each follows, and the recipe and
-transform that go with it, are in `unison.bench.lightly_methods`. Lightly is imported inside the methods, so this
+As `benchmarks.lab.lightly_models` (its `Side`): which Lightly example or benchmark each follows, and the recipe and
+transform that go with it, are in `benchmarks.lab.lightly_methods`. Lightly is imported inside the methods, so this
 module imports without it.
 
 Example::

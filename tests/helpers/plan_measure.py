@@ -1,19 +1,41 @@
 """The measurement `unison plan` is validated against: the same configuration's step run for real on the CPU.
 
 One process (an in-process gloo group of one): step 0 creates the optimizer's state, as in the plan; step 1 is
-tracked by the plan's own `MemTracker`. Used by tests/plan/test_plan.py and benchmarks/plan_validate.py.
+tracked by the plan's own `MemTracker`; the state it holds is counted from its tensors: the measurement the
+plan's estimate (`unison.training.memory.model_state`) is checked against. Used by tests/plan/test_plan.py,
+and by benchmarks/plan_validate.py and benchmarks/gpu_proof.py (as ``tests.helpers.plan_measure``, from the repository root).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from unison.config import TrainConfig
 from unison.data.synthetic import synthetic_dataset
+from unison.plan.tracking import device_snapshot, tracker_class
 from unison.training.step import batches, build_run, forward_backward, optimizer_step
 
-from .tracking import device_snapshot, grad_bytes, optimizer_bytes, tracker_class
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t   # FSDP2: this rank's shard of a DTensor
+
+
+def grad_bytes(run: Any) -> int:
+    """This rank's gradient bytes as held (FSDP2: its shards)."""
+    return sum(_local(p.grad).numel() * p.grad.element_size() for p in run.method.parameters() if p.grad is not None)
+
+
+def optimizer_bytes(run: Any) -> int:
+    """This rank's optimizer state as held (ZeRO-1: the state of the parameters it owns; FSDP2: its shards)."""
+    from unison.parallel.zero import ShardedOptimizer, unique_bytes
+
+    if isinstance(run.optimizer, ShardedOptimizer):
+        return run.optimizer.local_state_bytes()
+    return unique_bytes(_local(v) for s in run.optimizer.state.values() for v in s.values()
+                        if isinstance(v, torch.Tensor))
 
 
 def measure_cpu_step(cfg: TrainConfig, image_size: int) -> dict[str, int]:

@@ -3,7 +3,7 @@ shared backbone, built only from Lightly's modules.
 
 A `Side` wraps the backbone both sides share; ``training_loss(views, step, steps)`` is the body of the training step
 of the Lightly benchmark or example the method follows (which one, and the recipe and transform that go with it:
-`unison.bench.lightly_methods`). Lightly is imported inside the constructors, so this module imports without it.
+`benchmarks.lab.lightly_methods`). Lightly is imported inside the constructors, so this module imports without it.
 
 Example::
 

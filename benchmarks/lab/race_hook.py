@@ -1,10 +1,10 @@
-"""The race's evaluation points on unison's side: a training hook (``UNISON_TRAIN_HOOKS=unison.bench.race_hook``)
+"""The race's evaluation points on unison's side: a training hook (``UNISON_TRAIN_HOOKS=benchmarks.lab.race_hook``)
 that saves the encoder every ``every_s`` seconds of the run's clock and after its last step.
 
 ``UNISON_RACE_SNAPSHOTS={"dir": ..., "every_s": ...}`` (JSON). Rank 0 writes ``<dir>/unison-NNN.pt``: the
 backbone's state (on the CPU), its architecture, the step and the seconds since the run started (the clock
 `unison.training.budget` counts the budget from). The copy costs the run the same as Lightly's side pays for its
-own snapshots; the kNN of every snapshot runs after both sides have finished (`unison.bench.race`).
+own snapshots; the kNN of every snapshot runs after both sides have finished (`benchmarks.lab.race`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The report of `unison bench lightly` (`unison.bench.lightly_compare` measures): one row per method, seed and
+"""The report of `unison bench lightly` (`benchmarks.lab.lightly_compare` measures): one row per method, seed and
 side, and per method the kNN difference unison - Lightly (judged against the seeds' spread when there are two or
 more a side), the throughput ratio and a note when a side's warm-up makes its all-steps rate mislead."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import fmt_duration, markdown_table, result_paths, write_csv
-from .table import load_pair
+from unison.bench.report import fmt_duration, markdown_table, write_csv
+from unison.bench.table import load_pair
+
+from .parts import result_paths
 
 WARMUP_SHARE = 0.05   # a side's warm-up above this share of its time: the all-steps rate understates it
 

@@ -15,7 +15,7 @@ encoder:
   planned over them (the first steps run at the peak rate, where a cosine starts anyway); it stops on time.
 
 Every ``budget / --race-points`` seconds, and after its last step, each side saves its encoder
-(`unison.bench.race_hook.save_snapshot`). After both have finished, every snapshot is scored by the same code,
+(`benchmarks.lab.race_hook.save_snapshot`). After both have finished, every snapshot is scored by the same code,
 `unison.eval.knn.knn_accuracy` on the val images (k = ``--knn-k``, t = 0.1, unison's evaluation transform), so
 the evaluation costs neither side any of its budget. The report: both final accuracies, the time unison took to
 pass Lightly's final accuracy (its first evaluation point at or above it), the kNN-versus-wall-time curve of both
@@ -33,20 +33,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unison.bench.config import format_load, loadavg, wait_for_load
+from unison.bench.report import fmt_duration, markdown_table, write_csv
 from unison.config.budget import parse_duration
 from unison.errors import BenchError
 
-from .config import BenchConfig, format_load, loadavg, wait_for_load
+from . import race_hook
+from .config import LabConfig
 from .lightly_compare import PILImages, package_version, run_side_process, side_threads, user_loader_context
+from .parts import result_paths
 from .race_hook import ENV as SNAPSHOT_ENV
 from .race_hook import save_snapshot
-from .report import fmt_duration, markdown_table, result_paths, write_csv
 
 LIGHTLY_WARMUP, LIGHTLY_TIMED = 3, 10   # Lightly's side: untimed steps (loader start), then timed ones
 LIGHTLY_LR_PER_128 = 0.06               # Lightly's CIFAR-10 benchmark: lr = 6e-2 * batch_size / 128
 
 
-def unison_argv(cfg: BenchConfig, data: str, run_dir: Path, threads: int) -> list[str]:
+def unison_argv(cfg: LabConfig, data: str, run_dir: Path, threads: int) -> list[str]:
     """The `unison train` arguments of unison's side (no --val: the race scores the snapshots afterwards)."""
     argv = ["train", "--preset", "speedrun", "--backbone", cfg.backbone, "--data", data, "--batch-size",
             str(cfg.batch_size), "--time-budget", cfg.budget, "--seed", str(cfg.seed), "--world-size", "1",
@@ -60,12 +63,12 @@ def unison_argv(cfg: BenchConfig, data: str, run_dir: Path, threads: int) -> lis
     return argv + cfg.train_words
 
 
-def _unison_side(cfg: BenchConfig, data: str, out_dir: Path, snapshots: Path, threads: int) -> dict[str, Any]:
-    from .table import run_train
+def _unison_side(cfg: LabConfig, data: str, out_dir: Path, snapshots: Path, threads: int) -> dict[str, Any]:
+    from unison.bench.table import run_train
 
     argv = unison_argv(cfg, data, out_dir / "runs" / "race-unison", threads)
     every_s = parse_duration(cfg.budget) / cfg.race_points
-    os.environ["UNISON_TRAIN_HOOKS"] = "unison.bench.race_hook"
+    os.environ["UNISON_TRAIN_HOOKS"] = race_hook.__name__   # the workers import it (from the repository root)
     os.environ[SNAPSHOT_ENV] = json.dumps({"dir": str(snapshots), "every_s": every_s})
     try:
         summary, wall = run_train(argv, out_dir / "runs" / "race-unison")
@@ -161,7 +164,7 @@ def _lightly_end(snapshots: Path, index: int, backbone: Any, arch: str, step: in
                                              "planned_steps": planned}))
 
 
-def _lightly_side(cfg: BenchConfig, data: str, out_dir: Path, snapshots: Path, threads: int) -> dict[str, Any]:
+def _lightly_side(cfg: LabConfig, data: str, out_dir: Path, snapshots: Path, threads: int) -> dict[str, Any]:
     payload = {"data": data, "subset": cfg.race_subset, "seed": cfg.seed, "batch_size": cfg.batch_size,
                "backbone": cfg.backbone, "loader_workers": cfg.lightly_loader_workers, "threads": threads,
                "budget_s": parse_duration(cfg.budget), "points": cfg.race_points, "snapshots": str(snapshots),
@@ -173,7 +176,7 @@ def _lightly_side(cfg: BenchConfig, data: str, out_dir: Path, snapshots: Path, t
             "pipeline": "PIL dataset + SimCLRTransform + DataLoader workers + SimCLRProjectionHead + NTXentLoss"}
 
 
-def score_snapshots(cfg: BenchConfig, data: str, val: str | None, snapshots: Path) -> list[dict[str, Any]]:
+def score_snapshots(cfg: LabConfig, data: str, val: str | None, snapshots: Path) -> list[dict[str, Any]]:
     """Every snapshot's kNN top-1 on the val images, by the same code for both sides; one row per snapshot."""
     import torch
 
@@ -198,7 +201,7 @@ def score_snapshots(cfg: BenchConfig, data: str, val: str | None, snapshots: Pat
     return rows
 
 
-def race(cfg: BenchConfig, data: str, val: str | None, out_dir: Path) -> dict[str, Any]:
+def race(cfg: LabConfig, data: str, val: str | None, out_dir: Path) -> dict[str, Any]:
     """Train unison's side, then Lightly's, then score every snapshot; the race's result."""
     from .lightly_compare import lightly_available
 

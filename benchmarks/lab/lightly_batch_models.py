@@ -1,8 +1,8 @@
 """Lightly SSL's model of MMCR, W-MSE, SMoG and EMP-SSL for `unison bench lightly`, the methods whose loss is a
 statistic of the batch: heads, loss and training step around the shared backbone, from Lightly's modules only.
 
-As `unison.bench.lightly_models` (its `Side`): which Lightly example, benchmark or pieces each follows, and the recipe
-and transform that go with it, are in `unison.bench.lightly_methods`. Lightly (and scikit-learn, for SMoG's k-means)
+As `benchmarks.lab.lightly_models` (its `Side`): which Lightly example, benchmark or pieces each follows, and the recipe
+and transform that go with it, are in `benchmarks.lab.lightly_methods`. Lightly (and scikit-learn, for SMoG's k-means)
 is imported inside the methods, so this module imports without it.
 
 Example::
