@@ -1,15 +1,15 @@
 """Shared fixtures, and the layout of the suite.
 
-* ``tests/<package>/test_<subject>.py``: one file per subject, mirroring ``src/unison/<package>``, whatever its tests
-  start: in-process tests and those that start real processes (gloo worker processes on loopback, the launcher,
-  torchrun, subprocesses) side by side.
-* The `distributed` marker says which tests start processes: set here on every test whose source (or a fixture or
-  module helper it uses) starts them (`_starts_processes`), and by the file (``pytestmark``) or the test
-  (``@pytest.mark.distributed``) where what starts them is out of that sight (a fixture of a conftest, a helper
-  module, a signal to the test process itself). ``pytest -m "not distributed"`` is the fast in-process loop; the
-  slowest end-to-end tests also carry `slow`.
-* ``tests/helpers/``: what the test files of several subjects share; ``fault_helpers`` and ``fault_injection`` (the
-  test-only training hook) stay at the top, where worker processes import them from.
+* ``tests/unit/<package>/``: in-process tests, mirroring ``src/unison/<package>``; ``pytest tests/unit`` is the fast
+  loop.
+* ``tests/distributed/<package>/``: tests that start real processes (gloo worker processes on loopback, the
+  launcher, torchrun, subprocesses); they carry the `distributed` marker, set here from their location, and the
+  slowest end-to-end ones also carry `slow`.
+* ``tests/helpers/``: what the unit and distributed tests of one module share; ``fault_helpers`` and
+  ``fault_injection`` (the test-only training hook) stay at the top, where worker processes import them from.
+
+A unit test whose source (or a fixture or module helper it uses) starts processes is an error at collection: it
+belongs under ``tests/distributed/``.
 """
 
 import gc
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest_plugins = ["helpers.data_source", "helpers.data_stream"]   # fixtures shared by the files of several subjects
+pytest_plugins = ["helpers.data_source", "helpers.data_stream"]   # fixtures shared by unit and distributed tests
 
 TESTS = Path(__file__).resolve().parent
+DISTRIBUTED = TESTS / "distributed"
 
 
 @pytest.fixture(scope="module")
@@ -60,69 +61,72 @@ def _starts_processes(item) -> bool:
 # other workers idle at the end. The order is that of `pytest -n 3 --durations=0`, summed per file; the run that
 # `scripts/test.sh` prints (its slowest tests) says when a file belongs here or has moved.
 LONGEST_FILES = (
-    "plan/test_plan.py",
-    "cli/test_readme.py",
-    "parallel/test_fsdp.py",
-    "training/test_preemption.py",
-    "training/test_compile.py",
-    "bench/test_gpu_proof.py",
-    "training/test_resume.py",
-    "training/test_hang_bounds.py",
-    "cluster/test_elastic.py",
-    "training/test_dcp_checkpoint.py",
-    "equivalence/test_accumulation.py",
-    "training/test_faults.py",
-    "cluster/test_slurm.py",
-    "cli/test_train_outputs.py",
-    "training/test_defaults_matrix.py",
-    "distributed/test_launch.py",
-    "equivalence/test_check.py",
-    "cluster/test_hosts.py",
-    "cli/test_terminal.py",
-    "cli/test_setup_script.py",
-    "training/test_time_budget.py",
-    "bench/test_bench_methods.py",
-    "training/test_train.py",
-    "methods/test_methods_vit.py",
-    "docs/test_docs_site.py",
-    "training/test_signals.py",
-    "training/test_watchdog.py",
-    "cli/test_library_example.py",
-    "training/test_resume_replan.py",
-    "plan/test_plan_defaults.py",
-    "cli/test_own_loop.py",
-    "cli/test_bad_inputs.py",
-    "training/test_disk_faults.py",
+    "unit/plan/test_plan.py",
+    "distributed/cli/test_readme.py",
+    "distributed/parallel/test_fsdp.py",
+    "distributed/training/test_preemption.py",
+    "distributed/training/test_compile.py",
+    "distributed/bench/test_gpu_proof.py",
+    "distributed/training/test_resume.py",
+    "distributed/training/test_hang_bounds.py",
+    "distributed/cluster/test_elastic.py",
+    "distributed/training/test_dcp_checkpoint.py",
+    "distributed/equivalence/test_accumulation.py",
+    "distributed/training/test_faults.py",
+    "distributed/cluster/test_slurm.py",
+    "distributed/cli/test_train_outputs.py",
+    "unit/training/test_defaults_matrix.py",
+    "distributed/distributed/test_launch.py",
+    "distributed/equivalence/test_check.py",
+    "distributed/cluster/test_hosts.py",
+    "distributed/cli/test_terminal.py",
+    "distributed/cli/test_setup_script.py",
+    "distributed/training/test_time_budget.py",
+    "distributed/bench/test_bench_methods.py",
+    "distributed/training/test_train.py",
+    "distributed/methods/test_methods_vit.py",
+    "distributed/docs/test_docs_site.py",
+    "unit/training/test_signals.py",
+    "distributed/training/test_watchdog.py",
+    "distributed/cli/test_library_example.py",
+    "unit/training/test_resume_replan.py",
+    "unit/plan/test_plan_defaults.py",
+    "distributed/cli/test_own_loop.py",
+    "distributed/cli/test_bad_inputs.py",
+    "distributed/training/test_disk_faults.py",
 )
-# Then the other files that start processes, these folders first; then the in-process files.
-LONGEST_FIRST = ("training", "cluster", "parallel", "cli", "methods", "equivalence")
+LONGEST_FIRST = ("distributed/training", "distributed/cluster", "distributed/parallel", "distributed/cli",
+                 "distributed/methods", "distributed/equivalence")
 
 
-def _run_order(item, starting: set[Path]) -> int:
-    """`starting`: the files with a test that starts processes (a file's tests all take its place)."""
+def _run_order(item) -> int:
     path = Path(item.fspath).resolve()
     for i, name in enumerate(LONGEST_FILES):
         if path == TESTS / name:
             return i
-    if path in starting:
-        for i, folder in enumerate(LONGEST_FIRST, len(LONGEST_FILES)):
-            if TESTS / folder in path.parents:
-                return i
-    return len(LONGEST_FILES) + len(LONGEST_FIRST) + (path not in starting)
+    for i, folder in enumerate(LONGEST_FIRST, len(LONGEST_FILES)):
+        if TESTS / folder in path.parents:
+            return i
+    return len(LONGEST_FILES) + len(LONGEST_FIRST) + (DISTRIBUTED not in path.parents)
 
 
 def pytest_collection_modifyitems(items):
+    items.sort(key=_run_order)   # stable: each file's tests stay together and in order
+    misplaced = []
     for item in items:
-        if item.get_closest_marker("distributed") is None and _starts_processes(item):
+        if DISTRIBUTED in Path(item.fspath).resolve().parents:
             item.add_marker(pytest.mark.distributed)
-    starting = {Path(item.fspath).resolve() for item in items if item.get_closest_marker("distributed")}
-    items.sort(key=lambda item: _run_order(item, starting))   # stable: each file's tests stay together and in order
+        elif _starts_processes(item):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("these tests start processes and belong under tests/distributed/: "
+                                + ", ".join(misplaced))
 
 
 def pytest_collection_finish(session):
     """What collection imported (torch, unison, the test modules: some 310,000 objects) is never garbage: out of
     every full collection from now on. Each pytest worker's garbage collection took 47 s of a 141 s run of
-    the in-process tests of tests/{training,data,methods} on two workers, 19 s with this (129 s)."""
+    tests/unit/{training,data,methods} on two workers, 19 s with this (129 s)."""
     gc.freeze()
 
 

@@ -1,4 +1,4 @@
-"""Helpers of tests/training/test_checkpoint.py, for its in-process tests and those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_checkpoint."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers of tests/equivalence/test_curves.py, for its in-process tests and those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_curves."""
 
 from unison.equivalence import CURVE_TOLERANCE, CurvesReport
 

@@ -1,5 +1,4 @@
-"""Fixtures of tests/data/test_data_source.py (a pytest plugin of tests/conftest.py), for its in-process tests and
-those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_data_source."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Fixtures of the streamed-data tests (tests/data/test_data_stream.py, test_exif.py; a pytest plugin of
-tests/conftest.py), for the in-process tests and those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_data_stream."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Helpers of the tests of sharded checkpoints: tests/training/test_dcp_checkpoint.py, test_checkpoint_reads.py and
-test_checkpoint_refusals.py."""
+"""Helpers shared by the unit and distributed tests of test_dcp_checkpoint."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers of the fault tests: tests/training/test_faults.py and the cluster tests (tests/cluster/)."""
+"""Helpers shared by the unit and distributed tests of test_faults."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers of tests/evaluation/test_finetune.py (``unison eval --fine-tune`` / ``--linear-protocol standard``):
+"""Helpers shared by the unit and distributed tests of ``unison eval --fine-tune`` / ``--linear-protocol standard``:
 a checkpoint of a tiny SimCLR encoder on the embedded digits (16 px), and reading what an evaluation left."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Helpers of tests/eval/test_knn.py, for its in-process tests and those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_knn."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Helpers of tests/optim/test_optim.py, for its in-process tests and those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_optim."""
 
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""Helpers of tests/distributed/test_sync_batchnorm.py, for its in-process tests and those that start processes."""
+"""Helpers shared by the unit and distributed tests of test_sync_batchnorm."""
 
 import torch
 import torch.nn as nn

@@ -1,0 +1,44 @@
+"""CPU SyncBN (GlobalBatchNorm) against nn.BatchNorm on the concatenated global batch, real gloo processes."""
+
+import torch
+import torch.nn as nn
+from helpers.sync_batchnorm import CASES, _model
+
+from unison.distributed.sync_batchnorm import GlobalBatchNorm, convert_sync_batchnorm
+
+X, W_OUT = CASES["2d"]
+
+
+def test_local_batchnorm_would_differ():
+    """Guard against a vacuous test: per-rank statistics really differ from the global ones."""
+    ref = _model()
+    y_global = ref(X)
+    y_local = torch.cat([_model()(X[:4]), _model()(X[4:])])
+    assert (y_global - y_local).abs().max() > 1e-2
+
+
+def test_convert_keeps_weights_and_eval_mode():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(2)))
+    with torch.no_grad():
+        m[1].weight.fill_(2.0)
+        m[1].running_mean.fill_(0.5)
+    m.eval()
+    c = convert_sync_batchnorm(m, "cpu")
+    assert isinstance(c[1], GlobalBatchNorm) and isinstance(c[2][0], GlobalBatchNorm)
+    assert not c[1].training
+    assert torch.all(c[1].weight == 2.0) and torch.all(c[1].running_mean == 0.5)
+
+
+def test_convert_keeps_frozen_parameters_frozen():
+    """A momentum encoder's batch norm (BYOL's target, DINO's teacher) and --freeze's stay out of the optimizer after
+    the CPU conversion, as after torch's CUDA one (which keeps the Parameter objects): they had become trainable."""
+    from unison.methods.byol import BYOL
+    from unison.models import build_backbone
+
+    encoder, dim = build_backbone("small_cnn", 16)
+    method = BYOL(encoder, dim, BYOL.Params(), steps_total=2)
+    method.backbone.features[1].weight.requires_grad_(False)   # as --freeze leaves it
+    before = {n for n, p in method.named_parameters() if p.requires_grad}
+    assert any(n.startswith("backbone.") for n in before) and len(before) < len(list(method.parameters()))
+    after = {n for n, p in convert_sync_batchnorm(method, "cpu").named_parameters() if p.requires_grad}
+    assert after == before
