@@ -16,7 +16,7 @@ Shards are counted as exact fractions: FSDP2 pads a parameter's first dimension 
 each rank whole parameters, so a rank's real share differs by at most a parameter's padding or its largest
 parameter. Usage::
 
-    state = model_state(method, cfg)              # the method built on any device, meta included
+    state = model_state(method, cfg, "adamw")     # the method built on any device, meta included
     state.total                                  # bytes this rank holds in a step, before activations
 """
 
@@ -54,17 +54,18 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()   # a DTensor's numel is the whole parameter's
 
 
-def model_state(method: nn.Module, cfg: TrainConfig, optimizer: str | None = None) -> ModelState:
-    """`method`'s state on one rank of the run `cfg` describes; `optimizer`: the optimizer's name when `cfg` does
-    not carry the resolved one (the recipe's)."""
+def model_state(method: nn.Module, cfg: TrainConfig, optimizer: str) -> ModelState:
+    """`method`'s state on one rank of the run `cfg` describes, trained by the resolved `optimizer` (the recipe's
+    unless the configuration names one)."""
     world = cfg.distributed.world_size
     shard = cfg.distributed.shard
     params = dict(method.named_parameters())
     buffers = dict(method.named_buffers())
     trainable = [p for p in params.values() if p.requires_grad]
-    full, scalars = state_per_parameter(optimizer or cfg.optimizer or "sgd", cfg.momentum)
+    full, scalars = state_per_parameter(optimizer, cfg.momentum)
     scalar_bytes = torch.empty(()).element_size()   # torch's optimizers keep step counters in the default dtype
-    param_bytes = sum(_bytes(p) for p in params.values())
+    whole_params = sum(_bytes(p) for p in params.values())
+    param_bytes = whole_params
     buffer_bytes = sum(_bytes(b) for b in buffers.values())
     grad_bytes = sum(_bytes(p) for p in trainable)
     optimizer_bytes = full * grad_bytes + scalars * scalar_bytes * len(trainable)
@@ -75,4 +76,4 @@ def model_state(method: nn.Module, cfg: TrainConfig, optimizer: str | None = Non
     tensors = {**params, **buffers}
     largest = max(tensors, key=lambda name: tensors[name].numel(), default="")
     return ModelState(param_bytes, buffer_bytes, grad_bytes, optimizer_bytes,
-                      sum(_bytes(p) for p in params.values()) + buffer_bytes, largest)
+                      whole_params + buffer_bytes, largest)

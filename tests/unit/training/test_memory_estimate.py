@@ -37,7 +37,7 @@ def test_the_estimate_is_what_a_step_holds(name, momentum, precision):
     model(torch.randn(6, 8, dtype=dtype)).square().mean().backward()
     optimizer.step()
     grads, state = _held(model, optimizer)
-    est = model_state(model, TrainConfig(optimizer=name, momentum=momentum, precision=precision))
+    est = model_state(model, TrainConfig(optimizer=name, momentum=momentum, precision=precision), name)
     assert (est.grads, est.optimizer) == (grads, state)
     assert est.params == sum(p.numel() * p.element_size() for p in model.parameters())
     assert est.buffers == sum(b.numel() * b.element_size() for b in model.buffers())
@@ -46,11 +46,11 @@ def test_the_estimate_is_what_a_step_holds(name, momentum, precision):
 
 def test_sharding_divides_what_each_rank_holds():
     model = _model(torch.float32)
-    whole = model_state(model, TrainConfig(optimizer="adamw"))
+    whole = model_state(model, TrainConfig(optimizer="adamw"), "adamw")
 
     def at(shard: str):
         cfg = TrainConfig(optimizer="adamw", distributed=DistributedConfig(world_size=4, shard=shard))
-        return model_state(model, cfg)
+        return model_state(model, cfg, "adamw")
 
     zero1, full = at("optimizer"), at("full")
     assert dataclasses.replace(zero1, optimizer=whole.optimizer) == whole and zero1.optimizer == whole.optimizer // 4
