@@ -8,7 +8,7 @@
 
 Phases (each writes DIR/phase-NAME.json when it ends; `report` merges whatever exists):
 
-* ``tests``: ``pytest -m gpu`` (tests/distributed/gpu), each test's outcome and first line of its message;
+* ``tests``: ``pytest -m gpu`` (tests/gpu), each test's outcome and first line of its message;
 * ``throughput``: SimCLR ResNet-18 on the CIFAR-10 pack, unison against Lightly's pipeline (`benchmarks.lab.
   lightly_compare`, bf16); ResNet-50 and ViT-B/16 at 224 px on synthetic images, both sides: images/s, MFU
   against the card's measured bf16 matmul rate, and the share of the loop spent waiting for data;
@@ -129,7 +129,7 @@ def phase_tests(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     xml = Path(args.out) / "gpu-tests.xml"
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rA", f"--junitxml={xml}",
-           "tests/distributed/gpu"]
+           "tests/gpu"]
     try:   # under the phase's own time box, so that a hung test still leaves the outcomes of those before it
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=s["tests_s"])
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr

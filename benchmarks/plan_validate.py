@@ -2,7 +2,7 @@
 
 One process: the plan of a CPU configuration (W=1, fake tensors) and the same step run for real (an in-process
 gloo group of one), its second step tracked by the same `MemTracker`; FLOPs against `unison.bench.flops`.
-tests/unit/plan/test_plan.py asserts the same comparison (5 % for state, 25 % for activations and peak).
+tests/plan/test_plan.py asserts the same comparison (5 % for state, 25 % for activations and peak).
 
     PYTHONPATH=src python benchmarks/plan_validate.py --method simclr --backbone resnet18 --image-size 32 --batch 8
 """

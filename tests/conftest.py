@@ -1,15 +1,12 @@
 """Shared fixtures, and the layout of the suite.
 
-* ``tests/unit/<package>/``: in-process tests, mirroring ``src/unison/<package>``; ``pytest tests/unit`` is the fast
-  loop.
-* ``tests/distributed/<package>/``: tests that start real processes (gloo worker processes on loopback, the
-  launcher, torchrun, subprocesses); they carry the `distributed` marker, set here from their location, and the
-  slowest end-to-end ones also carry `slow`.
-* ``tests/helpers/``: what the unit and distributed tests of one module share; ``fault_helpers`` and
-  ``fault_injection`` (the test-only training hook) stay at the top, where worker processes import them from.
-
-A unit test whose source (or a fixture or module helper it uses) starts processes is an error at collection: it
-belongs under ``tests/distributed/``.
+* ``tests/<package>/test_<subject>.py``: one file per subject, mirroring ``src/unison/<package>``, whatever
+  processes its tests start. A test that starts real processes (gloo worker processes on loopback, the launcher,
+  torchrun, subprocesses), in its own source or in a fixture or module helper it uses, carries the `distributed`
+  marker, set here; a test can also carry it explicitly (when it starts them through another module's helper).
+  The slowest end-to-end tests also carry `slow`. ``pytest -m "not distributed"`` is the fast loop.
+* ``tests/helpers/``: what the test files of several subjects share; ``fault_helpers`` and ``fault_injection``
+  (the test-only training hook) stay at the top, where worker processes import them from.
 """
 
 import gc
@@ -20,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest_plugins = ["helpers.data_source", "helpers.data_stream"]   # fixtures shared by unit and distributed tests
+pytest_plugins = ["helpers.data_source", "helpers.data_stream"]   # fixtures shared by several test files
 
 TESTS = Path(__file__).resolve().parent
-DISTRIBUTED = TESTS / "distributed"
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +31,9 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+# What starts processes: the launcher, worker pools, subprocesses, a training run (its default is 2 workers).
 _STARTS_PROCESSES = re.compile(r"run_in_workers|launch\(|main\(\[\s*\"(train|check|bench)\"|subprocess|torchrun|"
-                               r"run_equivalence|run_curves|\btrain\(cfg|api import train|\"train\", \*")
+                               r"run_equivalence|run_curves|run_side_process|\btrain\(cfg|api import train|\"train\", \*")
 
 
 def _source(obj) -> str:
@@ -46,12 +43,19 @@ def _source(obj) -> str:
         return ""
 
 
+def _in_tests(obj) -> bool:
+    try:
+        return TESTS in Path(inspect.getfile(getattr(obj, "__wrapped__", obj))).resolve().parents
+    except (OSError, TypeError):
+        return False
+
+
 def _starts_processes(item) -> bool:
+    """Whether the test, a fixture it uses (at any depth) or a module helper it calls starts processes."""
     own = _source(item.function)
-    used = set(getattr(item, "fixturenames", ())) | set(re.findall(r"\b(_?[a-z]\w*)\(", own))
-    helpers = [getattr(item.module, name, None) for name in used]   # its fixtures and module-level helpers
-    sources = [own] + [_source(f) for f in helpers if callable(f) and getattr(f, "__module__", None) in
-                       (item.module.__name__, None)]
+    fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    called = [getattr(item.module, name, None) for name in set(re.findall(r"\b(_?[a-z]\w*)\(", own))]
+    sources = [own] + [_source(f) for f in fixtures + called if callable(f) and _in_tests(f)]
     return any(_STARTS_PROCESSES.search(s) for s in sources)
 
 
@@ -61,42 +65,41 @@ def _starts_processes(item) -> bool:
 # other workers idle at the end. The order is that of `pytest -n 3 --durations=0`, summed per file; the run that
 # `scripts/test.sh` prints (its slowest tests) says when a file belongs here or has moved.
 LONGEST_FILES = (
-    "unit/plan/test_plan.py",
-    "distributed/cli/test_readme.py",
-    "distributed/parallel/test_fsdp.py",
-    "distributed/training/test_preemption.py",
-    "distributed/training/test_compile.py",
-    "distributed/bench/test_gpu_proof.py",
-    "distributed/training/test_resume.py",
-    "distributed/training/test_hang_bounds.py",
-    "distributed/cluster/test_elastic.py",
-    "distributed/training/test_dcp_checkpoint.py",
-    "distributed/equivalence/test_accumulation.py",
-    "distributed/training/test_faults.py",
-    "distributed/cluster/test_slurm.py",
-    "distributed/cli/test_train_outputs.py",
-    "unit/training/test_defaults_matrix.py",
-    "distributed/distributed/test_launch.py",
-    "distributed/equivalence/test_check.py",
-    "distributed/cluster/test_hosts.py",
-    "distributed/cli/test_terminal.py",
-    "distributed/cli/test_setup_script.py",
-    "distributed/training/test_time_budget.py",
-    "distributed/bench/test_bench_methods.py",
-    "distributed/training/test_train.py",
-    "distributed/methods/test_methods_vit.py",
-    "distributed/docs/test_docs_site.py",
-    "unit/training/test_signals.py",
-    "distributed/training/test_watchdog.py",
-    "distributed/cli/test_library_example.py",
-    "unit/training/test_resume_replan.py",
-    "unit/plan/test_plan_defaults.py",
-    "distributed/cli/test_own_loop.py",
-    "distributed/cli/test_bad_inputs.py",
-    "distributed/training/test_disk_faults.py",
+    "plan/test_plan.py",
+    "cli/test_readme.py",
+    "parallel/test_fsdp.py",
+    "training/test_preemption.py",
+    "training/test_compile.py",
+    "bench/test_gpu_proof.py",
+    "training/test_resume.py",
+    "training/test_hang_bounds.py",
+    "cluster/test_elastic.py",
+    "training/test_dcp_checkpoint.py",
+    "equivalence/test_accumulation.py",
+    "training/test_faults.py",
+    "cluster/test_slurm.py",
+    "cli/test_train_outputs.py",
+    "training/test_defaults_matrix.py",
+    "distributed/test_launch.py",
+    "equivalence/test_check.py",
+    "cluster/test_hosts.py",
+    "cli/test_terminal.py",
+    "cli/test_setup_script.py",
+    "training/test_time_budget.py",
+    "bench/test_bench_methods.py",
+    "training/test_train.py",
+    "methods/test_methods_vit.py",
+    "docs/test_docs_site.py",
+    "training/test_signals.py",
+    "training/test_watchdog.py",
+    "cli/test_library_example.py",
+    "training/test_resume_replan.py",
+    "plan/test_plan_defaults.py",
+    "cli/test_own_loop.py",
+    "cli/test_bad_inputs.py",
+    "training/test_disk_faults.py",
 )
-LONGEST_FIRST = ("distributed/training", "distributed/cluster", "distributed/parallel", "distributed/cli",
-                 "distributed/methods", "distributed/equivalence")
+LONGEST_FIRST = ("training", "cluster", "parallel", "cli", "methods", "equivalence")
 
 
 def _run_order(item) -> int:
@@ -107,26 +110,20 @@ def _run_order(item) -> int:
     for i, folder in enumerate(LONGEST_FIRST, len(LONGEST_FILES)):
         if TESTS / folder in path.parents:
             return i
-    return len(LONGEST_FILES) + len(LONGEST_FIRST) + (DISTRIBUTED not in path.parents)
+    return len(LONGEST_FILES) + len(LONGEST_FIRST)
 
 
 def pytest_collection_modifyitems(items):
     items.sort(key=_run_order)   # stable: each file's tests stay together and in order
-    misplaced = []
     for item in items:
-        if DISTRIBUTED in Path(item.fspath).resolve().parents:
+        if _starts_processes(item):
             item.add_marker(pytest.mark.distributed)
-        elif _starts_processes(item):
-            misplaced.append(item.nodeid)
-    if misplaced:
-        raise pytest.UsageError("these tests start processes and belong under tests/distributed/: "
-                                + ", ".join(misplaced))
 
 
 def pytest_collection_finish(session):
     """What collection imported (torch, unison, the test modules: some 310,000 objects) is never garbage: out of
     every full collection from now on. Each pytest worker's garbage collection took 47 s of a 141 s run of
-    tests/unit/{training,data,methods} on two workers, 19 s with this (129 s)."""
+    the in-process tests of tests/{training,data,methods} on two workers, 19 s with this (129 s)."""
     gc.freeze()
 
 

@@ -22,7 +22,7 @@ FAULT = "UNISON_FAULT_INJECT"
 STEPS = 8
 # what a test of faults, resumes and checkpoints does not look at: the label-free signals (RankMe, ...: measured at
 # the start and the end of every run) and the random-init kNN, about 6 of a 2-worker run's 17 s
-# (tests/distributed/training/test_resume.py keeps both: the signals' and the random-init kNN's own resume)
+# (tests/training/test_resume.py keeps both: the signals' and the random-init kNN's own resume)
 QUIET = ["--signal-images", "0", "--no-random-init-knn"]
 # digits subset, batch 64, float64: "resumed == uninterrupted" is checked at 1e-9; --log-every 1: metrics every step
 TINY = ["--batch-size", "64", "--epochs", "1", "--max-steps", str(STEPS), "--subset", "512", "--val-subset", "64",

@@ -8,7 +8,7 @@ workers inherit ``sys.path`` anyway. Without ``UNISON_FAULT_INJECT`` the hook do
 ``UNISON_FAULT_INJECT="rank=1,step=3[,kind=KIND][,at=step|data|save][,to=self|launcher][,attempt=0]"``
 makes rank 1 fail when it is about to run step 3; several faults are separated by ``;``. The
 fault tests (test_faults, test_preemption, test_watchdog, test_disk_faults and test_resume in
-tests/distributed/training/) use it to prove that killed, crashed, NaN, hung, stopped, preempted and
+tests/training/) use it to prove that killed, crashed, NaN, hung, stopped, preempted and
 interrupted workers end the run cleanly.
 
 KIND: ``kill`` (SIGKILL, the default), ``raise`` (a RuntimeError), ``nan`` (a NaN loss: the step's

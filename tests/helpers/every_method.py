@@ -5,7 +5,7 @@ and block-by-block sharding, 2 blocks of width 128 instead of 12 of 192. Exactne
 the depth. On a 2-core CPU the 2-worker FSDP check of four ViT methods (iBOT, LeJEPA, MAE, MoCo v3) took 26 s with
 2 blocks and 41.5 s with nano's 6; nano had taken 105-109 s of CPU for the five where the recipe's ViT took
 225-229 s. A recipe's own ViT is checked by the README's `unison check --method all`, which
-tests/distributed/cli/test_readme.py runs for SimCLR and MAE.
+tests/cli/test_readme.py runs for SimCLR and MAE.
 """
 
 from __future__ import annotations

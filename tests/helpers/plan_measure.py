@@ -2,7 +2,7 @@
 
 One process (an in-process gloo group of one): step 0 creates the optimizer's state, as in the plan; step 1 is
 tracked by the plan's own `MemTracker`; the state it holds is counted from its tensors: the measurement the
-plan's estimate (`unison.training.memory.model_state`) is checked against. Used by tests/unit/plan/test_plan.py,
+plan's estimate (`unison.training.memory.model_state`) is checked against. Used by tests/plan/test_plan.py,
 and by benchmarks/plan_validate.py and benchmarks/gpu_proof.py (as ``tests.helpers.plan_measure``, from the repository root).
 """
 

@@ -46,7 +46,7 @@ Pipeline of one view (fixed order; torchvision randomises the jitter order):
 
 Per-sample parameters are computed in float64 and then cast, and pixel ops are
 elementwise or per-sample matmuls, so a view does not depend, bit for bit, on
-where its sample sits in the batch (tests/unit/data/test_data_augment.py). Ops run in place
+where its sample sits in the batch (tests/data/test_data_augment.py). Ops run in place
 on each view's fresh crop: new multi-MB buffers cost page faults on the CPU.
 
 The presets and what each parameter means: `unison.data.presets` (`PRESETS`, re-exported here).

@@ -36,7 +36,7 @@ __all__ = ["BUILTIN", "BUILTIN_IMAGES", "BUILTIN_SIZES", "DataSpec", "check_batc
 
 BUILTIN = ("digits", "cifar10")   # held in memory always; no catalog to list
 BUILTIN_SIZES = {"digits": 16, "cifar10": 32}   # their image sides: the default view size
-BUILTIN_IMAGES = {"digits": 1438, "cifar10": 50000}   # their training splits (tests/unit/data checks digits')
+BUILTIN_IMAGES = {"digits": 1438, "cifar10": 50000}   # their training splits (tests/data checks digits')
 
 
 @dataclass(frozen=True)

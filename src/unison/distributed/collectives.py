@@ -6,7 +6,7 @@ world has one rank, so the same code runs in a single process.
 
 Why hand-written: `torch.distributed.nn.functional.all_gather` has a correct backward
 but is deprecated; `torch.distributed._functional_collectives` is private API. The
-autograd functions below are small and tested with real processes (tests/unit/distributed/test_collectives.py).
+autograd functions below are small and tested with real processes (tests/distributed/test_collectives.py).
 
 Gradient semantics (the convention every unison loss follows)
 -------------------------------------------------------------

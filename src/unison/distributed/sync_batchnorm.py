@@ -29,7 +29,7 @@ ATen CPU kernel: `batch_norm_update_stats` (local mean and variance), `batch_nor
 inference form with the global statistics (the output), `native_batch_norm_backward`
 (the two local reductions), and two `addcmul` for dx. Collectives per layer and step:
 one gather of 2C+1 numbers in forward, one all-reduce of 2C numbers in backward.
-tests/unit/distributed/test_sync_batchnorm.py checks output, dx, dweight, dbias and running statistics
+tests/distributed/test_sync_batchnorm.py checks output, dx, dweight, dbias and running statistics
 against `nn.BatchNorm1d/2d` on the concatenated batch, with uneven ranks.
 
 Example::

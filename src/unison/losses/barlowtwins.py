@@ -26,7 +26,7 @@ derivative of sum_s L_s with respect to r's inputs:
 which is the single-process gradient on the global batch. (The official code and
 solo-learn all-reduce C with the non-autograd ``dist.all_reduce``: rank r then only gets
 dL/dZ_r, and the average is dL/dtheta / W, W times too small; barlowtwins#8.) Tested in
-tests/distributed/methods/test_methods.py with real processes.
+tests/methods/test_methods.py with real processes.
 
 With ``gather_distributed=False`` each rank standardises and correlates its local batch
 only (a different, smaller-batch loss).

@@ -16,7 +16,7 @@ with T = 0.2 and lambda = 0.5 (Wang et al., 2021, and their code ``WXinlong/Dens
 temperature 0.2, ``loss_lambda``; each cell's negatives are the dense queue, filled with each key image's mean dense
 projection). Both terms are `unison.losses.moco.MoCoLoss`. Lightly ships DenseCL's heads and the matching
 (``select_most_similar``) and scores both terms with ``NTXentLoss`` over a memory bank; on the same queues this loss
-equals theirs to 1e-9 (tests/unit/losses/test_densecl.py). (Lightly's example fills its dense bank with every key
+equals theirs to 1e-9 (tests/losses/test_densecl.py). (Lightly's example fills its dense bank with every key
 cell rather than the pooled key; what goes into the queue is the method's, `unison.methods.densecl`.)
 
 Distributed semantics: like `MoCoLoss`, the loss communicates nothing. A query cell's positive is a cell of the same

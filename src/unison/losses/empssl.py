@@ -13,7 +13,7 @@ embeddings over the whole space (no collapse); the invariance term makes every p
 image's mean.
 
 Lightly's ``EMPSSLLoss`` (1.6.0) adds ``tcr_loss`` = +logdet/2 where the paper and its code subtract it: it would
-minimise the coding rate. This loss follows the paper (tests/unit/losses/test_empssl.py checks the invariance term
+minimise the coding rate. This loss follows the paper (tests/losses/test_empssl.py checks the invariance term
 and the coding rate against Lightly's functions, the coding rate with the paper's sign).
 
 Distributed semantics (``gather_distributed=True``)

@@ -13,7 +13,7 @@ The prototypes carry no order, so which prototype gets which prior mass is arbit
 Direction of the divergence: KL(p_bar || prior), which is MSN's regulariser exactly when the prior is uniform (and
 what Lightly's ``PMSNCustomLoss`` docstring names). Lightly 1.6.0's ``PMSNLoss`` computes
 ``F.kl_div(p_bar.log(), prior, reduction="sum")`` = KL(prior || p_bar), the other direction; its cross-entropy
-term is the same as unison's (tests/unit/losses/test_pmsn.py shows both).
+term is the same as unison's (tests/losses/test_pmsn.py shows both).
 
 Distributed semantics: as MSN's (`unison.losses.msn`): Sinkhorn over the global batch, p_bar the global mean
 through ``all_reduce_with_grad``; each rank returns its local CE + lambda R.

@@ -12,7 +12,7 @@ with beta = 0.99 and tau = 0.1 (Pang et al., 2022). The update is synchronous: t
 already contain this batch (G' carries the gradient of the batch mean, weight 1 - beta), and G' replaces G after
 the step. The paper has no public code; this follows the reading of Lightly's SMoG (``SMoGPrototypes``: argmax
 assignments, the online projection in the update, the prediction in the logits), which
-tests/unit/losses/test_smog.py checks against.
+tests/losses/test_smog.py checks against.
 
 Distributed semantics (``gather_distributed=True``)
 --------------------------------------------------

@@ -26,7 +26,7 @@ computes d(sum_s L_s)/dZ_r, and sum_s L_s = W * L as a function of the global ba
 DDP's average (1/W) sum_r of these is therefore exactly dL/dtheta (the same argument as
 in `unison.losses.barlowtwins`). No extra scaling is needed: the global terms appear
 *once* per rank, not divided by W. Tested against one process in
-tests/distributed/methods/test_methods.py.
+tests/methods/test_methods.py.
 
 With ``gather_distributed=False`` the variance and covariance use the local batch only.
 

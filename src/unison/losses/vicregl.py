@@ -34,7 +34,7 @@ with lambda = mu = 25, nu = 1, eps = 1e-4, alpha = 0.75, 20 / 4 matches (Bardes 
 ``facebookresearch/VICRegL``: its local loss, its weighting, its covariance halved against VICReg's). Deliberate
 differences from that code: the local terms of the pairs are averaged (theirs keeps the last pair's, an overwritten
 accumulator), and matched cells are ordered by distance (theirs: by cell index), as Lightly's ``VICRegLLoss``,
-which this loss equals to 1e-9 with ``l2_all_matches=False`` (tests/unit/losses/test_vicregl.py).
+which this loss equals to 1e-9 with ``l2_all_matches=False`` (tests/losses/test_vicregl.py).
 
 Distributed semantics (``gather_distributed=True``)
 --------------------------------------------------

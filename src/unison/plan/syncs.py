@@ -3,7 +3,7 @@
 A host synchronisation (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask indexing) makes the CPU wait for the
 GPU, draining the queue of launched kernels. `unison.plan.fake.HostSyncRecorder` finds every one the step makes;
 each must match an entry here, which says why it stays. One that matches none is a defect: `unison plan` prints it
-as unexplained and the suite's method x shard x amp matrix (tests/unit/plan/test_plan.py) fails on it.
+as unexplained and the suite's method x shard x amp matrix (tests/plan/test_plan.py) fails on it.
 
 An entry matches by where the step's code is (a file and a function, the first frame outside torch) and, when torch
 itself reads the value, by torch's frame below it. Entries that name only torch's frame match wherever the step
