@@ -413,7 +413,7 @@ def test_a_run_made_before_the_lock_existed_can_run_again(finished_run, tmp_path
 
 def test_resume_branches_into_a_new_out_and_continues_its_latest(finished_run, tmp_path, capfd):
     before = _files(finished_run)
-    assert main(["train", *W1, "--resume", f"{run}/checkpoints/step_00000001.pt", "--max-steps", "3",
+    assert main(["train", *W1, "--resume", f"{finished_run}/checkpoints/step_00000001.pt", "--max-steps", "3",
                  "--checkpoint-every", "1", "--out", str(tmp_path / "branch")]) == 0
     assert (tmp_path / "branch" / "checkpoints" / "step_00000003.pt").is_file() and _files(finished_run) == before
 

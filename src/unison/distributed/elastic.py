@@ -115,8 +115,9 @@ def join_elastic(run_dir: str | Path, device: torch.device) -> None:
 
 
 def previous_group() -> PreviousGroup | None:
-    """The group of this torchrun job that ran before this one (None: this is its first, or not torchrun)."""
-    return _previous
+    """The group of this torchrun job that ran before this one (None: this is its first, or not torchrun). What
+    `join_elastic` learnt belongs to the group it joined: once the process has left it, None."""
+    return _previous if dist.is_available() and dist.is_initialized() else None
 
 
 def note_progress(step: int, done: bool = False) -> None:

@@ -201,8 +201,11 @@ def _rendezvous_store(cfg: DistributedConfig, timeout: datetime.timedelta) -> di
 
 def restart_count() -> int:
     """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun): once the group
-    is joined, the one all its workers agreed on (`_agree_on_restart`), else this node's agent's count."""
-    return _env_restart_count() if _agreed_restart is None else _agreed_restart
+    is joined, the one all its workers agreed on (`_agree_on_restart`), else this node's agent's count. The agreed
+    count is that group's: once the process has left it (an in-process run that ended), the environment's again."""
+    if _agreed_restart is None or not (dist.is_available() and dist.is_initialized()):
+        return _env_restart_count()
+    return _agreed_restart
 
 
 def _env_restart_count() -> int:
