@@ -35,6 +35,11 @@ class LabConfig(BenchConfig):
     lightly_steps: int = field(default=200, metadata={
         "help": "optimiser steps of each side of the Lightly comparison (enough that each side's warm-up is under "
                 "5 percent of its time, reported apart)"})
+    lightly_epochs: int | None = field(default=None, metadata={
+        "help": "the Lightly comparison by epochs: each side trains N epochs of the training images (instead of "
+                "--lightly-steps) on one cosine schedule over them; with --lightly-eval-every, a kNN table by epoch"})
+    lightly_eval_every: int = field(default=0, metadata={
+        "help": "with --lightly-epochs: kNN of both sides every E epochs, and at the end (0: only at the end)"})
     lightly_loader_workers: int = field(default=2, metadata={
         "help": "DataLoader worker processes on the Lightly side (its docs use several)"})
     lightly_threads: int | None = field(default=None, metadata={
@@ -63,6 +68,14 @@ class LabConfig(BenchConfig):
             raise ConfigError(f"bench lightly: --seeds {self.seeds!r} must be seeds separated by commas, e.g. 0,1")
         if self.lightly_steps < 1:
             raise ConfigError(f"bench: lightly_steps={self.lightly_steps} must be >= 1")
+        if self.lightly_epochs is not None and self.lightly_epochs < 1:
+            raise ConfigError(f"bench lightly: --lightly-epochs {self.lightly_epochs} must be at least 1 epoch")
+        if self.lightly_eval_every < 0:
+            raise ConfigError(f"bench lightly: --lightly-eval-every {self.lightly_eval_every} must be >= 0 epochs "
+                              "(0: only at the end)")
+        if self.lightly_eval_every and self.lightly_epochs is None:
+            raise ConfigError("bench lightly: --lightly-eval-every needs --lightly-epochs (the evaluations are every "
+                              "E epochs of an N-epoch run); give both, e.g. --lightly-epochs 100 --lightly-eval-every 25")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"bench: --peak-tflops={self.peak_tflops} must be a positive number of TFLOPS")
         if self.race_points < 1:

@@ -20,6 +20,11 @@ besides), one after the other, in fresh processes under the benchmark's process.
 each epoch, as an epoch does). Both encoders are scored by the same code,
 `unison.eval.knn.knn_accuracy` with unison's evaluation transform; peak memory is each training
 process's (peak resident set on the CPU, the CUDA allocator's peak on a GPU).
+
+``--lightly-epochs N`` compares by epochs instead of steps: unison's side trains ``--epochs N`` (its recipe's
+steps per epoch, the data's size // the batch), Lightly's the same number of steps; with ``--lightly-eval-every E``
+both sides score kNN every E epochs (unison's ``--eval-every E``; Lightly's loop pauses its clock for it), and the
+report adds a table of kNN by epoch, each point judged against the seeds' spread at that point.
 """
 
 from __future__ import annotations
@@ -116,26 +121,41 @@ def _lightly_child(p: dict[str, Any], result_path: str) -> None:
     optimizer = side.recipe.optimizer_for(model, peak_lr)
     steps = p["steps"]
     schedule = Schedule(peak_lr, warmup_steps=0, total_steps=steps)   # unison's schedule, so both sides match
-    step_end, wait_s, final_loss = _train_lightly(model, loader, optimizer, schedule, p, device)
-    train_time = step_end[-1]
-
-    model.eval()
     to_eval = lambda x: eval_transform(x, train.image_size, train.mean, train.std)  # noqa: E731
-    knn = knn_accuracy(model.backbone, train.images.to(device), train.labels.to(device), val.images.to(device),
-                       val.labels.to(device), to_eval, len(train.classes), k=p["knn_k"], t=0.1)
+
+    def knn() -> float:
+        model.eval()
+        with torch.no_grad():
+            acc = knn_accuracy(model.backbone, train.images.to(device), train.labels.to(device),
+                               val.images.to(device), val.labels.to(device), to_eval, len(train.classes),
+                               k=p["knn_k"], t=0.1)
+        model.train()
+        return acc
+
+    step_end, wait_s, final_loss, knn_by_step = _train_lightly(model, loader, optimizer, schedule, p, device, knn)
+    train_time = step_end[-1]
+    final_knn = knn()
+    per_epoch = p.get("steps_per_epoch")
     Path(result_path).write_text(json.dumps({
-        "steps": steps, "train_time_s": train_time, "step_end_s": step_end, "knn_top1": knn, "final_loss": final_loss,
+        "steps": steps, "train_time_s": train_time, "step_end_s": step_end, "knn_top1": final_knn,
+        "knn_by_epoch": [[step / per_epoch, acc] for step, acc in [*knn_by_step, (steps, final_knn)]]
+        if per_epoch else None, "final_loss": final_loss,
         "data_wait_share": wait_s / train_time,
         "peak_memory_mib": peak_memory_mib(device), "train_images": len(train), "val_images": len(val),
         "recipe": f"{side.recipe.optimizer} peak lr {peak_lr:.4g}, weight decay {side.recipe.weight_decay:g}"}))
 
 
-def _train_lightly(model, loader, optimizer, schedule, p: dict[str, Any], device) -> tuple:
+def _train_lightly(model, loader, optimizer, schedule, p: dict[str, Any], device,
+                   knn: Callable[[], float]) -> tuple:
     """Lightly's training loop (the method's step: `LightlySide.model.training_loss`): (seconds since the start at
-    the end of every step, seconds blocked on the loader for the next batch (its data wait), the final loss)."""
+    the end of every step, seconds blocked on the loader for the next batch (its data wait), the final loss, and
+    [step, kNN] at each of ``p["eval_steps"]``, scored by `knn` with the clock paused: an evaluation is not
+    training time, as unison's side does not count its own)."""
     import torch
 
     step_end: list[float] = []
+    knn_by_step: list[tuple[int, float]] = []
+    eval_steps = set(p.get("eval_steps") or ())
     wait_s, step = 0.0, 0
     model.train()
     started = time.perf_counter()
@@ -159,14 +179,24 @@ def _train_lightly(model, loader, optimizer, schedule, p: dict[str, Any], device
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step_end.append(time.perf_counter() - started)
-    return step_end, wait_s, float(loss.detach())
+            if step in eval_steps:
+                paused = time.perf_counter()
+                knn_by_step.append((step, knn()))
+                started += time.perf_counter() - paused
+    return step_end, wait_s, float(loss.detach()), knn_by_step
 
 
 def run_lightly_side(cfg: LabConfig, method: str, data: str, val: str | None, out_dir: Path, threads: int,
-                     device: str) -> tuple[dict[str, Any], float]:
+                     device: str, by_epoch: tuple[int, int] | None = None) -> tuple[dict[str, Any], float]:
+    """Lightly's side in its own process: ``--lightly-steps`` steps, or with `by_epoch` (steps, steps per epoch),
+    unison's side's steps and its kNN epochs."""
+    steps = by_epoch[0] if by_epoch else cfg.lightly_steps
+    per_epoch = by_epoch[1] if by_epoch else None
+    every = cfg.lightly_eval_every * per_epoch if per_epoch else 0
     payload = {"method": method, "data": data, "val": val, "subset": cfg.subset, "val_subset": cfg.val_subset,
-               "seed": cfg.seed,
-               "batch_size": cfg.batch_size, "steps": cfg.lightly_steps, "backbone": cfg.backbone,
+               "seed": cfg.seed, "steps_per_epoch": per_epoch,
+               "eval_steps": list(range(every, steps, every)) if every else [],
+               "batch_size": cfg.batch_size, "steps": steps, "backbone": cfg.backbone,
                "loader_workers": cfg.lightly_loader_workers, "threads": threads, "knn_k": cfg.knn_k, "device": device,
                "amp": train_flag(cfg.train_words, "--amp") or "none"}
     return run_side_process(_lightly_child, payload, out_dir / f"lightly_side_{method}_seed{cfg.seed}.json",
@@ -244,21 +274,48 @@ def for_method(cfg: LabConfig, method: str) -> LabConfig:
 def unison_side_argv(cfg: LabConfig, method: str, data: str, val: str | None, run_dir: Path) -> list[str]:
     """``unison train`` of the comparison's unison side: the method's recipe, no warm-up, and the work Lightly's
     side does, no more (no online probe, no label-free signals)."""
-    spec = RunSpec(method, "unison", 1, threads=side_threads(cfg), max_steps=cfg.lightly_steps)
+    if cfg.lightly_epochs:   # by epochs: the whole --epochs N run, kNN every E epochs
+        spec = RunSpec(method, "unison", 1, threads=side_threads(cfg))
+        by_epoch = ["--eval-every", str(cfg.lightly_eval_every)] if cfg.lightly_eval_every else []
+        cfg = dataclasses.replace(cfg, epochs=cfg.lightly_epochs)
+    else:
+        spec = RunSpec(method, "unison", 1, threads=side_threads(cfg), max_steps=cfg.lightly_steps)
+        by_epoch = []
     return train_argv(cfg, spec, data, val, run_dir) + ["--warmup-epochs", "0", "--no-online-probe",
-                                                        "--signal-images", "0"]
+                                                        "--signal-images", "0", *by_epoch]
+
+
+def unison_knn_by_epoch(run_dir: Path, steps_per_epoch: int) -> list[list[float]]:
+    """[epoch, kNN] of each kNN the unison side logged (its ``--eval-every`` evaluations and the end's)."""
+    from unison.plotting import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.csv")
+    return [[(r["step"] or 0) / steps_per_epoch, knn] for r in rows if (knn := r.get("knn_top1")) is not None]
+
+
+def epoch_steps(cfg: LabConfig, summary: dict[str, Any]) -> tuple[int, int]:
+    """(steps, steps per epoch) of the unison side's ``--epochs N`` run, for Lightly's side to train as many: its
+    DataLoader (drop_last) has the data's size // the batch per epoch; `BenchError` when unison's differs, the
+    sides would compare different epochs."""
+    steps, n = int(summary["steps"]), int(summary["train_images"])
+    per_epoch = n // cfg.batch_size
+    if not cfg.lightly_epochs or steps != cfg.lightly_epochs * per_epoch:
+        raise BenchError(f"the unison side trained {steps} steps, not {cfg.lightly_epochs} epochs x {per_epoch} "
+                         f"({n} images // batch {cfg.batch_size}): the sides would compare different epochs")
+    return steps, per_epoch
 
 
 def compare_method(cfg: LabConfig, method: str, data: str, val: str | None, out_dir: Path,
                    device: str) -> list[dict[str, Any]]:
     threads = side_threads(cfg)
-    common = {"method": method, "seed": cfg.seed, "backbone": cfg.backbone, "global_batch": cfg.batch_size,
-              "steps": cfg.lightly_steps}
     run_dir = out_dir / "runs" / side_run_name(cfg, method)
     argv = unison_side_argv(cfg, method, data, val, run_dir)
     load = wait_for_load(cfg.max_load, cfg.load_wait_s)
     print(f"unison bench: Lightly comparison, {method}, unison side (load {format_load(load)}) ...", flush=True)
     s, wall = run_train(argv, run_dir)
+    by_epoch = epoch_steps(cfg, s) if cfg.lightly_epochs else None
+    common = {"method": method, "seed": cfg.seed, "backbone": cfg.backbone, "global_batch": cfg.batch_size,
+              "steps": by_epoch[0] if by_epoch else cfg.lightly_steps}
     first_step, first_time = _first_logged_interval(s)
     b, n = cfg.batch_size, s["steps"]
     rows = [{"side": "unison", "pipeline": "uint8 tensor dataset + batched ViewAugmenter + unison's method",
@@ -269,12 +326,13 @@ def compare_method(cfg: LabConfig, method: str, data: str, val: str | None, out_
              "peak_memory_mib": max(s["peak_memory_mib"]), "data_wait_share": s["data_wait_fraction"],
              "load_1m": load[0] if load else None,
              "load_1m_after": (loadavg() or [None])[0], "version": package_version("unison"), "error": None,
+             "knn_by_epoch": unison_knn_by_epoch(run_dir, by_epoch[1]) if by_epoch else None,
              "command": "unison " + shlex.join(argv)}]
     why_not = lightly_available()
     if why_not is None:
         load = wait_for_load(cfg.max_load, cfg.load_wait_s)
         print(f"unison bench: Lightly comparison, {method}, Lightly side (load {format_load(load)}) ...", flush=True)
-        r, wall = run_lightly_side(cfg, method, data, val, out_dir, threads, device)
+        r, wall = run_lightly_side(cfg, method, data, val, out_dir, threads, device, by_epoch)
         ends = r["step_end_s"]
         rows.append({"side": "lightly", "pipeline": f"PIL dataset + Lightly's {method} transform, heads and loss + "
                      f"DataLoader workers ({r['recipe']})", **common, "threads": threads,
@@ -283,7 +341,7 @@ def compare_method(cfg: LabConfig, method: str, data: str, val: str | None, out_
                      "steady_images_per_s": (len(ends) - first_step) * cfg.batch_size / (ends[-1] - ends[first_step - 1])
                      if len(ends) > first_step else None, "knn_top1": r["knn_top1"], "final_loss": r["final_loss"],
                      "peak_memory_mib": r["peak_memory_mib"], "data_wait_share": r["data_wait_share"],
-                     "load_1m": load[0] if load else None,
+                     "knn_by_epoch": r["knn_by_epoch"], "load_1m": load[0] if load else None,
                      "load_1m_after": (loadavg() or [None])[0], "version": package_version("lightly"), "error": None})
     else:
         rows.append({"side": "lightly", "pipeline": "not measured", **common, "error": why_not})

@@ -41,6 +41,7 @@ def lightly_markdown(rows: list[dict[str, Any]]) -> str:
     text = markdown_table(headers, body)
     for method in dict.fromkeys(r.get("method", "simclr") for r in rows):
         text += _ratio_note(method, [r for r in rows if r.get("method", "simclr") == method], steady_from)
+    text += knn_by_epoch_markdown(rows)
     flop_row = next((r for r in rows if r.get("step_gflop")), None)
     if flop_row is not None:
         peak, matmul = flop_row.get("bf16_peak_tflops"), flop_row.get("matmul_tflops_per_s")
@@ -98,3 +99,34 @@ def write_lightly(rows: list[dict[str, Any]], out_dir: Path, header: str = "") -
     paths["md"].write_text(header + lightly_markdown(rows))
     write_csv(paths["csv"], rows)
     return paths
+
+
+def knn_by_epoch_markdown(rows: list[dict[str, Any]]) -> str:
+    """The ``--lightly-epochs`` table: per method, batch and evaluated epoch, each side's kNN of every seed, the
+    difference of the means and its verdict against the larger seed spread of one side at that epoch ("" when no
+    row has kNN by epoch)."""
+    measured = [r for r in rows if r.get("knn_by_epoch") and not r.get("error")]
+    if not measured:
+        return ""
+    body = []
+    for method, batch in dict.fromkeys((r["method"], r["global_batch"]) for r in measured):
+        group = [r for r in measured if (r["method"], r["global_batch"]) == (method, batch)]
+        points = {side: {(r.get("seed"), round(e, 6)): acc for r in group if r["side"] == side
+                         for e, acc in r["knn_by_epoch"]} for side in ("unison", "lightly")}
+        epochs = sorted({e for side in points.values() for _, e in side})
+        for epoch in epochs:
+            at = {side: [acc for (_, e), acc in v.items() if e == epoch] for side, v in points.items()}
+            cells = [", ".join(f"{acc:.3f}" for acc in at[side]) or "-" for side in ("unison", "lightly")]
+            verdict, diff = "-", "-"
+            if at["unison"] and at["lightly"]:
+                delta = sum(at["unison"]) / len(at["unison"]) - sum(at["lightly"]) / len(at["lightly"])
+                diff = f"{delta:+.3f}"
+                if min(len(v) for v in at.values()) > 1:
+                    noise = max(max(v) - min(v) for v in at.values())
+                    verdict = ("above" if delta > noise else "within noise" if abs(delta) <= noise
+                               else "BELOW") + f" ({noise:.3f})"
+            body.append([method, batch, f"{epoch:g}", *cells, diff, verdict])
+    return ("\n### kNN by epoch\n\nEach side's kNN (one value per seed) at each evaluated epoch; the verdict "
+            "against the larger seed spread of one side at that epoch.\n\n"
+            + markdown_table(["Method", "Batch", "Epoch", "unison kNN", "Lightly kNN", "unison - Lightly",
+                              "verdict (noise)"], body))

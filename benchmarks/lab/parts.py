@@ -36,7 +36,7 @@ WHAT = {
 # The options each part reads (the others keep the preset's value)
 OPTIONS = {
     "lightly": (*COMMON_OPTIONS, *DATA_OPTIONS, "method", "seeds", "epochs", "batch_size", "backend", "train_args",
-                "lightly_steps", "lightly_loader_workers", "lightly_threads", "peak_tflops"),
+                "lightly_steps", "lightly_epochs", "lightly_eval_every", "lightly_loader_workers", "lightly_threads", "peak_tflops"),
     "race": (*COMMON_OPTIONS, "data", "val", "race_subset", "race_val_subset", "knn_k", "batch_size", "budget",
              "race_points", "lightly_loader_workers", "lightly_threads", "train_args"),
 }
@@ -106,4 +106,7 @@ def print_plan(part: str, cfg: LabConfig, argvs: list[list[str]]) -> None:
     for argv, method in zip(argvs, (m for m in cfg.lightly_method_list for _ in cfg.seed_list)):
         print("unison " + shlex.join(argv))
         print(f"# + Lightly SSL side of {method}: its transform, heads and loss + DataLoader("
-              f"{cfg.lightly_loader_workers} workers), {cfg.lightly_steps} steps of {cfg.batch_size}")
+              f"{cfg.lightly_loader_workers} workers), " + (
+                  f"{cfg.lightly_epochs} epochs of batch {cfg.batch_size} (unison's side's steps)"
+                  + (f", kNN every {cfg.lightly_eval_every} epochs" if cfg.lightly_eval_every else "")
+                  if cfg.lightly_epochs else f"{cfg.lightly_steps} steps of {cfg.batch_size}"))

@@ -6,6 +6,7 @@ tests/bench/test_lightly_sides.py."""
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 
@@ -27,6 +28,22 @@ def test_bench_lightly_runs_both_sides_of_a_method(tmp_path, capsys):
     md = (out / "lightly.md").read_text()
     assert "**swav: kNN unison - Lightly" in md and "throughput unison / Lightly" in md
     assert "Lightly's swav transform" in md and "adam peak lr" in md   # Lightly's own recipe, named
+
+
+def test_bench_lightly_by_epochs_scores_both_sides_at_the_same_epochs(tmp_path, capsys):
+    pytest.importorskip("lightly")
+    out = tmp_path / "bench"
+    assert main(["bench", "lightly", "--method", "simclr", *TINY, "--lightly-epochs", "2", "--lightly-eval-every",
+                 "1", "--lightly-loader-workers", "0", "--lightly-threads", "1", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "lightly.csv")))
+    assert [(r["side"], r["steps"]) for r in rows] == [("unison", "8"), ("lightly", "8")]   # 2 x 64 // 16
+    for r in rows:   # "[epoch, kNN] ..." as the CSV writes a list
+        epochs = [float(e) for e in re.findall(r"\[([0-9.]+),", r["knn_by_epoch"])]
+        assert epochs == [1.0, 2.0], r["knn_by_epoch"]
+    md = (out / "lightly.md").read_text()
+    assert "### kNN by epoch" in md and "| simclr | 16 | 1 | " in md and "| simclr | 16 | 2 | " in md
+    assert "--epochs 2" in rows[0]["command"] and "--eval-every 1" in rows[0]["command"]
+    assert "--max-steps" not in rows[0]["command"]
 
 
 def test_bench_table_for_the_seed_and_its_budget(tmp_path, capsys):

@@ -146,3 +146,32 @@ def test_the_lightly_sides_loader_workers_fork_as_a_lightly_users_do():
     assert user_loader_context(0) == {}   # DataLoader refuses a context without workers
     if "fork" in mp.get_all_start_methods():
         assert user_loader_context(4)["multiprocessing_context"].get_start_method() == "fork"
+
+
+def test_the_knn_by_epoch_table_judges_each_epoch_against_its_own_spread():
+    from benchmarks.lab.lightly_report import knn_by_epoch_markdown
+
+    def row(side: str, seed: int, curve: list[list[float]]) -> dict:
+        return {"method": "simclr", "global_batch": 256, "side": side, "seed": seed, "knn_by_epoch": curve}
+
+    rows = [row("unison", 0, [[25, 0.40], [50, 0.50]]), row("unison", 1, [[25, 0.42], [50, 0.51]]),
+            row("lightly", 0, [[25, 0.41], [50, 0.40]]), row("lightly", 1, [[25, 0.42], [50, 0.41]])]
+    md = knn_by_epoch_markdown(rows)
+    assert "| simclr | 256 | 25 | 0.400, 0.420 | 0.410, 0.420 | -0.005 | within noise (0.020) |" in md
+    assert "| simclr | 256 | 50 | 0.500, 0.510 | 0.400, 0.410 | +0.100 | above (0.010) |" in md
+    assert knn_by_epoch_markdown([{**r, "knn_by_epoch": None} for r in rows]) == ""
+
+
+def test_eval_every_without_epochs_is_refused_and_the_dry_run_trains_whole_epochs(capsys):
+    from unison.bench.commands import _print_plan
+
+    with pytest.raises(ConfigError, match="--lightly-eval-every needs --lightly-epochs"):
+        config_from_overrides({"lightly_eval_every": 25})
+    with pytest.raises(ConfigError, match="--lightly-epochs 0"):
+        config_from_overrides({"lightly_epochs": 0})
+    _print_plan(config_from_overrides({"method": "simclr", "data": "cifar10", "val": "cifar10",
+                                       "lightly_epochs": 100, "lightly_eval_every": 25}), ["lightly"])
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("unison train"))
+    assert "--epochs 100" in line and "--eval-every 25" in line and "--max-steps" not in line
+    assert "100 epochs of batch 256 (unison's side's steps), kNN every 25 epochs" in out
