@@ -113,18 +113,11 @@ def _run_order(item) -> int:
     return len(LONGEST_FILES) + len(LONGEST_FIRST)
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's, which reads the groups
 def pytest_collection_modifyitems(items):
-    """Longest files first; the `distributed` marker; and each file's pytest-xdist group (``--dist loadgroup``,
-    scripts/test.sh): its in-process tests and its process-starting tests are two groups, so that the two halves
-    of a subject run on two pytest workers at once, and a file's tests of one kind share one worker (and its
-    module-scoped fixtures)."""
     items.sort(key=_run_order)   # stable: each file's tests stay together and in order
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.distributed)
-        kind = "processes" if item.get_closest_marker("distributed") else "in-process"
-        item.add_marker(pytest.mark.xdist_group(f"{Path(item.fspath).resolve().relative_to(TESTS)}:{kind}"))
 
 
 def pytest_collection_finish(session):
