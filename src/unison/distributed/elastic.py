@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .collectives import is_distributed
+
 RECORD = "torchrun_group.json"
 _WIDTH = 255   # the record is one line of this many bytes (and a newline), rewritten in place
 
@@ -117,7 +119,7 @@ def join_elastic(run_dir: str | Path, device: torch.device) -> None:
 def previous_group() -> PreviousGroup | None:
     """The group of this torchrun job that ran before this one (None: this is its first, or not torchrun). What
     `join_elastic` learnt belongs to the group it joined: once the process has left it, None."""
-    return _previous if dist.is_available() and dist.is_initialized() else None
+    return _previous if is_distributed() else None
 
 
 def note_progress(step: int, done: bool = False) -> None:

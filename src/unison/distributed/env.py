@@ -34,6 +34,7 @@ from unison.config.distributed import DistributedConfig
 from unison.config.fields import ascii_digits, parse_int
 from unison.errors import ConfigError, WorkerError
 
+from .collectives import is_distributed
 from .elastic import previous_group
 from .launch_env import MPI_JOB_ID_VARS, LaunchEnv, detect_launch_env, slurm_rendezvous
 from .shutdown import shutdown_distributed
@@ -203,7 +204,7 @@ def restart_count() -> int:
     """torchrun's restart attempt of this worker (0 on the first attempt and outside torchrun): once the group
     is joined, the one all its workers agreed on (`_agree_on_restart`), else this node's agent's count. The agreed
     count is that group's: once the process has left it (an in-process run that ended), the environment's again."""
-    if _agreed_restart is None or not (dist.is_available() and dist.is_initialized()):
+    if _agreed_restart is None or not is_distributed():
         return _env_restart_count()
     return _agreed_restart
 
