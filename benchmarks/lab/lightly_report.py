@@ -56,6 +56,11 @@ def lightly_markdown(rows: list[dict[str, Any]]) -> str:
     return text
 
 
+def verdict(difference: float, noise: float) -> str:
+    """unison - Lightly judged against the noise, the larger spread of the seeds on one side."""
+    return "above" if difference > noise else "within noise" if abs(difference) <= noise else "BELOW"
+
+
 def _ratio_note(method: str, rows: list[dict[str, Any]], steady_from: int | None) -> str:
     """kNN difference and throughput ratio unison / Lightly of one method (both sides measured; means over the
     seeds, whose spread on each side is the noise), and a warning when a side's warm-up makes the all-steps rate
@@ -72,10 +77,8 @@ def _ratio_note(method: str, rows: list[dict[str, Any]], steady_from: int | None
     assert u_knn is not None and l_knn is not None
     text = f"\n**{method}: kNN unison - Lightly {u_knn - l_knn:+.3f}"
     spreads = [max(r["knn_top1"] for r in v) - min(r["knn_top1"] for r in v) for v in sides.values()]
-    if min(len(v) for v in sides.values()) > 1:   # the noise: the larger spread of the seeds on one side
-        noise = max(spreads)
-        verdict = ("above" if u_knn > l_knn + noise else "within noise" if abs(u_knn - l_knn) <= noise else "BELOW")
-        text += f" ({verdict}: seed spread unison {spreads[0]:.3f}, Lightly {spreads[1]:.3f})"
+    if min(len(v) for v in sides.values()) > 1:
+        text += f" ({verdict(u_knn - l_knn, max(spreads))}: seed spread unison {spreads[0]:.3f}, Lightly {spreads[1]:.3f})"
     u_steady, l_steady = mean("unison", "steady_images_per_s"), mean("lightly", "steady_images_per_s")
     text += "; throughput unison / Lightly "
     if u_steady and l_steady:
@@ -117,15 +120,14 @@ def knn_by_epoch_markdown(rows: list[dict[str, Any]]) -> str:
         for epoch in epochs:
             at = {side: [acc for (_, e), acc in v.items() if e == epoch] for side, v in points.items()}
             cells = [", ".join(f"{acc:.3f}" for acc in at[side]) or "-" for side in ("unison", "lightly")]
-            verdict, diff = "-", "-"
+            judged, diff = "-", "-"
             if at["unison"] and at["lightly"]:
                 delta = sum(at["unison"]) / len(at["unison"]) - sum(at["lightly"]) / len(at["lightly"])
                 diff = f"{delta:+.3f}"
                 if min(len(v) for v in at.values()) > 1:
                     noise = max(max(v) - min(v) for v in at.values())
-                    verdict = ("above" if delta > noise else "within noise" if abs(delta) <= noise
-                               else "BELOW") + f" ({noise:.3f})"
-            body.append([method, batch, f"{epoch:g}", *cells, diff, verdict])
+                    judged = f"{verdict(delta, noise)} ({noise:.3f})"
+            body.append([method, batch, f"{epoch:g}", *cells, diff, judged])
     return ("\n### kNN by epoch\n\nEach side's kNN (one value per seed) at each evaluated epoch; the verdict "
             "against the larger seed spread of one side at that epoch.\n\n"
             + markdown_table(["Method", "Batch", "Epoch", "unison kNN", "Lightly kNN", "unison - Lightly",
